@@ -1,0 +1,63 @@
+"""Replay auto's rule on a recorded sweep: how close its picks come to the fastest, per α.
+
+    python bench/auto_fit.py docs/exact_sweep.txt [--alpha 5e-6,5e-5,2e-4,1e-3]
+
+For each configuration of the sweep (output of bench/sweep_exact.py, table format) and each
+latency constant α, ``choose`` picks an algorithm from (P, n, N) as on a first call; its
+measured median is divided by the fastest of dense/allgather/dsa/recursive_doubling. Prints
+the median, geometric mean and worst of that ratio, and how often the pick was the fastest.
+Use it to fit ``Auto(alpha=...)`` to a machine from a sweep run on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+
+import numpy as np
+
+from sparsecoll.algorithms.auto import CostModel, choose
+
+ALGORITHMS = ("dense", "allgather", "dsa", "recursive_doubling")
+
+
+def load(paths: list[str]) -> dict:
+    rows: dict = collections.OrderedDict()
+    for path in paths:
+        with open(path) as fh:
+            for line in fh:
+                f = line.split()
+                if line.startswith("#") or len(f) < 12 or f[0] == "P":
+                    continue
+                key = (int(f[0]), int(f[1]), float(f[2].rstrip("%")) / 100, f[3])
+                rows.setdefault(key, {})[f[4]] = float(f[5])
+    return {k: v for k, v in rows.items() if all(a in v for a in ALGORITHMS)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("paths", nargs="+")
+    p.add_argument("--alpha", default="5e-6,5e-5,2e-4,1e-3")
+    args = p.parse_args()
+    rows = load(args.paths)
+    print(f"# {len(rows)} configurations from {', '.join(args.paths)}")
+    print(f"{'alpha':>8} {'median':>7} {'geomean':>8} {'worst':>7} {'fastest':>8}  picks")
+    for alpha in (float(a) for a in args.alpha.split(",")):
+        model = CostModel(alpha=alpha)
+        ratios, picks = [], collections.Counter()
+        for (P, n, density, _), t in rows.items():
+            nnz = P * round(density * n)  # make_problem's k per rank
+            name = choose(P, n, nnz, np.int32, np.float32, None, model)
+            picks[name] += 1
+            ratios.append(t[name] / min(t[a] for a in ALGORITHMS))
+        r = np.array(ratios)
+        geo = math.exp(float(np.log(r).mean()))
+        print(
+            f"{alpha:>8.0e} {np.median(r):>7.2f} {geo:>8.2f} {r.max():>7.1f} "
+            f"{int((r == 1).sum()):>4}/{len(r):<3}  {dict(picks)}"
+        )
+
+
+if __name__ == "__main__":
+    main()

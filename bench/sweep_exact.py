@@ -1,0 +1,195 @@
+"""Sweep the exact sparse allreduce algorithms: latency and bytes per rank.
+
+Grid: P × n × density × overlap pattern (``sparsecoll.benchmarks.problems``), every
+algorithm on the same inputs, each result checked against ``dense``.
+
+    python bench/sweep_exact.py --np 2,4,8            # relaunches itself per P
+    mpiexec -n 4 python bench/sweep_exact.py          # one P
+
+Columns: median/min/max latency over iterations (each the slowest rank's time), bytes sent
+per rank per call (the most any rank sent; payload only, counts and other metadata apart),
+that figure relative to dense, the result's nnz, and whether it matched dense.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+ALGORITHMS = ("dense", "allgather", "dsa", "recursive_doubling", "auto")
+COLUMNS = (
+    "P",
+    "n",
+    "density",
+    "overlap",
+    "algorithm",
+    "median_ms",
+    "min_ms",
+    "max_ms",
+    "bytes_per_rank",
+    "vs_dense",
+    "result_nnz",
+    "correct",
+    "note",
+)
+
+
+def _floats(s: str) -> list[float]:
+    return [float(v) for v in s.split(",")]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(float(v)) for v in s.split(",")]
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--np", type=_ints, default=None, help="launch for each P (e.g. 2,4,8)")
+    p.add_argument("-n", type=_ints, default=[2**20, 2**24], help="dense lengths (1M,16M)")
+    p.add_argument("--density", type=_floats, default=[0.001, 0.01, 0.1])
+    p.add_argument("--overlap", default="random,same,disjoint", help="comma-separated patterns")
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    p.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"))
+    p.add_argument("-i", "--iterations", type=int, default=5)
+    p.add_argument("-x", "--warmup", type=int, default=1)
+    p.add_argument("--format", choices=("table", "csv"), default="table")
+    p.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    from sparsecoll._launch import find_mpiexec
+
+    rest = []
+    skip = False
+    for a in argv:  # drop --np and its value
+        if skip:
+            skip = False
+            continue
+        if a == "--np":
+            skip = True
+            continue
+        if not a.startswith("--np="):
+            rest.append(a)
+    rc = 0
+    for i, P in enumerate(args.np):
+        cmd = [find_mpiexec(), "-n", str(P), sys.executable, os.path.abspath(__file__), *rest]
+        if i:
+            cmd.append("--no-header")
+        rc |= subprocess.call(cmd)
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    if args.np:
+        return launch(args, argv)
+    from sparsecoll import __version__
+    from sparsecoll.benchmarks.main import run_algorithm
+    from sparsecoll.benchmarks.problems import make_problem
+    from sparsecoll.comm import Communicator, mpi_library_version
+
+    comm = Communicator()
+    P = comm.size
+    names = args.algorithms.split(",")
+    dtype = np.dtype(args.dtype)
+    out = sys.stdout if comm.rank == 0 else None
+    if out and not args.no_header:
+        print(f"# sparsecoll {__version__} exact sweep: {mpi_library_version()}", file=out)
+        load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+        print(f"# P={P} on {os.cpu_count()} cores, load average {load} at start", file=out)
+        print(
+            f"# dtype={dtype} iterations={args.iterations} warmup={args.warmup} "
+            f"latency = slowest rank per call; bytes = most any rank sent per call",
+            file=out,
+        )
+        if args.format == "csv":
+            print(",".join(COLUMNS), file=out)
+        else:
+            print(
+                f"{'P':>2} {'n':>9} {'density':>7} {'overlap':>8} {'algorithm':>18} "
+                f"{'median ms':>10} {'min ms':>9} {'max ms':>9} {'bytes/rank':>11} "
+                f"{'vs dense':>8} {'nnz':>9} {'ok':>3} note",
+                file=out,
+            )
+        out.flush()
+    # one tiny call of each first: imports, MPI connections and JIT caches are not timed
+    tiny_vals, tiny_idx = make_problem(4096, 0.01, comm.rank, P, "random", dtype)
+    for name in names:
+        run_algorithm(comm, name, tiny_vals, tiny_idx, 4096, 41, 1, 0)
+    ok_all = True
+    for n in args.n:
+        for density in args.density:
+            for overlap in args.overlap.split(","):
+                vals, idx = make_problem(n, density, comm.rank, P, overlap, dtype)
+                k = round(density * n)
+                reference = None
+                dense_bytes = None
+                for name in ["dense", *[a for a in names if a != "dense"]]:
+                    res, times, sent = run_algorithm(
+                        comm, name, vals, idx, n, k, args.iterations, args.warmup
+                    )
+                    sent = int(comm.allreduce_ints([sent], "max")[0])
+                    if name == "dense":
+                        reference, dense_bytes = res, sent
+                    good = matches(res, reference)
+                    good = bool(comm.allreduce_ints([0 if good else 1], "max")[0] == 0)
+                    ok_all &= good
+                    if name not in names:
+                        continue
+                    note = res.info.get("auto_choice", "")
+                    row = (
+                        P,
+                        n,
+                        density,
+                        overlap,
+                        name,
+                        np.median(times) * 1e3,
+                        min(times) * 1e3,
+                        max(times) * 1e3,
+                        sent,
+                        sent / dense_bytes if dense_bytes else float("nan"),
+                        res.nnz,
+                        "yes" if good else "NO",
+                        note,
+                    )
+                    if out:
+                        if args.format == "csv":
+                            print(",".join(_fmt(v) for v in row), file=out)
+                        else:
+                            print(
+                                f"{P:>2} {n:>9} {density:>7.3%} {overlap:>8} {name:>18} "
+                                f"{row[5]:>10.2f} {row[6]:>9.2f} {row[7]:>9.2f} {sent:>11} "
+                                f"{row[9]:>8.3f} {res.nnz:>9} {row[11]:>3} {note}",
+                                file=out,
+                            )
+                        out.flush()
+                del vals, idx, reference
+    return 0 if ok_all else 1
+
+
+def matches(result, reference) -> bool:
+    """Whether an exact result equals dense's, dropping exact zeros (dense drops them), in
+    linear time (both are sorted)."""
+    ri, rv = np.asarray(result.indices), np.asarray(result.values, dtype=np.float64)
+    ei, ev = np.asarray(reference.indices), np.asarray(reference.values, dtype=np.float64)
+    keep = rv != 0
+    ri, rv = ri[keep], rv[keep]
+    if ri.shape != ei.shape or not np.array_equal(ri, ei):
+        return False
+    eps = float(np.finfo(result.values.dtype).eps)
+    scale = float(np.max(np.abs(ev), initial=0.0))
+    return bool(np.all(np.abs(rv - ev) <= 64 * eps * (np.abs(ev) + scale)))
+
+
+def _fmt(v: object) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""sparsecoll: sparse collectives (sparse allreduce) for distributed deep learning."""
+
+from __future__ import annotations
+
+from .algorithms.base import Algorithm
+from .api import allreduce
+from .comm import CommStats, Communicator
+from .errors import (
+    AlgorithmExistsError,
+    CollectiveInputError,
+    CollectiveTypeError,
+    SparseCollError,
+    UnknownAlgorithmError,
+)
+from .registry import available_algorithms, get_algorithm, register_algorithm
+from .sparse import SparseVector
+from .training import GradientReducer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Algorithm",
+    "AlgorithmExistsError",
+    "CollectiveInputError",
+    "CollectiveTypeError",
+    "CommStats",
+    "Communicator",
+    "GradientReducer",
+    "SparseCollError",
+    "SparseVector",
+    "UnknownAlgorithmError",
+    "__version__",
+    "allreduce",
+    "available_algorithms",
+    "get_algorithm",
+    "register_algorithm",
+]

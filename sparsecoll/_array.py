@@ -1,0 +1,223 @@
+"""Array-module dispatch (numpy or CuPy) and host staging; the only module importing cupy.
+
+Device support is optional: every CuPy object is reached through :func:`cupy_or_none`, so
+the package imports and runs without CuPy or a GPU. Caches that hold CuPy objects (kernels)
+are keyed by the module, so a test can swap the module (see ``tests/fakecupy.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "aligned_view",
+    "as_array",
+    "cupy_or_none",
+    "device_scope",
+    "get_array_module",
+    "index_dtype",
+    "is_device_array",
+    "nccl_or_none",
+    "pinned_empty",
+    "segment_sum",
+    "synchronize",
+    "to_host",
+    "to_module",
+]
+
+INT32_LIMIT = 2**31 - 1
+
+# DLPack device types (dlpack.h): CPU, CUDA, CUDA pinned host memory, CUDA managed memory.
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+
+@functools.cache
+def cupy_or_none() -> Any:
+    """Return the cupy module, or None when CuPy (or a GPU) is not available."""
+    try:
+        import cupy
+    except Exception:
+        return None
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+    except Exception:
+        return None
+    return cupy
+
+
+def nccl_or_none() -> Any:
+    """Return ``cupy.cuda.nccl`` when CuPy and the NCCL library are usable, else None."""
+    cp = cupy_or_none()
+    if cp is None:
+        return None
+    try:
+        nccl = importlib.import_module(cp.__name__ + ".cuda.nccl")
+    except Exception:
+        return None
+    return nccl if getattr(nccl, "available", True) else None
+
+
+def is_device_array(x: Any) -> bool:
+    """True for CuPy arrays and anything exposing ``__cuda_array_interface__``."""
+    return hasattr(x, "__cuda_array_interface__")
+
+
+def _dlpack_device_type(x: Any) -> int | None:
+    try:
+        return int(x.__dlpack_device__()[0])
+    except Exception:
+        return None
+
+
+def as_array(x: Any, name: str) -> tuple[Any, Any]:
+    """Return ``(array, wrap)``: a numpy/CuPy view of ``x`` and a function that
+    converts a result array back to the caller's kind (torch tensors stay torch).
+
+    Host arrays go through ``np.asarray`` (buffer protocol, ``__array__``) or DLPack;
+    device arrays (``__cuda_array_interface__`` or a CUDA DLPack device, e.g. torch CUDA
+    tensors) through CuPy, without a copy and on the array's own device. Results of other
+    device kinds come back as CuPy arrays on that device.
+    """
+    mod_name = type(x).__module__.split(".")[0]
+    wrap = identity
+    if mod_name == "torch":
+        wrap = _torch_wrap
+        x = x.detach()
+        if x.device.type == "cpu":
+            return np.asarray(x), wrap
+    dl = _dlpack_device_type(x) if hasattr(x, "__dlpack_device__") else None
+    if is_device_array(x) or dl in (_DL_CUDA, _DL_CUDA_MANAGED):
+        cp = cupy_or_none()
+        if cp is None:
+            raise TypeError(f"{name} lives on a GPU, but CuPy is not available")
+        if isinstance(x, cp.ndarray):
+            return x, wrap
+        try:
+            # DLPack first: it carries the producer's stream, so CuPy waits for it.
+            if dl in (_DL_CUDA, _DL_CUDA_MANAGED):
+                return cp.from_dlpack(x), wrap
+            return cp.asarray(x), wrap
+        except Exception as exc:  # e.g. bfloat16, which CuPy has no type for
+            raise TypeError(f"{name}: CuPy cannot take this device array ({exc})") from exc
+    if isinstance(x, np.ndarray):
+        return x, wrap
+    try:
+        return np.asarray(x), wrap
+    except Exception:
+        if hasattr(x, "__dlpack__"):
+            return np.from_dlpack(x), wrap
+        raise
+
+
+def identity(a: Any) -> Any:
+    return a
+
+
+def _torch_wrap(a: Any) -> Any:
+    import torch
+
+    return torch.from_dlpack(a)
+
+
+def get_array_module(x: Any) -> Any:
+    """numpy for host arrays, cupy for device arrays."""
+    if isinstance(x, np.ndarray):
+        return np
+    cp = cupy_or_none()
+    if cp is not None and isinstance(x, cp.ndarray):
+        return cp
+    return np
+
+
+def device_scope(x: Any) -> Any:
+    """A context in which new CuPy arrays land on ``x``'s device (no-op for host arrays)."""
+    cp = cupy_or_none()
+    if cp is not None and isinstance(x, cp.ndarray):
+        return x.device
+    return contextlib.nullcontext()
+
+
+def synchronize() -> None:
+    """Wait for the current CUDA stream (before MPI or the host touches device memory)."""
+    cp = cupy_or_none()
+    if cp is not None:
+        cp.cuda.get_current_stream().synchronize()
+
+
+def to_host(x: Any) -> np.ndarray:
+    """Copy a device array to the host; host arrays are returned unchanged."""
+    if isinstance(x, np.ndarray):
+        return x
+    return x.get()
+
+
+def to_module(x: np.ndarray, xp: Any) -> Any:
+    """Move a host array to the module ``xp`` (no-op for numpy)."""
+    if xp is np:
+        return x
+    return xp.asarray(x)
+
+
+def pinned_empty(nbytes: int) -> np.ndarray:
+    """A host uint8 array of ``nbytes`` in page-locked memory (from CuPy's pinned pool),
+    so device copies run at full speed; plain host memory without CuPy."""
+    cp = cupy_or_none()
+    if cp is None or nbytes == 0:
+        return np.empty(nbytes, dtype=np.uint8)
+    mem = cp.cuda.alloc_pinned_memory(nbytes)
+    return np.frombuffer(mem, dtype=np.uint8, count=nbytes)
+
+
+def _address(a: Any) -> int:
+    if isinstance(a, np.ndarray):
+        return int(a.__array_interface__["data"][0])
+    return int(a.__cuda_array_interface__["data"][0])
+
+
+def aligned_view(buf: Any, dtype: Any) -> Any:
+    """View the 1-D byte array ``buf`` as ``dtype``, copying first when its address is not
+    a multiple of the item size (GPUs fault on misaligned loads; CPUs only slow down)."""
+    dtype = np.dtype(dtype)
+    if buf.shape[0] and _address(buf) % dtype.itemsize:
+        buf = buf.copy()
+    return buf.view(dtype)
+
+
+def index_dtype(n: int) -> np.dtype:
+    """The index type used for a vector of length ``n``: int32 while every index fits."""
+    return np.dtype(np.int32) if n <= INT32_LIMIT + 1 else np.dtype(np.int64)
+
+
+def segment_sum(vals: Any, heads: Any) -> Any:
+    """Sum ``vals`` over the segments starting at ``heads`` (ascending, heads[0] == 0).
+
+    Deterministic on both modules (each segment summed in order, no atomics), so every
+    rank summing the same data gets the same bits.
+    """
+    if isinstance(vals, np.ndarray):
+        return np.add.reduceat(vals, heads)
+    cp = cupy_or_none()
+    heads = heads.astype(np.int64, copy=False)
+    ends = cp.empty_like(heads)
+    ends[:-1] = heads[1:]
+    ends[-1] = vals.shape[0]
+    out = cp.empty(heads.shape[0], dtype=vals.dtype)
+    _segment_sum_kernel(cp)(vals, heads, ends, out)
+    return out
+
+
+@functools.cache
+def _segment_sum_kernel(cp: Any) -> Any:
+    # One thread per segment: out[i] = sum of v[h[i]:e[i]] in index order.
+    return cp.ElementwiseKernel(
+        "raw T v, int64 h, int64 e",
+        "T out",
+        "T acc = 0; for (long long j = h; j < e; ++j) acc += v[j]; out = acc;",
+        "sparsecoll_segment_sum",
+    )

@@ -1,0 +1,99 @@
+"""Merge sorted sparse runs, summing equal indices: a Numba kernel on the host, coalesce on GPU.
+
+Both inputs of :func:`merge_two` are sorted with unique indices (the coalesced form); the
+output is too. One linear pass (about 3× faster than sort-based coalescing of the
+concatenation). Equal indices are summed as ``a + b`` (first operand from the first run):
+IEEE addition is commutative, so two ranks merging the same pair of runs in either order
+get the same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from .._array import get_array_module
+from ..sparse import coalesce
+
+__all__ = ["accumulate_dtype", "merge_two"]
+
+
+def accumulate_dtype(dtype: Any) -> np.dtype:
+    """The type sums are accumulated in: float64 for float16 (Numba has no float16, and the sum
+    of two float16 values is exact in float64, so it is rounded once), else dtype."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float64) if dtype == np.float16 else dtype
+
+
+@functools.cache
+def _kernel() -> Any:
+    import numba
+
+    @numba.njit(cache=True, nogil=True)
+    def merge(i1, v1, i2, v2):  # pragma: no cover - compiled
+        m1 = i1.shape[0]
+        m2 = i2.shape[0]
+        idx = np.empty(m1 + m2, i1.dtype)
+        val = np.empty(m1 + m2, v1.dtype)
+        a = 0
+        b = 0
+        o = 0
+        while a < m1 and b < m2:
+            x = i1[a]
+            y = i2[b]
+            if x < y:
+                idx[o] = x
+                val[o] = v1[a]
+                a += 1
+            elif y < x:
+                idx[o] = y
+                val[o] = v2[b]
+                b += 1
+            else:
+                idx[o] = x
+                val[o] = v1[a] + v2[b]
+                a += 1
+                b += 1
+            o += 1
+        while a < m1:
+            idx[o] = i1[a]
+            val[o] = v1[a]
+            a += 1
+            o += 1
+        while b < m2:
+            idx[o] = i2[b]
+            val[o] = v2[b]
+            b += 1
+            o += 1
+        return idx[:o], val[:o]
+
+    return merge
+
+
+def merge_two(i1: Any, v1: Any, i2: Any, v2: Any, n: int) -> tuple[Any, Any]:
+    """Merge two coalesced runs (same index and value dtypes); returns new arrays.
+
+    float16 values are summed in float64 and rounded once (as ``coalesce`` does); the
+    result keeps the input dtype.
+    """
+    if i2.shape[0] == 0:
+        return i1.copy(), v1.copy()
+    if i1.shape[0] == 0:
+        return i2.copy(), v2.copy()
+    xp = get_array_module(v1)
+    if xp is not np:
+        out = coalesce(xp.concatenate([i1, i2]), xp.concatenate([v1, v2]), n)
+        return out.indices, out.values
+    acc = accumulate_dtype(v1.dtype)
+    idx, val = _kernel()(
+        np.ascontiguousarray(i1), _aligned(v1, acc), np.ascontiguousarray(i2), _aligned(v2, acc)
+    )
+    return idx, val.astype(v1.dtype, copy=False)
+
+
+def _aligned(v: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if v.dtype != dtype or not v.flags.aligned or not v.flags.c_contiguous:
+        return np.ascontiguousarray(v.astype(dtype, copy=True))
+    return v

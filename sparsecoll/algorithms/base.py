@@ -1,0 +1,188 @@
+"""The Algorithm interface and the pieces algorithms share (folding, ranges, pair packing).
+
+Contract of ``Algorithm.reduce(comm, x)``: called on every rank of ``comm`` with this rank's
+*coalesced* local vector ``x`` (sorted unique indices of ``index_dtype(n)``, inputs already
+validated collectively); returns a coalesced SparseVector identical on every rank. Exact
+algorithms return the sum of every rank's input; selecting algorithms document their own
+contract and set ``result.contributed`` (a mask over ``x``'s entries that reached the result)
+and ``result.local = x``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .._array import aligned_view, index_dtype
+from ..comm import Communicator
+from ..sparse import SparseVector, coalesce
+
+__all__ = [
+    "Algorithm",
+    "Fold",
+    "pack_pairs",
+    "range_bounds",
+    "recv_pairs",
+    "sparse_is_cheaper",
+    "unpack_pairs",
+]
+
+
+class Algorithm(ABC):
+    """Base class of every sparse allreduce algorithm.
+
+    Class attributes:
+        name: the registry name.
+        exact: True when the result is the exact sum of every rank's input.
+        densifies: True when the algorithm needs O(n) memory per rank (dense references).
+    """
+
+    name: ClassVar[str] = ""
+    exact: ClassVar[bool] = True
+    densifies: ClassVar[bool] = False
+
+    def __init__(self, **options: Any) -> None:
+        if options:
+            raise TypeError(
+                f"algorithm {self.name!r} takes no options, got {', '.join(sorted(options))}"
+            )
+
+    @abstractmethod
+    def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
+        """Reduce ``x`` over ``comm``; see the module docstring for the contract."""
+
+    @classmethod
+    def default_options(cls, n: int, k: int) -> dict[str, Any]:
+        """Options for a problem of length ``n`` with about ``k`` nonzeros per rank
+        (benchmarks build every algorithm this way)."""
+        return {}
+
+    def signature(self) -> list[int]:
+        """Integers that must agree on every rank (e.g. k); checked before any payload moves."""
+        return []
+
+    def verify(self, result: SparseVector, reference: SparseVector, inputs: list[SparseVector]) -> bool:
+        """Whether ``result`` meets this algorithm's contract, given the exact ``reference``
+        sum and every rank's coalesced ``inputs`` (used by benchmarks and tests)."""
+        return allclose_sparse(result, reference)
+
+    def __repr__(self) -> str:
+        return f"<sparsecoll algorithm {self.name!r}>"
+
+
+def allclose_sparse(a: SparseVector, b: SparseVector, scale: float | None = None) -> bool:
+    """Whether two sparse vectors are equal as dense vectors, within the dtype's tolerance."""
+    if a.n != b.n:
+        return False
+    ia, va = np.asarray(_host(a.indices)), np.asarray(_host(a.values), dtype=np.float64)
+    ib, vb = np.asarray(_host(b.indices)), np.asarray(_host(b.values), dtype=np.float64)
+    union = np.union1d(ia, ib)
+    da = np.zeros(union.shape[0])
+    db = np.zeros(union.shape[0])
+    da[np.searchsorted(union, ia)] = va
+    db[np.searchsorted(union, ib)] = vb
+    eps = float(np.finfo(a.values.dtype).eps)
+    if scale is None:
+        scale = float(np.max(np.abs(db), initial=0.0))
+    return bool(np.all(np.abs(da - db) <= 64 * eps * (np.abs(db) + scale) + 1e-300))
+
+
+def _host(a: Any) -> Any:
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+# -- shared building blocks --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Fold:
+    """How a rank takes part in a power-of-two algorithm when P is not a power of two.
+
+    The first ``2 r`` ranks (``r = P - 2^floor(log2 P)``) pair up: each even rank hands
+    its data to the odd rank above it before the algorithm and gets the result back after
+    (the MPICH approach). ``newrank`` is the rank inside the power-of-two group, or -1 for
+    a rank folded away; ``partner`` is the rank it pairs with, or -1.
+    """
+
+    rank: int
+    size: int
+    pof2: int
+    newrank: int
+    partner: int
+
+    @classmethod
+    def plan(cls, rank: int, size: int) -> Fold:
+        pof2 = 1 << (size.bit_length() - 1)
+        rem = size - pof2
+        if rank < 2 * rem:
+            if rank % 2 == 0:
+                return cls(rank, size, pof2, -1, rank + 1)
+            return cls(rank, size, pof2, rank // 2, rank - 1)
+        return cls(rank, size, pof2, rank - rem, -1)
+
+    @property
+    def folded(self) -> bool:
+        """True for a rank that sits out the power-of-two part."""
+        return self.newrank < 0
+
+    def real_rank(self, newrank: int) -> int:
+        """The communicator rank of power-of-two member ``newrank``."""
+        rem = self.size - self.pof2
+        return newrank * 2 + 1 if newrank < rem else newrank + rem
+
+
+def range_bounds(n: int, parts: int) -> np.ndarray:
+    """``parts + 1`` boundaries splitting [0, n) into contiguous near-equal ranges (int64)."""
+    return (np.arange(parts + 1, dtype=np.int64) * n) // parts if parts else np.zeros(1, np.int64)
+
+
+def sparse_is_cheaper(nnz: int, length: int, itype: Any, vtype: Any) -> bool:
+    """The break-even rule: send sparse while nnz·(index+value bytes) < length·value bytes."""
+    isz = np.dtype(itype).itemsize
+    vsz = np.dtype(vtype).itemsize
+    return nnz * (isz + vsz) < length * vsz
+
+
+def pack_pairs(indices: Any, values: Any) -> Any:
+    """One byte buffer holding the indices then the values (no float-packed ints)."""
+    xp = np if isinstance(values, np.ndarray) else _cp()
+    out = xp.empty(indices.nbytes + values.nbytes, dtype=np.uint8)
+    out[: indices.nbytes] = indices.view(np.uint8)
+    out[indices.nbytes :] = values.view(np.uint8)
+    return out
+
+
+def unpack_pairs(buf: Any, itype: Any, vtype: Any) -> tuple[Any, Any]:
+    """Split a buffer from :func:`pack_pairs` back into (indices, values) views (copies
+    where a part is misaligned for its type, e.g. float64 values after an odd count of
+    int32 indices: GPUs fault on misaligned loads)."""
+    isz = np.dtype(itype).itemsize
+    vsz = np.dtype(vtype).itemsize
+    m = buf.shape[0] // (isz + vsz)
+    return aligned_view(buf[: m * isz], itype), aligned_view(buf[m * isz :], vtype)
+
+
+def recv_pairs(comm: Communicator, source: int, tag: int, n: int, vtype: Any, xp: Any = np):
+    """Receive a pair buffer of unknown length from ``source`` (probe, then receive) into
+    an array of module ``xp`` (on the device directly when MPI is CUDA-aware)."""
+    buf = comm.recv_bytes(source, tag, xp)
+    return unpack_pairs(buf, index_dtype(n), vtype)
+
+
+def _cp() -> Any:
+    from .._array import cupy_or_none
+
+    return cupy_or_none()
+
+
+def merge(parts: list[tuple[Any, Any]], n: int, dtype: Any, xp: Any = np) -> SparseVector:
+    """Coalesce several (indices, values) pieces into one vector (sums repeats, in order)."""
+    parts = [p for p in parts if p[0].shape[0]]
+    if not parts:
+        return SparseVector.empty(n, dtype, xp)
+    if len(parts) == 1:
+        return coalesce(parts[0][0], parts[0][1], n)
+    return coalesce(xp.concatenate([p[0] for p in parts]), xp.concatenate([p[1] for p in parts]), n)

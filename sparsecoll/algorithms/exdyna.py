@@ -1,0 +1,378 @@
+"""exdyna: the ExDyna sparsifier (Yoon & Oh, 2024) with a per-step threshold window.
+
+ExDyna is a sparsifier over each rank's dense accumulated gradient (gradient + residual), not
+a reduction of arbitrary sparse inputs. One call, on every rank:
+
+1. ``[0, n)`` is cut into fine-grained blocks (``blocks`` of them, default ``max(1024, 32 P)``;
+   the block size is a multiple of 32 once n is large enough); contiguous runs of blocks form
+   P partitions. At call t, rank r owns partition ``(t + r) mod P`` and selects
+   ``|a| >= threshold`` only inside it, so selected sets of different ranks never overlap (no
+   gradient build-up).
+2. The threshold: every rank counts its candidates at E = 65 thresholds around the current one
+   (a geometric window ``threshold · e^{±0.22}``, finest in the middle) and one small allgather
+   of those counts (the counts exchange any allgatherv needs anyway, E integers instead of one)
+   tells every rank the global count at each of them; every rank picks the same one, whose
+   global count is closest to k, and that is the next call's window centre. The achieved K is
+   therefore k up to the window's resolution (about ±1% on Gaussian data) on *this* call's data,
+   after no warm-up. When k lies outside the window (the first call, or a jump of the gradient
+   scale) the threshold is re-derived from the data: every rank sends the top
+   ``ceil(2k·span/n) + 1`` nonzero magnitudes of its partition of length span (one allgatherv,
+   O(k) in all), and the k-th largest of those is the new centre.
+   ``rule="authors"`` keeps the authors' rule instead (one count per rank; ×1.005 when
+   K > 1.1k, ×0.995 when K ≤ 0.909k, else ×1.00125: it settles ~8% under k), for comparison.
+3. One allgatherv of the selected indices with the counts already known (no padding), then
+   every rank takes its own accumulated values at all K indices and one dense allreduce of
+   those K values gives the exact sums.
+4. Rebalancing: for each pair of neighbouring partitions, when one's count exceeds the mean
+   by more than ``tolerance`` and the other's is below the mean by more than ``tolerance``,
+   the boundary block moves to the one below (a partition keeps at least one block).
+
+Volume per rank: the K selected indices (allgatherv, K(P−1)/P indices received) and the
+allreduce of K values (2K(P−1)/P values each way); metadata: E counts per rank.
+Latency: three collectives (counts, indices, values); five on a re-derive call.
+
+Contract (``reduce``, sparse input = this rank's candidate entries of its accumulated
+gradient; a dense gradient passed as all n entries works the same as ``reduce_dense``): the
+result holds the selected indices, sorted, the union of disjoint per-partition selections, and
+at each of them the exact sum of every rank's input value there (0 where a rank has no entry),
+identical on every rank. ``result.contributed`` marks this rank's input entries at selected
+indices (all of them reach the result: every rank's residual drops all K entries).
+``result.info`` has ``threshold``, ``counts`` (per partition), ``selected`` (this rank's
+count) and ``rederived``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .. import select
+from .._array import index_dtype, to_host
+from ..comm import Communicator
+from ..registry import register_algorithm
+from ..sparse import SparseVector
+from .base import Algorithm, allclose_sparse
+from .gtopk import check_k
+
+__all__ = ["WINDOW_OFFSETS", "ExDyna", "authors_rule", "rebalance"]
+
+RULES = ("window", "authors")
+COOLDOWN = 16  # calls between re-derives while k stays outside the window
+# log-offsets of the threshold window: step 0.003 in the middle, ±0.223 (×1.25) at the ends
+_J = np.arange(-32, 33, dtype=np.float64)
+WINDOW_OFFSETS = 0.003 * _J + (math.log(1.25) - 0.096) / 32**3 * _J**3
+
+
+def _above(x: Any, t: float) -> tuple[Any, Any] | None:
+    """``(positions, |values|)`` of the entries with |x| >= t (t > 0: zeros are never
+    selected), or None when x holds a NaN (the caller shares that verdict collectively)."""
+    try:
+        pos, vals = select.threshold(x, t)
+    except ValueError:
+        return None
+    return pos, _xp(vals).abs(vals)
+
+
+def _agree_no_nan(table: np.ndarray) -> None:
+    """Raise on every rank when some rank flagged a NaN (a row of -1 counts)."""
+    bad = np.flatnonzero(table[:, 0] < 0)
+    if bad.shape[0]:
+        raise ValueError(f"the accumulated gradient holds a NaN on rank {int(bad[0])}")
+
+
+def _cut(dtype: Any, t: float) -> float:
+    """``t`` as the data's dtype holds it (what ``|x| >= t`` compares against), and never 0:
+    zeros are never selected."""
+    return max(float(np.asarray(t).astype(dtype)), float(np.finfo(dtype).smallest_subnormal))
+
+
+def _xp(a: Any) -> Any:
+    from .._array import get_array_module
+
+    return get_array_module(a)
+
+
+def authors_rule(threshold: float, count: int, k: int) -> float:
+    """The authors' threshold update (kept for comparison; it settles below k)."""
+    if count > 1.1 * k:
+        return threshold * 1.005
+    if count <= 0.909 * k:
+        return threshold * 0.995
+    return threshold * 1.00125
+
+
+def rebalance(bounds: np.ndarray, counts: np.ndarray, tolerance: float) -> np.ndarray:
+    """Move one boundary block between neighbouring partitions whose counts straddle the mean.
+
+    ``bounds`` are P + 1 block boundaries, ``counts`` the selected counts per partition.
+    A partition above ``(1 + tolerance)·mean`` gives its edge block to a neighbour below
+    ``(1 − tolerance)·mean``; pairs are visited left to right, and no partition drops below
+    one block. Deterministic: every rank computes the same bounds from the same counts.
+    """
+    b = np.array(bounds, dtype=np.int64)
+    c = np.asarray(counts, dtype=np.float64)
+    p = c.shape[0]
+    mean = float(c.sum()) / p if p else 0.0
+    hi, lo = mean * (1 + tolerance), mean * (1 - tolerance)
+    for j in range(p - 1):
+        if c[j] > hi and c[j + 1] < lo and c[j] - mean >= 1 and b[j + 1] - b[j] > 1:
+            b[j + 1] -= 1
+        elif c[j + 1] > hi and c[j] < lo and c[j + 1] - mean >= 1 and b[j + 2] - b[j + 1] > 1:
+            b[j + 1] += 1
+    return b
+
+
+@register_algorithm
+class ExDyna(Algorithm):
+    """ExDyna sparsifier-allreduce (see the module docstring). Keeps state between calls:
+    pass the same instance to every call, on every rank.
+
+    Args:
+        k: the global number of entries to select per call (int >= 0).
+        blocks: number of fine-grained blocks (default ``max(1024, 32·P)``, at most n).
+        rule: ``"window"`` (default, per-call threshold window) or ``"authors"``.
+        rebalance: move blocks between neighbouring partitions after each call.
+        tolerance: the rebalancing band around the mean count (default 0.05).
+    """
+
+    name = "exdyna"
+    exact = False
+
+    def __init__(
+        self,
+        k: int | None = None,
+        blocks: int | None = None,
+        rule: str = "window",
+        rebalance: bool = True,
+        tolerance: float = 0.05,
+    ) -> None:
+        self.k = check_k(self.name, k)
+        if blocks is not None and (
+            isinstance(blocks, bool) or not isinstance(blocks, (int, np.integer)) or blocks < 1
+        ):
+            raise ValueError(f"blocks must be an integer >= 1, got {blocks!r}")
+        self.blocks = None if blocks is None else int(blocks)
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
+        self.rule = rule
+        self.rebalance = bool(rebalance)
+        self.tolerance = float(tolerance)
+        if not 0.0 <= self.tolerance < 1.0:
+            raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the state (threshold, partitions, call counter)."""
+        self.step = 0
+        self.n: int | None = None
+        self.size: int | None = None
+        self.block_size = 0
+        self.bounds: np.ndarray | None = None  # P + 1 block boundaries
+        self.threshold: float | None = None
+        self.rederives = 0
+        self._cooldown = 0
+
+    @classmethod
+    def default_options(cls, n: int, k: int) -> dict[str, Any]:
+        return {"k": k}
+
+    def signature(self) -> list[int]:
+        return [self.k, self.blocks or 0, self.step & 0x7FFFFFFF, RULES.index(self.rule)]
+
+    # -- partitions -------------------------------------------------------------------------
+    def prepare(self, comm: Communicator, n: int) -> None:
+        """Set up the blocks and partitions for length ``n`` on ``comm`` (the first call
+        does it; calling it first lets :meth:`owned_range` answer before any call)."""
+        if self.n is None:
+            p = comm.size
+            target = min(max(n, 1), self.blocks or max(1024, 32 * p))
+            bs = -(-max(n, 1) // target)
+            if bs >= 32:
+                bs = -(-bs // 32) * 32
+            nblocks = -(-n // bs)
+            self.n, self.size, self.block_size = n, p, bs
+            self.bounds = (np.arange(p + 1, dtype=np.int64) * nblocks) // p
+        elif n != self.n or comm.size != self.size:
+            raise ValueError(
+                f"exdyna was set up for n={self.n} on {self.size} ranks, got n={n} on "
+                f"{comm.size}; call reset() first"
+            )
+
+    def owned_range(self, rank: int) -> tuple[int, int]:
+        """The index range ``[lo, hi)`` that ``rank`` selects from at the current call."""
+        p = (self.step + rank) % self.size
+        bs, n = self.block_size, self.n
+        return min(int(self.bounds[p]) * bs, n), min(int(self.bounds[p + 1]) * bs, n)
+
+    # -- entry points ---------------------------------------------------------------------
+    def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
+        n, xp = x.n, x.xp
+        self.prepare(comm, n)
+        lo, hi = self.owned_range(comm.rank)
+        a, b = (int(v) for v in xp.searchsorted(x.indices, xp.asarray([lo, hi])))
+        part_idx = x.indices[a:b]
+
+        def gather(idx: Any) -> Any:
+            if x.nnz == 0:
+                return xp.zeros(idx.shape[0], x.dtype)
+            pos = xp.minimum(xp.searchsorted(x.indices, idx), x.nnz - 1)
+            hit = x.indices[pos] == idx
+            return xp.where(hit, x.values[pos], xp.zeros((), x.dtype))
+
+        out = self._run(comm, n, x.values[a:b], lambda pos: part_idx[pos], gather, x.dtype, xp)
+        if out.nnz and x.nnz:
+            pos = xp.minimum(xp.searchsorted(out.indices, x.indices), out.nnz - 1)
+            out.contributed = out.indices[pos] == x.indices
+        else:
+            out.contributed = xp.zeros(x.nnz, dtype=bool)
+        out.local = x
+        return out
+
+    def reduce_dense(self, comm: Communicator, acc: Any) -> SparseVector:
+        """Select from this rank's dense accumulated gradient ``acc`` and reduce.
+
+        The same as :meth:`reduce` given all n entries of ``acc``, without building them.
+        Every rank must call it with an array of the same length and dtype. The caller's
+        residual drops all ``result.indices`` (every rank contributed its value there).
+        """
+        n = int(acc.shape[0])
+        self.prepare(comm, n)
+        lo, hi = self.owned_range(comm.rank)
+        itype = index_dtype(n)
+        xp = _xp(acc)
+
+        def to_index(pos: Any) -> Any:
+            return (pos + lo).astype(itype)
+
+        return self._run(comm, n, acc[lo:hi], to_index, lambda idx: acc[idx], acc.dtype, xp)
+
+    # -- the call ---------------------------------------------------------------------------
+    def _run(self, comm, n, part, to_index, gather, dtype, xp) -> SparseVector:
+        p = comm.size
+        if self.k == 0 or n == 0:
+            self.step += 1
+            out = SparseVector.empty(n, dtype, xp)
+            out.info.update(threshold=math.inf, counts=[0] * p, selected=0, rederived=False)
+            return out
+        pos, counts, used, rederived = self._select(comm, n, part)
+        mine = to_index(pos)
+        gathered, _ = comm.allgatherv(mine, counts)
+        # rank r's chunk is partition (step + r) mod P: put the chunks in partition order
+        offs = np.concatenate(([0], np.cumsum(counts)))
+        owner = [(q - self.step) % p for q in range(p)]
+        chunks = [gathered[offs[r] : offs[r + 1]] for r in owner if counts[r]]
+        idx = xp.concatenate(chunks) if chunks else xp.zeros(0, index_dtype(n))
+        sums = comm.allreduce(gather(idx)) if idx.shape[0] else xp.zeros(0, dtype)
+        part_counts = [int(counts[r]) for r in owner]
+        if self.rebalance and p > 1:
+            self.bounds = rebalance(self.bounds, np.asarray(part_counts), self.tolerance)
+        self.step += 1
+        out = SparseVector(idx, sums, n)
+        out.info.update(
+            threshold=used, counts=part_counts, selected=int(pos.shape[0]), rederived=rederived
+        )
+        return out
+
+    def _select(self, comm: Communicator, n: int, part: Any) -> tuple[Any, list[int], float, bool]:
+        """Positions selected in ``part``, every rank's count, the threshold used."""
+        rederived = False
+        if self.threshold is None:
+            self.threshold = self._derive(comm, n, part)
+            rederived = True
+        self._cooldown = max(0, self._cooldown - 1)
+        while True:
+            if self.threshold is None:  # every partition is all zeros (known on every rank)
+                self.rederives += rederived
+                empty = _xp(part).zeros(0, dtype=np.int64)
+                return empty, [0] * comm.size, math.inf, rederived
+            if self.rule == "authors":
+                t = _cut(part.dtype, self.threshold)
+                found = _above(part, t)
+                counts = comm.allgather_ints(-1 if found is None else int(found[0].shape[0]))
+                _agree_no_nan(np.asarray(counts).reshape(-1, 1))
+                pos = found[0]
+                self.threshold = authors_rule(self.threshold, sum(counts), self.k)
+                self.rederives += rederived
+                return pos, counts, t, rederived
+            pos, counts, used, missed = self._window(comm, part)
+            if not missed or rederived or self._cooldown:
+                break
+            self.threshold = self._derive(comm, n, part)
+            rederived = True
+        if missed and rederived:
+            # k is outside the window even right after a re-derive (e.g. fewer than k
+            # nonzeros in all): follow the window instead of re-deriving every call
+            self._cooldown = COOLDOWN
+        self.rederives += rederived
+        self.threshold = used if 0 < used < math.inf else None
+        return pos, counts, used, rederived
+
+    def _window(self, comm: Communicator, part: Any) -> tuple[Any, list[int], float, bool]:
+        xp = _xp(part)
+        k = self.k
+        edges = self.threshold * np.exp(WINDOW_OFFSETS)
+        cast = edges.astype(part.dtype)  # compare in the data's dtype: counts == selections
+        # zeros are never selected, even where a tiny edge rounds to 0 in the data's dtype
+        found = _above(part, _cut(part.dtype, float(cast[0])))
+        if found is None:
+            ge = np.full(cast.shape[0], -1, dtype=np.int64)
+        else:
+            cand, mags = found
+            h = xp.searchsorted(xp.asarray(cast), mags, side="right")  # edges <= |value|
+            hist = to_host(xp.bincount(h, minlength=cast.shape[0] + 1)).astype(np.int64)
+            ge = np.ascontiguousarray(np.cumsum(hist[::-1])[::-1][1:])  # #(|value| >= edge j)
+        table = np.asarray(comm.allgather_ints(ge)).reshape(comm.size, -1)
+        _agree_no_nan(table)
+        total = table.sum(axis=0)
+        tol = 0.05 * k
+        if total[-1] > k + tol:  # too many even at the highest edge: the window is too low
+            j, missed = total.shape[0] - 1, True
+        elif total[0] < k - tol:  # too few even at the lowest edge: the window is too high
+            j, missed = 0, True
+        else:  # the middle of the edges whose count is closest to k: margin on both sides
+            miss = np.abs(total - k)
+            best = np.flatnonzero(miss == miss.min())
+            j, missed = int(best[best.shape[0] // 2]), False
+        sel = cand[h > j]
+        return sel, table[:, j].tolist(), float(cast[j]), bool(missed)
+
+    def _derive(self, comm: Communicator, n: int, part: Any) -> float | None:
+        """A threshold near the global k-th largest |value| (collective; O(k) volume).
+
+        Every rank sends its top ``ceil(2k·span/n) + 1`` nonzero magnitudes (span: the length
+        of its partition); the k-th largest of the
+        gathered ones is the estimate (None when every rank's partition is all zeros).
+        """
+        xp = _xp(part)
+        m = int(part.shape[0])
+        lo, hi = self.owned_range(comm.rank)  # the span, not m: sparse and dense input agree
+        take = min(m, -(-2 * self.k * (hi - lo) // max(n, 1)) + 1)
+        mags = xp.abs(part)
+        top = xp.partition(mags, m - take)[m - take :] if take else mags[:0]
+        top = top[top > 0].astype(np.float64)
+        everything, _ = comm.allgatherv(top)  # (a NaN is caught by the threshold pass next)
+        everything = to_host(everything)
+        if everything.shape[0] == 0:
+            return None
+        kk = min(self.k, everything.shape[0])
+        return float(np.partition(everything, everything.shape[0] - kk)[everything.shape[0] - kk])
+
+    # -- checks -----------------------------------------------------------------------------
+    def verify(
+        self, result: SparseVector, reference: SparseVector, inputs: list[SparseVector]
+    ) -> bool:
+        """Sorted unique indices, and at each the exact sum of every rank's input."""
+        ri = np.asarray(to_host(result.indices))
+        if ri.shape[0] > 1 and np.any(np.diff(ri.astype(np.int64)) <= 0):
+            return False
+        refi = np.asarray(to_host(reference.indices))
+        refv = np.asarray(to_host(reference.values))
+        pos = np.minimum(np.searchsorted(refi, ri), max(refi.shape[0] - 1, 0))
+        hit = refi[pos] == ri if refi.shape[0] else np.zeros(ri.shape[0], bool)
+        want = np.where(hit, refv[pos] if refi.shape[0] else 0, 0).astype(reference.dtype)
+        return allclose_sparse(result, SparseVector(ri, want, result.n))
+
+    def __repr__(self) -> str:
+        return f"<sparsecoll algorithm 'exdyna' k={self.k} rule={self.rule!r}>"

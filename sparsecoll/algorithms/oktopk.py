@@ -1,0 +1,428 @@
+"""oktopk: Ok-Topk sparse allreduce (Li & Hoefler, PPoPP'22): O(k) volume, state reused.
+
+The caller selects its local entries (by threshold, every rank about k of them); one call then
+does, on every rank:
+
+2. *balanced repartition* (every ``tau_prime`` calls, and on the first): each rank samples its
+   sorted indices at equal-count split points; the samples of every rank are gathered (a small
+   int64 allgather) and every rank computes, from the summed piecewise-linear index CDF, P
+   contiguous regions holding about equal numbers of incoming entries. (The paper averages the
+   split points; summing the CDFs also balances inputs whose ranks cover different ranges.)
+3. *split and reduce*: counts by alltoall, then P−1 rotated steps (send to r+s, receive from
+   r−s), the owner summing each chunk into its region while the next ones are in flight;
+4. *global selection*: the owner keeps the entries of its region with |value| ≥ the global
+   threshold. Every ``tau`` calls (and on the first, and after a threshold of 0) the threshold
+   is recomputed exactly: a distributed radix select (256-bin histograms, one small allreduce
+   per byte of the value type) finds the global k-th largest |value|, and ties at it are kept
+   in index order up to k. In between the threshold is reused; after each call it is
+   multiplied by ``nudge`` when more than ``band[1]·k`` entries were kept, divided by it when
+   fewer than ``band[0]·k``;
+5. *balance and allgatherv*: the kept entries move so every rank holds an equal share (in index
+   order: every rank knows every count, so no sizes travel), then one allgatherv of the packed
+   (indices, values) parts, counts known, every part 8-byte aligned.
+
+Volume per rank, with local inputs of at most k entries and K ≈ k kept: step 3 sends the
+entries outside the own region (≈ k(P−1)/P) and receives about as many; step 5 moves only the
+excess of each rank over K/P, then the allgatherv moves K(P−1)/P. With K ≤ k (recompute
+calls) each direction stays below 6k(P−1)/P pairs: unconditionally for P ≤ 4, and for larger
+P while the regions are balanced. Metadata: counts (P ints), samples on repartition calls,
+histograms on recompute calls. Latency: about 2P + 2 log P messages.
+
+Contract: the kept indices are those whose reduced |value| is ≥ the threshold in force
+(``result.info["threshold"]``), zeros excepted; on a recompute call (``info["recomputed"]``)
+they are exactly the global top-k of the reduced vector, ties broken by the lower index. The
+values are the exact sums of every rank's contributions at those indices (each region is
+summed by one owner). The result is identical on every rank, sorted, without repeats.
+Error feedback: ``result.contributed`` marks this rank's entries whose index was kept (their
+value is in the result); the rest go back to the residual.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+
+from .._array import get_array_module, to_host
+from ..comm import Communicator, Request
+from ..registry import register_algorithm
+from ..sparse import SparseVector, coalesce
+from .base import Algorithm, allclose_sparse, pack_pairs, range_bounds, unpack_pairs
+from .gtopk import check_k, isin_sorted, topk_positions
+
+__all__ = ["OkTopk", "balanced_boundaries", "index_samples"]
+
+TAG_SPLIT = 41
+TAG_BALANCE = 42
+KEY_TYPES = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def index_samples(indices: np.ndarray, segments: int) -> np.ndarray:
+    """``[count, p_0, ..., p_segments]``: equal-count split points of sorted unique ``indices``.
+
+    ``p_0`` is the first index, ``p_segments`` one past the last, and exactly
+    ``floor(j·count/segments)`` indices lie below ``p_j`` (all zeros when count is 0).
+    """
+    c = int(indices.shape[0])
+    out = np.zeros(segments + 2, dtype=np.int64)
+    out[0] = c
+    if c:
+        j = np.arange(1, segments, dtype=np.int64)
+        out[1] = indices[0]
+        out[2:-1] = indices[(j * c) // segments]
+        out[-1] = int(indices[-1]) + 1
+    return out
+
+
+def balanced_boundaries(samples: np.ndarray, n: int, parts: int) -> np.ndarray:
+    """``parts + 1`` int64 region boundaries from every rank's :func:`index_samples` rows.
+
+    The summed CDF of the ranks' piecewise-linear index distributions is inverted at
+    ``j·total/parts``; equal-width regions when no rank has an entry. Deterministic, so every
+    rank computes the same boundaries from the same gathered samples.
+    """
+    samples = np.asarray(samples, dtype=np.int64)
+    counts = samples[:, 0]
+    total = int(counts.sum())
+    if total == 0 or parts == 1:
+        return range_bounds(n, parts)
+    segments = samples.shape[1] - 2
+    live = samples[counts > 0]
+    cum = [
+        np.concatenate(([0], (np.arange(1, segments, dtype=np.int64) * c) // segments, [c]))
+        for c in live[:, 0]
+    ]
+    xs = np.unique(live[:, 1:].astype(np.float64))
+    cdf = np.zeros(xs.shape[0])
+    for row, cm in zip(live, cum):
+        cdf += np.interp(xs, row[1:].astype(np.float64), cm.astype(np.float64), 0.0, float(cm[-1]))
+    targets = np.arange(1, parts, dtype=np.float64) * total / parts
+    inner = np.rint(np.interp(targets, cdf, xs))
+    bounds = np.empty(parts + 1, dtype=np.int64)
+    bounds[0], bounds[-1] = 0, n
+    bounds[1:-1] = np.clip(inner, 0, n).astype(np.int64)
+    return np.maximum.accumulate(bounds)
+
+
+@register_algorithm
+class OkTopk(Algorithm):
+    """Ok-Topk sparse allreduce with threshold and region reuse (see the module docstring).
+
+    Pass the same instance to every call: it keeps the threshold, the region boundaries and
+    the step counter. Every rank must make the same calls with equally built instances
+    (checked collectively before each call).
+
+    Args:
+        k: global number of entries to keep (int >= 0).
+        tau: recompute the global threshold exactly every ``tau`` calls (default 32, the
+            authors' VGG/LSTM setting).
+        tau_prime: recompute the region boundaries every ``tau_prime`` calls (default 64).
+        nudge: factor (>= 1) applied to a reused threshold when the kept count leaves the
+            band (default 1.02).
+        band: ``(low, high)`` fractions of k outside which the threshold is nudged
+            (default (0.8, 1.25)).
+    """
+
+    name = "oktopk"
+    exact = False
+
+    def __init__(
+        self,
+        k: int | None = None,
+        tau: int = 32,
+        tau_prime: int = 64,
+        nudge: float = 1.02,
+        band: tuple[float, float] = (0.8, 1.25),
+    ) -> None:
+        self.k = check_k(self.name, k)
+        for name, v in (("tau", tau), ("tau_prime", tau_prime)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        self.tau, self.tau_prime = int(tau), int(tau_prime)
+        self.nudge = float(nudge)
+        if not self.nudge >= 1.0:
+            raise ValueError(f"nudge must be >= 1, got {nudge!r}")
+        lo, hi = (float(b) for b in band)
+        if not 0.0 <= lo <= 1.0 <= hi:
+            raise ValueError(f"band must satisfy 0 <= low <= 1 <= high, got {band!r}")
+        self.band = (lo, hi)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the threshold, the regions and the step counter (the next call recomputes)."""
+        self.step = 0
+        self.threshold = 0.0
+        self.boundaries: np.ndarray | None = None
+        self._shape: tuple[int, int] | None = None
+        self._regions_from_data = False
+
+    @classmethod
+    def default_options(cls, n: int, k: int) -> dict[str, Any]:
+        return {"k": k}
+
+    def signature(self) -> list[int]:
+        knobs = zlib.crc32(repr((self.nudge, self.band)).encode())
+        return [self.k, self.tau, self.tau_prime, knobs, self.step]
+
+    def __repr__(self) -> str:
+        return (
+            f"<sparsecoll algorithm 'oktopk' k={self.k} tau={self.tau} "
+            f"tau_prime={self.tau_prime} step={self.step} threshold={self.threshold:g}>"
+        )
+
+    # -- one call --------------------------------------------------------------------------
+    def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
+        n, size = x.n, comm.size
+        if self._shape != (n, size):
+            self.reset()
+            self._shape = (n, size)
+        repartition = (
+            self.boundaries is None
+            or not self._regions_from_data
+            or self.step % self.tau_prime == 0
+        )
+        if repartition:
+            rows = comm.allgather_ints(index_samples(to_host(x.indices), max(size, 32)))
+            self.boundaries = balanced_boundaries(rows, n, size)
+            self._regions_from_data = bool(np.any(rows[:, 0] > 0))
+        bounds = self.boundaries
+        region = self._split_reduce(comm, x, bounds)
+        recompute = self.step % self.tau == 0 or self.threshold <= 0.0
+        if recompute:
+            keep, kept_counts, threshold = self._select_exact(comm, region[1])
+            self.threshold = threshold
+        else:
+            threshold = self.threshold
+            keep = _at_least(region[1], threshold)
+            kept_counts = comm.allgather_ints(int(keep.shape[0]))
+        total = int(sum(kept_counts))
+        if not recompute:
+            lo, hi = self.band
+            if total > hi * self.k:
+                self.threshold *= self.nudge
+            elif total < lo * self.k:
+                self.threshold /= self.nudge
+        idx, vals = self._balance_gather(comm, region[0][keep], region[1][keep], kept_counts, n)
+        out = SparseVector(idx, vals, n)
+        out.contributed = isin_sorted(x.indices, idx)
+        out.local = x
+        out.info.update(
+            k=self.k,
+            step=self.step,
+            threshold=threshold,
+            next_threshold=self.threshold,
+            recomputed=recompute,
+            repartitioned=repartition,
+            boundaries=bounds.copy(),
+            kept=total,
+        )
+        self.step += 1
+        return out
+
+    def _split_reduce(
+        self, comm: Communicator, x: SparseVector, bounds: np.ndarray
+    ) -> tuple[Any, Any]:
+        """Step 3: send each region's entries to its owner; sum what arrives into own region."""
+        xp, r, size = x.xp, comm.rank, comm.size
+        cuts = to_host(x.xp.searchsorted(x.indices, xp.asarray(bounds), side="left"))
+        cuts = [int(c) for c in cuts]
+        cuts[0], cuts[-1] = 0, x.nnz
+        sendcounts = [cuts[j + 1] - cuts[j] for j in range(size)]
+        recvcounts = comm.alltoall_ints(sendcounts) if size > 1 else sendcounts
+        acc_type = np.float64 if x.dtype == np.float16 else x.dtype
+        itype, vtype = x.indices.dtype, x.dtype
+        pair = itype.itemsize + vtype.itemsize
+        sends: list[Request] = []
+        recvs: dict[int, tuple[Request, Any]] = {}
+        for s in range(1, size):
+            src = (r - s) % size
+            if recvcounts[src]:
+                buf = xp.empty(recvcounts[src] * pair, dtype=np.uint8)
+                recvs[src] = (comm.irecv(buf, src, TAG_SPLIT), buf)
+        for s in range(1, size):
+            dst = (r + s) % size
+            if sendcounts[dst]:
+                lo, hi = cuts[dst], cuts[dst + 1]
+                sends.append(
+                    comm.isend(pack_pairs(x.indices[lo:hi], x.values[lo:hi]), dst, TAG_SPLIT)
+                )
+        acc_idx = x.indices[cuts[r] : cuts[r + 1]]
+        acc_val = x.values[cuts[r] : cuts[r + 1]].astype(acc_type)
+        for s in range(1, size):  # a fixed order: the sums do not depend on arrival times
+            src = (r - s) % size
+            if src not in recvs:
+                continue
+            req, buf = recvs[src]
+            req.wait()
+            ci, cv = unpack_pairs(buf, itype, vtype)
+            summed = coalesce(
+                xp.concatenate([acc_idx, ci]), xp.concatenate([acc_val, cv.astype(acc_type)]), x.n
+            )
+            acc_idx, acc_val = summed.indices, summed.values
+        Request.waitall(sends)
+        return acc_idx, acc_val.astype(vtype, copy=False)
+
+    def _select_exact(self, comm: Communicator, vals: Any) -> tuple[Any, list[int], float]:
+        """Step 4 on a recompute call: the exact global top-k (ties by lower index).
+
+        Returns the kept positions in this rank's region, every rank's kept count and the
+        threshold (the k-th largest |value|, or the smallest nonzero one when at most k
+        entries are nonzero; 0 when none is).
+        """
+        xp = get_array_module(vals)
+        if self.k == 0:  # keep nothing; an infinite threshold keeps nothing on reuse too
+            return xp.zeros(0, dtype=np.int64), [0] * comm.size, float("inf")
+        ktype = KEY_TYPES[vals.dtype.itemsize]
+        keys = xp.abs(vals).view(ktype)  # the bits of a non-negative float order like it
+        found = _radix_kth(comm, keys[keys > 0], self.k, 8 * vals.dtype.itemsize, xp)
+        if found is None:  # at most k nonzeros in all: keep them all
+            keep = xp.flatnonzero(keys)
+            least = int(keys[keep].min()) if keep.shape[0] else -1
+            rows = comm.allgather_ints([int(keep.shape[0]), least])
+            live = rows[:, 1][rows[:, 1] >= 0]
+            smallest = np.array([live.min() if live.size else 0], dtype=ktype).view(vals.dtype)
+            return keep, rows[:, 0].tolist(), float(smallest[0])
+        key, ties_needed = found
+        above = keys > key
+        tie_pos = xp.flatnonzero(keys == key)
+        ge = comm.allgather_ints([int(xp.count_nonzero(above)), int(tie_pos.shape[0])])
+        # regions are in index order by rank, so ties go to the lowest ranks' lowest indices
+        before = np.concatenate(([0], np.cumsum(ge[:-1, 1])))
+        taken = np.clip(ties_needed - before, 0, ge[:, 1])
+        keep = xp.sort(xp.concatenate([xp.flatnonzero(above), tie_pos[: int(taken[comm.rank])]]))
+        counts = (ge[:, 0] + taken).tolist()
+        assert sum(counts) == self.k, (counts, self.k)
+        threshold = float(np.array([key], dtype=ktype).view(vals.dtype)[0])
+        return keep, counts, threshold
+
+    def _balance_gather(
+        self, comm: Communicator, idx: Any, vals: Any, counts: list[int], n: int
+    ) -> tuple[Any, Any]:
+        """Step 5: move kept entries so every rank holds an equal share, then allgatherv."""
+        size, r = comm.size, comm.rank
+        xp = get_array_module(vals)
+        if size == 1:
+            return idx, vals
+        total = sum(counts)
+        held = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)  # positions held
+        target = range_bounds(total, size)  # positions each rank holds after balancing
+
+        def overlap(src: int, dst: int) -> tuple[int, int]:
+            lo = max(held[src], target[dst])
+            hi = min(held[src + 1], target[dst + 1])
+            return int(lo), int(max(lo, hi))
+
+        pair = idx.dtype.itemsize + vals.dtype.itemsize
+        sends: list[Request] = []
+        recvs: list[tuple[int, Request, Any]] = []
+        for s in range(1, size):
+            src = (r - s) % size
+            lo, hi = overlap(src, r)
+            if hi > lo:
+                buf = xp.empty((hi - lo) * pair, dtype=np.uint8)
+                recvs.append((src, comm.irecv(buf, src, TAG_BALANCE), buf))
+        for s in range(1, size):
+            dst = (r + s) % size
+            lo, hi = overlap(r, dst)
+            if hi > lo:
+                a, b = lo - int(held[r]), hi - int(held[r])
+                sends.append(comm.isend(pack_pairs(idx[a:b], vals[a:b]), dst, TAG_BALANCE))
+        lo, hi = overlap(r, r)
+        pieces = {r: (idx[lo - held[r] : hi - held[r]], vals[lo - held[r] : hi - held[r]])}
+        for src, req, buf in recvs:
+            req.wait()
+            ci, cv = unpack_pairs(buf, idx.dtype, vals.dtype)
+            pieces[src] = (ci, cv.copy())
+        Request.waitall(sends)
+        order = sorted(pieces)  # source ranks in order = index order
+        my_idx = xp.concatenate([pieces[s][0] for s in order])
+        my_val = xp.concatenate([pieces[s][1] for s in order])
+        share = np.diff(target).tolist()
+        assert my_idx.shape[0] == share[r]
+        return _allgather_pairs(comm, my_idx, my_val, share)
+
+    def verify(
+        self, result: SparseVector, reference: SparseVector, inputs: list[SparseVector]
+    ) -> bool:
+        """Kept values equal the reference there; on a recompute call, the kept set is the
+        top-k of the reference (up to rounding at near-ties)."""
+        ri = np.asarray(to_host(result.indices)).astype(np.int64)
+        fi = np.asarray(to_host(reference.indices)).astype(np.int64)
+        fv = np.asarray(to_host(reference.values)).astype(np.float64)
+        if ri.shape[0] and not np.all(isin_sorted(ri, fi)):
+            return False
+        at = np.searchsorted(fi, ri)
+        scale = float(np.abs(fv).max(initial=0.0))
+        if not allclose_sparse(result, SparseVector(ri, fv[at], reference.n), scale):
+            return False
+        if not result.info.get("recomputed"):
+            return True
+        if ri.shape[0] != topk_positions(fv, self.k).shape[0]:
+            return False
+        dropped = np.ones(fi.shape[0], dtype=bool)
+        dropped[at] = False
+        worst_dropped = np.abs(fv[dropped]).max(initial=0.0)
+        least_kept = np.abs(fv[at]).min(initial=np.inf)
+        eps = float(np.finfo(result.values.dtype).eps)
+        return bool(worst_dropped <= least_kept * (1 + 64 * eps * len(inputs)))
+
+
+def _at_least(vals: Any, threshold: float) -> Any:
+    """Positions with |value| >= threshold (a positive threshold, compared in float64)."""
+    xp = get_array_module(vals)
+    return xp.flatnonzero(xp.abs(vals) >= np.float64(threshold))
+
+
+def _allgather_pairs(comm: Communicator, idx: Any, vals: Any, counts: list[int]) -> tuple[Any, Any]:
+    """One allgatherv of every rank's (indices, values), counts known on every rank.
+
+    Each rank's part is its index bytes, padded to 8 bytes, then its value bytes, padded to
+    8 bytes: every view stays aligned. Indices stay integers (no float-packed ints).
+    """
+    xp = get_array_module(vals)
+    isz, vsz = idx.dtype.itemsize, vals.dtype.itemsize
+
+    def pad(b: int) -> int:
+        return -(-b // 8) * 8
+
+    sizes = [pad(c * isz) + pad(c * vsz) for c in counts]
+    mine = xp.zeros(sizes[comm.rank], dtype=np.uint8)
+    head = pad(idx.shape[0] * isz)
+    mine[: idx.nbytes] = idx.view(np.uint8)
+    mine[head : head + vals.nbytes] = vals.view(np.uint8)
+    buf, _ = comm.allgatherv(mine, sizes)
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    parts_i, parts_v = [], []
+    for r, c in enumerate(counts):
+        if c:
+            lo, mid = int(starts[r]), int(starts[r]) + pad(c * isz)
+            parts_i.append(buf[lo : lo + c * isz].view(idx.dtype))
+            parts_v.append(buf[mid : mid + c * vsz].view(vals.dtype))
+    if not parts_i:
+        return idx[:0].copy(), vals[:0].copy()
+    return xp.concatenate(parts_i), xp.concatenate(parts_v)
+
+
+def _radix_kth(comm: Communicator, keys: Any, k: int, bits: int, xp: Any) -> tuple[Any, int] | None:
+    """The k-th largest key over every rank (one 256-bin histogram allreduce per byte).
+
+    Returns ``(key, ties)``: ``ties`` of the entries equal to ``key`` complete the top k;
+    None when there are at most k keys in all (the first histogram counts them).
+    """
+    prefix = 0
+    need = k
+    cand = keys
+    for shift in range(bits - 8, -1, -8):
+        digits = ((cand >> shift) & 0xFF).astype(np.int64)
+        hist = to_host(xp.bincount(digits, minlength=256))
+        ghist = comm.allreduce_ints(hist)
+        if shift == bits - 8 and int(ghist.sum()) <= k:
+            return None
+        from_top = np.cumsum(ghist[::-1])
+        j = int(np.searchsorted(from_top, need))  # first bin (from the top) reaching need
+        b = 255 - j
+        need -= int(from_top[j] - ghist[b])
+        prefix = (prefix << 8) | b
+        cand = cand[digits == b]
+    return keys.dtype.type(prefix), need

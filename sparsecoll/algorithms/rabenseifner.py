@@ -1,0 +1,69 @@
+"""rabenseifner: dense allreduce by recursive-halving reduce-scatter + recursive-doubling
+allgather, written on the Communicator's point-to-point primitives.
+
+Any P: with ``r = P − 2^⌊log2 P⌋``, the first 2r ranks fold in pairs before (even hands its
+vector to odd) and unfold after (odd returns the result), as MPICH does.
+Volume per rank (n values, p = 2^⌊log2 P⌋): 2·(p−1)/p·n for ranks in the power-of-two
+group (+ n for the odd ranks that return the result to their folded partner), n for the
+folded even ranks. Result: the nonzeros of the dense sum.
+"""
+
+from __future__ import annotations
+
+from ..comm import Communicator
+from ..registry import register_algorithm
+from ..sparse import SparseVector
+from .base import Algorithm, Fold, range_bounds
+
+__all__ = ["Rabenseifner"]
+
+TAG = 11
+
+
+@register_algorithm
+class Rabenseifner(Algorithm):
+    name = "rabenseifner"
+    densifies = True
+
+    def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
+        return SparseVector.from_dense(allreduce_dense(comm, x.to_dense()))
+
+
+def allreduce_dense(comm: Communicator, buf):
+    """Sum the dense array ``buf`` over ``comm`` in place (Rabenseifner); returns it."""
+    fold = Fold.plan(comm.rank, comm.size)
+    if comm.size == 1:
+        return buf
+    if fold.folded:
+        comm.send(buf, fold.partner, TAG)
+        comm.recv(buf, fold.partner, TAG)
+        return buf
+    if fold.partner >= 0:
+        tmp = buf.copy()
+        comm.recv(tmp, fold.partner, TAG)
+        buf += tmp
+    p, v = fold.pof2, fold.newrank
+    bounds = range_bounds(buf.shape[0], p)
+    lo, hi = 0, p  # block range this rank is responsible for
+    mask = p >> 1
+    while mask:  # reduce-scatter by recursive halving
+        peer = fold.real_rank(v ^ mask)
+        mid = (lo + hi) // 2
+        (klo, khi), (slo, shi) = ((lo, mid), (mid, hi)) if not v & mask else ((mid, hi), (lo, mid))
+        recv = buf[bounds[klo] : bounds[khi]].copy()
+        comm.sendrecv(buf[bounds[slo] : bounds[shi]], peer, recv, peer, TAG)
+        buf[bounds[klo] : bounds[khi]] += recv
+        lo, hi = klo, khi
+        mask >>= 1
+    mask = 1
+    while mask < p:  # allgather by recursive doubling
+        peer = fold.real_rank(v ^ mask)
+        plo = lo ^ mask  # lo is aligned to mask: the peer holds the mirror range
+        phi = plo + (hi - lo)
+        recv = buf[bounds[plo] : bounds[phi]]
+        comm.sendrecv(buf[bounds[lo] : bounds[hi]], peer, recv, peer, TAG)
+        lo, hi = min(lo, plo), max(hi, phi)
+        mask <<= 1
+    if fold.partner >= 0:
+        comm.send(buf, fold.partner, TAG)
+    return buf

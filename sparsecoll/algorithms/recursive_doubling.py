@@ -1,0 +1,136 @@
+"""recursive_doubling: SparCML's SSAR_Recursive_double, sparse with the dynamic dense switch.
+
+Renggli et al., "SparCML: High-Performance Sparse Communication for Machine Learning", SC'19.
+
+log2 p rounds (p = 2^⌊log2 P⌋): in round i a rank exchanges its whole current vector with
+the rank whose (power-of-two) number differs in bit i, and both merge the two vectors the
+same way (lower rank's run first), so after the last round every rank holds the same sum.
+A vector travels sparse (one message: indices then values) while nnz·(index + value bytes)
+< n·value bytes, and as n dense values once it passes that break-even point; the receiver
+tells the two apart by the message length (a sparse message is always shorter than n·v),
+which partners swap first (8 bytes of metadata) so that no probe is needed.
+Once dense, a vector stays dense. Non-power-of-two P: the first 2(P − p) ranks fold in pairs
+before (the even rank hands its vector to the odd one) and get the result back after, as in
+``rabenseifner``.
+
+Volume sent per rank (``bytes(m) = m·(i+v)`` if sparse is cheaper else ``n·v``, ``K_i`` the
+nnz of the vector held entering round i): Σ_i bytes(K_i), plus bytes(result) for ranks that
+return the result to a folded partner; a folded rank sends only bytes(its input). With
+identical indices that is k·log2 p pairs; with disjoint ones Σ_i 2^i·k ≈ k(p−1) pairs, capped
+at n values per round. Latency: log2 p messages (+2 when folding): best for small messages.
+
+Contract: exact, bit-identical on every rank. Entries of a vector that went dense are
+returned only where the sum is nonzero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._array import get_array_module, index_dtype
+from ..comm import Communicator
+from ..registry import register_algorithm
+from ..sparse import SparseVector
+from ._merge import merge_two
+from .base import Algorithm, Fold, pack_pairs, sparse_is_cheaper, unpack_pairs
+
+__all__ = ["RecursiveDoubling"]
+
+TAG = 31
+
+
+@register_algorithm
+class RecursiveDoubling(Algorithm):
+    name = "recursive_doubling"
+
+    def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
+        if comm.size == 1:
+            return SparseVector(x.indices.copy(), x.values.copy(), x.n)
+        fold = Fold.plan(comm.rank, comm.size)
+        state = _Vector.sparse(x.indices, x.values, x.n)
+        if fold.folded:
+            _exchange(comm, fold.partner, state.encode(), x)
+            return _exchange(comm, fold.partner, None, x).result()
+        if fold.partner >= 0:  # the folded partner is the lower rank: its run goes first
+            state = _exchange(comm, fold.partner, None, x).merge(state)
+        mask = 1
+        while mask < fold.pof2:
+            peer_new = fold.newrank ^ mask
+            other = _exchange(comm, fold.real_rank(peer_new), state.encode(), x)
+            state = state.merge(other) if fold.newrank < peer_new else other.merge(state)
+            mask <<= 1
+        if fold.partner >= 0:
+            _exchange(comm, fold.partner, state.encode(), x)
+        return state.result()
+
+
+def _exchange(comm: Communicator, peer: int, send: Any, like: SparseVector) -> _Vector | None:
+    """Swap vectors with ``peer`` (``send`` None: only receive); sizes go first as metadata.
+
+    A blocking probe for the size (MPI_Mprobe) costs about a millisecond per message on
+    an oversubscribed node with MPICH 5 (measured here), a size exchange some microseconds.
+    """
+    mine = -1 if send is None else int(send.nbytes)
+    theirs = comm.sendrecv_ints(mine, peer, peer, TAG)
+    xp = like.xp
+    recv = xp.empty(theirs, np.uint8) if theirs >= 0 else None
+    if mine > 0 and theirs > 0:
+        comm.sendrecv(send, peer, recv, peer, TAG)
+    elif mine > 0:
+        comm.send(send, peer, TAG)
+    elif recv is not None and theirs > 0:
+        comm.recv(recv, peer, TAG)
+    return None if recv is None else _Vector.decode(recv, like)
+
+
+class _Vector:
+    """A rank's running sum: sparse (indices, values) or dense (n values)."""
+
+    __slots__ = ("dense", "indices", "n", "values")
+
+    def __init__(self, indices: Any, values: Any, n: int, dense: bool) -> None:
+        self.indices, self.values, self.n, self.dense = indices, values, n, dense
+
+    @classmethod
+    def sparse(cls, indices: Any, values: Any, n: int) -> _Vector:
+        """A sparse vector, switched to dense when that is the cheaper message."""
+        if sparse_is_cheaper(indices.shape[0], n, index_dtype(n), values.dtype):
+            return cls(indices, values, n, False)
+        xp = get_array_module(values)
+        out = xp.zeros(n, values.dtype)
+        out[indices] = values
+        return cls(None, out, n, True)
+
+    def encode(self) -> Any:
+        return self.values if self.dense else pack_pairs(self.indices, self.values)
+
+    @classmethod
+    def decode(cls, buf: Any, like: SparseVector) -> _Vector:
+        """A received message: n·v bytes is dense, anything shorter is pairs."""
+        n, vtype = like.n, like.dtype
+        if buf.shape[0] == n * vtype.itemsize:
+            return cls(None, buf.view(vtype), n, True)
+        idx, vals = unpack_pairs(buf, index_dtype(n), vtype)
+        return cls(idx, vals, n, False)
+
+    def merge(self, other: _Vector) -> _Vector:
+        """``self + other`` (self's run first); dense if either is."""
+        if not self.dense and not other.dense:
+            idx, vals = merge_two(self.indices, self.values, other.indices, other.values, self.n)
+            return _Vector.sparse(idx, vals, self.n)
+        if self.dense and other.dense:
+            return _Vector(None, self.values + other.values, self.n, True)
+        d, s = (self, other) if self.dense else (other, self)
+        out = d.values.copy()
+        if s.indices.shape[0]:
+            out[s.indices] += s.values  # unique indices: each added once
+        return _Vector(None, out, self.n, True)
+
+    def result(self) -> SparseVector:
+        if not self.dense:
+            return SparseVector(self.indices, self.values, self.n)
+        xp = get_array_module(self.values)
+        nz = xp.flatnonzero(self.values)
+        return SparseVector(nz.astype(index_dtype(self.n)), self.values[nz], self.n)

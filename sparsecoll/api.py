@@ -1,0 +1,155 @@
+"""The public entry point: ``sparsecoll.allreduce`` with collective input validation."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+
+from . import errors
+from ._array import as_array, device_scope, get_array_module, identity
+from .algorithms.base import Algorithm
+from .comm import Communicator
+from .errors import CollectiveInputError, CollectiveTypeError
+from .registry import get_algorithm
+from .sparse import VALUE_DTYPES, SparseVector, check_local, coalesce
+
+__all__ = ["allreduce", "collective_check"]
+
+SIGNATURE_LEN = 8
+
+
+def allreduce(
+    comm: Any,
+    values: Any,
+    indices: Any,
+    *,
+    n: int,
+    algorithm: str | Algorithm = "allgather",
+    **options: Any,
+) -> SparseVector:
+    """Sum sparse vectors over every rank of ``comm``; every rank gets the same result.
+
+    Args:
+        comm: an mpi4py Intracomm or a :class:`sparsecoll.Communicator`.
+        values: 1-D float16/32/64 array of this rank's nonzeros (numpy, CuPy, or anything
+            numpy takes without a copy: buffer protocol, ``__array__``, DLPack).
+        indices: 1-D integer array of the same length, each in ``[0, n)``; unsorted input
+            and repeated indices are allowed (repeats are summed).
+        n: the dense length, the same on every rank.
+        algorithm: a registered name (a fresh instance is built with ``options``) or an
+            Algorithm instance (stateful algorithms keep their state in it).
+        **options: constructor options for a named algorithm (e.g. ``k=`` for gtopk).
+
+    Returns:
+        A coalesced :class:`SparseVector`, identical on every rank, with arrays of the same
+        module as ``values`` and the same value dtype.
+
+    Raises:
+        CollectiveInputError (a ValueError) or CollectiveTypeError (a TypeError) on every
+        rank when any rank's input is bad or n/dtype/algorithm differ across ranks; the
+        message names the offending rank.
+    """
+    c = Communicator.wrap(comm)
+    algo: Any = None
+    vals: Any = None
+    idx: Any = None
+    wrap: Any = identity
+    try:
+        if isinstance(algorithm, Algorithm):
+            if options:
+                raise TypeError("options go to get_algorithm() when passing an instance")
+            algo = algorithm
+        elif isinstance(algorithm, str):
+            algo = get_algorithm(algorithm, **options)
+        else:
+            raise TypeError(
+                f"algorithm must be a name or an Algorithm, got {type(algorithm).__name__}"
+            )
+        vals, wrap = as_array(values, "values")
+        idx, _ = as_array(indices, "indices")
+        check_local(idx, vals, n)
+        if get_array_module(vals) is not get_array_module(idx):
+            raise TypeError("values and indices must live on the same device")
+        if not algo.exact and bool(get_array_module(vals).isnan(vals).any()):
+            # selection cannot rank NaN; agreeing here keeps a lone rank from raising alone
+            raise ValueError("values contain NaN (a selecting algorithm cannot rank them)")
+        error = None
+    except (TypeError, ValueError) as exc:
+        error = exc
+    sig = _signature(algo, vals, n) if error is None else None
+    collective_check(c, error, sig, ("n", "values dtype", "algorithm"))
+    with device_scope(vals):  # device inputs: work and return on their own GPU
+        x = coalesce(idx, vals, int(n))
+        with c.measure() as stats:
+            out = algo.reduce(c, x)
+    out.info["stats"] = stats
+    c.last_stats = stats
+    if wrap is not identity:
+        out.indices, out.values = wrap(out.indices), wrap(out.values)
+    return out
+
+
+def _signature(algo: Any, vals: Any, n: Any) -> list[int]:
+    dtype_code = VALUE_DTYPES.index(vals.dtype)
+    return [int(n), dtype_code, zlib.crc32(type(algo).__qualname__.encode()), *algo.signature()]
+
+
+def collective_check(
+    comm: Communicator,
+    error: BaseException | None,
+    signature: list[int] | None,
+    names: tuple[str, ...] = (),
+) -> None:
+    """Agree on input errors across ranks; raise the same error on every rank.
+
+    ``error`` is this rank's local error (or None); ``signature`` the integers that must be
+    equal on every rank (``names`` labels the first ones in messages). One small allreduce
+    when all is well; on failure the offending rank's message is shared.
+    """
+    if signature is not None and len(signature) > SIGNATURE_LEN:
+        raise ValueError(f"at most {SIGNATURE_LEN} signature values, got {len(signature)}")
+    sig = [0] * SIGNATURE_LEN if signature is None else list(signature)
+    sig += [0] * (SIGNATURE_LEN - len(sig))
+    # one MAX-allreduce: error flag, -(first bad rank), then +/- each signature value
+    vec = [1 if error else 0, -(comm.rank if error else comm.size)]
+    vec += [v for s in sig for v in (s, -s)]
+    agreed = comm.allreduce_ints(vec, "max")
+    if agreed[0]:
+        bad = -int(agreed[1])
+        kind, msg = comm.bcast_object(_describe(error) if comm.rank == bad else None, bad)
+        raise getattr(errors, kind)(f"{msg} on rank {bad}")
+    if np.any(agreed[2::2] != -agreed[3::2]):
+        _raise_mismatch(comm, sig, names)
+
+
+def _describe(error: BaseException | None) -> tuple[str, str]:
+    """The name of the sparsecoll error class to raise everywhere, and the message."""
+    if isinstance(error, errors.SparseCollError):
+        return type(error).__name__, str(error)
+    kind = "CollectiveTypeError" if isinstance(error, TypeError) else "CollectiveInputError"
+    return kind, str(error)
+
+
+def _raise_mismatch(comm: Communicator, sig: list[int], names: tuple[str, ...]) -> None:
+    every = comm.allgather_object(sig)
+    for r, other in enumerate(every):
+        if other != every[0]:
+            pos = next(
+                (i for i, (a, b) in enumerate(zip(other, every[0])) if a != b),
+                min(len(other), len(every[0])),
+            )
+            what = names[pos] if pos < len(names) else "algorithm options"
+            a = other[pos] if pos < len(other) else None
+            b = every[0][pos] if pos < len(every[0]) else None
+            if what == "values dtype":
+                a, b = VALUE_DTYPES[a], VALUE_DTYPES[b]
+            if what in ("n", "values dtype"):
+                raise (CollectiveTypeError if what.endswith("dtype") else CollectiveInputError)(
+                    f"{what} must be the same on every rank: rank {r} has {a}, rank 0 has {b}"
+                )
+            raise CollectiveInputError(
+                f"{what} must be the same on every rank: rank {r} differs from rank 0"
+            )
+    raise AssertionError("signature mismatch not found")  # pragma: no cover

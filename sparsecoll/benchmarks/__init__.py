@@ -1,0 +1,1 @@
+"""Benchmarks behind ``python -m sparsecoll bench`` (problem generators, the main comparison)."""

@@ -1,0 +1,144 @@
+"""The main job: every registered algorithm on one default problem, checked against dense.
+
+Run with ``python -m sparsecoll bench`` (relaunches itself under ``mpiexec -n 4``).
+Prints, on rank 0: algorithm, correct, median latency, bytes sent per rank, ratio to dense.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import zlib
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from .._array import cupy_or_none, is_device_array, to_host
+from ..comm import CommStats, Communicator, mpi_library_version
+from ..registry import algorithm_class, available_algorithms
+from ..sparse import SparseVector, coalesce
+from .problems import OVERLAPS, make_problem
+
+__all__ = ["Timing", "gather_inputs", "main", "run_algorithm", "time_algorithm", "verify_all"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", type=int, default=4 * 2**20, help="dense length (default 4M)")
+    p.add_argument("--density", type=float, default=0.01, help="nonzeros per rank / n")
+    p.add_argument("--overlap", choices=OVERLAPS, default="random")
+    p.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float32")
+    p.add_argument("-i", "--iterations", type=int, default=10)
+    p.add_argument("-x", "--warmup", type=int, default=2)
+    p.add_argument("--algorithm", action="append", help="run only these (repeatable)")
+
+
+@dataclasses.dataclass
+class Timing:
+    """What :func:`time_algorithm` measured on this rank."""
+
+    result: SparseVector  # the last call's result
+    times: list[float]  # this rank's seconds per timed call
+    stats: CommStats  # this rank's counts for the last timed call
+
+
+def time_algorithm(
+    comm: Communicator, name: str, vals: Any, idx: Any, n: int, k: int, iters: int,
+    warmup: int, reuse: bool = False,
+) -> Timing:
+    """Time ``iters`` calls (after ``warmup``) of ``sparsecoll.allreduce`` with one algorithm.
+
+    Each call starts after a barrier and is timed with ``MPI.Wtime`` on every rank (device
+    work is synchronized before the clock stops). The algorithm is built from its
+    ``default_options(n, k)``: a fresh instance per call, or one instance for every call
+    when ``reuse`` (stateful algorithms then run in steady state, as in training).
+    """
+    from ..api import allreduce
+
+    cls = algorithm_class(name)
+    algo = cls(**cls.default_options(n, k))
+    times: list[float] = []
+    out = None
+    for it in range(warmup + iters):
+        if not reuse and it:
+            algo = cls(**cls.default_options(n, k))
+        comm.barrier()
+        t0 = comm.wtime()
+        out = allreduce(comm, vals, idx, n=n, algorithm=algo)
+        if is_device_array(out.values):
+            cupy_or_none().cuda.get_current_stream().synchronize()
+        dt = comm.wtime() - t0
+        if it >= warmup:
+            times.append(dt)
+    return Timing(out, times, out.info["stats"])
+
+
+def gather_inputs(comm: Communicator, vals: Any, idx: Any, n: int) -> list[SparseVector]:
+    """Every rank's coalesced input, on every rank, on the host (for ``verify``)."""
+    local = coalesce(to_host(idx), to_host(vals), n)
+    return [SparseVector(i, v, n) for i, v in comm.allgather_object((local.indices, local.values))]
+
+
+def verify_all(
+    comm: Communicator, name: str, result: SparseVector, reference: SparseVector,
+    inputs: list[SparseVector], n: int, k: int,
+) -> bool:
+    """Whether every rank holds the same ``result`` and it meets the algorithm's contract.
+
+    Collective. Ranks compare a checksum of their result; rank 0 alone runs the (costly)
+    ``verify`` and the verdict is shared, so checking costs one rank's time, not P's.
+    """
+    digest = zlib.crc32(np.ascontiguousarray(to_host(result.indices)).view(np.uint8))
+    digest = zlib.crc32(np.ascontiguousarray(to_host(result.values)).view(np.uint8), digest)
+    ok = True
+    if comm.rank == 0:
+        cls = algorithm_class(name)
+        ok = cls(**cls.default_options(n, k)).verify(result, reference, inputs)
+    agreed = comm.allreduce_ints([0 if ok else 1, digest, -digest], "max")
+    return bool(agreed[0] == 0 and agreed[1] == -agreed[2])
+
+
+def run_algorithm(
+    comm: Communicator, name: str, vals: Any, idx: Any, n: int, k: int, iters: int, warmup: int
+) -> tuple[SparseVector, list[float], int]:
+    """Time one algorithm (see :func:`time_algorithm`).
+
+    Returns (last result, per-iteration max-over-ranks seconds, bytes sent per rank per call).
+    """
+    t = time_algorithm(comm, name, vals, idx, n, k, iters, warmup)
+    times = comm.allreduce_floats(t.times, "max").tolist() if t.times else []
+    return t.result, times, t.stats.bytes_sent
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sparsecoll bench", description=__doc__)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    comm = Communicator()
+    n, dtype = args.n, np.dtype(args.dtype)
+    vals, idx = make_problem(n, args.density, comm.rank, comm.size, args.overlap, dtype)
+    k = int(round(args.density * n))
+    names = args.algorithm or available_algorithms()
+    inputs = gather_inputs(comm, vals, idx, n)
+    reference = None
+    rows = []
+    for name in ["dense", *[a for a in names if a != "dense"]]:
+        out, times, sent = run_algorithm(comm, name, vals, idx, n, k, args.iterations, args.warmup)
+        if name == "dense":
+            reference = out
+        ok = verify_all(comm, name, out, reference, inputs, n, k)
+        sent_max = int(comm.allreduce_ints([sent], "max")[0])
+        rows.append((name, ok, float(np.median(times)), sent_max, out.nnz))
+    if comm.rank == 0:
+        dense_bytes = rows[0][3]  # dense always runs first: it is the reference
+        print(f"# sparsecoll {__version__} bench: {mpi_library_version()}")
+        print(f"# P={comm.size} n={n} density={args.density} overlap={args.overlap} "
+              f"dtype={dtype} k/rank={k} iterations={args.iterations} warmup={args.warmup}")
+        print(f"{'algorithm':<20}{'correct':>8}{'median ms':>12}{'bytes/rank':>14}"
+              f"{'vs dense':>10}{'result nnz':>12}")
+        for name, ok, t, b, nnz in rows:
+            ratio = f"{b / dense_bytes:.3f}" if dense_bytes else "-"
+            print(f"{name:<20}{'yes' if ok else 'NO':>8}{t * 1e3:>12.2f}{b:>14}{ratio:>10}{nnz:>12}")
+        sys.stdout.flush()
+    return 0 if all(r[1] for r in rows) else 1

@@ -1,0 +1,372 @@
+"""OSU-style latency sweep of sparse allreduce: every algorithm, a range of sizes, vs dense.
+
+Run under mpiexec (``python -m sparsecoll bench osu --np 4 ...`` relaunches itself, as does
+``bench/osu_sparse_allreduce.py``). For each dense length n (``-m MIN:MAX``, doubling) every
+rank builds its input with :func:`sparsecoll.benchmarks.problems.make_problem` (density·n
+nonzeros, ``--overlap`` pattern), then each algorithm is timed as OSU times a collective:
+``-x`` warm-up calls, then ``-i`` timed calls, each after a barrier, with ``MPI.Wtime``;
+every rank averages its own calls and the table shows the min/avg/max over ranks of those
+means. ``dense`` (MPI_Allreduce) always runs, as the baseline of the ``vs dense`` column
+(dense latency / this latency: > 1 means faster than dense). ``Bytes/rank`` is the payload
+one call sends per rank (the max over ranks), exact, from the Communicator's counters.
+Only rank 0 prints; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import re
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from .._array import cupy_or_none
+from ..comm import Communicator, mpi_library_version
+from ..errors import SparseCollError
+from ..registry import algorithm_class, available_algorithms
+from .main import gather_inputs, time_algorithm, verify_all
+from .problems import OVERLAPS, make_problem
+
+__all__ = ["FIELDS", "main", "parse_algorithms", "parse_sizes"]
+
+BASELINE = "dense"
+FIELDS = (
+    "algorithm",
+    "exact",
+    "P",
+    "n",
+    "density",
+    "k",
+    "overlap",
+    "dtype",
+    "device",
+    "iterations",
+    "warmup",
+    "avg_us",
+    "min_us",
+    "max_us",
+    "median_us",
+    "bytes_per_rank",
+    "bytes_per_rank_avg",
+    "bytes_recv_per_rank",
+    "messages_per_rank",
+    "meta_bytes_per_rank",
+    "meta_messages_per_rank",
+    "result_nnz",
+    "speedup_vs_dense",
+    "bytes_vs_dense",
+    "valid",
+    "error",
+)
+SUFFIX = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def _size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)\s*", text.lower())
+    if not m:
+        raise ValueError(f"expecting a size like 4096, 64K or 16M, got {text!r}")
+    return int(m.group(1)) * SUFFIX[m.group(2)]
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``MIN:MAX`` (doubling from MIN while <= MAX), ``N``, or a comma list of sizes.
+
+    Sizes take binary suffixes: K = 2**10, M = 2**20, G = 2**30.
+    """
+    if "," in text:
+        sizes = [_size(t) for t in text.split(",")]
+    elif ":" in text:
+        lo, hi = (_size(t) for t in text.split(":", 1))
+        if lo > hi:
+            raise ValueError(f"expecting MIN <= MAX, got {text!r}")
+        sizes = []
+        s = lo
+        while s <= hi:
+            sizes.append(s)
+            s *= 2
+    else:
+        sizes = [_size(text)]
+    if any(s < 1 for s in sizes):
+        raise ValueError(f"sizes must be positive, got {text!r}")
+    return sizes
+
+
+def parse_algorithms(values: list[str] | None, known: list[str]) -> list[str]:
+    """Names from repeated/comma-separated ``--algorithm`` values; ``all`` (or none) = all."""
+    names: list[str] = []
+    for v in values or ["all"]:
+        for name in filter(None, (t.strip() for t in v.split(","))):
+            for add in known if name == "all" else [name]:
+                if add not in known:
+                    raise ValueError(f"unknown algorithm {add!r}; known: {', '.join(known)}")
+                if add not in names:
+                    names.append(add)
+    return names
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every rank parses the same argv and exits alike; only rank 0 prints."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if _launcher_rank() == 0:
+            super()._print_message(message, file)
+
+
+def _launcher_rank() -> int:
+    for var in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m sparsecoll bench osu",
+        description=__doc__.split("\n\n")[0],
+        epilog="Sizes take binary suffixes (K, M, G). Example: -m 1M:64M --density 0.01 -c",
+    )
+    p.add_argument(
+        "-m",
+        "--message-size",
+        default="1M:16M",
+        metavar="MIN:MAX",
+        help="dense lengths n: MIN:MAX doubling, N, or a comma list (default 1M:16M)",
+    )
+    p.add_argument("-i", "--iterations", type=int, default=10, help="timed calls per size")
+    p.add_argument("-x", "--warmup", type=int, default=2, help="untimed calls first")
+    p.add_argument(
+        "-f",
+        "--full",
+        action="store_true",
+        help="full stats: min/max latency over ranks and iterations",
+    )
+    p.add_argument(
+        "-d",
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the buffers live (cuda: CuPy arrays)",
+    )
+    p.add_argument(
+        "-c",
+        "--validate",
+        action="store_true",
+        help="check every result against dense (the algorithm's verify())",
+    )
+    p.add_argument(
+        "--algorithm",
+        action="append",
+        metavar="NAME[,NAME]",
+        help="algorithms to run (repeatable, comma lists, 'all'; default all)",
+    )
+    p.add_argument("--density", type=float, default=0.01, help="nonzeros per rank / n")
+    p.add_argument("--overlap", choices=OVERLAPS, default="random")
+    p.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float32")
+    p.add_argument("--format", choices=("text", "csv", "json"), default="text")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="one algorithm instance for all calls of a size (steady state of "
+        "stateful algorithms); default: a fresh instance per call",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    try:
+        sizes = parse_sizes(args.message_size)
+        names = parse_algorithms(args.algorithm, available_algorithms())
+        if args.iterations < 1 or args.warmup < 0:
+            raise ValueError("expecting -i >= 1 and -x >= 0")
+        if not 0 <= args.density <= 1:
+            raise ValueError(f"expecting 0 <= density <= 1, got {args.density}")
+    except ValueError as exc:
+        p.error(str(exc))  # every rank parses the same argv: all exit alike
+    comm = Communicator()
+    xp = np
+    if args.device == "cuda":
+        xp = cupy_or_none()
+        if comm.allreduce_ints([xp is None], "max")[0]:
+            if comm.rank == 0:
+                print(
+                    "error: -d cuda needs CuPy and a CUDA device on every rank "
+                    "(pip install 'sparsecoll[gpu]')",
+                    file=sys.stderr,
+                )
+            return 2
+    rows = run_sweep(comm, args, sizes, names, xp)
+    if comm.rank == 0:
+        sys.stdout.write(render(rows, args, comm.size, names))
+        sys.stdout.flush()
+    return 0 if all(r["valid"] != "no" and not r["error"] for r in rows) else 1
+
+
+def run_sweep(comm: Communicator, args: Any, sizes: list[int], names: list[str], xp: Any):
+    """Time every (size, algorithm); return the rows (identical on every rank)."""
+    order = [BASELINE, *(a for a in names if a != BASELINE)]
+    total = len(sizes) * len(order)
+    dtype = np.dtype(args.dtype)
+    rows = []
+    t_start = time.monotonic()
+    step = 0
+    for n in sizes:
+        k = round(args.density * n)
+        vals, idx = make_problem(n, args.density, comm.rank, comm.size, args.overlap, dtype)
+        inputs = gather_inputs(comm, vals, idx, n) if args.validate else None
+        if xp is not np:
+            vals, idx = xp.asarray(vals), xp.asarray(idx)
+        reference = None
+        for name in order:
+            step += 1
+            t0 = time.monotonic()
+            row = measure(comm, args, name, vals, idx, n, k, dtype)
+            result = row.pop("_result")
+            if name == BASELINE:
+                reference = result
+                base = row
+            if args.validate and result is not None and reference is not None:
+                ok = verify_all(comm, name, result, reference, inputs, n, k)
+                row["valid"] = "yes" if ok else "no"
+            del result
+            if base["avg_us"] and row["avg_us"]:
+                row["speedup_vs_dense"] = round(base["avg_us"] / row["avg_us"], 4)
+            if base["bytes_per_rank"]:
+                row["bytes_vs_dense"] = round(row["bytes_per_rank"] / base["bytes_per_rank"], 6)
+            if name in names:
+                rows.append(row)
+            if comm.rank == 0 and not args.quiet:
+                done = time.monotonic() - t_start
+                eta = done / step * (total - step)
+                status = row["error"] or f"avg {row['avg_us'] / 1e3:.2f} ms"
+                print(
+                    f"[osu] {step}/{total} n={n} {name}: {status} "
+                    f"({time.monotonic() - t0:.1f} s; elapsed {done:.0f} s, "
+                    f"~{eta:.0f} s left)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        del vals, idx, reference, inputs
+    return rows
+
+
+def measure(
+    comm: Communicator, args: Any, name: str, vals: Any, idx: Any, n: int, k: int, dtype: np.dtype
+) -> dict[str, Any]:
+    """One row: latency over ranks, bytes and messages per rank (max over ranks)."""
+    row: dict[str, Any] = dict.fromkeys(FIELDS, "")
+    row.update(
+        algorithm=name,
+        exact=algorithm_class(name).exact,
+        P=comm.size,
+        n=n,
+        density=args.density,
+        k=k,
+        overlap=args.overlap,
+        dtype=str(dtype),
+        device=args.device,
+        iterations=args.iterations,
+        warmup=args.warmup,
+        avg_us=0.0,
+        _result=None,
+    )
+    try:
+        t = time_algorithm(
+            comm, name, vals, idx, n, k, args.iterations, args.warmup, reuse=args.reuse
+        )
+    except SparseCollError as exc:  # raised alike on every rank (collective checks)
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        row["avg_us"] = 0.0
+        return row
+    mean = float(np.mean(t.times))
+    per_rank = comm.allgather_object(mean)
+    per_iter = comm.allreduce_floats(t.times, "max")
+    s = t.stats
+    counts = [s.bytes_sent, s.bytes_recv, s.messages_sent, s.meta_bytes_sent, s.meta_messages_sent]
+    mx = comm.allreduce_ints(counts, "max")
+    sent_sum = int(comm.allreduce_ints([s.bytes_sent], "sum")[0])
+    row.update(
+        avg_us=_us(np.mean(per_rank)),
+        min_us=_us(np.min(per_rank)),
+        max_us=_us(np.max(per_rank)),
+        median_us=_us(np.median(per_iter)),
+        bytes_per_rank=int(mx[0]),
+        bytes_per_rank_avg=sent_sum / comm.size,
+        bytes_recv_per_rank=int(mx[1]),
+        messages_per_rank=int(mx[2]),
+        meta_bytes_per_rank=int(mx[3]),
+        meta_messages_per_rank=int(mx[4]),
+        result_nnz=t.result.nnz,
+        _result=t.result,
+    )
+    return row
+
+
+def _us(seconds: float) -> float:
+    return round(float(seconds) * 1e6, 3)
+
+
+def render(rows: list[dict[str, Any]], args: Any, nprocs: int, names: list[str]) -> str:
+    """The rows as text (OSU's shape), CSV or JSON."""
+    out = io.StringIO()
+    if args.format == "csv":
+        w = csv.DictWriter(out, fieldnames=FIELDS, lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+        return out.getvalue()
+    header = {
+        "test": "sparsecoll OSU-style sparse allreduce latency test",
+        "version": __version__,
+        "mpi_library": mpi_library_version(),
+        "P": nprocs,
+        "density": args.density,
+        "overlap": args.overlap,
+        "dtype": args.dtype,
+        "device": args.device,
+        "iterations": args.iterations,
+        "warmup": args.warmup,
+        "reuse": args.reuse,
+    }
+    if args.format == "json":
+        return json.dumps({"header": header, "results": rows}, indent=1) + "\n"
+    for name in names:
+        sel = [r for r in rows if r["algorithm"] == name]
+        kind = "exact" if algorithm_class(name).exact else "selecting"
+        print(f"# {header['test']} v{__version__}", file=out)
+        print(f"# MPI library: {header['mpi_library']}", file=out)
+        print(
+            f"# P: {nprocs}, algorithm: {name} ({kind}), density: {args.density}, "
+            f"overlap: {args.overlap}, dtype: {args.dtype}, device: {args.device}"
+            f"{', reused instance' if args.reuse else ''}",
+            file=out,
+        )
+        cols = f"{'# Size':<12}{'Avg Latency(us)':>18}"
+        if args.full:
+            cols += f"{'Min Latency(us)':>18}{'Max Latency(us)':>18}{'Iterations':>12}"
+        cols += f"{'Bytes/rank':>14}{'vs dense':>10}"
+        if args.validate:
+            cols += f"{'Validation':>12}"
+        print(cols, file=out)
+        for r in sel:
+            if r["error"]:
+                print(f"{r['n']:<12}  error: {r['error']}", file=out)
+                continue
+            line = f"{r['n']:<12}{r['avg_us']:>18.2f}"
+            if args.full:
+                line += f"{r['min_us']:>18.2f}{r['max_us']:>18.2f}{r['iterations']:>12}"
+            speed = r["speedup_vs_dense"]
+            line += f"{r['bytes_per_rank']:>14}{(f'{speed:.2f}x' if speed else '-'):>10}"
+            if args.validate:
+                line += f"{'Pass' if r['valid'] == 'yes' else 'FAIL':>12}"
+            print(line, file=out)
+        print(file=out)
+    return out.getvalue()

@@ -1,0 +1,487 @@
+"""Communicator: the one place that talks to MPI (mpi4py), with byte and message accounting.
+
+Accounting rules (payload, per rank; metadata such as counts and validation codes is kept
+apart in the ``meta_*`` fields):
+
+* point-to-point and ``alltoallv``: the bytes actually sent and received (self excluded);
+* ``allgatherv``: what a bandwidth-optimal (ring) allgather moves per rank: every other
+  rank's part is received, and the same volume is sent; ``ceil(log2 P)`` messages;
+* ``allreduce``: what a bandwidth-optimal (Rabenseifner/ring) allreduce moves per rank:
+  ``2 (P-1)/P`` of the buffer sent and received; ``2 ceil(log2 P)`` messages.
+
+Device (CuPy) buffers go straight to MPI when the library is CUDA-aware (the current
+stream is synchronized first) and are staged through pinned host memory otherwise; either
+way the bytes counted are the payload's, staging copies are not communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._array import cupy_or_none, get_array_module, is_device_array, pinned_empty, synchronize
+
+__all__ = ["CommStats", "Communicator", "Request", "mpi_library_version"]
+
+
+def _mpi() -> Any:
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:  # pragma: no cover - exercised only without mpi4py
+        raise RuntimeError(
+            "mpi4py is not available: pip install 'sparsecoll[mpi]' (or mpi4py built "
+            "against your site MPI)"
+        ) from exc
+    return MPI
+
+
+def mpi_library_version() -> str:
+    """First line of the MPI library's version string."""
+    return _mpi().Get_library_version().strip().splitlines()[0].strip()
+
+
+@dataclasses.dataclass
+class CommStats:
+    """Cumulative counters; subtract two snapshots to get the cost of what ran between."""
+
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    messages_sent: int = 0
+    messages_recv: int = 0
+    meta_bytes_sent: int = 0
+    meta_messages_sent: int = 0
+
+    def copy(self) -> CommStats:
+        return dataclasses.replace(self)
+
+    def __sub__(self, other: CommStats) -> CommStats:
+        return CommStats(
+            *(getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self))
+        )
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+class Request:
+    """A pending nonblocking operation; ``wait()`` completes it (and any device copy-back)."""
+
+    __slots__ = ("_done", "_finish", "_keep", "_req")
+
+    def __init__(
+        self, req: Any, finish: Callable[[], None] | None = None, keep: Any = None
+    ) -> None:
+        self._req = req
+        self._finish = finish
+        self._keep = keep  # a staged send buffer must outlive the request
+        self._done = False
+
+    def wait(self) -> None:
+        if not self._done:
+            self._req.Wait()
+            self._complete()
+
+    def _complete(self) -> None:
+        self._done = True
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        self._keep = None
+
+    @staticmethod
+    def waitall(requests: Sequence[Request]) -> None:
+        pending = [r for r in requests if not r._done]
+        if pending:
+            _mpi().Request.Waitall([r._req for r in pending])
+            for r in pending:
+                r._complete()
+
+    @staticmethod
+    def waitany(requests: Sequence[Request]) -> int:
+        """Wait for one of ``requests``; return its position (-1 when all are done)."""
+        live = [i for i, r in enumerate(requests) if not r._done]
+        if not live:
+            return -1
+        j = _mpi().Request.Waitany([requests[i]._req for i in live])
+        requests[live[j]]._complete()
+        return live[j]
+
+
+def _query_cuda_aware(comm: Any = None) -> bool:
+    """Whether the MPI library reads and writes CUDA device memory itself.
+
+    ``SPARSECOLL_CUDA_AWARE=0|1`` overrides. Otherwise ask the library: the
+    ``MPIX_Query_cuda_support()`` extension (Open MPI, MPICH >= 4), looked up through the
+    library mpi4py loaded (``dlsym`` on its module searches its dependencies, where a
+    global lookup would miss a library loaded with RTLD_LOCAL), then the MPI-4.1
+    memory-allocation-kinds info key of ``comm`` (``cuda`` among its kinds).
+    """
+    env = os.environ.get("SPARSECOLL_CUDA_AWARE")
+    if env is not None:
+        return env.strip().lower() in ("1", "true", "yes", "on")
+    MPI = _mpi()
+    try:
+        fn = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
+    except (AttributeError, OSError):
+        fn = None
+    if fn is not None:
+        fn.restype = ctypes.c_int
+        fn.argtypes = []
+        try:
+            if fn():
+                return True
+        except Exception:  # pragma: no cover - a broken extension counts as "no"
+            pass
+    kinds = _alloc_kinds(comm if comm is not None else MPI.COMM_WORLD)
+    return any(k.split(":")[0].strip() == "cuda" for k in kinds.split(","))
+
+
+def _alloc_kinds(comm: Any) -> str:
+    """The ``mpi_memory_alloc_kinds`` info value of ``comm`` ('' when absent)."""
+    try:
+        info = comm.Get_info()
+    except Exception:  # pragma: no cover - MPI < 4
+        return ""
+    try:
+        value = info.Get("mpi_memory_alloc_kinds")
+    except Exception:  # pragma: no cover
+        value = None
+    finally:
+        info.Free()
+    if isinstance(value, tuple):  # mpi4py 3 returns (value, flag)
+        value = value[0] if value[1] else None
+    return str(value or "").lower()
+
+
+class Communicator:
+    """Wrap an mpi4py ``Intracomm`` (default: COMM_WORLD) for sparsecoll's algorithms.
+
+    Buffers are numpy or CuPy arrays; point-to-point payloads travel as raw bytes, so any
+    dtype (float16 included) passes unchanged.
+    """
+
+    def __init__(self, comm: Any = None) -> None:
+        MPI = _mpi()
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        if isinstance(comm, Communicator):
+            comm = comm.mpi_comm
+        if not isinstance(comm, MPI.Intracomm):
+            raise TypeError(
+                f"comm must be an mpi4py Intracomm or a sparsecoll.Communicator, "
+                f"got {type(comm).__name__}"
+            )
+        self.mpi_comm = comm
+        self.rank: int = comm.Get_rank()
+        self.size: int = comm.Get_size()
+        self.stats = CommStats()
+        self.last_stats = CommStats()  # what the last sparsecoll.allreduce moved
+        self._cuda_aware: bool | None = None
+
+    @classmethod
+    def wrap(cls, comm: Any) -> Communicator:
+        """Return ``comm`` if it already is a Communicator, else wrap it."""
+        return comm if isinstance(comm, Communicator) else cls(comm)
+
+    # -- accounting ---------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        self.stats = CommStats()
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[CommStats]:
+        """Context manager yielding a CommStats filled with what ran inside it."""
+        before = self.stats.copy()
+        out = CommStats()
+        try:
+            yield out
+        finally:
+            delta = self.stats - before
+            for f in dataclasses.fields(out):
+                setattr(out, f.name, getattr(delta, f.name))
+
+    def _log2(self) -> int:
+        return math.ceil(math.log2(self.size)) if self.size > 1 else 0
+
+    @property
+    def cuda_aware(self) -> bool:
+        """Whether device buffers go to MPI directly (else they are staged through pinned
+        host memory). Detected on first use (see :func:`_query_cuda_aware`); assignable."""
+        if self._cuda_aware is None:
+            self._cuda_aware = _query_cuda_aware(self.mpi_comm)
+        return self._cuda_aware
+
+    @cuda_aware.setter
+    def cuda_aware(self, value: bool) -> None:
+        self._cuda_aware = bool(value)
+
+    # -- buffers ------------------------------------------------------------------------
+    def _send_view(self, buf: Any) -> Any:
+        """A contiguous byte view of ``buf`` that MPI may read.
+
+        Device data goes as is to a CUDA-aware MPI, after the current stream is synchronized
+        (so every kernel that wrote it has finished); otherwise it is copied into a pinned
+        host buffer first (a blocking copy on the current stream, ordered after those kernels).
+        """
+        if is_device_array(buf):
+            buf = get_array_module(buf).ascontiguousarray(buf).reshape(-1).view(np.uint8)
+            if self.cuda_aware:
+                synchronize()
+                return buf
+            host = pinned_empty(buf.shape[0])
+            if host.shape[0]:
+                buf.get(out=host)
+            return host
+        return np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+
+    def _recv_view(self, buf: Any) -> tuple[Any, Callable[[], None] | None]:
+        """A byte view MPI may write into ``buf``, and the step that completes it (copying
+        staged bytes to the device) to run once MPI is done; None when there is none."""
+        if not buf.flags.c_contiguous:
+            raise ValueError("receive buffers must be contiguous")
+        flat = buf.reshape(-1).view(np.uint8)
+        if not is_device_array(buf):
+            return flat, None
+        if self.cuda_aware:
+            synchronize()  # no queued kernel may still use the memory MPI writes
+            return flat, None
+        host = pinned_empty(flat.shape[0])
+
+        def finish() -> None:
+            if host.shape[0]:
+                stream = cupy_or_none().cuda.get_current_stream()
+                flat.set(host, stream=stream)
+                stream.synchronize()  # the pinned buffer is released after this
+
+        return host, finish
+
+    @staticmethod
+    def _nbytes(buf: Any) -> int:
+        return int(buf.nbytes)
+
+    # -- point-to-point -----------------------------------------------------------------
+    def send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        self.mpi_comm.Send(self._send_view(buf), dest, tag)
+        self._count_send(buf, dest)
+
+    def recv(self, buf: Any, source: int, tag: int = 0) -> None:
+        view, finish = self._recv_view(buf)
+        self.mpi_comm.Recv(view, source, tag)
+        if finish:
+            finish()
+        self._count_recv(buf, source)
+
+    def isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
+        view = self._send_view(buf)
+        req = self.mpi_comm.Isend(view, dest, tag)
+        self._count_send(buf, dest)
+        return Request(req, keep=view)
+
+    def irecv(self, buf: Any, source: int, tag: int = 0) -> Request:
+        view, finish = self._recv_view(buf)
+        req = self.mpi_comm.Irecv(view, source, tag)
+        self._count_recv(buf, source)
+        return Request(req, finish)
+
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
+        view, finish = self._recv_view(recvbuf)
+        self.mpi_comm.Sendrecv(self._send_view(sendbuf), dest, tag, view, source, tag)
+        if finish:
+            finish()
+        self._count_send(sendbuf, dest)
+        self._count_recv(recvbuf, source)
+
+    def recv_bytes(self, source: int, tag: int = 0, xp: Any = np) -> Any:
+        """Receive a message of unknown length from ``source`` as a uint8 array of module
+        ``xp`` (numpy, or cupy to land it on the device)."""
+        MPI = _mpi()
+        status = MPI.Status()
+        msg = self.mpi_comm.Mprobe(source, tag, status)
+        buf = xp.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+        view, finish = self._recv_view(buf)
+        msg.Recv(view)
+        if finish:
+            finish()
+        self._count_recv(buf, source)
+        return buf
+
+    def _count_send(self, buf: Any, dest: int) -> None:
+        if dest != self.rank:
+            self.stats.bytes_sent += self._nbytes(buf)
+            self.stats.messages_sent += 1
+
+    def _count_recv(self, buf: Any, source: int) -> None:
+        if source != self.rank:
+            self.stats.bytes_recv += self._nbytes(buf)
+            self.stats.messages_recv += 1
+
+    # -- payload collectives ------------------------------------------------------------
+    def allgatherv(self, sendbuf: Any, counts: Sequence[int] | None = None) -> tuple[Any, list[int]]:
+        """Gather every rank's 1-D ``sendbuf`` (concatenated in rank order) on every rank.
+
+        ``counts`` (elements per rank) may be given when every rank already knows them;
+        otherwise they are exchanged first as metadata. Returns ``(recvbuf, counts)``.
+        """
+        if counts is None:
+            counts = self.allgather_ints(int(sendbuf.shape[0]))
+        counts = [int(c) for c in counts]
+        total = sum(counts)
+        out = get_array_module(sendbuf).empty(total, dtype=sendbuf.dtype)
+        item = sendbuf.dtype.itemsize
+        if self.size == 1:
+            out[...] = sendbuf
+            return out, counts
+        rview, finish = self._recv_view(out)
+        bcounts = [c * item for c in counts]
+        displs = np.concatenate(([0], np.cumsum(bcounts)[:-1])).tolist()
+        MPI = _mpi()
+        self.mpi_comm.Allgatherv(
+            [self._send_view(sendbuf), MPI.BYTE], [rview, (bcounts, displs), MPI.BYTE]
+        )
+        if finish:
+            finish()
+        self._count_allgatherv((total - counts[self.rank]) * item)
+        return out, counts
+
+    def _count_allgatherv(self, others: int) -> None:
+        self.stats.bytes_sent += others
+        self.stats.bytes_recv += others
+        self.stats.messages_sent += self._log2()
+        self.stats.messages_recv += self._log2()
+
+    def alltoallv(self, sendbuf: Any, sendcounts: Sequence[int]) -> tuple[Any, list[int]]:
+        """Send ``sendcounts[j]`` consecutive elements of ``sendbuf`` to rank j.
+
+        Receive counts are exchanged first as metadata. Returns ``(recvbuf, recvcounts)``.
+        """
+        sendcounts = [int(c) for c in sendcounts]
+        recvcounts = self.alltoall_ints(sendcounts)
+        out = get_array_module(sendbuf).empty(sum(recvcounts), dtype=sendbuf.dtype)
+        item = sendbuf.dtype.itemsize
+        sb = [c * item for c in sendcounts]
+        rb = [c * item for c in recvcounts]
+        sd = np.concatenate(([0], np.cumsum(sb)[:-1])).tolist()
+        rd = np.concatenate(([0], np.cumsum(rb)[:-1])).tolist()
+        rview, finish = self._recv_view(out)
+        MPI = _mpi()
+        self.mpi_comm.Alltoallv(
+            [self._send_view(sendbuf), (sb, sd), MPI.BYTE], [rview, (rb, rd), MPI.BYTE]
+        )
+        if finish:
+            finish()
+        self._count_alltoallv(sb, rb)
+        return out, recvcounts
+
+    def _count_alltoallv(self, sb: list[int], rb: list[int]) -> None:
+        me = self.rank
+        self.stats.bytes_sent += sum(sb) - sb[me]
+        self.stats.bytes_recv += sum(rb) - rb[me]
+        self.stats.messages_sent += sum(1 for j, c in enumerate(sb) if c and j != me)
+        self.stats.messages_recv += sum(1 for j, c in enumerate(rb) if c and j != me)
+
+    def allreduce(self, buf: Any) -> Any:
+        """Sum a dense float array over all ranks (MPI_Allreduce); returns a new array.
+
+        float16 is summed in float32 (MPI has no portable half type); the bytes counted
+        are the float32 bytes actually moved.
+        """
+        MPI = _mpi()
+        orig = buf.dtype
+        xp = get_array_module(buf)
+        work = xp.ascontiguousarray(buf.astype(np.float32) if orig == np.float16 else buf)
+        out = xp.empty_like(work)
+        if self.size == 1:
+            out[...] = work
+        else:
+            mpitype = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}
+            count = int(work.size)
+            rview, finish = self._recv_view(out)
+            self.mpi_comm.Allreduce(
+                [self._send_view(work), count, mpitype[work.dtype]],
+                [rview, count, mpitype[work.dtype]],
+                MPI.SUM,
+            )
+            if finish:
+                finish()
+            self._count_allreduce(work.nbytes)
+        return out.astype(orig) if orig == np.float16 else out
+
+    def _count_allreduce(self, nbytes: int) -> None:
+        moved = 2 * (self.size - 1) * nbytes // self.size
+        self.stats.bytes_sent += moved
+        self.stats.bytes_recv += moved
+        self.stats.messages_sent += 2 * self._log2()
+        self.stats.messages_recv += 2 * self._log2()
+
+    # -- metadata (small, host) -----------------------------------------------------------
+    def _meta(self, nbytes: int, messages: int) -> None:
+        if self.size > 1:
+            self.stats.meta_bytes_sent += nbytes
+            self.stats.meta_messages_sent += messages
+
+    def allreduce_ints(self, values: Sequence[int] | np.ndarray, op: str = "sum") -> np.ndarray:
+        """Reduce a small int64 vector over all ranks with ``op`` in sum/max/min."""
+        MPI = _mpi()
+        a = np.ascontiguousarray(values, dtype=np.int64)
+        out = np.empty_like(a)
+        self.mpi_comm.Allreduce(a, out, {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
+        self._meta(2 * a.nbytes, 2 * self._log2())
+        return out
+
+    def allreduce_floats(self, values: Sequence[float] | np.ndarray, op: str = "sum") -> np.ndarray:
+        """Reduce a small float64 vector over all ranks with ``op`` in sum/max/min."""
+        MPI = _mpi()
+        a = np.ascontiguousarray(values, dtype=np.float64)
+        out = np.empty_like(a)
+        self.mpi_comm.Allreduce(a, out, {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
+        self._meta(2 * a.nbytes, 2 * self._log2())
+        return out
+
+    def allgather_ints(self, value: int | Sequence[int]) -> Any:
+        """Gather one int (or a fixed-length int vector) from every rank: list or (P, m) array."""
+        scalar = np.ndim(value) == 0
+        a = np.ascontiguousarray(np.atleast_1d(np.asarray(value, dtype=np.int64)))
+        out = np.empty((self.size, a.shape[0]), dtype=np.int64)
+        self.mpi_comm.Allgather(a, out)
+        self._meta(a.nbytes * (self.size - 1), self._log2())
+        return out[:, 0].tolist() if scalar else out
+
+    def alltoall_ints(self, values: Sequence[int]) -> list[int]:
+        """Send ``values[j]`` to rank j; return what every rank sent to this one."""
+        a = np.ascontiguousarray(values, dtype=np.int64)
+        out = np.empty_like(a)
+        self.mpi_comm.Alltoall(a, out)
+        self._meta(a.nbytes * (self.size - 1) // max(self.size, 1), self.size - 1)
+        return out.tolist()
+
+    def sendrecv_ints(self, values: int | Sequence[int], dest: int, source: int, tag: int = 0):
+        """Send a few ints to ``dest`` while receiving as many from ``source`` (metadata:
+        e.g. the size of the payload that follows, so no probe is needed)."""
+        scalar = np.ndim(values) == 0
+        a = np.atleast_1d(np.asarray(values, dtype=np.int64))
+        out = np.empty_like(a)
+        self.mpi_comm.Sendrecv(a, dest, tag, out, source, tag)
+        if dest != self.rank:
+            self._meta(a.nbytes, 1)
+        return int(out[0]) if scalar else out.tolist()
+
+    def bcast_object(self, obj: Any, root: int) -> Any:
+        """Broadcast a small picklable object (error reports, configuration)."""
+        return self.mpi_comm.bcast(obj, root=root)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Gather a small picklable object from every rank."""
+        return self.mpi_comm.allgather(obj)
+
+    def barrier(self) -> None:
+        self.mpi_comm.Barrier()
+
+    @staticmethod
+    def wtime() -> float:
+        return float(_mpi().Wtime())

@@ -1,0 +1,31 @@
+"""Exception types raised by sparsecoll."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AlgorithmExistsError",
+    "CollectiveInputError",
+    "CollectiveTypeError",
+    "SparseCollError",
+    "UnknownAlgorithmError",
+]
+
+
+class SparseCollError(Exception):
+    """Base class of every error sparsecoll raises on purpose."""
+
+
+class UnknownAlgorithmError(SparseCollError, ValueError):
+    """An algorithm name that is not in the registry."""
+
+
+class AlgorithmExistsError(SparseCollError, ValueError):
+    """An algorithm name registered twice."""
+
+
+class CollectiveInputError(SparseCollError, ValueError):
+    """Input rejected on some rank; raised on every rank of the communicator."""
+
+
+class CollectiveTypeError(SparseCollError, TypeError):
+    """Input of the wrong type on some rank; raised on every rank of the communicator."""

@@ -1,0 +1,217 @@
+"""PyTorch DistributedDataParallel: a communication hook that reduces each gradient bucket with
+a :class:`sparsecoll.training.GradientReducer` over MPI, and a gloo process group from MPI.
+
+Three lines in a training script (after the model is built)::
+
+    from sparsecoll.integrations import torch as sc_torch
+    sc_torch.init_process_group()                       # gloo, rank/size from MPI
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(sc_torch.SparseHookState(density=0.01, algorithm="exdyna"),
+                           sc_torch.sparse_allreduce_hook)
+
+DDP needs a torch process group even when the hook does all the gradient traffic (it
+broadcasts the initial parameters and checks their shapes through it): gloo is enough.
+DDP rebuilds its buckets after the first iteration (in the order gradients became ready), so
+the hook reduces densely for ``warmup`` iterations (at least one) before it gives each bucket
+its own reducer (with its own residual); a bucket whose layout changes later gets a fresh
+reducer, with a warning, and the old residual is dropped.
+Torch is imported only when these functions are used.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from typing import Any
+
+from .._array import as_array
+from ..comm import CommStats, Communicator
+from ..training import GradientReducer
+
+__all__ = ["SparseHookState", "init_process_group", "sparse_allreduce_hook"]
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise RuntimeError("PyTorch is not available: pip install 'sparsecoll[torch]'") from exc
+    return torch
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def init_process_group(
+    comm: Any = None,
+    backend: str = "gloo",
+    *,
+    addr: str | None = None,
+    port: int | None = None,
+    **kwargs: Any,
+) -> None:
+    """Initialize ``torch.distributed`` with the rank and size of the MPI communicator.
+
+    Rank 0 picks the rendezvous address and a free TCP port and broadcasts them over MPI.
+    The address is, in order: ``addr``, the environment's ``MASTER_ADDR``, 127.0.0.1 when
+    every rank runs on the same host, else rank 0's host name resolved. ``kwargs`` go to
+    ``torch.distributed.init_process_group`` (e.g. ``timeout``).
+    """
+    _torch()
+    import torch.distributed as dist
+
+    c = Communicator.wrap(comm)
+    if dist.is_initialized():
+        raise RuntimeError("a torch process group is already initialized")
+    hosts = c.allgather_object(socket.gethostname())
+    info = None
+    if c.rank == 0:
+        host = addr or os.environ.get("MASTER_ADDR")
+        if host is None:
+            same = all(h == hosts[0] for h in hosts)
+            host = "127.0.0.1" if same else socket.gethostbyname(hosts[0])
+        info = (host, port or _free_port("127.0.0.1" if host == "127.0.0.1" else ""))
+    host, port = c.bcast_object(info, 0)
+    dist.init_process_group(
+        backend, init_method=f"tcp://{host}:{port}", rank=c.rank, world_size=c.size, **kwargs
+    )
+
+
+class SparseHookState:
+    """State of :func:`sparse_allreduce_hook`: one GradientReducer per DDP bucket.
+
+    Args:
+        comm: an mpi4py Intracomm or a sparsecoll Communicator (default: COMM_WORLD).
+        algorithm, density: as for :class:`~sparsecoll.training.GradientReducer`.
+        warmup: iterations reduced densely first (>= 1: DDP's buckets change after the first).
+        **options: more GradientReducer options (``error_feedback``, algorithm options).
+
+    Every rank must build the same state. ``stats()`` sums the byte counts over buckets;
+    ``state_dict()``/``load_state_dict()`` save and restore every bucket's reducer.
+    """
+
+    __slots__ = (
+        "_dense_stats",
+        "_layouts",
+        "_pending",
+        "algorithm",
+        "comm",
+        "density",
+        "iteration",
+        "options",
+        "reducers",
+        "warmup",
+    )
+
+    def __init__(
+        self,
+        comm: Any = None,
+        algorithm: str = "allgather",
+        density: float = 0.01,
+        *,
+        warmup: int = 1,
+        **options: Any,
+    ) -> None:
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(
+                f"warmup must be an integer >= 1 (DDP rebuilds its buckets after the first "
+                f"iteration, so the first one is reduced densely), got {warmup!r}"
+            )
+        if "average" in options or "warmup" in options:
+            raise TypeError("the hook always averages and handles the warm-up itself")
+        self.comm = Communicator.wrap(comm)
+        self.algorithm = algorithm
+        self.density = float(density)
+        self.warmup = warmup
+        self.options = options
+        self.iteration = 0
+        self.reducers: dict[int, GradientReducer] = {}
+        self._layouts: dict[int, tuple[int, str]] = {}
+        self._pending: dict[int, dict[str, Any]] = {}
+        self._dense_stats = CommStats()
+        # fail early, on every rank alike, on a bad algorithm name or option
+        GradientReducer(self.comm, 1, algorithm, self.density, **options)
+
+    def reducer(self, index: int, numel: int, dtype: str) -> GradientReducer:
+        """The reducer of bucket ``index`` (built on first use, rebuilt if its layout changed)."""
+        layout = (numel, dtype)
+        red = self.reducers.get(index)
+        if red is not None and self._layouts[index] != layout:
+            warnings.warn(
+                f"DDP bucket {index} changed from {self._layouts[index]} to {layout} after "
+                f"the warm-up; its residual is dropped",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            red = None
+        if red is None:
+            red = GradientReducer(self.comm, numel, self.algorithm, self.density, **self.options)
+            saved = self._pending.pop(index, None)
+            if saved is not None and saved["n"] == numel:
+                red.load_state_dict(saved)
+            self.reducers[index] = red
+            self._layouts[index] = layout
+        return red
+
+    def stats(self) -> dict[str, Any]:
+        """Iterations, bytes per rank (warm-up included) and densities over every bucket."""
+        reds = list(self.reducers.values())
+        sent = self._dense_stats.bytes_sent + sum(r.stats()["bytes_sent_total"] for r in reds)
+        recv = self._dense_stats.bytes_recv + sum(r.stats()["bytes_recv_total"] for r in reds)
+        n = sum(r.n for r in reds)
+        last = sum(r.stats()["achieved_density"] * r.n for r in reds)
+        return {
+            "iterations": self.iteration,
+            "buckets": len(reds),
+            "parameters": n,
+            "requested_density": self.density,
+            "achieved_density": last / n if n else 0.0,
+            "bytes_sent_total": sent,
+            "bytes_recv_total": recv,
+            "bytes_sent_last": sum(r.stats()["bytes_sent"] for r in reds),
+            "dense_bytes_per_iteration": sum(r.stats()["dense_bytes"] for r in reds),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "iteration": self.iteration,
+            "reducers": {i: r.state_dict() for i, r in self.reducers.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore; each bucket's reducer is rebuilt when the bucket next comes by."""
+        self.iteration = int(state["iteration"])
+        self.reducers.clear()
+        self._layouts.clear()
+        self._pending = dict(state["reducers"])
+
+
+# DDP checks a hook's annotations against dist.GradBucket / Future[Tensor] at registration;
+# bucket and return stay unannotated so that torch need not be imported to define the hook.
+def sparse_allreduce_hook(state: SparseHookState, bucket):
+    """DDP communication hook: average the bucket's gradients with sparse allreduce.
+
+    Returns a completed ``torch.futures.Future`` holding the bucket's buffer, overwritten
+    with the averaged update (the same on every rank).
+    """
+    torch = _torch()
+    buf = bucket.buffer()
+    if state.iteration < state.warmup:
+        arr, _ = as_array(buf, "bucket")
+        with state.comm.measure() as st:
+            total = state.comm.allreduce(arr)
+        for f in ("bytes_sent", "bytes_recv", "messages_sent", "meta_bytes_sent"):
+            setattr(state._dense_stats, f, getattr(state._dense_stats, f) + getattr(st, f))
+        arr[...] = total / state.comm.size
+    else:
+        red = state.reducer(bucket.index(), int(buf.numel()), str(buf.dtype))
+        buf.copy_(red.step(buf).reshape(buf.shape))
+    if bucket.is_last():
+        state.iteration += 1
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut

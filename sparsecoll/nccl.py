@@ -1,0 +1,174 @@
+"""NCCLCommunicator: a Communicator whose bulk collectives on device buffers run on NCCL.
+
+With CuPy buffers, the payload of ``allgatherv`` (grouped ncclBroadcast, one per rank with
+data), ``alltoallv`` (grouped ncclSend/ncclRecv) and ``allreduce`` (ncclAllReduce) moves
+over NCCL (``cupy.cuda.nccl``; ``pip install 'sparsecoll[gpu]'``). Everything else stays on
+MPI: the counts exchanged before a payload, metadata and validation, host buffers, and
+point-to-point messages (NCCL has no tags and no probe, and a blocking ncclSend waits for a
+matching ncclRecv on the peer's stream, so MPI-style send/recv ordering could deadlock).
+Each NCCL call runs on CuPy's current stream, after the kernels queued there, and the
+stream is synchronized before the call returns. Byte accounting follows the MPI rules.
+
+NCCL needs one GPU per rank: the constructor checks that no two ranks share a GPU and
+raises ValueError on every rank if they do (pick the device per rank first, e.g.
+``cupy.cuda.Device(local_rank).use()``). With several ranks on one GPU use the plain
+Communicator, which stages device buffers through pinned host memory.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._array import cupy_or_none, is_device_array, nccl_or_none
+from .comm import Communicator
+
+__all__ = ["NCCLCommunicator", "nccl_available"]
+
+
+def nccl_available() -> bool:
+    """Whether CuPy, a GPU and the NCCL library are usable in this process."""
+    return nccl_or_none() is not None
+
+
+def _offsets(counts: Sequence[int]) -> list[int]:
+    return np.concatenate(([0], np.cumsum(counts, dtype=np.int64)[:-1])).tolist()
+
+
+class NCCLCommunicator(Communicator):
+    """A :class:`Communicator` that moves device payloads of collectives over NCCL.
+
+    Built collectively on every rank of ``comm`` (an mpi4py Intracomm, default COMM_WORLD,
+    or a Communicator), each rank on its current CuPy device. Raises RuntimeError on every
+    rank when a rank lacks CuPy or NCCL, ValueError when two ranks share a GPU.
+    """
+
+    def __init__(self, comm: Any = None) -> None:
+        super().__init__(comm)
+        cp, nccl = cupy_or_none(), nccl_or_none()
+        error, where = None, None
+        if cp is None:
+            error = "CuPy with a CUDA device is not available"
+        elif nccl is None:
+            error = "NCCL is not available to CuPy (pip install 'sparsecoll[gpu]')"
+        else:
+            try:
+                where = (socket.gethostname(), str(cp.cuda.Device().pci_bus_id))
+            except Exception as exc:
+                error = f"cannot identify the current GPU: {exc}"
+        every = self.allgather_object((error, where))
+        for r, (e, _) in enumerate(every):
+            if e:
+                raise RuntimeError(f"{e} on rank {r}")
+        owner: dict[Any, int] = {}
+        for r, (_, w) in enumerate(every):
+            if w in owner:
+                raise ValueError(
+                    f"NCCL needs one GPU per rank: ranks {owner[w]} and {r} share GPU "
+                    f"{w[1]} on {w[0]}; select a device per rank or use Communicator"
+                )
+            owner[w] = r
+        uid = self.bcast_object(nccl.get_unique_id() if self.rank == 0 else None, 0)
+        self._nccl = nccl
+        self.nccl_comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+
+    def close(self) -> None:
+        """Free the NCCL communicator (collective; the MPI communicator stays usable)."""
+        if self.nccl_comm is not None:
+            self.nccl_comm.destroy()
+            self.nccl_comm = None
+
+    # -- helpers ------------------------------------------------------------------------
+    @staticmethod
+    def _stream() -> Any:
+        return cupy_or_none().cuda.get_current_stream()
+
+    @staticmethod
+    def _bytes(a: Any) -> Any:
+        return cupy_or_none().ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+    def _live(self) -> Any:
+        if self.nccl_comm is None:
+            raise RuntimeError("the NCCL communicator was closed")
+        return self.nccl_comm
+
+    # -- payload collectives ------------------------------------------------------------
+    def allgatherv(
+        self, sendbuf: Any, counts: Sequence[int] | None = None
+    ) -> tuple[Any, list[int]]:
+        if not is_device_array(sendbuf):
+            return super().allgatherv(sendbuf, counts)
+        cp, nccl, nc = cupy_or_none(), self._nccl, self._live()
+        if counts is None:
+            counts = self.allgather_ints(int(sendbuf.shape[0]))
+        counts = [int(c) for c in counts]
+        item = sendbuf.dtype.itemsize
+        total = sum(counts)
+        out = cp.empty(total, dtype=sendbuf.dtype)
+        send, recv = self._bytes(sendbuf), out.reshape(-1).view(np.uint8)
+        displs = _offsets([c * item for c in counts])
+        stream = self._stream()
+        nccl.groupStart()
+        try:
+            for r, c in enumerate(counts):
+                if c:
+                    dst = recv.data.ptr + displs[r]
+                    src = send.data.ptr if r == self.rank else dst
+                    nc.broadcast(src, dst, c * item, nccl.NCCL_UINT8, r, stream.ptr)
+        finally:
+            nccl.groupEnd()
+        stream.synchronize()
+        self._count_allgatherv((total - counts[self.rank]) * item)
+        return out, counts
+
+    def alltoallv(self, sendbuf: Any, sendcounts: Sequence[int]) -> tuple[Any, list[int]]:
+        if not is_device_array(sendbuf):
+            return super().alltoallv(sendbuf, sendcounts)
+        cp, nccl, nc = cupy_or_none(), self._nccl, self._live()
+        sendcounts = [int(c) for c in sendcounts]
+        recvcounts = self.alltoall_ints(sendcounts)
+        item = sendbuf.dtype.itemsize
+        out = cp.empty(sum(recvcounts), dtype=sendbuf.dtype)
+        send, recv = self._bytes(sendbuf), out.reshape(-1).view(np.uint8)
+        sb = [c * item for c in sendcounts]
+        rb = [c * item for c in recvcounts]
+        sd, rd = _offsets(sb), _offsets(rb)
+        me = self.rank
+        if sb[me]:
+            recv[rd[me] : rd[me] + rb[me]] = send[sd[me] : sd[me] + sb[me]]
+        stream = self._stream()
+        nccl.groupStart()
+        try:
+            for j in range(self.size):
+                if j == me:
+                    continue
+                if sb[j]:
+                    nc.send(send.data.ptr + sd[j], sb[j], nccl.NCCL_UINT8, j, stream.ptr)
+                if rb[j]:
+                    nc.recv(recv.data.ptr + rd[j], rb[j], nccl.NCCL_UINT8, j, stream.ptr)
+        finally:
+            nccl.groupEnd()
+        stream.synchronize()
+        self._count_alltoallv(sb, rb)
+        return out, recvcounts
+
+    def allreduce(self, buf: Any) -> Any:
+        if not is_device_array(buf):
+            return super().allreduce(buf)
+        cp, nccl, nc = cupy_or_none(), self._nccl, self._live()
+        orig = buf.dtype
+        work = cp.ascontiguousarray(buf.astype(np.float32) if orig == np.float16 else buf)
+        out = cp.empty_like(work)
+        dtype = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64}
+        if work.size:
+            stream = self._stream()
+            nc.allReduce(
+                work.data.ptr, out.data.ptr, work.size, dtype[work.dtype], nccl.NCCL_SUM, stream.ptr
+            )
+            stream.synchronize()
+        if self.size > 1:
+            self._count_allreduce(work.nbytes)
+        return out.astype(orig) if orig == np.float16 else out

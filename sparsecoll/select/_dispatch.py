@@ -1,0 +1,171 @@
+"""The dispatch behind ``sparsecoll.select``: validation, backend choice, result wrapping."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .._array import as_array, get_array_module
+from ..sparse import VALUE_DTYPES, SparseVector
+from ._common import round_threshold
+
+__all__ = [
+    "BACKEND_FUNCTIONS",
+    "backend",
+    "count_ge",
+    "kth_largest_abs",
+    "moments",
+    "set_backend",
+    "threshold",
+    "threshold_sparse",
+    "topk",
+    "topk_sparse",
+    "use_backend",
+    "warmup",
+]
+
+# What every backend module provides (the GPU module included).
+BACKEND_FUNCTIONS = ("topk", "threshold", "count_ge", "kth_largest_abs", "moments")
+
+_CPU_BACKENDS = ("numba", "numpy")
+_choice: str | None = "numpy" if os.environ.get("SPARSECOLL_NO_NUMBA") == "1" else None
+
+
+def _load(name: str) -> Any:
+    return importlib.import_module(f"{__package__}._{name}")
+
+
+def _cpu() -> Any:
+    if _choice == "numpy":
+        return _load("numpy")
+    try:
+        return _load("numba")
+    except ImportError:
+        if _choice == "numba":
+            raise
+        return _load("numpy")
+
+
+def backend() -> str:
+    """The CPU backend in use: ``"numba"`` or ``"numpy"``."""
+    return _cpu().__name__.rsplit("_", 1)[-1]
+
+
+def set_backend(name: str | None) -> None:
+    """Choose the CPU backend: ``"numba"``, ``"numpy"``, or None for automatic (Numba when
+    it imports)."""
+    global _choice
+    if name is not None and name not in _CPU_BACKENDS:
+        raise ValueError(f"backend must be one of {_CPU_BACKENDS} or None, got {name!r}")
+    _choice = name
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Use the CPU backend ``name`` inside a with block."""
+    old = _choice
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(old)
+
+
+def _prepare(x: Any) -> tuple[Any, Any, Any]:
+    """Return (array, backend module, wrap) for a validated 1-D float input."""
+    arr, wrap = as_array(x, "x")
+    if getattr(arr, "ndim", None) != 1:
+        raise ValueError(f"x must be 1-D, got shape {getattr(arr, 'shape', None)}")
+    if arr.dtype not in VALUE_DTYPES:
+        raise TypeError(f"x must be float16, float32 or float64, got {arr.dtype}")
+    if isinstance(arr, np.ndarray):
+        return np.ascontiguousarray(arr), _cpu(), wrap
+    return get_array_module(arr).ascontiguousarray(arr), _load("cupy"), wrap
+
+
+def _check_k(k: Any, lo: int, n: int) -> int:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise TypeError(f"k must be an integer, got {type(k).__name__}")
+    if not lo <= k <= n:
+        raise ValueError(f"k must be in [{lo}, {n}], got {k}")
+    return int(k)
+
+
+def _check_t(t: Any, dtype: Any) -> float:
+    if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
+        raise TypeError(f"t must be a real number, got {type(t).__name__}")
+    tf = float(t)
+    if tf != tf:
+        raise ValueError("t must not be NaN")
+    return round_threshold(tf, dtype)
+
+
+def topk(x: Any, k: int) -> tuple[Any, Any]:
+    """The k entries of largest |x|, exactly; ties go to the lower index.
+
+    Returns:
+        (indices, values): indices ascending (``index_dtype(n)``), values = x[indices].
+    Raises:
+        ValueError: k outside [0, n], or x holds a NaN.
+        TypeError: x not a 1-D float16/32/64 array, or k not an integer.
+    """
+    arr, mod, wrap = _prepare(x)
+    k = _check_k(k, 0, arr.shape[0])
+    idx, vals = mod.topk(arr, k)
+    return wrap(idx), wrap(vals)
+
+
+def threshold(x: Any, t: float) -> tuple[Any, Any]:
+    """Every entry with |x| >= t (exact comparison), indices ascending.
+
+    Equals ``np.flatnonzero(np.abs(x) >= t)`` whenever t is representable in x's dtype.
+    """
+    arr, mod, wrap = _prepare(x)
+    idx, vals = mod.threshold(arr, _check_t(t, arr.dtype))
+    return wrap(idx), wrap(vals)
+
+
+def count_ge(x: Any, t: float) -> int:
+    """How many entries have |x| >= t (exact comparison)."""
+    arr, mod, _ = _prepare(x)
+    return int(mod.count_ge(arr, _check_t(t, arr.dtype)))
+
+
+def kth_largest_abs(x: Any, k: int) -> float:
+    """The k-th largest |x| (1 <= k <= n), as a Python float (exact for every dtype)."""
+    arr, mod, _ = _prepare(x)
+    k = _check_k(k, 1, arr.shape[0])
+    return float(mod.kth_largest_abs(arr, k))
+
+
+def moments(x: Any) -> tuple[float, float]:
+    """Mean and (population) standard deviation of x, accumulated in float64."""
+    arr, mod, _ = _prepare(x)
+    if arr.shape[0] == 0:
+        raise ValueError("moments of an empty array")
+    mean, std = mod.moments(arr)
+    return float(mean), float(std)
+
+
+def topk_sparse(v: SparseVector, k: int) -> SparseVector:
+    """The k entries of ``v`` with largest |value| (ties to the lower index), coalesced."""
+    pos, vals = topk(v.values, k)
+    return SparseVector(v.indices[pos], vals, v.n)
+
+
+def threshold_sparse(v: SparseVector, t: float) -> SparseVector:
+    """The entries of ``v`` with |value| >= t, coalesced."""
+    pos, vals = threshold(v.values, t)
+    return SparseVector(v.indices[pos], vals, v.n)
+
+
+def warmup() -> None:
+    """Compile (or load from Numba's cache) the CPU kernels now, not on the first call."""
+    mod = _cpu()
+    if hasattr(mod, "warmup"):
+        mod.warmup()

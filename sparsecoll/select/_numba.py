@@ -1,0 +1,446 @@
+"""CPU selection kernels in Numba: chunked count / prefix-scan / scatter, and radix select.
+
+Every kernel reads the unsigned-integer view of x and masks the sign bit (see ``_common``), so
+the same code serves float16, float32 and float64 and compares |x| exactly.
+
+* threshold: a strided sample of 16 Ki keys estimates how many keys qualify; each chunk of x
+  gets that share of the output (plus a margin) and one parallel pass scatters indices and
+  values into it, counting NaNs on the way; the chunks' pieces are then concatenated. A
+  chunk that overflows its room still counts its hits, and a second pass scatters again
+  into exactly sized room (the count / prefix-scan / scatter scheme). Empty blocks of 32
+  keys are skipped after a vectorized test, so the branchy copy loop sees a few percent of x.
+* top-k: the sample also gives a key that probably has a little more than k keys at or
+  above it; one such scatter collects those candidates in index order and checks there are
+  at least k (and at most n/2). The exact k-th largest key is then found by radix select
+  (histograms of 8/11/16-bit digits, most significant first) over the candidates only, and
+  a count/scatter over them applies the tie rule (keys above the k-th, then the
+  lowest-indexed keys equal to it). When the sample misleads (too few or too many
+  candidates) the same radix select runs over the whole array: slower, same result.
+* Arrays under 2**22 keys run on one thread: waking the thread pool costs more there.
+
+Inputs are validated by ``sparsecoll.select``: x is a contiguous 1-D float16/32/64 array,
+1 <= k <= n where noted, t a float that is not NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from .._array import index_dtype
+from ._common import NAN_MESSAGE, key_info, key_value, threshold_key
+
+__all__ = ["count_ge", "kth_largest_abs", "moments", "threshold", "topk", "warmup"]
+
+# Tunables (tests lower them to reach every code path on small arrays).
+MIN_CHUNK = 1 << 16  # elements per parallel chunk, at least
+CHUNKS_PER_THREAD = 4  # count/scatter chunks per thread (evens out a shared machine)
+PREFILTER_MIN_N = 1 << 16  # below this, radix select runs on x directly
+SAMPLE_SIZE = 1 << 14  # keys sampled to place the candidate cut
+PARALLEL_MIN = 1 << 22  # smaller arrays run on one thread (a parallel launch costs more)
+BLOCK = 32  # keys per block tested before the scatter loops copy any
+
+
+# -- kernels ------------------------------------------------------------------------------
+# Kernels loop over a slice of each chunk (``bc = b[lo:hi]``, index from 0): with a loop
+# range(lo, hi) Numba cannot prove the index non-negative, keeps the wraparound check,
+# and LLVM does not vectorize (measured 8x slower for the count).
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _count(b, mask, lo, inf_key, bounds, counts, nans):  # pragma: no cover - compiled
+    # counts[c]: keys >= lo in chunk c (NaN keys included), nans[c]: NaN keys in chunk c.
+    for c in prange(bounds.shape[0] - 1):
+        bc = b[bounds[c] : bounds[c + 1]]
+        hit = 0
+        bad = 0
+        for i in range(bc.shape[0]):
+            key = bc[i] & mask
+            hit += key >= lo
+            bad += key > inf_key
+        counts[c] = hit
+        nans[c] = bad
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _scatter(
+    b, mask, lo, inf_key, bounds, starts, caps, out_idx, out_bits, counts, nans
+):  # pragma: no cover
+    # Chunk c writes the index and bits of each key in [lo, inf_key] to out[starts[c]:]
+    # while caps[c] slots last, and counts on when they run out: counts[c] = all its
+    # hits, nans[c] = its NaN keys. Blocks of BLOCK keys are first tested by a vectorized
+    # count and skipped when empty, so the scalar, branchy loop sees a few percent of x.
+    for c in prange(bounds.shape[0] - 1):
+        s = bounds[c]
+        bc = b[s : bounds[c + 1]]
+        p = starts[c]
+        end = p + caps[c]
+        bad = 0
+        m = bc.shape[0]
+        for base in range(0, m, BLOCK):
+            blk = bc[base : min(base + BLOCK, m)]
+            hit = 0
+            for j in range(blk.shape[0]):
+                hit += (blk[j] & mask) >= lo
+            if hit == 0:
+                continue
+            for j in range(blk.shape[0]):
+                key = blk[j] & mask
+                if key >= lo:
+                    if key > inf_key:
+                        bad += 1
+                    else:
+                        if p < end:
+                            out_idx[p] = s + base + j
+                            out_bits[p] = blk[j]
+                        p += 1
+        counts[c] = p - starts[c]
+        nans[c] = bad
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _histogram(
+    b, mask, inf_key, shift, dmask, pshift, prefix, bounds, hist, nans
+):  # pragma: no cover
+    # hist[c, d]: keys of chunk c whose bits above pshift equal prefix and whose digit
+    # (key >> shift) & dmask is d.
+    for c in prange(bounds.shape[0] - 1):
+        h = hist[c]
+        bc = b[bounds[c] : bounds[c + 1]]
+        bad = 0
+        for i in range(bc.shape[0]):
+            key = bc[i] & mask
+            if (key >> pshift) == prefix:
+                h[(key >> shift) & dmask] += 1
+            bad += key > inf_key
+        nans[c] = bad
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _count_gt_eq(b, mask, kth, bounds, gt, eq):  # pragma: no cover
+    for c in prange(bounds.shape[0] - 1):
+        bc = b[bounds[c] : bounds[c + 1]]
+        g = 0
+        e = 0
+        for i in range(bc.shape[0]):
+            key = bc[i] & mask
+            g += key > kth
+            e += key == kth
+        gt[c] = g
+        eq[c] = e
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _scatter_gt_eq(
+    b, mask, kth, bounds, offsets, quota, src, use_src, out_idx, out_bits
+):  # pragma: no cover
+    # Keys above kth, and the first quota[c] keys equal to kth in chunk c (lowest index
+    # first); empty blocks skipped as in _scatter.
+    for c in prange(bounds.shape[0] - 1):
+        s = bounds[c]
+        bc = b[s : bounds[c + 1]]
+        p = offsets[c]
+        q = quota[c]
+        m = bc.shape[0]
+        for base in range(0, m, BLOCK):
+            blk = bc[base : min(base + BLOCK, m)]
+            hit = 0
+            for j in range(blk.shape[0]):
+                hit += (blk[j] & mask) >= kth
+            if hit == 0:
+                continue
+            for j in range(blk.shape[0]):
+                key = blk[j] & mask
+                take = key > kth
+                if key == kth and q > 0:
+                    take = True
+                    q -= 1
+                if take:
+                    i = s + base + j
+                    out_idx[p] = src[i] if use_src else i
+                    out_bits[p] = blk[j]
+                    p += 1
+
+
+# reassoc lets LLVM split the float64 sums into vector lanes instead of one serial
+# chain of dependent adds; the result changes only by rounding.
+@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc"})
+def _sums(x, bounds, s1, s2):  # pragma: no cover
+    for c in prange(bounds.shape[0] - 1):
+        xc = x[bounds[c] : bounds[c + 1]]
+        a = 0.0
+        q = 0.0
+        for i in range(xc.shape[0]):
+            v = np.float64(xc[i])
+            a += v
+            q += v * v
+        s1[c] = a
+        s2[c] = q
+
+
+# -- drivers ------------------------------------------------------------------------------
+
+
+def _bounds(n: int, per_thread: int) -> np.ndarray:
+    parts = max(1, min(-(-n // MIN_CHUNK), per_thread * numba.get_num_threads()))
+    return (np.arange(parts + 1, dtype=np.int64) * n) // parts
+
+
+def _run(kernel: Any, m: int, *args: Any) -> None:
+    """Call a parallel kernel over m keys: threads handed chunks one at a time (a thread
+    that the OS parks on a shared machine then holds up less), or one thread when m is
+    small (waking a parked thread pool can cost more than the whole job)."""
+    if m >= PARALLEL_MIN:
+        with numba.parallel_chunksize(1):
+            kernel(*args)
+        return
+    threads = numba.get_num_threads()
+    if threads == 1:
+        kernel(*args)
+        return
+    numba.set_num_threads(1)
+    try:
+        kernel(*args)
+    finally:
+        numba.set_num_threads(threads)
+
+
+def _keys(x: np.ndarray) -> tuple[np.ndarray, Any]:
+    info = key_info(x.dtype)
+    return x.view(info.utype), info
+
+
+def _u(info: Any, v: int) -> Any:
+    return info.utype.type(v)
+
+
+def _count_keys(b: np.ndarray, info: Any, lo: int, bounds: np.ndarray) -> np.ndarray:
+    """Per-chunk counts of keys >= lo that are not NaN; raise on any NaN."""
+    parts = bounds.shape[0] - 1
+    counts = np.empty(parts, np.int64)
+    nans = np.empty(parts, np.int64)
+    _run(
+        _count,
+        b.shape[0],
+        b,
+        _u(info, info.mask),
+        _u(info, lo),
+        _u(info, info.inf_key),
+        bounds,
+        counts,
+        nans,
+    )
+    if nans.any():
+        raise ValueError(NAN_MESSAGE)
+    return counts
+
+
+def _gather_keys(
+    b: np.ndarray, info: Any, lo: int, itype: Any, frac: float = 1.0, limit: int | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Index and bits of every key in [lo, inf_key], ascending; raise on NaN.
+
+    ``frac`` estimates the fraction of keys that qualify (1.0: room for all). Each chunk
+    gets room for its share plus a safety margin, and the scatter runs once; a chunk that
+    overflows still counts its hits, and the scatter reruns into exactly sized room (two
+    passes, as with a count pass first) -- unless the hits exceed ``limit``: then None.
+    """
+    n = b.shape[0]
+    bounds = _bounds(n, CHUNKS_PER_THREAD)
+    parts = bounds.shape[0] - 1
+    sizes = np.diff(bounds)
+    mean = sizes * frac
+    room = np.minimum(sizes, (1.2 * mean + 6.0 * np.sqrt(mean) + 64).astype(np.int64))
+    mask, lo_, inf = _u(info, info.mask), _u(info, lo), _u(info, info.inf_key)
+    while True:
+        starts = np.zeros(parts, np.int64)
+        np.cumsum(room[:-1], out=starts[1:])
+        out_idx = np.empty(int(room.sum()), itype)
+        out_bits = np.empty(out_idx.shape[0], info.utype)
+        hits = np.empty(parts, np.int64)
+        nans = np.empty(parts, np.int64)
+        _run(_scatter, n, b, mask, lo_, inf, bounds, starts, room, out_idx, out_bits, hits, nans)
+        if nans.any():
+            raise ValueError(NAN_MESSAGE)
+        if np.array_equal(hits, room):
+            return out_idx, out_bits
+        if np.all(hits <= room):
+            cut = [slice(a, a + h) for a, h in zip(starts.tolist(), hits.tolist())]
+            return (
+                np.concatenate([out_idx[c] for c in cut]),
+                np.concatenate([out_bits[c] for c in cut]),
+            )
+        if limit is not None and hits.sum() > limit:
+            return None
+        room = hits
+
+
+def _sample(b: np.ndarray, info: Any) -> np.ndarray:
+    """SAMPLE_SIZE keys at a fixed stride (all of b when it is shorter)."""
+    n = b.shape[0]
+    stride = max(1, n // SAMPLE_SIZE)
+    return b[stride // 2 :: stride][:SAMPLE_SIZE] & _u(info, info.mask)
+
+
+def _kth_key(b: np.ndarray, info: Any, k: int) -> int:
+    """The k-th largest key of b (1 <= k <= len(b)) by radix select; raise on NaN."""
+    m = b.shape[0]
+    bounds = _bounds(m, 1)
+    parts = bounds.shape[0] - 1
+    digit = 16 if m > 1 << 20 else 11 if m > 1 << 12 else 8
+    nans = np.empty(parts, np.int64)
+    prefix, done, rank = 0, 0, k
+    while done < info.bits:
+        d = min(digit, info.bits - done)
+        shift = info.bits - done - d
+        hist = np.zeros((parts, 1 << d), np.int64)
+        _run(
+            _histogram, m, b, _u(info, info.mask), _u(info, info.inf_key), _u(info, shift),
+            _u(info, (1 << d) - 1), _u(info, info.bits - done), _u(info, prefix), bounds,
+            hist, nans,
+        )  # fmt: skip
+        if done == 0 and nans.any():
+            raise ValueError(NAN_MESSAGE)
+        h = hist.sum(axis=0)
+        from_top = np.cumsum(h[::-1])
+        j = int(np.searchsorted(from_top, rank))  # first digit (from the top) reaching rank
+        v = (1 << d) - 1 - j
+        rank -= int(from_top[j] - h[v])
+        prefix = (prefix << d) | v
+        done += d
+    return prefix
+
+
+def _select_rank(
+    b: np.ndarray, info: Any, kth: int, k: int, src: np.ndarray | None, itype: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """The k entries of b: keys above kth, then keys equal to kth by ascending position."""
+    bounds = _bounds(b.shape[0], CHUNKS_PER_THREAD)
+    parts = bounds.shape[0] - 1
+    gt = np.empty(parts, np.int64)
+    eq = np.empty(parts, np.int64)
+    mask, kt = _u(info, info.mask), _u(info, kth)
+    _run(_count_gt_eq, b.shape[0], b, mask, kt, bounds, gt, eq)
+    need = k - int(gt.sum())
+    eq_before = np.cumsum(eq) - eq
+    quota = np.clip(need - eq_before, 0, eq)
+    offsets = np.zeros(parts + 1, np.int64)
+    np.cumsum(gt + quota, out=offsets[1:])
+    assert offsets[-1] == k
+    out_idx = np.empty(k, itype)
+    out_bits = np.empty(k, info.utype)
+    use_src = src is not None
+    if src is None:
+        src = np.empty(0, itype)
+    _run(
+        _scatter_gt_eq, b.shape[0], b, mask, kt, bounds, offsets, quota, src, use_src,
+        out_idx, out_bits,
+    )  # fmt: skip
+    return out_idx, out_bits
+
+
+def _candidates(
+    b: np.ndarray, info: Any, k: int, itype: Any
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Entries with keys at or above a sampled cut (ascending index), if that cut keeps
+    between k and n/2 of them; None when the sample is no help."""
+    n = b.shape[0]
+    if n < PREFILTER_MIN_N:
+        return None
+    sample = _sample(b, info)
+    s = sample.shape[0]
+    expect = k * s / n
+    r = int(expect + 4.0 * math.sqrt(expect) + 8.0)  # ~4 sigma above the expected rank
+    if r >= s:
+        return None
+    lo = int(np.partition(sample, s - r)[s - r])
+    frac = float(np.count_nonzero(sample >= lo)) / s
+    if frac > 0.5:
+        return None
+    cand = _gather_keys(b, info, lo, itype, frac, limit=n // 2)
+    if cand is None or cand[0].shape[0] < k:
+        return None
+    return cand
+
+
+def _check_nan(b: np.ndarray, info: Any) -> None:
+    _count_keys(b, info, info.inf_key, _bounds(b.shape[0], CHUNKS_PER_THREAD))
+
+
+# -- backend functions (the names every backend provides) ---------------------------------
+
+
+def topk(x: np.ndarray, k: int, itype: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    n = x.shape[0]
+    itype = index_dtype(n) if itype is None else itype
+    b, info = _keys(x)
+    if k == 0 or k == n:
+        _check_nan(b, info)
+        return np.arange(k, dtype=itype), x[:k].copy()
+    cand = _candidates(b, info, k, itype)
+    if cand is not None:
+        cidx, cbits = cand
+        kth = _kth_key(cbits, info, k)
+        idx, bits = _select_rank(cbits, info, kth, k, cidx, itype)
+    else:
+        kth = _kth_key(b, info, k)
+        idx, bits = _select_rank(b, info, kth, k, None, itype)
+    return idx, bits.view(x.dtype)
+
+
+def kth_largest_abs(x: np.ndarray, k: int) -> float:
+    b, info = _keys(x)
+    cand = _candidates(b, info, k, index_dtype(x.shape[0]))
+    if cand is not None:
+        return key_value(_kth_key(cand[1], info, k), x.dtype)
+    return key_value(_kth_key(b, info, k), x.dtype)
+
+
+def threshold(x: np.ndarray, t: float, itype: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    n = x.shape[0]
+    itype = index_dtype(n) if itype is None else itype
+    b, info = _keys(x)
+    lo = threshold_key(t, x.dtype)
+    frac = 1.0  # small x: room for all of it
+    if n >= PREFILTER_MIN_N:  # size the output from a sample: one pass over x, not two
+        sample = _sample(b, info)
+        frac = float(np.count_nonzero(sample >= lo)) / sample.shape[0]
+    idx, bits = _gather_keys(b, info, lo, itype, frac)
+    return idx, bits.view(x.dtype)
+
+
+def count_ge(x: np.ndarray, t: float) -> int:
+    b, info = _keys(x)
+    return int(
+        _count_keys(
+            b, info, threshold_key(t, x.dtype), _bounds(x.shape[0], CHUNKS_PER_THREAD)
+        ).sum()
+    )
+
+
+def moments(x: np.ndarray) -> tuple[float, float]:
+    n = x.shape[0]
+    if x.dtype == np.float16:  # Numba has no float16 arithmetic
+        x = x.astype(np.float32)
+    bounds = _bounds(n, 1)
+    s1 = np.empty(bounds.shape[0] - 1)
+    s2 = np.empty(bounds.shape[0] - 1)
+    _run(_sums, n, x, bounds, s1, s2)
+    mean = float(s1.sum()) / n
+    var = max(float(s2.sum()) / n - mean * mean, 0.0)
+    return mean, math.sqrt(var)
+
+
+def warmup() -> None:
+    """Compile (or load from the cache) every kernel for every dtype."""
+    for dt in (np.float16, np.float32, np.float64):
+        x = np.linspace(-1.0, 1.0, 64).astype(dt)
+        topk(x, 5)  # int32 indices; int64 ones (n > 2**31) compile on first use
+        threshold(x, 0.5)
+        kth_largest_abs(x, 3)
+        count_ge(x, 0.5)
+        moments(x)

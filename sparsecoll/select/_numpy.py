@@ -1,0 +1,64 @@
+"""Plain-numpy selection backend: the same results as the Numba kernels, without Numba.
+
+Used where Numba is missing or disabled (``SPARSECOLL_NO_NUMBA=1``); also the readable
+statement of what every backend computes. Works on the same sign-cleared keys as the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .._array import index_dtype
+from ._common import NAN_MESSAGE, key_info, key_value, threshold_key
+
+__all__ = ["count_ge", "kth_largest_abs", "moments", "threshold", "topk"]
+
+
+def _keys(x: np.ndarray) -> tuple[np.ndarray, Any]:
+    info = key_info(x.dtype)
+    keys = x.view(info.utype) & info.utype.type(info.mask)
+    if keys.shape[0] and keys.max() > info.inf_key:
+        raise ValueError(NAN_MESSAGE)
+    return keys, info
+
+
+def topk(x: np.ndarray, k: int, itype: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    n = x.shape[0]
+    itype = index_dtype(n) if itype is None else itype
+    keys, _ = _keys(x)
+    if k == 0 or k == n:
+        return np.arange(k, dtype=itype), x[:k].copy()
+    kth = np.partition(keys, n - k)[n - k]
+    above = keys > kth
+    ties = np.flatnonzero(keys == kth)[: k - int(np.count_nonzero(above))]
+    above[ties] = True
+    idx = np.flatnonzero(above)
+    return idx.astype(itype), x[idx]
+
+
+def kth_largest_abs(x: np.ndarray, k: int) -> float:
+    keys, _ = _keys(x)
+    n = keys.shape[0]
+    return key_value(int(np.partition(keys, n - k)[n - k]), x.dtype)
+
+
+def threshold(x: np.ndarray, t: float, itype: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    itype = index_dtype(x.shape[0]) if itype is None else itype
+    keys, _ = _keys(x)
+    idx = np.flatnonzero(keys >= threshold_key(t, x.dtype))
+    return idx.astype(itype), x[idx]
+
+
+def count_ge(x: np.ndarray, t: float) -> int:
+    keys, _ = _keys(x)
+    return int(np.count_nonzero(keys >= threshold_key(t, x.dtype)))
+
+
+def moments(x: np.ndarray) -> tuple[float, float]:
+    v = x.astype(np.float64)
+    mean = float(v.sum()) / v.shape[0]
+    var = max(float(np.dot(v, v)) / v.shape[0] - mean * mean, 0.0)
+    return mean, math.sqrt(var)

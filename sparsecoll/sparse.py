@@ -1,0 +1,141 @@
+"""SparseVector: a COO sparse vector of length n with host (numpy) or device (CuPy) buffers.
+
+Contract of a *coalesced* vector: ``indices`` strictly ascending (sorted, unique), every
+index in ``[0, n)``, ``indices.dtype`` is int32 when ``n <= 2**31`` and int64 otherwise,
+``values`` has the same length and a float dtype (float16/32/64). Explicit zeros may be
+present: they are structural entries, not dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._array import get_array_module, index_dtype, segment_sum
+
+__all__ = ["VALUE_DTYPES", "SparseVector", "coalesce"]
+
+VALUE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+class SparseVector:
+    """A sparse vector of length ``n`` in COO form (``indices``, ``values``).
+
+    Build one with :meth:`from_coo` (validates and coalesces) or :meth:`from_dense`;
+    the plain constructor trusts its arguments and is meant for internal use.
+
+    Attributes:
+        indices: sorted unique indices (int32 for n <= 2**31, else int64).
+        values: the values at those indices.
+        n: the dense length.
+        contributed: for results of selecting algorithms, a boolean mask aligned with this
+            rank's coalesced input telling which of its entries reached the result
+            (None for exact algorithms, where every entry does).
+        local: for results of selecting algorithms, this rank's coalesced input.
+    """
+
+    __slots__ = ("contributed", "indices", "info", "local", "n", "values")
+
+    def __init__(self, indices: Any, values: Any, n: int) -> None:
+        self.indices = indices
+        self.values = values
+        self.n = int(n)
+        self.contributed: Any = None
+        self.local: SparseVector | None = None
+        self.info: dict[str, Any] = {}
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def from_coo(cls, indices: Any, values: Any, n: int) -> SparseVector:
+        """Validate COO input on this rank and return the coalesced vector."""
+        check_local(indices, values, n)
+        return coalesce(indices, values, n)
+
+    @classmethod
+    def from_dense(cls, x: Any) -> SparseVector:
+        """The nonzeros of a dense 1-D array."""
+        xp = get_array_module(x)
+        n = int(x.shape[0])
+        idx = xp.flatnonzero(x).astype(index_dtype(n), copy=False)
+        return cls(idx, x[idx], n)
+
+    @classmethod
+    def empty(cls, n: int, dtype: Any = np.float32, xp: Any = np) -> SparseVector:
+        return cls(xp.zeros(0, index_dtype(n)), xp.zeros(0, dtype), n)
+
+    # -- views --------------------------------------------------------------------------
+    @property
+    def nnz(self) -> int:
+        return int(self.indices.shape[0])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.values.dtype
+
+    @property
+    def xp(self) -> Any:
+        return get_array_module(self.values)
+
+    def to_dense(self) -> Any:
+        """A dense array of length ``n`` (same module and dtype as ``values``)."""
+        out = self.xp.zeros(self.n, dtype=self.values.dtype)
+        out[self.indices] = self.values
+        return out
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __repr__(self) -> str:
+        return f"SparseVector(n={self.n}, nnz={self.nnz}, dtype={self.values.dtype})"
+
+
+def check_local(indices: Any, values: Any, n: Any) -> None:
+    """Raise ValueError/TypeError when this rank's COO input breaks the contract."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"n must be an integer, got {type(n).__name__}")
+    if n < 0:
+        raise ValueError(f"n must be non-negative, got {n}")
+    if getattr(values, "ndim", None) != 1:
+        raise ValueError(f"values must be 1-D, got shape {getattr(values, 'shape', None)}")
+    if getattr(indices, "ndim", None) != 1:
+        raise ValueError(f"indices must be 1-D, got shape {getattr(indices, 'shape', None)}")
+    if values.dtype not in VALUE_DTYPES:
+        raise TypeError(f"values must be float16, float32 or float64, got {values.dtype}")
+    if indices.dtype.kind not in "iu":
+        raise TypeError(f"indices must be integers, got {indices.dtype}")
+    if indices.shape[0] != values.shape[0]:
+        raise ValueError(
+            f"indices and values differ in length: {indices.shape[0]} != {values.shape[0]}"
+        )
+    if indices.shape[0]:
+        xp = get_array_module(indices)
+        lo = int(xp.min(indices))
+        hi = int(xp.max(indices))
+        if lo < 0 or hi >= n:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"index {bad} out of range [0, {n})")
+
+
+def coalesce(indices: Any, values: Any, n: int) -> SparseVector:
+    """Sort by index and sum repeated indices (COO semantics). Inputs are not modified."""
+    xp = get_array_module(values)
+    itype = index_dtype(n)
+    m = indices.shape[0]
+    if m == 0:
+        return SparseVector(xp.zeros(0, itype), xp.zeros(0, values.dtype), n)
+    idx = indices.astype(itype, copy=False)
+    if m == 1 or bool(xp.all(idx[1:] > idx[:-1])):
+        return SparseVector(idx, values, n)
+    order = xp.argsort(idx, kind="stable")
+    idx = idx[order]
+    vals = values[order]
+    start = xp.ones(m, dtype=bool)
+    start[1:] = idx[1:] != idx[:-1]
+    heads = xp.flatnonzero(start)
+    if heads.shape[0] == m:
+        return SparseVector(idx, vals, n)
+    # Sum in a wider type so float16 repeats do not lose more than one rounding.
+    acc = vals.astype(np.float64) if vals.dtype == np.float16 else vals
+    summed = segment_sum(acc, heads).astype(values.dtype, copy=False)
+    return SparseVector(idx[heads], summed, n)

@@ -1,0 +1,41 @@
+"""Shared test configuration: hypothesis profiles and the mpiexec-only test folder.
+
+Profiles: ``dev`` (default, more examples, a fresh random draw each run, so local runs keep
+exploring) and ``ci`` (fewer, chosen when CI is set, derandomized: CI checks a fixed, known
+set of examples rather than a new draw each time); pick one explicitly with
+SPARSECOLL_HYPOTHESIS=dev|ci. Inside mpiexec every rank must draw the same examples, so the
+profile is derandomized there too, without a database or deadline.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+IN_MPIEXEC = os.environ.get("SPARSECOLL_IN_MPIEXEC") == "1"
+
+_common = dict(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=IN_MPIEXEC,
+    database=None if IN_MPIEXEC else settings.default.database,
+    print_blob=not IN_MPIEXEC,
+)
+settings.register_profile("dev", max_examples=60, **_common)
+settings.register_profile("ci", max_examples=12, **{**_common, "derandomize": True, "database": None})
+settings.load_profile(
+    os.environ.get("SPARSECOLL_HYPOTHESIS", "ci" if os.environ.get("CI") else "dev")
+)
+
+# tests/mpi/ runs only inside mpiexec, launched by tests/test_mpi.py.
+collect_ignore = [] if IN_MPIEXEC else ["mpi"]
+
+
+def pytest_sessionstart(session):
+    """Compile the Numba kernels once here, so mpiexec ranks load them from the cache
+    instead of all compiling the same kernels at once."""
+    if not IN_MPIEXEC:
+        from sparsecoll.select import warmup
+
+        warmup()

@@ -1,0 +1,545 @@
+"""A numpy-backed stand-in for CuPy, strict about host/device mixing, for machines with no GPU.
+
+It lets CI run sparsecoll's device code paths (dispatch on the array module, host staging,
+CUDA-aware hand-off, selection logic) without a GPU. Like CuPy, its arrays refuse implicit
+conversion to numpy (``np.asarray(x)`` raises TypeError), refuse numpy operands in
+arithmetic, indexing and assignment, return 0-d arrays from reductions, and copy only
+through ``asarray`` (host to device) and ``get``/``set``. Custom kernels cannot run here:
+``ElementwiseKernel`` looks the kernel's name up in ``KERNELS``, numpy re-statements of
+sparsecoll's few CUDA kernels. So this checks the Python around the kernels, never the CUDA
+source itself: that needs a real GPU (tests/test_gpu.py, tests/mpi/test_gpu.py).
+
+Install with :func:`installed` (a context manager that puts it in ``sys.modules['cupy']``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+
+__all__ = ["KERNELS", "installed", "module", "nccl", "ndarray"]
+
+
+def _refuse(what: Any) -> TypeError:
+    return TypeError(f"Unsupported type {type(what)}")
+
+
+def _unwrap(obj: Any) -> Any:
+    """Turn fake arrays into numpy ones; refuse numpy arrays (host data) anywhere inside."""
+    if isinstance(obj, ndarray):
+        return obj._a
+    if isinstance(obj, np.ndarray):
+        raise _refuse(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unwrap(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _unwrap(v) for k, v in obj.items()}
+    return obj
+
+
+def _wrap(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return ndarray(obj)
+    if isinstance(obj, np.generic):  # CuPy reductions give 0-d arrays, not scalars
+        return ndarray(np.asarray(obj))
+    if isinstance(obj, tuple):
+        return tuple(_wrap(o) for o in obj)
+    if isinstance(obj, list):
+        return [_wrap(o) for o in obj]
+    return obj
+
+
+class _Flags:
+    def __init__(self, a: np.ndarray) -> None:
+        self.c_contiguous = bool(a.flags.c_contiguous)
+        self.f_contiguous = bool(a.flags.f_contiguous)
+        self.owndata = bool(a.flags.owndata)
+
+
+class _Device:
+    id = 0
+    shared = False  # True: every process reports the same GPU (as ranks sharing one GPU)
+
+    def __init__(self, device: int = 0) -> None:
+        self.id = int(device)
+
+    @property
+    def pci_bus_id(self) -> str:
+        return "0000:00:00.0" if _Device.shared else f"fake:{os.getpid()}"
+
+    def use(self) -> None:
+        return None
+
+    def __enter__(self) -> _Device:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _Stream:
+    ptr = 0
+    syncs = 0  # how often any stream was synchronized (tests look at it)
+
+    def synchronize(self) -> None:
+        _Stream.syncs += 1
+
+
+class _Pointer:
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+class ndarray:
+    """A device array: a numpy array that only the fake module may touch."""
+
+    __slots__ = ("_a",)
+    __array_priority__ = 100
+
+    def __init__(self, a: np.ndarray) -> None:
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"expecting a numpy array, got {type(a)}")
+        self._a = a
+
+    # -- interop ----------------------------------------------------------------------
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        a = self._a
+        return {
+            "shape": a.shape,
+            "typestr": a.dtype.str,
+            "data": (int(a.__array_interface__["data"][0]), not a.flags.writeable),
+            "strides": None if a.flags.c_contiguous else a.strides,
+            "version": 3,
+            "stream": None,
+        }
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "Implicit conversion to a NumPy array is not allowed. "
+            "Please use `.get()` to construct a NumPy array explicitly."
+        )
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        try:
+            args = _unwrap(inputs)
+            kw = _unwrap(kwargs)
+        except TypeError:
+            return NotImplemented
+        return _wrap(getattr(ufunc, method)(*args, **kw))
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        if not all(issubclass(t, ndarray) for t in types):
+            return NotImplemented
+        return getattr(module, func.__name__)(*args, **kwargs)
+
+    def get(self, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True):
+        if out is None:
+            return np.array(self._a, order=order, copy=True)
+        if not isinstance(out, np.ndarray):
+            raise TypeError("out must be a numpy array")
+        if out.shape != self._a.shape or out.dtype != self._a.dtype:
+            raise ValueError("shape or dtype mismatch")
+        np.copyto(out, self._a)
+        return out
+
+    def set(self, arr: Any, stream: Any = None) -> None:
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(f"Only numpy.ndarray can be set to cupy.ndarray, got {type(arr)}")
+        if arr.shape != self._a.shape or arr.dtype != self._a.dtype:
+            raise ValueError("shape or dtype mismatch")
+        if not self._a.flags.c_contiguous:
+            raise RuntimeError("set() needs a contiguous array")
+        np.copyto(self._a, arr)
+
+    def tolist(self) -> Any:
+        return self._a.tolist()
+
+    def item(self) -> Any:
+        return self._a.item()
+
+    # -- attributes ---------------------------------------------------------------------
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    ndim = property(lambda self: self._a.ndim)
+    size = property(lambda self: self._a.size)
+    nbytes = property(lambda self: self._a.nbytes)
+    itemsize = property(lambda self: self._a.itemsize)
+    strides = property(lambda self: self._a.strides)
+    flags = property(lambda self: _Flags(self._a))
+    T = property(lambda self: ndarray(self._a.T))
+    device = property(lambda self: _Device(0))
+    data = property(lambda self: _Pointer(int(self._a.__array_interface__["data"][0])))
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (_wrap(v) for v in self._a)
+
+    def __repr__(self) -> str:
+        return f"fakecupy.{self._a!r}"
+
+    def __bool__(self) -> bool:
+        return bool(self._a)
+
+    def __int__(self) -> int:
+        return int(self._a)
+
+    def __float__(self) -> float:
+        return float(self._a)
+
+    def __index__(self) -> int:
+        if self._a.ndim or self._a.dtype.kind not in "iu":
+            raise TypeError("only integer scalar arrays can be converted to a scalar index")
+        return int(self._a)
+
+    # -- indexing -----------------------------------------------------------------------
+    def __getitem__(self, key: Any) -> Any:
+        return _wrap(self._a[_unwrap(key)])
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._a[_unwrap(key)] = _unwrap(value)
+
+    # -- methods ------------------------------------------------------------------------
+    def astype(self, dtype: Any, copy: bool = True, **kw: Any) -> ndarray:
+        return ndarray(self._a.astype(dtype, copy=copy, **kw))
+
+    def view(self, dtype: Any = None) -> ndarray:
+        return ndarray(self._a.view(dtype))
+
+    def argsort(self, axis: int = -1, kind: Any = None) -> ndarray:
+        if kind not in (None, "stable"):
+            raise ValueError("kind can only be None or 'stable'")
+        return ndarray(np.argsort(self._a, axis=axis, kind="stable"))
+
+    def sort(self, axis: int = -1, kind: Any = None) -> None:
+        if kind not in (None, "stable"):
+            raise ValueError("kind can only be None or 'stable'")
+        self._a.sort(axis=axis, kind="stable")
+
+    def __getattr__(self, name: str) -> Any:
+        # the remaining ndarray methods (copy, reshape, sum, min, cumsum, ...), strict
+        if name.startswith("__"):
+            raise AttributeError(name)
+        attr = getattr(self._a, name)
+        if not callable(attr):
+            raise AttributeError(name)
+
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return _wrap(attr(*_unwrap(args), **_unwrap(kwargs)))
+
+        return method
+
+
+def _binary(name: str) -> Any:
+    def op(self: ndarray, other: Any) -> Any:
+        if isinstance(other, (np.ndarray, list, tuple)):
+            raise _refuse(other)
+        res = getattr(self._a, name)(_unwrap(other))
+        return NotImplemented if res is NotImplemented else _wrap(res)
+
+    op.__name__ = name
+    return op
+
+
+_OPS = "add sub mul truediv floordiv mod pow and or xor lshift rshift lt le eq ne gt ge"
+for _name in _OPS.split(" "):
+    for _dunder in (f"__{_name}__", f"__r{_name}__", f"__i{_name}__"):
+        if hasattr(np.ndarray, _dunder):
+            setattr(ndarray, _dunder, _binary(_dunder))
+for _name in ("neg", "pos", "abs", "invert"):
+    _dunder = f"__{_name}__"
+    setattr(ndarray, _dunder, (lambda d: lambda self: _wrap(getattr(self._a, d)()))(_dunder))
+
+
+# -- kernels ------------------------------------------------------------------------------
+def _segment_sum(v: np.ndarray, h: np.ndarray, e: np.ndarray, out: np.ndarray) -> None:
+    for i in range(h.shape[0]):
+        acc = v.dtype.type(0)
+        for j in range(int(h[i]), int(e[i])):
+            acc = v.dtype.type(acc + v[j])
+        out[i] = acc
+
+
+def _radix_hist(
+    bits: np.ndarray,
+    absmask: Any,
+    infkey: Any,
+    pmask: Any,
+    prefix: Any,
+    shift: Any,
+    hist: np.ndarray,
+) -> None:
+    key = bits & absmask
+    hist[65536] += np.count_nonzero(key > infkey)
+    key = key[(key & pmask) == prefix]
+    digit = (key >> bits.dtype.type(shift)) & bits.dtype.type(0xFFFF)
+    np.add.at(hist, digit.astype(np.intp), 1)
+
+
+def _ge_mask(
+    bits: np.ndarray, absmask: Any, infkey: Any, tkey: Any, m: np.ndarray, flag: np.ndarray
+) -> None:
+    key = bits & absmask
+    m[...] = key >= tkey
+    if np.any(key > infkey):
+        flag[0] = 1
+
+
+KERNELS = {
+    "sparsecoll_segment_sum": _segment_sum,
+    "sparsecoll_radix_hist": _radix_hist,
+    "sparsecoll_ge_mask": _ge_mask,
+}
+
+
+class ElementwiseKernel:
+    """Runs the numpy re-statement registered under the kernel's name."""
+
+    def __init__(
+        self, in_params: str, out_params: str, operation: str, name: str = "kernel", **kwargs: Any
+    ) -> None:
+        if name not in KERNELS:
+            raise NotImplementedError(f"fakecupy has no re-statement of kernel {name!r}")
+        self.name = name
+        self.n_in = len([p for p in in_params.split(",") if p.strip()])
+        self.n_out = len([p for p in out_params.split(",") if p.strip()])
+
+    def __call__(self, *args: Any, size: int | None = None) -> Any:
+        if len(args) != self.n_in + self.n_out:
+            raise TypeError(f"{self.name} takes {self.n_in + self.n_out} arguments (outputs given)")
+        arrays = [a for a in args if isinstance(a, ndarray)]
+        if not arrays:
+            raise TypeError("a kernel needs at least one array argument")
+        KERNELS[self.name](*_unwrap(list(args)))
+        return args[-1] if self.n_out == 1 else args[self.n_in :]
+
+
+# -- NCCL, emulated with MPI on the fake device memory (which is host memory) -------------------
+class _FakeNccl(types.ModuleType):
+    """``cupy.cuda.nccl`` for fake arrays: the same calls, carried out by MPI on the raw
+    pointers, so the pointer arithmetic, counts and grouping of NCCLCommunicator run in CI.
+    Group semantics: calls between groupStart/groupEnd run at groupEnd (point-to-point as
+    nonblocking MPI, broadcasts in call order)."""
+
+    NCCL_UINT8, NCCL_INT32, NCCL_INT64, NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64 = 1, 2, 4, 6, 7, 8
+    NCCL_SUM = 0
+    available = True
+    _DTYPES: ClassVar[dict[int, Any]] = {
+        1: np.uint8,
+        2: np.int32,
+        4: np.int64,
+        6: np.float16,
+        7: np.float32,
+        8: np.float64,
+    }
+
+    def __init__(self) -> None:
+        super().__init__("cupy.cuda.nccl")
+        self._group: list[Any] | None = None
+        self.calls: list[str] = []  # names of the calls made (tests look at them)
+        fake = self
+
+        class NcclCommunicator:
+            def __init__(self, ndev: int, uid: tuple, rank: int) -> None:
+                from mpi4py import MPI
+
+                if len(uid) != 128:
+                    raise ValueError("bad unique id")
+                self.mpi = MPI.COMM_WORLD.Dup()
+                if self.mpi.Get_size() != ndev or self.mpi.Get_rank() != rank:
+                    raise RuntimeError("fake NCCL needs the ranks of COMM_WORLD")
+
+            def destroy(self) -> None:
+                if self.mpi is not None:
+                    self.mpi.Free()
+                    self.mpi = None
+
+            def allReduce(self, sptr, rptr, count, dtype, op, stream):
+                from mpi4py import MPI
+
+                fake.calls.append("allReduce")
+                self.mpi.Allreduce(
+                    fake._arr(sptr, count, dtype), fake._arr(rptr, count, dtype), MPI.SUM
+                )
+
+            def broadcast(self, sptr, rptr, count, dtype, root, stream):
+                fake._op(self, "broadcast", sptr, rptr, count, dtype, root)
+
+            def send(self, ptr, count, dtype, peer, stream):
+                fake._op(self, "send", ptr, count, dtype, peer)
+
+            def recv(self, ptr, count, dtype, peer, stream):
+                fake._op(self, "recv", ptr, count, dtype, peer)
+
+        self.NcclCommunicator = NcclCommunicator
+
+    @staticmethod
+    def _arr(ptr: int, count: int, dtype: int) -> np.ndarray:
+        t = np.dtype(_FakeNccl._DTYPES[dtype])
+        raw = (ctypes.c_uint8 * (count * t.itemsize)).from_address(ptr)
+        return np.frombuffer(raw, dtype=t, count=count)
+
+    def get_unique_id(self) -> tuple:
+        return tuple(range(128))
+
+    def groupStart(self) -> None:
+        if self._group is not None:
+            raise RuntimeError("nested groups are not emulated")
+        self._group = []
+
+    def groupEnd(self) -> None:
+        ops, self._group = self._group, None
+        if ops is None:
+            raise RuntimeError("groupEnd without groupStart")
+        self._run(ops)
+
+    def _op(self, comm: Any, kind: str, *args: Any) -> None:
+        self.calls.append(kind)
+        if self._group is None:
+            self._run([(comm, kind, *args)])
+        else:
+            self._group.append((comm, kind, *args))
+
+    def _run(self, ops: list[Any]) -> None:
+        from mpi4py import MPI
+
+        reqs = []
+        for comm, kind, *a in ops:
+            if kind == "send":
+                reqs.append(comm.mpi.Isend(self._arr(a[0], a[1], a[2]), a[3], 77))
+            elif kind == "recv":
+                reqs.append(comm.mpi.Irecv(self._arr(a[0], a[1], a[2]), a[3], 77))
+        MPI.Request.Waitall(reqs)
+        for comm, kind, *a in ops:
+            if kind == "broadcast":
+                sptr, rptr, count, dtype, root = a
+                buf = self._arr(rptr, count, dtype)
+                if comm.mpi.Get_rank() == root and sptr != rptr:
+                    buf[...] = self._arr(sptr, count, dtype)
+                comm.mpi.Bcast(buf, root)
+
+
+nccl = _FakeNccl()
+
+
+# -- the module -----------------------------------------------------------------------------
+def _function(name: str, fn: Any) -> Any:
+    def f(*args: Any, **kwargs: Any) -> Any:
+        if name in ("argsort", "sort"):
+            if kwargs.get("kind") not in (None, "stable"):
+                raise ValueError("kind can only be None or 'stable'")
+            kwargs["kind"] = "stable"
+        return _wrap(fn(*_unwrap(args), **_unwrap(kwargs)))
+
+    f.__name__ = name
+    return f
+
+
+def _asarray(a: Any, dtype: Any = None, order: Any = None) -> ndarray:
+    if isinstance(a, ndarray):
+        return a if dtype is None or a.dtype == dtype else a.astype(dtype)
+    return ndarray(np.array(a, dtype=dtype, order=order or "K", copy=True))
+
+
+def _ascontiguousarray(a: Any, dtype: Any = None) -> ndarray:
+    if isinstance(a, ndarray):
+        return ndarray(np.ascontiguousarray(a._a, dtype=dtype))
+    return ndarray(np.array(a, dtype=dtype, order="C", copy=True))
+
+
+def _from_dlpack(x: Any) -> ndarray:
+    """Fake arrays, or producers whose DLPack device is CUDA and whose ``__dlpack__()``
+    hands over a fake array (a test double for torch CUDA tensors and the like)."""
+    if isinstance(x, ndarray):
+        return x
+    if hasattr(x, "__dlpack_device__") and x.__dlpack_device__()[0] == 2:
+        got = x.__dlpack__()
+        if isinstance(got, ndarray):
+            return got
+    raise TypeError("fakecupy.from_dlpack takes fake device arrays only")
+
+
+def _get_array_module(*args: Any) -> Any:
+    return module if any(isinstance(a, ndarray) for a in args) else np
+
+
+def _alloc_pinned_memory(nbytes: int) -> bytearray:
+    _PINNED.append(int(nbytes))
+    return bytearray(nbytes)
+
+
+_PINNED: list[int] = []  # sizes of the pinned allocations made (tests look at them)
+
+
+class _Module(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        attr = getattr(np, name)
+        if callable(attr) and not isinstance(attr, type):
+            return _function(name, attr)  # functions and ufuncs
+        return attr  # dtypes, constants
+
+
+module = _Module("cupy", __doc__)
+module.__name__ = "cupy"
+module.ndarray = ndarray
+module.ElementwiseKernel = ElementwiseKernel
+module.asarray = _asarray
+module.array = _asarray
+module.ascontiguousarray = _ascontiguousarray
+module.from_dlpack = _from_dlpack
+module.get_array_module = _get_array_module
+module.cuda = types.ModuleType("cupy.cuda")
+module.cuda.runtime = types.SimpleNamespace(getDeviceCount=lambda: 1)
+module.cuda.get_current_stream = lambda: _Stream()
+module.cuda.Stream = _Stream
+module.cuda.Device = _Device
+module.cuda.alloc_pinned_memory = _alloc_pinned_memory
+module.cuda.nccl = nccl
+module.pinned_allocations = _PINNED
+module.Stream = _Stream
+
+
+def require_torch_cuda(xp: Any) -> Any:
+    """PyTorch with CUDA, for tests on real CuPy; skip the test otherwise."""
+    import pytest
+
+    if xp is module:
+        pytest.skip("torch CUDA tensors need a real GPU")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    return torch
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[Any]:
+    """Make ``import cupy`` (and sparsecoll's device dispatch) use the fake for a while."""
+    from sparsecoll import _array
+
+    names = ("cupy", "cupy.cuda", "cupy.cuda.nccl")
+    saved = {name: sys.modules.get(name) for name in names}
+    sys.modules.update({"cupy": module, "cupy.cuda": module.cuda, "cupy.cuda.nccl": nccl})
+    _array.cupy_or_none.cache_clear()
+    try:
+        yield module
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+        _array.cupy_or_none.cache_clear()

@@ -1,0 +1,53 @@
+"""Byte accounting: what each algorithm moves per rank, asserted exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import sparsecoll
+from sparsecoll.algorithms.base import Fold
+
+from .cases import assert_all
+
+
+def _input(rank: int, n: int, k: int, dtype=np.float32):
+    rng = np.random.default_rng([7, rank])
+    idx = np.sort(rng.choice(n, size=k + rank, replace=False))  # different nnz per rank
+    return rng.standard_normal(idx.shape[0]).astype(dtype), idx
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("n", [1000, 2**31 + 10])
+def test_allgather_receives_others_pairs(comm, dtype, n):
+    vals, idx = _input(comm.rank, n, 50, dtype)
+    out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm="allgather")
+    st = out.info["stats"]
+    pair = (4 if n <= 2**31 else 8) + np.dtype(dtype).itemsize
+    nnz = [50 + r for r in range(comm.size)]
+    others = (sum(nnz) - nnz[comm.rank]) * pair
+    assert_all(comm, st.bytes_recv == others, f"recv {st.bytes_recv} != {others}")
+    assert_all(comm, st.bytes_sent == others, f"sent {st.bytes_sent} != {others}")
+    assert_all(comm, comm.last_stats == st)
+
+
+@pytest.mark.parametrize("name", ["rabenseifner", "dense"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dense_references_send_2_p_minus_1_over_p_n(comm, name, dtype):
+    P = comm.size
+    n = 840 * 16  # divisible by every power of two up to 8 and by 3, 5
+    vals, idx = _input(comm.rank, n, 100, dtype)
+    out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=name)
+    item = np.dtype(dtype).itemsize
+    fold = Fold.plan(comm.rank, P)
+    p = fold.pof2
+    if name == "dense" or P == 1:
+        want = 2 * (P - 1) * n * item // P
+    elif fold.folded:
+        want = n * item  # hands its vector over, gets the result back
+    else:
+        want = 2 * (p - 1) * n * item // p + (n * item if fold.partner >= 0 else 0)
+    got = out.info["stats"].bytes_sent
+    assert_all(comm, got == want, f"{name} sent {got}, expected {want}")
+    if P & (P - 1) == 0:  # power of two: the textbook 2(P-1)/P n
+        assert_all(comm, got == 2 * (P - 1) * n * item // P)

@@ -1,0 +1,262 @@
+"""Bytes per rank of dsa and recursive_doubling against their formulas (ALGORITHMS.md and the
+module docstrings), and auto's choice being the same documented rule on every rank."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import sparsecoll
+from sparsecoll._array import index_dtype
+from sparsecoll.algorithms.auto import Auto, choose
+from sparsecoll.algorithms.base import Fold, range_bounds, sparse_is_cheaper
+from sparsecoll.algorithms.dsa import bruck_counts, chunk_bytes
+from sparsecoll.benchmarks.problems import make_problem
+from sparsecoll.sparse import coalesce
+
+from .cases import assert_all, assert_identical
+
+HUGE = 2**31 + 10  # int64 indices
+
+
+def problem(kind: str, rank: int, P: int, n: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique (indices, values) of ``rank``; every rank can rebuild every other's."""
+    if kind == "one_dense":  # rank 0 dense over all of [0, n), the others sparse
+        if rank == 0:
+            idx = np.arange(n)
+            vals = np.random.default_rng([3, rank]).standard_normal(n).astype(dtype)
+            return idx.astype(index_dtype(n)), vals
+        kind = "random"
+    if kind == "pool":  # k of a shared pool of 2k indices: partial overlap
+        pool = np.random.default_rng(11).choice(n, size=400, replace=False)
+        rng = np.random.default_rng([12, rank])
+        idx = np.sort(rng.choice(pool, size=200, replace=False))
+        return idx.astype(index_dtype(n)), rng.standard_normal(200).astype(dtype)
+    density = {"random": 0.002, "same": 0.01, "disjoint": 0.1, "dense": 0.3}[kind]
+    if n > 2**24:
+        density = 500 / n
+    overlap = "random" if kind == "dense" else kind
+    vals, idx = make_problem(n, density, rank, P, overlap, dtype, seed=5)
+    return idx, vals
+
+
+def inputs(kind: str, P: int, n: int, dtype) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [problem(kind, r, P, n, dtype) for r in range(P)]
+
+
+def dsa_expected(every, P: int, r: int, n: int, dtype) -> dict[str, int]:
+    itype = index_dtype(n)
+    bounds = range_bounds(n, P)
+    lengths = np.diff(bounds)
+    cuts = [np.searchsorted(idx, bounds) for idx, _ in every]
+    c = np.array([np.diff(cut) for cut in cuts])  # c[s, j]: rank s's nonzeros in range j
+
+    def cb(nnz, j):
+        return chunk_bytes(int(nnz), int(lengths[j]), itype, dtype)
+
+    rs_sent = sum(cb(c[r, j], j) for j in range(P) if j != r)
+    rs_recv = sum(cb(c[s, r], r) for s in range(P) if s != r)
+    union = np.unique(np.concatenate([idx for idx, _ in every]))
+    K = np.diff(np.searchsorted(union, bounds))  # reduced nnz per range (no cancellation)
+    block = [cb(K[j], j) for j in range(P)]
+    ag_sent = 0
+    for cnt in bruck_counts(P):  # each round sends the first cnt blocks held: r, r+1, ...
+        ag_sent += sum(block[(r + b) % P] for b in range(cnt))
+    ag_recv = sum(block) - block[r]
+    dense_chunks = sum(
+        not sparse_is_cheaper(int(c[r, j]), int(lengths[j]), itype, dtype)
+        for j in range(P)
+        if j != r and c[r, j]
+    )
+    dense_ranges = sum(
+        not sparse_is_cheaper(int(K[j]), int(lengths[j]), itype, dtype) for j in range(P)
+    )
+    return dict(
+        rs_sent=rs_sent,
+        rs_recv=rs_recv,
+        ag_sent=ag_sent,
+        ag_recv=ag_recv,
+        dense_chunks=dense_chunks,
+        dense_ranges=dense_ranges,
+    )
+
+
+def _run(comm, name, idx, vals, n, algorithm=None):
+    return sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=algorithm or name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    ("kind", "n"),
+    [
+        ("random", 100_003),
+        ("same", 100_003),
+        ("disjoint", 100_003),
+        ("one_dense", 4099),
+        ("dense", 20_000),
+        ("random", HUGE),
+        ("same", HUGE),
+    ],
+)
+def test_dsa_bytes_match_formula(comm, kind, n, dtype):
+    P, r = comm.size, comm.rank
+    every = inputs(kind, P, n, dtype)
+    out = _run(comm, "dsa", *every[r], n)
+    want = dsa_expected(every, P, r, n, dtype)
+    st = out.info["stats"]
+    if P == 1:
+        assert_all(comm, st.bytes_sent == 0 and st.bytes_recv == 0)
+        return
+    rs, ag = out.info["phases"]["reduce_scatter"], out.info["phases"]["allgather"]
+    got = dict(
+        rs_sent=rs.bytes_sent, rs_recv=rs.bytes_recv, ag_sent=ag.bytes_sent, ag_recv=ag.bytes_recv
+    )
+    for key, value in got.items():
+        assert_all(comm, value == want[key], f"{kind} {key}: {value} != {want[key]}")
+    assert_all(comm, st.bytes_sent == rs.bytes_sent + ag.bytes_sent)
+    # the dense switch is exercised where the inputs call for it
+    if kind == "one_dense":
+        assert_all(comm, r != 0 or want["dense_chunks"] == P - 1, "rank 0 sends dense chunks")
+        assert_all(comm, want["dense_ranges"] == P, "every range travels dense")
+    if kind == "disjoint" and dtype == np.float32 and P >= 5:  # 0.1·n ≥ half a range
+        assert_all(comm, want["dense_ranges"] >= 1, "some ranges travel dense")
+    if kind in ("random", "same") and n == HUGE:
+        assert_all(comm, want["dense_ranges"] == 0)
+    assert_identical(comm, out)
+
+
+def test_dsa_reduce_scatter_sends_about_k_p_minus_1_over_p(comm):
+    """Uniform random indices at density ≪ 1/P: ≈ k(P−1)/P pairs in the reduce-scatter."""
+    P, n, k = comm.size, 2**20, 2000
+    rng = np.random.default_rng([21, comm.rank])
+    idx = np.sort(rng.choice(n, size=k, replace=False)).astype(np.int32)
+    out = _run(comm, "dsa", idx, rng.standard_normal(k).astype(np.float32), n)
+    if P == 1:
+        return
+    pairs = out.info["phases"]["reduce_scatter"].bytes_sent / 8
+    expect = k * (P - 1) / P
+    assert_all(comm, abs(pairs - expect) <= 0.1 * expect, f"{pairs} pairs, expected ≈ {expect}")
+
+
+@pytest.mark.parametrize("kind", ["same", "pool"])
+def test_dsa_sends_less_than_allgather_with_overlap(comm, kind):
+    P, n = comm.size, 100_003
+    idx, vals = problem(kind, comm.rank, P, n, np.float32)
+    d = _run(comm, "dsa", idx, vals, n).info["stats"].bytes_sent
+    a = _run(comm, "allgather", idx, vals, n).info["stats"].bytes_sent
+    if P >= 4:
+        assert_all(comm, d < a, f"dsa sent {d}, allgather {a}")
+    if kind == "same" and P > 1:
+        # k(P−1)/P in each phase: identical indices, no build-up
+        k = idx.shape[0]
+        pairs = d / 8
+        assert_all(comm, abs(pairs - 2 * k * (P - 1) / P) <= 0.1 * k, f"{pairs} pairs")
+
+
+def rd_expected_sent(every, P: int, r: int, n: int, dtype) -> int:
+    """Bytes rank r sends in recursive doubling: its whole vector every round."""
+    itype = index_dtype(n)
+
+    def cost(ranks) -> int:
+        union = np.unique(np.concatenate([every[s][0] for s in ranks]))
+        return chunk_bytes(int(union.shape[0]), n, itype, dtype)
+
+    fold = Fold.plan(r, P)
+    if P == 1:
+        return 0
+    if fold.folded:
+        return cost([r])
+
+    def holders(newranks) -> list[int]:  # real ranks whose input a power-of-two rank holds
+        out = []
+        for v in newranks:
+            f = Fold.plan(fold.real_rank(v), P)
+            out += [f.rank] + ([f.partner] if f.partner >= 0 else [])
+        return out
+
+    sent = 0
+    mask = 1
+    while mask < fold.pof2:  # entering this round: the block of newranks sharing bits >= mask
+        base = fold.newrank & ~(mask - 1)
+        sent += cost(holders(range(base, base + mask)))
+        mask <<= 1
+    group = holders(range(fold.pof2))
+    if fold.partner >= 0:
+        sent += cost(group)
+    return sent
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize(
+    ("kind", "n"),
+    [
+        ("random", 100_003),
+        ("same", 100_003),
+        ("disjoint", 100_003),
+        ("dense", 20_000),
+        ("one_dense", 4099),
+        ("same", HUGE),
+    ],
+)
+def test_recursive_doubling_bytes_match_formula(comm, kind, n, dtype):
+    P, r = comm.size, comm.rank
+    every = inputs(kind, P, n, dtype)
+    out = _run(comm, "recursive_doubling", *every[r], n)
+    want = rd_expected_sent(every, P, r, n, dtype)
+    got = out.info["stats"].bytes_sent
+    assert_all(comm, got == want, f"{kind}: sent {got}, expected {want}")
+    if kind == "same" and P & (P - 1) == 0:  # k·log2 P pairs, no build-up
+        k = every[r][0].shape[0]
+        pair = index_dtype(n).itemsize + np.dtype(dtype).itemsize
+        assert_all(comm, got == k * pair * int(math.log2(P)))
+    assert_identical(comm, out)
+
+
+@pytest.mark.parametrize("kind", ["same", "disjoint", "random"])
+def test_auto_choice_follows_rule_and_learns_overlap(comm, kind):
+    P, n = comm.size, 100_003
+    idx, vals = problem(kind, comm.rank, P, n, np.float32)
+    auto = Auto()
+    total = sum(problem(kind, s, P, n, np.float32)[0].shape[0] for s in range(P))
+    for call in range(2):
+        want = choose(P, n, total, np.int32, np.float32, auto.theta, auto.model)
+        out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=auto)
+        got = out.info["auto_choice"]
+        choices = comm.allgather_object(got)
+        assert_all(comm, all(c == got for c in choices), f"choices differ: {choices}")
+        assert_all(comm, got == want, f"call {call}: chose {got}, rule says {want}")
+        assert_all(comm, out.info["auto_nnz_total"] == total)
+        assert_identical(comm, out)
+    if P > 1:
+        kbar = total / P
+        theta = math.log(out.nnz / kbar) / math.log(P)
+        assert_all(comm, abs(auto.theta - min(1.0, max(0.0, theta))) < 1e-12)
+        if kind == "same":
+            assert_all(comm, auto.theta == 0.0, f"theta {auto.theta}")
+        if kind == "disjoint":
+            assert_all(comm, abs(auto.theta - 1.0) < 1e-3, f"theta {auto.theta}")
+
+
+def test_auto_state_mismatch_raises_everywhere(comm):
+    """Ranks whose auto instances learned different overlaps fail together, before any payload."""
+    if comm.size == 1:
+        return
+    auto = Auto()
+    auto.theta = 0.5 if comm.rank == comm.size - 1 else None
+    vals = np.ones(3, np.float32)
+    idx = np.arange(3)
+    with pytest.raises(ValueError, match="algorithm options must be the same"):
+        sparsecoll.allreduce(comm, vals, idx, n=10, algorithm=auto)
+
+
+@pytest.mark.parametrize("name", ["dsa", "recursive_doubling"])
+def test_result_does_not_alias_input(comm, name):
+    n = 50
+    idx = np.arange(0, n, 2, dtype=np.int32)
+    vals = np.ones(idx.shape[0], np.float32)
+    x = coalesce(idx, vals, n)
+    out = sparsecoll.allreduce(comm, x.values, x.indices, n=n, algorithm=name)
+    out.values[:] = -7
+    assert_all(comm, bool(np.all(vals == 1)), "result shares memory with the input")

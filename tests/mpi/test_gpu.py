@@ -1,0 +1,379 @@
+"""Device buffers end to end under MPI: every algorithm, the Communicator's device paths,
+NCCLCommunicator, collective errors.
+
+Each test runs on two device modules: ``fake`` (tests/fakecupy.py, always: a strict
+numpy-backed CuPy, so host/device mixing, staging and the CUDA-aware hand-off are checked
+in CI) and ``cupy`` (a real GPU; skipped cleanly without one; ranks share the GPUs
+round-robin, so several ranks on one GPU exercise the pinned-host staging). The CUDA-aware
+mode (device pointers handed to MPI) runs on the fake always (its memory is host memory)
+and on a real GPU only when the MPI library says it is CUDA-aware.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import sparsecoll
+from sparsecoll import CollectiveInputError, CollectiveTypeError, Communicator
+from sparsecoll._array import cupy_or_none, index_dtype
+from sparsecoll.comm import _query_cuda_aware
+from sparsecoll.registry import algorithm_class
+
+from .. import fakecupy
+from .cases import assert_all, assert_identical, cases, local_input, mismatch
+
+ALGORITHMS = sparsecoll.available_algorithms()
+# one algorithm per way of driving the Communicator (dense allreduce, allgatherv,
+# point-to-point, selecting with contribution masks, dense-input sparsifier): the tests of
+# components *around* the algorithms use these, to keep the oversubscribed MPI time down
+REPRESENTATIVE = [
+    a for a in ("dense", "allgather", "dsa", "gtopk", "oktopk", "exdyna") if a in ALGORITHMS
+]
+
+
+def _real_cupy(comm):
+    """Real CuPy with a device on every rank, or a collective skip."""
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        count = 0
+    counts = comm.allgather_object(count)
+    if min(counts) < 1:
+        pytest.skip("no CUDA device (and CuPy) on every rank")
+    cupy.cuda.Device(comm.rank % count).use()
+    cupy_or_none.cache_clear()
+    return cupy
+
+
+@pytest.fixture(scope="module", params=["fake", pytest.param("cupy", marks=pytest.mark.gpu)])
+def xp(request, comm):
+    if request.param == "fake":
+        with fakecupy.installed() as fake:
+            yield fake
+    else:
+        yield _real_cupy(comm)
+
+
+def _modes(xp, comm) -> list[bool]:
+    """The CUDA-aware settings to try: both on the fake, only a safe one on a real GPU."""
+    if xp is fakecupy.module:
+        return [False, True]
+    return [_query_cuda_aware(comm.mpi_comm)]
+
+
+def _host(a):
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def _run(c, cls, vals, idx, n, k):
+    return sparsecoll.allreduce(c, vals, idx, n=n, algorithm=cls(**cls.default_options(n, k)))
+
+
+def _differs(dev, host, exact_case=None, size=None) -> str | None:
+    """Why the device result ``dev`` is not the host result (or, for an exact algorithm,
+    the oracle's sum of ``exact_case``); None when it is."""
+    hi, hv = _host(dev.indices), _host(dev.values)
+    if exact_case is not None:
+        return mismatch(sparsecoll.SparseVector(hi, hv, dev.n), exact_case, size)
+    if not np.array_equal(hi, host.indices):
+        return "selected indices differ from the host run"
+    if not np.allclose(hv.astype(np.float64), host.values.astype(np.float64), rtol=1e-3):
+        return "values differ from the host run"
+    if dev.contributed is not None and not np.array_equal(
+        _host(dev.contributed), _host(host.contributed)
+    ):
+        return "contributed mask differs from the host run"
+    return None
+
+
+@given(name=st.sampled_from(ALGORITHMS), case=cases(max_n=5000), aware=st.booleans())
+def test_algorithm_on_device(comm, xp, name, case, aware):
+    """Device in, device out; exact algorithms equal the oracle, selecting ones their host run.
+
+    The algorithm is drawn with the case (every algorithm also runs at every P in the test
+    below): parametrizing would multiply the oversubscribed MPI calls by the algorithm count.
+    """
+    cls = algorithm_class(name)
+    modes = _modes(xp, comm)
+    c = Communicator(comm.mpi_comm)
+    c.cuda_aware = aware if aware in modes else modes[0]
+    vals, idx = local_input(case, comm.rank, comm.size)
+    k = max(1, round(case.density * case.n))
+    dev = _run(c, cls, xp.asarray(vals), xp.asarray(idx), case.n, k)
+    if not (isinstance(dev.values, xp.ndarray) and isinstance(dev.indices, xp.ndarray)):
+        why = f"result left the device: {type(dev.values)}, {type(dev.indices)}"
+    elif dev.indices.dtype != index_dtype(case.n) or str(dev.values.dtype) != case.dtype:
+        why = f"dtypes {dev.indices.dtype}, {dev.values.dtype}"
+    elif cls.exact:
+        why = _differs(dev, None, case, comm.size)
+    else:
+        why = _differs(dev, _run(c, cls, vals, idx, case.n, k))
+    assert_all(comm, why is None, f"{name}, cuda_aware={c.cuda_aware}: {why}")
+    assert_identical(comm, sparsecoll.SparseVector(_host(dev.indices), _host(dev.values), dev.n))
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_device_moves_the_same_bytes_as_host(comm, xp, name):
+    """Staging or not, device buffers change no byte or message that crosses between ranks.
+
+    On the fake the algorithms alternate between staging and CUDA-aware (both modes of every
+    primitive are covered by test_communicator_device_primitives)."""
+    cls = algorithm_class(name)
+    n = 20_000
+    rng = np.random.default_rng([11, comm.rank])
+    idx = np.concatenate([rng.integers(0, n, 150), np.arange(0, n, 500)])  # some overlap
+    vals = rng.standard_normal(idx.shape[0]).astype(np.float32)
+    modes = _modes(xp, comm)
+    c = Communicator(comm.mpi_comm)
+    c.cuda_aware = modes[ALGORITHMS.index(name) % len(modes)]
+    host = _run(c, cls, vals, idx, n, 200)
+    dev = _run(c, cls, xp.asarray(vals), xp.asarray(idx), n, 200)
+    hs, ds = host.info["stats"], dev.info["stats"]
+    problems = [] if hs == ds else [f"device {ds} != host {hs}"]
+    why = _differs(dev, host)
+    if why:
+        problems.append(why)
+    problems = [f"cuda_aware={c.cuda_aware}: {p}" for p in problems]
+    assert_all(comm, not problems, f"{name}: " + "; ".join(problems))
+
+
+@pytest.mark.parametrize("aware", [False, True], ids=["staged", "cuda_aware"])
+def test_communicator_device_primitives(comm, xp, aware):
+    if aware not in _modes(xp, comm):
+        pytest.skip("MPI is not CUDA-aware: device pointers must not reach it")
+    c = Communicator(comm.mpi_comm)
+    c.cuda_aware = aware
+    P, r = c.size, c.rank
+    right, left = (r + 1) % P, (r - 1) % P
+    pinned_before = len(getattr(xp, "pinned_allocations", []))
+    problems = []
+
+    def check(what, got, want):
+        if not np.array_equal(_host(got), want):
+            problems.append(what)
+
+    # ring: send/recv, isend/irecv, sendrecv, recv_bytes into device memory
+    x = xp.asarray(np.arange(7, dtype=np.float32) + 10 * r)
+    want_left = np.arange(7, dtype=np.float32) + 10 * left
+    got = xp.empty(7, dtype=np.float32)
+    reqs = [c.irecv(got, left, 3), c.isend(x, right, 3)]
+    sparsecoll.comm.Request.waitall(reqs)
+    check("isend/irecv", got, want_left)
+    got = xp.zeros(7, dtype=np.float32)
+    c.sendrecv(x, right, got, left, 4)
+    check("sendrecv", got, want_left)
+    req = c.isend(x[1:4], right, 5)  # a view at an offset is sent contiguously
+    raw = c.recv_bytes(left, 5, xp)
+    req.wait()
+    if not isinstance(raw, xp.ndarray):
+        problems.append("recv_bytes left the device")
+    check("send/recv_bytes", raw.view(np.float32), want_left[1:4])
+    # collectives
+    mine = xp.asarray(np.full(r % 3, r, dtype=np.int64))
+    out, _counts = c.allgatherv(mine)
+    check("allgatherv", out, np.concatenate([np.full(j % 3, j) for j in range(P)]))
+    send = xp.asarray(np.repeat(np.arange(P, dtype=np.float64) + 100 * r, 2))
+    out, _rc = c.alltoallv(send, [2] * P)
+    check("alltoallv", out, np.repeat(100 * np.arange(P) + r, 2).astype(np.float64))
+    for dt in (np.float16, np.float32, np.float64):
+        out = c.allreduce(xp.asarray(np.arange(5, dtype=dt) * (r + 1)))
+        if out.dtype != dt or not isinstance(out, xp.ndarray):
+            problems.append(f"allreduce {dt} type")
+        check(f"allreduce {np.dtype(dt)}", out, (np.arange(5) * P * (P + 1) // 2).astype(dt))
+    if xp is fakecupy.module and P > 1:
+        staged = len(xp.pinned_allocations) > pinned_before
+        if staged == aware:
+            problems.append(f"pinned staging {'used' if staged else 'unused'} with aware={aware}")
+    assert_all(comm, not problems, ", ".join(problems))
+
+
+def test_device_input_error_raises_on_every_rank(comm, xp):
+    bad = comm.size - 1
+    n = 50
+    idx = np.array([1, 2, n if comm.rank == bad else 3])
+    with pytest.raises(CollectiveInputError, match=f"index {n} out of range.*on rank {bad}"):
+        sparsecoll.allreduce(comm, xp.asarray(np.ones(3)), xp.asarray(idx), n=n)
+    # values on the device, indices on the host, on one rank only
+    idx = np.array([1, 2, 3])
+    mixed = idx if comm.rank == bad else xp.asarray(idx)
+    with pytest.raises(CollectiveTypeError, match=f"same device.*on rank {bad}"):
+        sparsecoll.allreduce(comm, xp.asarray(np.ones(3)), mixed, n=n)
+
+
+def test_cuda_aware_detection(comm, monkeypatch):
+    monkeypatch.setenv("SPARSECOLL_CUDA_AWARE", "1")
+    forced_on = _query_cuda_aware(comm.mpi_comm)
+    monkeypatch.setenv("SPARSECOLL_CUDA_AWARE", "0")
+    forced_off = _query_cuda_aware(comm.mpi_comm)
+    monkeypatch.delenv("SPARSECOLL_CUDA_AWARE")
+    found = _query_cuda_aware(comm.mpi_comm)
+    everyone = comm.allgather_object(found)
+    assert_all(comm, forced_on and not forced_off, "SPARSECOLL_CUDA_AWARE ignored")
+    assert_all(comm, len(set(everyone)) == 1, f"ranks disagree: {everyone}")
+    if "MPICH" in sparsecoll.comm.mpi_library_version() and os.environ.get("CI"):
+        # the PyPI MPICH wheel is built without CUDA: staging is the right answer
+        assert_all(comm, not found, "the MPICH wheel reported CUDA-aware")
+
+
+def test_nccl_communicator(comm, xp):
+    from sparsecoll.nccl import NCCLCommunicator, nccl_available
+
+    real = xp is not fakecupy.module
+    if not all(comm.allgather_object(nccl_available())):
+        pytest.skip("NCCL is not usable through CuPy on every rank")
+    if real:
+        ndev = xp.cuda.runtime.getDeviceCount()
+        if comm.size > ndev:
+            # ranks share a GPU: every rank must get the same clear error, no hang
+            with pytest.raises(ValueError, match="one GPU per rank"):
+                NCCLCommunicator(comm.mpi_comm)
+            return
+    nc = NCCLCommunicator(comm.mpi_comm)
+    try:
+        c = Communicator(comm.mpi_comm)
+        rng = np.random.default_rng([5, comm.rank])
+        problems = []
+        for name in REPRESENTATIVE:
+            cls = algorithm_class(name)
+            n = 3001
+            idx = rng.integers(0, n, 60)
+            vals = rng.standard_normal(60).astype(np.float32)
+            h = sparsecoll.allreduce(c, vals, idx, n=n, algorithm=cls(**cls.default_options(n, 60)))
+            d = sparsecoll.allreduce(
+                nc,
+                xp.asarray(vals),
+                xp.asarray(idx),
+                n=n,
+                algorithm=cls(**cls.default_options(n, 60)),
+            )
+            if not np.array_equal(_host(d.indices), h.indices) or not np.allclose(
+                _host(d.values), h.values, rtol=1e-5, atol=1e-6
+            ):
+                problems.append(f"{name}: result differs from MPI")
+            if d.info["stats"].bytes_sent != h.info["stats"].bytes_sent:
+                problems.append(f"{name}: bytes differ from MPI")
+        counts = [(comm.rank + j) % 3 for j in range(comm.size)]
+        x = np.arange(sum(counts), dtype=np.float64) + 100 * comm.rank
+        a, ra = c.alltoallv(x, counts)
+        b, rb = nc.alltoallv(xp.asarray(x), counts)
+        if ra != rb or not np.array_equal(a, _host(b)):
+            problems.append("alltoallv differs from MPI")
+        # host buffers still go over MPI
+        h, _ = nc.allgatherv(np.arange(3) + comm.rank)
+        if not isinstance(h, np.ndarray):
+            problems.append("host allgatherv left the host")
+        assert_all(comm, not problems, "; ".join(problems))
+    finally:
+        nc.close()
+
+
+def test_nccl_shared_gpu_is_refused_everywhere(comm, xp):
+    if xp is not fakecupy.module:
+        pytest.skip("covered on a real GPU by test_nccl_communicator when P > GPUs")
+    if comm.size == 1:
+        pytest.skip("one rank cannot share a GPU")
+    from sparsecoll.nccl import NCCLCommunicator
+
+    fakecupy._Device.shared = True
+    try:
+        with pytest.raises(ValueError, match="ranks 0 and 1 share GPU"):
+            NCCLCommunicator(comm.mpi_comm)
+    finally:
+        fakecupy._Device.shared = False
+
+
+def test_torch_cuda_tensors(comm, xp):
+    torch = fakecupy.require_torch_cuda(xp)
+    dev = torch.device("cuda", xp.cuda.Device().id)
+    n = 1000
+    rng = np.random.default_rng([9, comm.rank])
+    idx = rng.integers(0, n, 50)
+    vals = rng.standard_normal(50).astype(np.float32)
+    out = sparsecoll.allreduce(
+        comm, torch.from_numpy(vals).to(dev), torch.from_numpy(idx).to(dev), n=n
+    )
+    ok = isinstance(out.values, torch.Tensor) and out.values.device == dev
+    ref = sparsecoll.allreduce(comm, vals, idx, n=n)
+    ok = ok and np.array_equal(out.indices.cpu().numpy(), ref.indices)
+    ok = ok and np.allclose(out.values.cpu().numpy(), ref.values, rtol=1e-5, atol=1e-6)
+    assert_all(comm, ok, "torch CUDA tensors did not round-trip")
+
+
+@pytest.mark.parametrize("kind", ["mpi", "nccl"])
+def test_gpu_allreduce_bench_runs(comm, xp, kind, capsys):
+    """The benchmark's code path (on the fake its timings mean nothing and are not kept)."""
+    from sparsecoll.benchmarks import gpu
+    from sparsecoll.nccl import nccl_available
+
+    if kind == "nccl" and (
+        xp is not fakecupy.module or not all(comm.allgather_object(nccl_available()))
+    ):
+        pytest.skip("NCCL on a real GPU is covered by test_nccl_communicator")
+    args = [
+        "allreduce",
+        "-n",
+        "3000",
+        "--density",
+        "0.01",
+        "-i",
+        "1",
+        "-x",
+        "0",
+        "--format",
+        "csv",
+        "--comm",
+    ]
+    rc = gpu.main([*args, kind, "--algorithm", "allgather", "--algorithm", "dense"])
+    out = capsys.readouterr().out.strip().splitlines()
+    ok = rc == 0 and (comm.rank != 0 or len(out) == 1 + 2)
+    assert_all(comm, ok, f"rc={rc}, {len(out)} lines")
+
+
+def test_osu_suite_with_device_buffers(comm, xp, capsys):
+    """The OSU suite's ``-d cuda`` path, validated against dense (timings not kept)."""
+    osu = pytest.importorskip("sparsecoll.benchmarks.osu")
+    n = "4K" if xp is fakecupy.module else "1M"
+    some = ",".join(a for a in ("allgather", "dsa", "oktopk", "exdyna") if a in ALGORITHMS)
+    args = ["-d", "cuda", "-m", n, "-i", "1", "-x", "0", "-c", "-q", "--format", "csv"]
+    rc = osu.main([*args, "--algorithm", some])
+    out = capsys.readouterr().out
+    assert_all(comm, rc == 0, f"osu -d cuda exited {rc}:\n{out[-2000:]}")
+
+
+@pytest.mark.parametrize("name", REPRESENTATIVE)
+def test_gradient_reducer_on_device(comm, xp, name):
+    """Training steps on device gradients: updates stay on the device and equal the host
+    run's; error feedback holds (updates + residuals == gradients)."""
+    training = pytest.importorskip("sparsecoll.training")
+    if not hasattr(pytest.importorskip("sparsecoll.select"), "topk"):
+        pytest.skip("sparsecoll.training needs the sparsecoll.select dispatch")
+    n, steps = 2000, 2
+    kw = dict(algorithm=name, density=0.02, warmup=1, average=False)
+    host = training.GradientReducer(comm.mpi_comm, n, **kw)
+    dev = training.GradientReducer(comm.mpi_comm, n, **kw)
+    rng = np.random.default_rng([13, comm.rank])
+    problems = []
+    total_grad = np.zeros(n)
+    total_update = np.zeros(n)
+    for s in range(steps):
+        g = rng.standard_normal(n).astype(np.float32)
+        total_grad += comm.mpi_comm.allreduce(g.astype(np.float64))
+        uh = host.step(g)
+        ud = dev.step(xp.asarray(g))
+        if not isinstance(ud, xp.ndarray):
+            problems.append(f"step {s}: update left the device")
+            break
+        if not np.allclose(_host(ud), uh, rtol=1e-5, atol=1e-5):
+            problems.append(f"step {s}: update differs from the host run")
+        total_update += _host(ud)
+    residuals = comm.mpi_comm.allreduce(_host(dev.residual).astype(np.float64))
+    if not np.allclose(total_update + residuals, total_grad, rtol=1e-4, atol=1e-4):
+        problems.append("updates + residuals != gradients")
+    assert_all(comm, not problems, f"{name}: " + "; ".join(problems))

@@ -1,0 +1,283 @@
+"""GradientReducer under MPI: error feedback loses nothing (every algorithm), dense is plain
+averaging, exact algorithms match a simulation of every rank; checkpoints, stats, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import sparsecoll
+from sparsecoll import CollectiveInputError, CollectiveTypeError
+from sparsecoll.registry import algorithm_class
+from sparsecoll.training import GradientReducer
+
+from .cases import assert_all
+
+ALGORITHMS = sparsecoll.available_algorithms()
+GRAD_KINDS = ("gauss", "heavy", "many_zeros", "one_rank_zero", "growing", "ties")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    n: int
+    kind: str
+    seed: int
+    steps: int
+    density: float
+    warmup: int
+    average: bool
+    dtype: str = "float64"
+
+    def grad(self, rank: int, step: int) -> np.ndarray:
+        """Rank ``rank``'s gradient at ``step`` (any rank can rebuild any other's)."""
+        rng = np.random.default_rng([self.seed, rank, step])
+        n = self.n
+        if self.kind == "heavy":
+            g = rng.standard_t(2, n)
+        elif self.kind == "many_zeros":
+            g = rng.standard_normal(n) * (rng.random(n) < 0.05)
+        elif self.kind == "one_rank_zero":
+            g = np.zeros(n) if rank == 0 else rng.standard_normal(n)
+        elif self.kind == "growing":
+            g = rng.standard_normal(n) * 2.0**step
+        elif self.kind == "ties":
+            g = rng.integers(-2, 3, n).astype(np.float64)
+        else:
+            g = rng.standard_normal(n)
+        return g.astype(self.dtype)
+
+
+@st.composite
+def streams(draw, dtype: str = "float64") -> Stream:
+    return Stream(
+        n=draw(st.one_of(st.integers(1, 40), st.integers(41, 3000))),
+        kind=draw(st.sampled_from(GRAD_KINDS)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+        steps=draw(st.integers(1, 4)),
+        density=draw(st.sampled_from([0.001, 0.01, 0.05, 0.3, 1.0])),
+        warmup=draw(st.integers(0, 2)),
+        average=draw(st.booleans()),
+        dtype=dtype,
+    )
+
+
+def digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def run(comm, s: Stream, algorithm: str, **kw) -> tuple[GradientReducer, list[np.ndarray]]:
+    red = GradientReducer(comm, s.n, algorithm, s.density, warmup=s.warmup, average=s.average, **kw)
+    return red, [red.step(s.grad(comm.rank, t)) for t in range(s.steps)]
+
+
+def simulate(s: Stream, p: int, k: int, select: bool) -> tuple[list[np.ndarray], list]:
+    """Every rank's reducer, simulated here: local top-k (or nothing when ``select`` is
+    False: dense), exact sums. Returns the updates and every rank's final residual."""
+    residual = [np.zeros(s.n) for _ in range(p)]
+    updates = []
+    for t in range(s.steps):
+        total = np.zeros(s.n)
+        for r in range(p):
+            acc = residual[r] + s.grad(r, t)
+            sel = reference_topk(acc, k) if select and t >= s.warmup else slice(None)
+            total[sel] += acc[sel]
+            acc[sel] = 0
+            residual[r] = acc
+        updates.append(total / p if s.average else total)
+    return updates, residual
+
+
+def reference_topk(x: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the k largest |x| (ties to the lower position, zeros never), ascending."""
+    order = np.lexsort((np.arange(x.shape[0]), -np.abs(x)))
+    order = order[np.abs(x[order]) > 0][:k]
+    return np.sort(order)
+
+
+def check_everywhere(comm, problems: list[str], arrays: list[np.ndarray]) -> None:
+    """One collective for all checks: every rank's problems, and ``arrays`` bit-identical."""
+    every = comm.allgather_object((problems, [digest(a) for a in arrays]))
+    bad = [f"rank {r}: {m}" for r, (probs, _) in enumerate(every) for m in probs]
+    if any(d != every[0][1] for _, d in every):
+        bad.append("updates differ across ranks")
+    assert not bad, "; ".join(bad[:8])
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(s=streams())
+def test_error_feedback_loses_nothing(comm, algorithm, s):
+    """sum of updates (× P when averaging) + sum of residuals == sum of every gradient;
+    dense is plain averaging; exact algorithms equal a simulation of every rank."""
+    red, updates = run(comm, s, algorithm)
+    p = comm.size
+    problems = []
+    applied = np.sum(updates, axis=0) * (p if s.average else 1)
+    residuals = comm.allreduce(np.asarray(red.residual, dtype=np.float64))
+    grads = sum(s.grad(r, t) for r in range(p) for t in range(s.steps))
+    scale = sum(np.abs(s.grad(r, t)) for r in range(p) for t in range(s.steps))
+    err = np.abs(applied + residuals - grads)
+    if not np.all(err <= 1e-12 * (scale + 1)):
+        problems.append(f"{algorithm}: lost {err.max()!r} of the gradient")
+    if any(u.shape != (s.n,) or u.dtype != np.float64 for u in updates):
+        problems.append("update shape/dtype")
+    if algorithm == "dense" or algorithm_class(algorithm).exact:
+        want, residual = simulate(s, p, red.k, select=algorithm != "dense")
+        for t, (u, w) in enumerate(zip(updates, want)):
+            if not np.allclose(u, w, rtol=1e-12, atol=1e-12 * (1 + np.abs(w).max())):
+                problems.append(f"{algorithm} step {t} differs from the simulation")
+        if not np.allclose(red.residual, residual[comm.rank], rtol=1e-12, atol=1e-12):
+            problems.append("residual differs from the simulation")
+    elif s.steps > s.warmup and np.count_nonzero(updates[-1]) > p * red.k:
+        problems.append("update denser than P·k")  # gtopk/oktopk: <= P·k; exdyna: about k
+    check_everywhere(comm, problems, updates)
+
+
+@given(s=streams(dtype="float32"))
+def test_error_feedback_float32(comm, s):
+    red, updates = run(comm, s, "allgather")
+    p = comm.size
+    applied = np.sum(np.asarray(updates, dtype=np.float64), axis=0) * (p if s.average else 1)
+    residuals = comm.allreduce(np.asarray(red.residual, dtype=np.float64))
+    grads = sum(s.grad(r, t).astype(np.float64) for r in range(p) for t in range(s.steps))
+    scale = sum(np.abs(s.grad(r, t)).astype(np.float64) for r in range(p) for t in range(s.steps))
+    problems = []
+    if not np.all(np.abs(applied + residuals - grads) <= 1e-5 * (scale + 1)):
+        problems.append("float32 error feedback lost more than rounding")
+    if red.residual.dtype != np.float32 or any(u.dtype != np.float32 for u in updates):
+        problems.append("residual/update dtype")
+    check_everywhere(comm, problems, updates)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_checkpoint_restores_the_same_run(comm, algorithm):
+    s = Stream(n=1500, kind="heavy", seed=7, steps=8, density=0.02, warmup=1, average=True)
+    red, updates = run(comm, s, algorithm)
+    red2 = GradientReducer(comm, s.n, algorithm, s.density, warmup=1)
+    for t in range(4):
+        red2.step(s.grad(comm.rank, t))
+    saved = pickle.loads(pickle.dumps(red2.state_dict()))
+    red3 = GradientReducer(comm, s.n, algorithm, s.density, warmup=1)
+    red3.load_state_dict(saved)
+    assert_all(comm, red3.steps == 4, "step counter not restored")
+    for t in range(4, s.steps):
+        u = red3.step(s.grad(comm.rank, t))
+        assert_all(comm, np.array_equal(u, updates[t]), f"{algorithm} step {t} after restore")
+    assert_all(comm, np.array_equal(red3.residual, red.residual), "residual after restore")
+    # the saved state is a snapshot: stepping red2 further does not change it
+    red2.step(s.grad(comm.rank, 4))
+    assert_all(comm, saved["steps"] == 4, "state_dict aliases the live state")
+
+
+def test_checkpoint_rejects_other_reducer(comm):
+    red = GradientReducer(comm, 100, "allgather", 0.1)
+    red.step(np.ones(100))
+    state = red.state_dict()
+    with pytest.raises(ValueError, match="n=100"):
+        GradientReducer(comm, 101, "allgather", 0.1).load_state_dict(state)
+    with pytest.raises(ValueError, match="algorithm='allgather'"):
+        GradientReducer(comm, 100, "dense", 0.1).load_state_dict(state)
+
+
+@pytest.mark.parametrize("algorithm", ["dense", "allgather", "exdyna"])
+def test_stats_count_bytes(comm, algorithm):
+    n, p = 4000, comm.size
+    red = GradientReducer(comm, n, algorithm, density=0.01, warmup=1)
+    rng = np.random.default_rng([5, comm.rank])
+    sent = []
+    for _ in range(3):
+        red.step(rng.standard_normal(n).astype(np.float32))
+        sent.append(red.stats()["bytes_sent"])
+    s = red.stats()
+    dense = 2 * (p - 1) * n * 4 // p
+    assert_all(comm, s["dense_bytes"] == dense, f"dense_bytes {s['dense_bytes']} != {dense}")
+    assert_all(comm, sent[0] == dense, "the warm-up step is one dense allreduce")
+    assert_all(comm, s["bytes_sent_total"] == sum(sent), "cumulative bytes")
+    assert_all(comm, s["requested_density"] == 0.01 and s["steps"] == 3, "requested density")
+    if algorithm == "dense":
+        assert_all(comm, s["achieved_density"] == 1.0 and sent[-1] == dense, "dense stats")
+    else:
+        assert_all(comm, p == 1 or 0 < sent[-1] < dense / 5, f"sparse step sent {sent[-1]}")
+        assert_all(comm, 0 < s["achieved_density"] <= p * 0.01 + 1e-12, "achieved density")
+        assert_all(comm, s["selected_density"] <= 0.01 * 1.5, "selected density")
+
+
+def test_bad_grad_on_one_rank_raises_everywhere(comm):
+    n, p = 50, comm.size
+    red = GradientReducer(comm, n, "allgather", 1.0)
+    bad = p - 1
+    g = np.ones(n + (comm.rank == bad))
+    with pytest.raises(CollectiveInputError, match=f"grad must have 50 elements.*on rank {bad}"):
+        red.step(g)
+    g = np.ones(n, dtype=np.int64 if comm.rank == bad else np.float64)
+    with pytest.raises(CollectiveTypeError, match=f"float64, got int64 on rank {bad}"):
+        red.step(g)
+    # nothing moved: the reducer goes on as if the failed calls never happened
+    out = red.step(np.full(n, float(comm.rank)))
+    assert_all(comm, red.steps == 1, "failed steps counted")
+    want = np.full(n, sum(range(p)) / p)
+    assert_all(comm, np.allclose(out, want), "step after an error")
+
+
+def test_dtype_change_and_shape(comm):
+    red = GradientReducer(comm, 12, "allgather", 1.0)
+    out = red.step(np.ones((3, 4), dtype=np.float32))
+    assert_all(comm, out.shape == (3, 4) and out.dtype == np.float32, "shape kept")
+    with pytest.raises(CollectiveTypeError, match="dtype changed from float32 to float64"):
+        red.step(np.ones(12))
+
+
+def test_options_are_validated(comm):
+    with pytest.raises(ValueError, match="density"):
+        GradientReducer(comm, 10, "allgather", 0.0)
+    with pytest.raises(ValueError, match="warmup"):
+        GradientReducer(comm, 10, "allgather", 0.1, warmup=-1)
+    with pytest.raises(sparsecoll.UnknownAlgorithmError):
+        GradientReducer(comm, 10, "nope", 0.1)
+    with pytest.raises(TypeError, match="takes no options"):
+        GradientReducer(comm, 10, "allgather", 0.1, tau=3)
+
+
+@pytest.mark.parametrize("algorithm", ["allgather", "gtopk", "exdyna"])
+def test_nan_gradient_on_one_rank_raises_everywhere(comm, algorithm):
+    n = 400
+    red = GradientReducer(comm, n, algorithm, 0.05)
+    g = np.random.default_rng([6, comm.rank]).standard_normal(n)
+    red.step(g)
+    before = red.residual.copy()
+    bad = comm.size - 1
+    g2 = g.copy()
+    if comm.rank == bad:
+        g2[:] = np.nan  # NaN everywhere: it falls in exdyna's partition whichever it is
+    with pytest.raises(ValueError, match=f"NaN.*on rank {bad}"):
+        red.step(g2)
+    assert_all(comm, np.array_equal(red.residual, before), "a failed step changed the residual")
+    red.step(g)  # and the reducer goes on
+    assert_all(comm, red.steps == 2, "step counter")
+
+
+@pytest.mark.parametrize("selection", ["reuse", "sampling", "gaussian"])
+def test_selection_policies(comm, selection):
+    """Threshold estimators as the local selection: nothing lost, checkpoint keeps their state."""
+    s = Stream(n=3000, kind="heavy", seed=9, steps=6, density=0.02, warmup=0, average=True)
+    opts = {"selection": selection}
+    if selection == "reuse":
+        opts["selection_options"] = {"interval": 3}
+    red, updates = run(comm, s, "oktopk", **opts)
+    p = comm.size
+    residuals = comm.allreduce(np.asarray(red.residual, dtype=np.float64))
+    grads = sum(s.grad(r, t) for r in range(p) for t in range(s.steps))
+    lost = np.abs(np.sum(updates, axis=0) * p + residuals - grads).max()
+    problems = [] if lost <= 1e-9 else [f"lost {lost!r}"]
+    red2, _ = run(comm, dataclasses.replace(s, steps=3), "oktopk", **opts)
+    red3 = GradientReducer(comm, s.n, "oktopk", s.density, **opts)
+    red3.load_state_dict(pickle.loads(pickle.dumps(red2.state_dict())))
+    for t in range(3, s.steps):
+        if not np.array_equal(red3.step(s.grad(comm.rank, t)), updates[t]):
+            problems.append(f"step {t} differs after restore")
+    check_everywhere(comm, problems, updates)

@@ -1,0 +1,327 @@
+"""Selecting algorithms under MPI (one file: every mpiexec start costs seconds in CI).
+
+gtopk equals the sequential merge tree, loses nothing to error feedback and keeps its volume;
+oktopk meets its contract: exact sums at kept indices, the exact top-k on recompute calls,
+the threshold in force on reuse calls, balanced regions, O(k) volume, stable reuse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import sparsecoll
+from sparsecoll.algorithms.base import range_bounds
+from sparsecoll.algorithms.gtopk import gtopk_tree
+from sparsecoll.benchmarks.problems import make_problem
+
+from .cases import Case, assert_all, cases, digest, mismatch
+from .selecting import (
+    all_inputs,
+    conservation,
+    dense_sum,
+    exact_topk,
+    rank_input,
+    verdict,
+    well_formed,
+)
+
+KS = st.one_of(st.integers(0, 8), st.integers(9, 400))
+
+# -- gtopk ---------------------------------------------------------------------------------
+
+
+@given(case=cases(), k=KS)
+def test_gtopk_equals_sequential_tree(comm, case, k):
+    inputs = all_inputs(case, comm.size)
+    x = inputs[comm.rank]
+    out = sparsecoll.allreduce(comm.mpi_comm, x.values, x.indices, n=case.n, algorithm="gtopk", k=k)
+    want, masks = gtopk_tree(inputs, k)
+    every = comm.allgather_object(np.asarray(out.contributed))
+    why = (
+        well_formed(out, case.n, case.dtype, k)
+        or (digest(out) != digest(want) and "differs from the sequential tree")
+        or (not np.array_equal(out.contributed, masks[comm.rank]) and "contributed mask differs")
+        or conservation(out, inputs, every)
+    )
+    verdict(comm, why or None, out)
+
+
+@given(case=cases(kinds=("disjoint",)))
+def test_gtopk_exact_when_nothing_is_dropped(comm, case):
+    # disjoint inputs and k >= every nonzero: no subtree drops anything, so the result is
+    # the exact sum (the global top-k)
+    inputs = all_inputs(case, comm.size)
+    k = sum(x.nnz for x in inputs)
+    x = inputs[comm.rank]
+    out = sparsecoll.allreduce(comm.mpi_comm, x.values, x.indices, n=case.n, algorithm="gtopk", k=k)
+    why = mismatch(out, case, comm.size)
+    assert_all(comm, why is None, str(why))
+    assert_all(comm, bool(np.all(out.contributed == (x.values != 0))), "an entry was dropped")
+
+
+@given(n=st.integers(1_000, 2**40), k=st.integers(1, 300), seed=st.integers(0, 2**32 - 1))
+def test_gtopk_volume(comm, n, k, seed):
+    rng = np.random.default_rng([seed, comm.rank])
+    m = min(n, int(rng.integers(0, 2 * k + 1)))
+    idx = rng.choice(n, size=m, replace=False) if n < 10**6 else rng.integers(0, n, size=m)
+    vals = rng.standard_normal(m).astype(np.float32)
+    out = sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=n, algorithm="gtopk", k=k)
+    st_ = out.info["stats"]
+    pair = out.indices.dtype.itemsize + 4
+    rounds = math.ceil(math.log2(comm.size)) if comm.size > 1 else 0
+    limit = 2 * k * rounds * pair + (k + 7) // 8  # + the folded rank's bit mask
+    moved = st_.bytes_sent + st_.bytes_recv
+    assert_all(comm, moved <= limit, f"moved {moved} bytes, limit {limit}")
+
+
+def test_gtopk_k_zero_and_empty(comm):
+    n = 100
+    idx = np.arange(comm.rank, n, comm.size + 1)
+    vals = np.ones(idx.shape[0], np.float64)
+    out = sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=n, algorithm="gtopk", k=0)
+    assert_all(comm, out.nnz == 0 and not out.contributed.any(), "k=0 kept something")
+    none = np.zeros(0, np.float64)
+    out = sparsecoll.allreduce(
+        comm.mpi_comm, none, none.astype(np.int64), n=n, algorithm="gtopk", k=5
+    )
+    assert_all(comm, out.nnz == 0 and out.contributed.shape == (0,), "empty inputs")
+
+
+def test_gtopk_zeros_never_kept_and_no_duplicates(comm):
+    # the authors' code emits duplicate indices when a local top-k holds zeros
+    n = 64
+    idx = np.arange(n)
+    vals = np.zeros(n, np.float32)
+    vals[comm.rank % n] = 1.0
+    out = sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=n, algorithm="gtopk", k=10)
+    want = sorted({r % n for r in range(comm.size)})
+    assert_all(comm, out.indices.tolist() == want, f"got {out.indices.tolist()}")
+    assert_all(comm, int(out.contributed.sum()) == 1, "own nonzero not marked")
+
+
+def test_gtopk_bad_options_raise_everywhere(comm):
+    vals, idx = np.ones(1, np.float32), np.zeros(1, np.int64)
+    with pytest.raises(sparsecoll.CollectiveTypeError, match="needs k"):
+        sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=4, algorithm="gtopk")
+    k = -1 if comm.rank == comm.size - 1 else 3
+    with pytest.raises(sparsecoll.CollectiveInputError, match=f"rank {comm.size - 1}"):
+        sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=4, algorithm="gtopk", k=k)
+    if comm.size > 1:
+        with pytest.raises(sparsecoll.CollectiveInputError, match="algorithm options"):
+            sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=4, algorithm="gtopk", k=comm.rank)
+
+
+# -- oktopk --------------------------------------------------------------------------------
+
+
+def run(comm, algo, x, n):
+    return sparsecoll.allreduce(comm.mpi_comm, x.values, x.indices, n=n, algorithm=algo)
+
+
+def check_call(out, inputs, k, rank) -> str | None:
+    """Why ``out`` breaks the contract (None when it does not): kept values are the exact
+    sums; the kept set is the exact top-k on recompute calls and {|sum| >= threshold in
+    force} otherwise (integral inputs: every sum is exact, ties included)."""
+    n = inputs[0].n
+    most = k if out.info["recomputed"] else n
+    why = well_formed(out, n, str(inputs[0].values.dtype), most)
+    if why:
+        return why
+    oi, ov, _ = dense_sum(inputs)
+    ri = out.indices.astype(np.int64)
+    if out.info["recomputed"]:
+        want = exact_topk(oi, ov, k)
+    else:
+        want = oi[np.abs(ov) >= out.info["threshold"]]
+    if not np.array_equal(ri, want):
+        return f"kept {ri[:8]}.. want {want[:8]}.."
+    if not np.array_equal(out.values.astype(np.float64), ov[np.searchsorted(oi, ri)]):
+        return "values differ from the sums"
+    if not np.array_equal(out.contributed, np.isin(inputs[rank].indices, ri)):
+        return "contributed mask"
+    if out.info["kept"] != out.nnz:
+        return "info kept"
+    return None
+
+
+@given(case=cases(), k=KS)
+def test_oktopk_first_call_is_exact_topk(comm, case, k):
+    inputs = all_inputs(case, comm.size, integral=True)
+    out = run(comm, sparsecoll.get_algorithm("oktopk", k=k), inputs[comm.rank], case.n)
+    why = check_call(out, inputs, k, comm.rank)
+    if not (out.info["recomputed"] and out.info["repartitioned"]):
+        why = "first call must recompute and repartition"
+    verdict(comm, why, out)
+
+
+@given(case=cases(), k=KS)
+def test_oktopk_kept_values_are_sums(comm, case, k):
+    # arbitrary float values: the kept entries carry the sums (up to rounding) and are the
+    # top-k up to near-ties
+    inputs = all_inputs(case, comm.size)
+    out = run(comm, sparsecoll.get_algorithm("oktopk", k=k), inputs[comm.rank], case.n)
+    verdict(comm, near_sums(out, inputs, k), out)
+
+
+def near_sums(out, inputs, k) -> str | None:
+    oi, ov, scale = dense_sum(inputs)
+    ri = out.indices.astype(np.int64)
+    at = np.minimum(np.searchsorted(oi, ri), max(oi.shape[0] - 1, 0))
+    if ri.shape[0] and not np.array_equal(oi[at], ri):
+        # an index whose exact sum is 0 survives rounding only as a tiny float16 value
+        return None if out.values.dtype == np.float16 else "kept an index whose sum is zero"
+    eps = float(np.finfo(out.values.dtype).eps)
+    err = np.abs(out.values.astype(np.float64) - ov[at])
+    bad = err > 4 * eps * (len(inputs) + 2) * (scale[at] + np.abs(ov[at])) + 1e-30
+    if bad.any():
+        return f"values off by {err.max()!r}"
+    if ri.shape[0] != min(k, oi.shape[0]):
+        return f"kept {ri.shape[0]}, want {min(k, oi.shape[0])}"
+    return None
+
+
+@given(case=cases(max_n=20_000), k=st.integers(1, 60), seed=st.integers(0, 2**16))
+def test_oktopk_stream_reuses_state(comm, case, k, seed):
+    # short reuse intervals, so a few calls cover recompute, reuse, nudging and repartition
+    algo = sparsecoll.get_algorithm("oktopk", k=k, tau=3, tau_prime=4, nudge=1.5)
+    for step in range(5):
+        c = dataclasses.replace(case, seed=(case.seed + seed * step) % 2**32)
+        inputs = all_inputs(c, comm.size, integral=True)
+        out = run(comm, algo, inputs[comm.rank], case.n)
+        info = out.info
+        why = check_call(out, inputs, k, comm.rank)
+        t, kept = info["threshold"], info["kept"]
+        if not info["recomputed"]:  # the nudging rule, band (0.8, 1.25)
+            t = t * 1.5 if kept > 1.25 * k else t / 1.5 if kept < 0.8 * k else t
+        if why:
+            pass
+        elif info["step"] != step:
+            why = "step counter"
+        elif step % 4 == 0 and not info["repartitioned"]:
+            why = "missed a repartition"
+        elif step % 3 == 0 and not info["recomputed"]:
+            why = "missed a recompute"
+        elif info["next_threshold"] != t or algo.threshold != t:
+            why = f"nudged to {algo.threshold}, want {t}"
+        verdict(comm, why, out)
+        state = comm.allgather_object((algo.threshold, algo.boundaries.tolist(), algo.step))
+        assert_all(comm, all(s == state[0] for s in state), "state differs across ranks")
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(50_000, 2**40),
+    overlap=st.sampled_from(["skewed", "disjoint", "random"]),
+)
+def test_oktopk_regions_balanced(comm, seed, n, overlap):
+    k = 2000
+    vals, idx = make_problem(n, k / n, comm.rank, comm.size, overlap, np.float32, seed)
+    out = sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=n, algorithm="oktopk", k=k)
+    every = np.concatenate([i.astype(np.int64) for i in comm.allgather_object(idx)])
+
+    def counts(bounds):
+        return np.diff(np.searchsorted(np.sort(every), bounds))
+
+    got = counts(out.info["boundaries"])
+    mean = every.shape[0] / comm.size
+    assert_all(comm, bool(np.all(np.abs(got - mean) <= 0.25 * mean)), f"{overlap}: {got}")
+    if overlap == "skewed" and comm.size > 1:
+        naive = counts(range_bounds(n, comm.size))
+        assert_all(comm, bool(np.any(np.abs(naive - mean) > 0.25 * mean)), "test too easy")
+
+
+@given(
+    n=st.integers(20_000, 2**40),
+    k=st.integers(8 * 8, 600),
+    overlap=st.sampled_from(["random", "same", "disjoint", "skewed"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_oktopk_volume(comm, n, k, overlap, seed):
+    vals, idx = make_problem(n, k / n, comm.rank, comm.size, overlap, np.float32, seed)
+    vals, idx = vals[:k], idx[:k]  # the caller's local selection: at most k entries
+    out = sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=n, algorithm="oktopk", k=k)
+    s = out.info["stats"]
+    pair = out.indices.dtype.itemsize + 4
+    p = comm.size
+    limit = 6 * k * (p - 1) / p
+    sent, recv = s.bytes_sent / pair, s.bytes_recv / pair
+    assert_all(comm, sent <= limit and recv <= limit, f"sent {sent}, recv {recv}, limit {limit}")
+
+
+def correlated_stream(comm, n, k, steps, decay, noise=2.0):
+    """Per step, this rank's local top-k of (a shared AR(1) signal + own noise) · decay^t.
+
+    The decay stands for a shrinking gradient (learning-rate schedule): a frozen threshold
+    keeps fewer and fewer entries."""
+    shared = np.random.default_rng([7, 10**6])
+    own = np.random.default_rng([7, comm.rank])
+    s = shared.standard_normal(n)
+    for t in range(steps):
+        s = 0.9 * s + np.sqrt(1 - 0.81) * shared.standard_normal(n)
+        g = (s + noise * own.standard_normal(n)) * decay**t
+        top = np.sort(np.argpartition(-np.abs(g), k)[:k])
+        yield g[top].astype(np.float32), top
+
+
+@pytest.mark.parametrize("nudge", [1.02, 1.0])
+def test_oktopk_reuse_keeps_count_near_k(comm, nudge):
+    n, k, steps = 20_000, 200, 50
+    algo = sparsecoll.get_algorithm("oktopk", k=k, nudge=nudge)
+    kept = []
+    for vals, idx in correlated_stream(comm, n, k, steps, decay=0.99):
+        kept.append(sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=n, algorithm=algo).nnz)
+    inside = all(0.5 * k <= c <= 2 * k for c in kept)
+    if nudge > 1:
+        assert_all(comm, inside, f"kept counts {kept}")
+    else:  # the stream drifts: without nudging the reused threshold loses track
+        assert_all(comm, not inside, f"stream too easy: {kept}")
+
+
+def test_oktopk_k_zero_and_empty(comm):
+    n = 50
+    x = rank_input(_small_case(n), comm.rank, comm.size)
+    algo = sparsecoll.get_algorithm("oktopk", k=0, tau=2)
+    for _ in range(3):
+        out = run(comm, algo, x, n)
+        assert_all(comm, out.nnz == 0 and not out.contributed.any(), "k=0 kept something")
+    none = np.zeros(0, np.float32)
+    algo = sparsecoll.get_algorithm("oktopk", k=4)
+    for _ in range(2):
+        out = sparsecoll.allreduce(comm.mpi_comm, none, none.astype(np.int32), n=n, algorithm=algo)
+        assert_all(comm, out.nnz == 0, "empty inputs")
+    assert_all(comm, out.info["recomputed"], "a zero threshold must be recomputed")
+
+
+def _small_case(n):
+    return Case(n=n, kind="random", dtype="float32", seed=3, density=0.3, wide_indices=False)
+
+
+def test_oktopk_state_mismatch_raises_everywhere(comm):
+    x = rank_input(_small_case(50), comm.rank, comm.size)
+    algo = sparsecoll.get_algorithm("oktopk", k=5)
+    run(comm, algo, x, 50)
+    if comm.size > 1:
+        if comm.rank == 0:
+            algo.step += 1  # rank 0 thinks it made one call more
+        with pytest.raises(sparsecoll.CollectiveInputError, match="rank 1 differs"):
+            run(comm, algo, x, 50)
+        tau = 8 if comm.rank == comm.size - 1 else 32
+        other = sparsecoll.get_algorithm("oktopk", k=5, tau=tau)
+        with pytest.raises(sparsecoll.CollectiveInputError, match="algorithm options"):
+            run(comm, other, x, 50)
+    with pytest.raises(sparsecoll.CollectiveInputError, match="nudge"):
+        sparsecoll.allreduce(
+            comm.mpi_comm,
+            x.values,
+            x.indices,
+            n=50,
+            algorithm="oktopk",
+            k=5,
+            nudge=0.5 if comm.rank == 0 else 1.1,
+        )

@@ -1,0 +1,126 @@
+"""The auto rule in-process: predictable choices in clear regimes, the documented formulas."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import sparsecoll
+from sparsecoll.algorithms.auto import CANDIDATES, Auto, CostModel, choose, predict, union_size
+
+I32, F32 = np.int32, np.float32
+
+
+def test_registered_exact_and_not_densifying():
+    cls = sparsecoll.registry.algorithm_class("auto")
+    assert cls is Auto
+    assert cls.exact
+    assert not cls.densifies
+
+
+def test_one_rank_never_communicates():
+    assert choose(1, 10**6, 10**5, I32, F32) == "allgather"
+
+
+def test_tiny_messages_go_to_recursive_doubling():
+    # latency-bound: 10 nonzeros per rank
+    for P in (2, 4, 8, 64):
+        assert choose(P, 2**20, 10 * P, I32, F32) == "recursive_doubling"
+
+
+def test_moderate_density_goes_to_dsa():
+    # 1% per rank of 16M: bandwidth- and merge-bound, independent indices
+    for P in (4, 8, 64):
+        assert choose(P, 2**24, P * 2**24 // 100, I32, F32) == "dsa"
+
+
+def test_dense_inputs_go_to_dense():
+    for P in (4, 8, 64):
+        assert choose(P, 2**20, P * 2**19, I32, F32) == "dense"
+
+
+def test_dense_never_considered_for_very_sparse_huge_n():
+    n = 2**40
+    cost = predict(8, n, 8 * 1000, np.int64, F32)
+    assert "dense" not in cost
+    assert choose(8, n, 8 * 1000, np.int64, F32) != "dense"
+
+
+def test_identical_indices_favour_recursive_doubling_over_dsa_at_small_p():
+    # theta = 0 (no build-up): recursive doubling moves k pairs per round in log2 P rounds
+    c = predict(4, 2**20, 4 * 10_000, I32, F32, theta=0.0)
+    assert c["recursive_doubling"] < c["allgather"]
+
+
+def test_formulas_for_allgather_and_dense():
+    m = CostModel(alpha=1.0, beta=0.0, gamma_sort=0.0, gamma_merge=0.0, delta=0.0)
+    c = predict(8, 1000, 4000, I32, F32, model=m)
+    assert c["allgather"] == 3 * 3  # 3 collectives of lg = 3 messages each
+    assert c["dense"] == 2 * 3
+    assert c["recursive_doubling"] == 2 * 3
+    assert c["dsa"] == 3 * 7 + 2 * 3
+    m = CostModel(alpha=0.0, beta=1.0, gamma_sort=0.0, gamma_merge=0.0, delta=0.0)
+    c = predict(8, 1000, 4000, I32, F32, model=m)
+    assert c["allgather"] == pytest.approx(7 / 8 * 4000 * 8)
+    assert c["dense"] == pytest.approx(2 * 7 / 8 * 1000 * 4)
+
+
+def test_dsa_allgather_phase_capped_by_break_even():
+    # disjoint indices (theta = 1) at high density: the allgather phase costs at most n values
+    m = CostModel(alpha=0.0, beta=1.0, gamma_sort=0.0, gamma_merge=0.0, delta=0.0)
+    P, n = 8, 8000
+    c = predict(P, n, P * 1000, I32, F32, theta=1.0, model=m)
+    rs = (P - 1) * min(1000 / P * 8, n / P * 4)
+    assert c["dsa"] == pytest.approx(rs + (P - 1) / P * n * 4)
+
+
+def test_union_size_limits():
+    assert union_size(8, 1000, 10, 0.0) == 10
+    assert union_size(8, 1000, 10, 1.0) == 80
+    assert union_size(8, 1000, 500, 1.0) == 1000
+    assert union_size(1, 1000, 10, None) == pytest.approx(10)
+    assert union_size(2, 1000, 10, None) == pytest.approx(1000 * (1 - 0.99**2))
+    assert union_size(4, 1000, 1000, None) == 1000
+    assert union_size(4, 1000, 0, None) == 0
+
+
+@given(
+    P=st.integers(2, 1024),
+    log_n=st.integers(0, 40),
+    density=st.floats(0, 1),
+    theta=st.one_of(st.none(), st.floats(0, 1)),
+    dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+)
+def test_choice_is_the_cheapest_candidate(P, log_n, density, theta, dtype):
+    n = 2**log_n
+    nnz = int(P * density * n)
+    itype = np.int32 if n <= 2**31 else np.int64
+    cost = predict(P, n, nnz, itype, dtype, theta)
+    got = choose(P, n, nnz, itype, dtype, theta)
+    assert got in CANDIDATES
+    assert all(math.isfinite(v) and v >= 0 for v in cost.values())
+    assert cost[got] == min(cost.values())
+    # the first candidate in CANDIDATES order wins a tie
+    assert got == next(c for c in CANDIDATES if c in cost and cost[c] == cost[got])
+
+
+def test_options_are_checked():
+    with pytest.raises(TypeError, match="takes alpha"):
+        Auto(latency=1.0)
+    with pytest.raises(ValueError, match="finite non-negative"):
+        Auto(alpha=-1.0)
+    a = Auto(alpha=1e-5, beta=2e-10)
+    assert a.model.alpha == 1e-5
+    assert a.model.beta == 2e-10
+
+
+def test_signature_tracks_constants_and_learned_state():
+    a, b = Auto(), Auto()
+    assert a.signature() == b.signature()
+    b.theta = 0.25
+    assert a.signature() != b.signature()
+    assert Auto(alpha=1e-6).signature() != a.signature()

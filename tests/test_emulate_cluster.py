@@ -1,0 +1,183 @@
+"""bench/emulate_cluster.py: argument handling, the netns launcher, and (as root) a real run."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .mpirun import ROOT
+
+SCRIPT = ROOT / "bench" / "emulate_cluster.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("emulate_cluster", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+emu = _module()
+
+
+def test_parse_rate_and_time() -> None:
+    assert emu.parse_rate("1gbit") == 1e9
+    assert emu.parse_rate("100mbit") == 1e8
+    assert emu.parse_rate("125mbps") == 1e9
+    assert emu.parse_time("50us") == pytest.approx(50e-6)
+    assert emu.parse_time("0") == 0.0
+    for bad in ("fast", "1gbyte", ""):
+        with pytest.raises(ValueError):
+            emu.parse_rate(bad)
+    with pytest.raises(ValueError):
+        emu.parse_time("1 hour")
+
+
+def test_cluster_plan_uses_private_addresses_and_forces_tcp() -> None:
+    cl = emu.Cluster(4, "1gbit", "50us", "10.77.0.0/24")
+    assert cl.bridge_ip == "10.77.0.1"
+    assert cl.host_ips == ["10.77.0.2", "10.77.0.3", "10.77.0.4", "10.77.0.5"]
+    assert all(len(v) <= 15 for v in [*cl.veths, cl.bridge])  # Linux interface names
+    args = cl.mpiexec_args("mpiexec", "/tmp/launcher")
+    joined = " ".join(args)
+    assert "-launcher ssh -launcher-exec /tmp/launcher" in joined
+    assert "-ppn 1 -n 4" in joined
+    assert f"-iface {cl.bridge}" in joined
+    assert "-genv MPIR_CVAR_CH4_NETMOD ofi -genv FI_PROVIDER tcp" in joined
+    assert f"-hosts {','.join(cl.names)}" in joined
+    with pytest.raises(ValueError, match="private"):
+        emu.Cluster(2, "1gbit", "0", "8.8.8.0/24")
+    with pytest.raises(ValueError, match="too small"):
+        emu.Cluster(8, "1gbit", "0", "10.0.0.0/29")
+
+
+def test_qdisc_caps_rate_both_ways() -> None:
+    cl = emu.Cluster(2, "1gbit", "50us", "10.77.0.0/24")
+    cl.netem = False
+    args = cl._qdisc("eth0", 50e-6)
+    assert args[:6] == ["qdisc", "add", "dev", "eth0", "root", "tbf"]
+    assert args[args.index("rate") + 1] == "1000000000bit"
+    cl.netem = True
+    args = cl._qdisc("eth0", 50e-6)
+    assert "netem" in args
+    assert args[args.index("delay") + 1] == "50us"
+    assert "delay" not in cl._qdisc("veth", 0.0)
+
+
+def test_launcher_runs_the_proxy_inside_the_named_namespace(tmp_path: Path) -> None:
+    """hydra calls ``SCRIPT -x HOST "PROXY" ARGS...``; the script must run
+    ``ip netns exec HOST sh -c "PROXY ARGS..."`` (checked with a fake ``ip``)."""
+    launcher = tmp_path / "launcher"
+    launcher.write_text(emu.LAUNCHER)
+    launcher.chmod(0o755)
+    fake_ip = tmp_path / "ip"
+    fake_ip.write_text('#!/bin/sh\nfor a in "$@"; do echo "[$a]"; done\n')
+    fake_ip.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    out = subprocess.run(
+        [
+            str(launcher),
+            "-x",
+            "scemu-h1",
+            '"/venv/bin/hydra_pmi_proxy"',
+            "--control-port",
+            "10.77.0.1:1234",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout.split("\n")
+    assert out[:5] == ["[netns]", "[exec]", "[scemu-h1]", "[sh]", "[-c]"]
+    assert out[5] == '["/venv/bin/hydra_pmi_proxy" --control-port 10.77.0.1:1234]'
+
+
+def _netns_usable() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        return False
+    probe = subprocess.run(["ip", "netns", "add", "scemu-testprobe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", "scemu-testprobe"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.skipif(not _netns_usable(), reason="needs root and network namespaces")
+def test_real_run_crosses_the_links_and_cleans_up() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "-n",
+        "2",
+        "--",
+        sys.executable,
+        "-m",
+        "sparsecoll",
+        "bench",
+        "osu",
+        "-m",
+        "64K",
+        "-i",
+        "2",
+        "-x",
+        "1",
+        "-c",
+        "-q",
+        "--format",
+        "csv",
+        "--algorithm",
+        "dense",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (row,) = [line for line in proc.stdout.splitlines() if line.startswith("dense,")]
+    assert ",yes," in row
+    # three calls of 2 (P-1)/P * 256 KiB each: the bytes must show on both hosts' links
+    tx = [
+        int(line.split()[2])
+        for line in proc.stderr.splitlines()
+        if line.startswith("[emulate] scemu-h")
+    ]
+    assert len(tx) == 2
+    assert all(t >= 3 * 2**18 for t in tx), proc.stderr
+    assert "[emulate] cleaned up" in proc.stderr
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "scemu-" not in left
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _netns_usable(), reason="needs root and network namespaces")
+def test_sigterm_stops_the_command_and_cleans_up() -> None:
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "-n", "2", "--", "sleep", "120"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while "scemu-h1" not in _netns() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "scemu-h1" in _netns()
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "interrupted (SIGTERM)" in err
+    assert "scemu-" not in _netns()
+
+
+def _netns() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

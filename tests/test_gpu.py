@@ -1,0 +1,408 @@
+"""Device code in one process: GPU selection, device arrays through SparseVector and the
+array helpers, on the strict fake CuPy (always) and on real CuPy (only with a GPU).
+
+On the fake, the selection tests check the radix-select logic around the histogram kernel
+(re-stated in numpy there); on a GPU they check the CUDA kernel itself, and compare with
+``torch.topk`` when PyTorch sees the GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sparsecoll import SparseVector
+from sparsecoll._array import aligned_view, as_array, cupy_or_none, index_dtype
+from sparsecoll.algorithms.base import pack_pairs, unpack_pairs
+from sparsecoll.sparse import coalesce
+
+from . import fakecupy
+
+
+def _real_cupy():
+    cp = pytest.importorskip("cupy")
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception:
+        count = 0
+    if count < 1:
+        pytest.skip("no CUDA device")
+    cupy_or_none.cache_clear()
+    return cp
+
+
+@pytest.fixture(scope="module", params=["fake", pytest.param("cupy", marks=pytest.mark.gpu)])
+def xp(request):
+    if request.param == "fake":
+        with fakecupy.installed() as fake:
+            yield fake
+    else:
+        yield _real_cupy()
+
+
+@pytest.fixture(scope="module")
+def sel(xp):
+    from sparsecoll.select import _cupy
+
+    return _cupy
+
+
+DTYPES = [np.float16, np.float32, np.float64]
+
+
+@st.composite
+def vectors(draw, max_n: int = 3000) -> np.ndarray:
+    """Float vectors with the hard cases: many ties, zeros of both signs, infinities."""
+    n = draw(st.integers(0, max_n))
+    dtype = draw(st.sampled_from(DTYPES))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    kind = draw(st.sampled_from(["normal", "ties", "zeros", "wide", "inf"]))
+    if kind == "ties":
+        x = rng.integers(-3, 4, n).astype(dtype)
+    elif kind == "zeros":
+        x = (rng.standard_normal(n) * (rng.random(n) < 0.05)).astype(dtype)
+        x[rng.random(n) < 0.5] *= -1  # -0.0 and 0.0 mixed
+    elif kind == "wide":
+        with np.errstate(over="ignore", under="ignore"):
+            x = (rng.standard_normal(n) * 10.0 ** rng.integers(-30, 30, n)).astype(dtype)
+    else:
+        x = rng.standard_normal(n).astype(dtype)
+    if kind == "inf" and n:
+        x[rng.integers(0, n, 3)] = np.inf
+        x[rng.integers(0, n, 2)] = -np.inf
+    return x
+
+
+def reference_topk(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest |x|, ties by lower index, ascending."""
+    order = np.lexsort((np.arange(x.shape[0]), -np.abs(x.astype(np.float64))))
+    return np.sort(order[: max(0, min(k, x.shape[0]))])
+
+
+def test_fake_refuses_host_device_mixing():
+    """The fake is only useful if it catches what CuPy would reject."""
+    with fakecupy.installed() as fake:
+        d = fake.asarray(np.arange(4.0))
+        with pytest.raises(TypeError):
+            np.asarray(d)
+        with pytest.raises(TypeError):
+            d + np.ones(4)
+        with pytest.raises(TypeError):
+            np.concatenate([d, np.ones(2)])
+        with pytest.raises(TypeError):
+            d[np.array([1])]
+        with pytest.raises(TypeError):
+            d[:2] = np.ones(2)
+        assert isinstance(d.sum(), fake.ndarray)  # reductions stay on the device, as 0-d
+        assert cupy_or_none() is fake
+    assert cupy_or_none() is not fake
+
+
+@given(x=vectors(), k=st.integers(-1, 3100))
+def test_topk_exact(xp, sel, x, k):
+    idx, vals = sel.topk(xp.asarray(x), k)
+    assert isinstance(idx, xp.ndarray)
+    assert isinstance(vals, xp.ndarray)
+    assert idx.dtype == index_dtype(x.shape[0])
+    assert vals.dtype == x.dtype
+    want = reference_topk(x, k)
+    np.testing.assert_array_equal(idx.get(), want)
+    np.testing.assert_array_equal(vals.get(), x[want])
+
+
+@given(x=vectors(), data=st.data())
+def test_threshold_count_kth(xp, sel, x, data):
+    n = x.shape[0]
+    absx = np.abs(x.astype(np.float64))
+    candidates = [0.0, -1.0, 1e-3, 0.5, 1.0, 7.0, 1e300, float("inf")]
+    if n:
+        v = float(absx[data.draw(st.integers(0, n - 1))])
+        candidates += [v, np.nextafter(v, np.inf), np.nextafter(v, -np.inf)]
+    t = data.draw(st.sampled_from(candidates))
+    idx, vals = sel.threshold(xp.asarray(x), t)
+    want = np.flatnonzero(absx >= t)  # the comparison in float64: exact for every dtype
+    np.testing.assert_array_equal(idx.get(), want)
+    np.testing.assert_array_equal(vals.get(), x[want])
+    assert idx.dtype == index_dtype(n)
+    assert sel.count_ge(xp.asarray(x), t) == want.shape[0]
+    if n:
+        k = data.draw(st.integers(1, n))
+        kth = sel.kth_largest_abs(xp.asarray(x), k)
+        assert kth == np.sort(absx)[::-1][k - 1]
+        assert sel.count_ge(xp.asarray(x), kth) >= k
+    else:
+        assert sel.kth_largest_abs(xp.asarray(x), 1) == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("where", [0, 500, 999])
+def test_nan_raises_everywhere(xp, sel, dtype, where):
+    """A NaN anywhere is an error for every function and every k or t, never dropped."""
+    x = np.random.default_rng(3).standard_normal(1000).astype(dtype)
+    x[where] = np.nan
+    d = xp.asarray(x)
+    for call in (
+        lambda: sel.topk(d, 10),
+        lambda: sel.topk(d, 0),
+        lambda: sel.topk(d, 1000),
+        lambda: sel.threshold(d, 0.5),
+        lambda: sel.threshold(d, 1e9),
+        lambda: sel.count_ge(d, 0.0),
+        lambda: sel.kth_largest_abs(d, 3),
+        lambda: sel.moments(d),
+    ):
+        with pytest.raises(ValueError, match="NaN"):
+            call()
+    with pytest.raises(ValueError, match="NaN"):
+        sel.threshold(xp.asarray(np.ones(3, dtype)), float("nan"))
+
+
+@given(x=vectors())
+def test_moments(xp, sel, x):
+    if x.shape[0] == 0:
+        with pytest.raises(ValueError, match="empty"):
+            sel.moments(xp.asarray(x))
+        return
+    v = x.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf on the fake's numpy
+        mean, std = sel.moments(xp.asarray(x))
+        want_mean = float(v.sum()) / v.shape[0]
+        want_var = max(float(np.dot(v, v)) / v.shape[0] - want_mean**2, 0.0)
+    np.testing.assert_allclose(mean, want_mean, rtol=1e-9, atol=1e-300)
+    np.testing.assert_allclose(std, want_var**0.5, rtol=1e-6, atol=1e-300)
+
+
+def test_selection_rejects_bad_input(xp, sel):
+    with pytest.raises(TypeError, match="float16, float32 or float64"):
+        sel.topk(xp.asarray(np.arange(5)), 2)
+    with pytest.raises(ValueError, match="1-D"):
+        sel.threshold(xp.asarray(np.ones((2, 2), np.float32)), 0.5)
+
+
+def test_topk_strided_input(xp, sel):
+    x = np.random.default_rng(1).standard_normal(1001).astype(np.float32)
+    idx, _vals = sel.topk(xp.asarray(x)[::2], 17)
+    want = reference_topk(x[::2], 17)
+    np.testing.assert_array_equal(idx.get(), want)
+
+
+@given(
+    n=st.integers(1, 5000),
+    m=st.integers(0, 400),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_coalesce_on_device_equals_host(xp, n, m, dtype, seed):
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, min(n, max(1, m // 3)), m)  # many repeats
+    vals = rng.standard_normal(m).astype(dtype)
+    host = coalesce(idx, vals, n)
+    dev = SparseVector.from_coo(xp.asarray(idx), xp.asarray(vals), n)
+    assert isinstance(dev.values, xp.ndarray)
+    assert dev.xp is xp
+    np.testing.assert_array_equal(dev.indices.get(), host.indices)
+    tol = 1e-2 if dtype == np.float16 else 1e-5
+    np.testing.assert_allclose(
+        dev.values.get().astype(np.float64), host.values.astype(np.float64), rtol=tol, atol=tol
+    )
+    dense = dev.to_dense()
+    assert isinstance(dense, xp.ndarray)
+    back = SparseVector.from_dense(dense)
+    assert isinstance(back.indices, xp.ndarray)
+    assert back.indices.dtype == index_dtype(n)
+
+
+@pytest.mark.parametrize("m", [0, 1, 4, 7])
+def test_pair_buffers_unpack_aligned(xp, m):
+    """int32 indices then float64 values: an odd count leaves the values misaligned."""
+    idx = xp.asarray(np.arange(m, dtype=np.int32) * 3)
+    vals = xp.asarray(np.arange(m, dtype=np.float64) / 7)
+    buf = pack_pairs(idx, vals)
+    assert isinstance(buf, xp.ndarray)
+    assert buf.dtype == np.uint8
+    i2, v2 = unpack_pairs(buf, np.int32, np.float64)
+    np.testing.assert_array_equal(i2.get(), idx.get())
+    np.testing.assert_array_equal(v2.get(), vals.get())
+    if m:
+        assert v2.__cuda_array_interface__["data"][0] % 8 == 0
+    # a byte buffer at an odd offset is copied before viewing
+    wide = xp.zeros(17, dtype=np.uint8)
+    view = aligned_view(wide[1:9], np.float64)
+    assert view.__cuda_array_interface__["data"][0] % 8 == 0
+    assert view.shape == (1,)
+
+
+def test_as_array_keeps_device_arrays(xp):
+    d = xp.asarray(np.arange(3.0))
+    arr, wrap = as_array(d, "values")
+    assert arr is d
+    assert wrap(arr) is arr
+    host, _ = as_array([1.0, 2.0], "values")
+    assert isinstance(host, np.ndarray)
+
+
+class _CudaProducer:
+    """A DLPack producer on CUDA device 0 (like a torch CUDA tensor), for the fake."""
+
+    def __init__(self, payload):
+        self.payload = payload
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, stream=None):
+        return self.payload
+
+
+def test_as_array_takes_cuda_dlpack_producers(xp):
+    if xp is not fakecupy.module:
+        pytest.skip("the fake's DLPack double; real producers are covered by the torch tests")
+    d = xp.asarray(np.arange(4.0))
+    arr, wrap = as_array(_CudaProducer(d), "values")
+    assert arr is d
+    assert wrap(arr) is arr  # not torch: results stay CuPy arrays
+
+
+def test_topk_agrees_with_torch(xp, sel):
+    torch = fakecupy.require_torch_cuda(xp)
+    x = xp.random.standard_normal(1_000_003, dtype=np.float32)  # distinct values: no ties
+    for k in (1, 1000, 100_000):
+        idx, _ = sel.topk(x, k)
+        t = torch.from_dlpack(x)
+        ref = torch.topk(t.abs(), k, sorted=False).indices
+        assert np.array_equal(idx.get(), np.sort(ref.cpu().numpy()))
+
+
+def test_torch_cuda_tensor_round_trip(xp):
+    torch = fakecupy.require_torch_cuda(xp)
+    t = torch.arange(5, dtype=torch.float32, device="cuda")
+    arr, wrap = as_array(t, "values")
+    assert isinstance(arr, xp.ndarray)
+    back = wrap(arr * 2)
+    assert isinstance(back, torch.Tensor)
+    assert back.device == t.device
+    assert torch.equal(back, t * 2)
+
+
+def test_gpu_select_bench_runs(xp, capsys):
+    """The benchmark's code path (on the fake its timings mean nothing and are not kept)."""
+    from sparsecoll.benchmarks import gpu
+
+    n = "2000,30000" if xp is fakecupy.module else "1M"
+    assert gpu.main(["select", "-n", n, "-i", "2", "-x", "1", "--no-torch", "--format", "csv"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("n,density,k,selected,method")
+    assert len(lines) == 1 + len(n.split(",")) * 2 * 3
+
+
+_HARNESS = r"""
+template <typename X> struct Raw {
+  X* p;
+  __device__ X& operator[](long long i) const { return p[i]; }
+};
+typedef %(U)s U;
+typedef %(T)s T;
+extern "C" __global__ void %(name)s(%(params)s, long long n) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)blockDim.x * gridDim.x) {
+    %(prep)s
+    %(op)s
+  }
+}
+"""
+_CTYPES = {
+    "int32": "int",
+    "int64": "long long",
+    "uint64": "unsigned long long",
+    "bool": "bool",
+    "U": "U",
+    "T": "T",
+}
+
+
+def _kernel_source(spec, utype: str, ttype: str) -> str:
+    """CUDA source shaped like CuPy's ElementwiseKernel code: raw parameters indexable,
+    array parameters bound by reference to element i, scalars by value."""
+    in_params, out_params, operation, name = spec
+    params, prep = [], []
+    for text, is_out in [(p, False) for p in in_params.split(",")] + [
+        (p, True) for p in out_params.split(",")
+    ]:
+        words = text.split()
+        raw = words[0] == "raw"
+        typ, nm = words[-2:]
+        ctype = _CTYPES[typ]
+        const = "" if is_out else "const "
+        if raw:
+            params.append(f"Raw<{ctype}> {nm}")
+        elif is_out or nm in ("bits", "h", "e"):
+            params.append(f"{const}{ctype}* _raw_{nm}")
+            prep.append(f"{const}{ctype} &{nm} = _raw_{nm}[i];")
+        else:
+            params.append(f"const {ctype} {nm}")
+    return _HARNESS % {
+        "U": utype,
+        "T": ttype,
+        "name": name,
+        "params": ", ".join(params),
+        "prep": " ".join(prep),
+        "op": operation,
+    }
+
+
+def test_kernel_sources_compile_with_nvrtc():
+    """Compile the bodies of sparsecoll's CUDA kernels with NVRTC (no GPU needed) for every
+    key width, so a type or overload error shows up wherever CuPy's NVRTC loads."""
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    try:
+        nvrtc.getVersion()
+    except Exception as exc:
+        pytest.skip(f"NVRTC not loadable: {exc}")
+    from sparsecoll import _array
+    from sparsecoll.select import _cupy
+
+    class Capture:
+        def ElementwiseKernel(self, *spec):
+            return spec
+
+    cap = Capture()
+    keys = ("unsigned short", "unsigned int", "unsigned long long")
+    jobs = [(_cupy._hist_kernel.__wrapped__(cap), u, "float") for u in keys]
+    jobs += [(_cupy._ge_kernel.__wrapped__(cap), u, "float") for u in keys]
+    jobs += [
+        (_array._segment_sum_kernel.__wrapped__(cap), "unsigned int", t)
+        for t in ("float", "double")
+    ]
+    for spec, utype, ttype in jobs:
+        prog = nvrtc.createProgram(_kernel_source(spec, utype, ttype), "k.cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, ["--std=c++17", "-arch=compute_90"])
+        except Exception:
+            pytest.fail(f"{spec[3]} ({utype}, {ttype}):\n{nvrtc.getProgramLog(prog)}")
+        assert len(nvrtc.getPTX(prog)) > 100
+
+
+@given(x=vectors(), data=st.data())
+def test_public_dispatch_matches_cpu_backend(xp, x, data):
+    """``sparsecoll.select`` on device arrays equals the CPU backend on the same values."""
+    select = pytest.importorskip("sparsecoll.select")
+    if not hasattr(select, "topk"):
+        pytest.skip("sparsecoll.select has no dispatch here")
+    n = x.shape[0]
+    d = xp.asarray(x)
+    k = data.draw(st.integers(0, n))
+    t = data.draw(st.sampled_from([0.0, 0.5, 1.0, 3.0]))
+    with select.use_backend("numpy"):  # the CPU oracle, without Numba compile time
+        hi, hv = select.topk(x, k)
+        h_thr, h_cnt = select.threshold(x, t)[0], select.count_ge(x, t)
+        h_kth = select.kth_largest_abs(x, max(k, 1)) if n else None
+    di, dv = select.topk(d, k)
+    assert isinstance(di, xp.ndarray)
+    np.testing.assert_array_equal(di.get(), hi)
+    np.testing.assert_array_equal(dv.get(), hv)
+    np.testing.assert_array_equal(select.threshold(d, t)[0].get(), h_thr)
+    assert select.count_ge(d, t) == h_cnt
+    if n:
+        assert select.kth_largest_abs(d, max(k, 1)) == h_kth

@@ -1,0 +1,65 @@
+"""The two-run merge behind dsa and recursive_doubling equals coalesce, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sparsecoll.algorithms._merge import merge_two
+from sparsecoll.sparse import coalesce
+
+
+@st.composite
+def runs(draw):
+    n = draw(st.sampled_from([1, 7, 1000, 2**31, 2**40]))
+    itype = np.int32 if n <= 2**31 else np.int64
+    dtype = draw(st.sampled_from([np.float16, np.float32, np.float64]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    span = min(n, draw(st.sampled_from([1, 10, 5000])))
+    out = []
+    for _ in range(2):
+        m = draw(st.integers(0, span))
+        idx = np.sort(rng.choice(span, size=m, replace=False)).astype(itype)
+        vals = rng.standard_normal(m).astype(dtype)
+        vals[rng.random(m) < 0.1] = 0  # explicit zeros stay
+        out.append((idx, vals))
+    return n, out
+
+
+@given(runs())
+def test_merge_two_equals_coalesce(case):
+    n, ((i1, v1), (i2, v2)) = case
+    idx, vals = merge_two(i1, v1, i2, v2, n)
+    ref = coalesce(np.concatenate([i1, i2]), np.concatenate([v1, v2]), n)
+    assert idx.dtype == i1.dtype
+    assert vals.dtype == v1.dtype
+    np.testing.assert_array_equal(idx, ref.indices)
+    np.testing.assert_array_equal(vals.view(np.uint8), ref.values.view(np.uint8))
+    # commutative: the partner merging in the other order gets the same bits
+    idx2, vals2 = merge_two(i2, v2, i1, v1, n)
+    np.testing.assert_array_equal(idx2, idx)
+    np.testing.assert_array_equal(vals2.view(np.uint8), vals.view(np.uint8))
+
+
+def test_merge_two_does_not_alias_or_modify_inputs():
+    i = np.array([1, 3], np.int32)
+    v = np.array([1.0, 2.0], np.float32)
+    e_i, e_v = np.zeros(0, np.int32), np.zeros(0, np.float32)
+    for a, b in (((i, v), (e_i, e_v)), ((e_i, e_v), (i, v))):
+        idx, vals = merge_two(*a, *b, 10)
+        vals[:] = -1
+        assert not np.shares_memory(idx, i)
+        np.testing.assert_array_equal(v, [1.0, 2.0])
+
+
+def test_misaligned_values_are_handled():
+    # a float64 view at a 4-byte offset, as unpacked from an (int32, float64) pair buffer
+    buf = np.zeros(4 + 8 * 3, np.uint8)
+    vals = buf[4:].view(np.float64)
+    vals[:] = [1.0, 2.0, 3.0]
+    assert not vals.flags.aligned
+    idx = np.array([0, 2, 4], np.int32)
+    out_i, out_v = merge_two(idx, vals, np.array([2], np.int32), np.array([5.0]), 10)
+    np.testing.assert_array_equal(out_i, [0, 2, 4])
+    np.testing.assert_array_equal(out_v, [1.0, 7.0, 3.0])

@@ -1,0 +1,168 @@
+"""The α-β model: union sizes, formulas against the Communicator's counters, calibration."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import io
+import math
+
+import pytest
+
+from sparsecoll import available_algorithms
+from sparsecoll.benchmarks.model import (
+    FORMULAS,
+    LINKS,
+    Counts,
+    Link,
+    Problem,
+    calibrate,
+    check_messages,
+    read_rows,
+    union_size,
+)
+from sparsecoll.benchmarks.osu import FIELDS
+
+from .mpirun import ROOT, run_mpi
+
+# Formulas that are the Communicator's count exactly (the others are estimates: their
+# volume depends on how the data falls, e.g. build-up or the selected count).
+EXACT_FORMULAS = ("dense", "rabenseifner", "allgather")
+
+
+def test_union_size() -> None:
+    n, k = 10_000, 100
+    assert union_size(n, k, 1, "random") == pytest.approx(k)
+    assert union_size(n, k, 7, "same") == k
+    assert union_size(n, k, 7, "disjoint") == 7 * k
+    assert union_size(n, k, 1000, "disjoint") == n
+    assert union_size(n, k, 0) == 0
+    grow = [union_size(n, k, m, "random") for m in (1, 2, 4, 8, 1024)]
+    assert grow == sorted(grow)
+    assert grow[-1] < n
+    assert union_size(n, k, 2, "random") == pytest.approx(n * (1 - (1 - k / n) ** 2))
+    assert union_size(n, k, 1, "skewed") == pytest.approx(k, rel=0.01)
+    with pytest.raises(ValueError):
+        union_size(n, k, 2, "nope")
+
+
+def test_formulas_shapes() -> None:
+    x = Problem(n=2**24, k=2**17)
+    for name, f in FORMULAS.items():
+        assert f(1, x) == Counts(0, 0), name
+        assert f(8, x).bytes > 0, name
+    # dense and oktopk are flat in P, allgather linear, gtopk logarithmic
+    assert FORMULAS["dense"](1024, x).bytes < 2 * x.n * 4
+    assert FORMULAS["oktopk"](1024, x).bytes < 6 * x.k * x.pair
+    assert FORMULAS["allgather"](1024, x).bytes == 1023 * x.k * 8
+    assert FORMULAS["gtopk"](1024, x).bytes == 10 * x.k * 8
+    # dsa switches the gathered result to dense once the union passes break-even
+    assert FORMULAS["dsa"](1024, x).bytes <= (x.k * 1023 / 1024) * 8 + x.n * 4
+
+
+def test_link_time_and_check_messages() -> None:
+    link = Link("test", 1e-5, 1e9)
+    assert link.time(10, 1e9) == pytest.approx(1.0001)
+    assert check_messages(1) == 0
+    assert check_messages(8) == 6
+    assert set(LINKS) == {"1gbe", "ib100", "aries"}
+
+
+def _rows(P: int, t_us: float = 0.0, nbytes: int = 0, msgs: int = 0, meta: int = 0, **over):
+    """One CSV row as the suite writes it (bytes received = bytes sent)."""
+    r = dict.fromkeys(FIELDS, "")
+    r.update(algorithm="allgather", n=1000, k=10, dtype="float32", overlap="random")
+    r.update(density=0.01, iterations=1, avg_us=t_us, min_us=t_us, max_us=t_us, result_nnz=0)
+    r.update(P=P, median_us=t_us, bytes_per_rank=nbytes, bytes_recv_per_rank=nbytes)
+    r.update(messages_per_rank=msgs, meta_messages_per_rank=meta, meta_bytes_per_rank=0)
+    r.update(over)
+    return r
+
+
+def test_calibration_uses_measurements_and_scales_formulas() -> None:
+    x = Problem(n=1000, k=10)
+    rows = [_rows(1, 100.0), _rows(2, 300.0, 100, 2, 1), _rows(4, 900.0, 480, 4, 2)]
+    cal = calibrate("allgather", x, rows)
+    assert cal.counts(4) == Counts(480, 6)  # measured where measured
+    assert cal.bytes_factor == pytest.approx(480 / (3 * 10 * 8))  # at the largest P
+    assert cal.messages_factor == pytest.approx(6 / 6)
+    assert cal.counts(16).bytes == pytest.approx(15 * 10 * 8 * cal.bytes_factor)
+    assert cal.c0 == pytest.approx(100e-6)
+    assert cal.c1 == pytest.approx(200e-6 / 100)
+    link = Link("l", 1e-6, 1e6)
+    want = 1e-6 * (6 + check_messages(4)) + 480 / 1e6 + 100e-6 + 2e-6 * 480
+    assert cal.time(4, link) == pytest.approx(want)
+    assert cal.time(1, link) == pytest.approx(100e-6)
+    with pytest.raises(KeyError):
+        calibrate("nosuch", x, rows)
+
+
+def test_read_rows_round_trip(tmp_path) -> None:
+    path = tmp_path / "a.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerow(_rows(2, 1.0, 5, 1))
+        w.writerow(_rows(2, error="boom"))
+    (row,) = read_rows([str(path)])
+    assert row["P"] == 2
+    assert row["bytes_per_rank"] == 5
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_formulas_match_the_communicator(nprocs: int) -> None:
+    """Every formula against a real run: exact ones to the byte, the others within 15%."""
+    n = 1 << 15
+    # steady state (--reuse after one warm-up call), as the formulas describe
+    args = ["-m", "sparsecoll", "bench", "osu", "-m", str(n), "-i", "1", "-x", "1", "-q"]
+    proc = run_mpi(nprocs, [*args, "--reuse", "--format", "csv"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    rows = list(csv.DictReader(io.StringIO(proc.stdout)))
+    x = Problem(n=n, k=int(rows[0]["k"]))
+    seen = set()
+    for r in rows:
+        name = r["algorithm"]
+        if name not in FORMULAS:
+            continue
+        seen.add(name)
+        f = FORMULAS[name](nprocs, x)
+        got = int(r["bytes_per_rank"])
+        msgs = int(r["messages_per_rank"]) + int(r["meta_messages_per_rank"])
+        if name in EXACT_FORMULAS:
+            assert got == math.floor(f.bytes) or got == round(f.bytes), (name, got, f)
+            assert msgs == f.messages, (name, msgs, f)
+        else:  # estimates (union sizes, selected counts): within 15%
+            assert 0.85 <= got / f.bytes <= 1.15, (name, got, f)
+            assert 0.85 <= msgs / f.messages <= 1.15, (name, msgs, f)
+    assert seen >= set(EXACT_FORMULAS) & set(available_algorithms())
+
+
+def test_project_model_script_runs(tmp_path, capsys) -> None:
+    spec = importlib.util.spec_from_file_location("pm", ROOT / "bench" / "project_model.py")
+    pm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pm)
+    shm, emu = tmp_path / "shm.csv", tmp_path / "emu.csv"
+    x = Problem(n=1 << 20, k=1 << 13)
+    for path, slow in ((shm, 0.0), (emu, 1.0)):
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS)
+            w.writeheader()
+            for name in ("dense", "allgather"):
+                for P in (1, 2, 4):
+                    c = FORMULAS[name](P, x)
+                    t = 1e3 + slow * (c.bytes / 125e6 * 1e6 + 50 * (c.messages + 2))
+                    b, m = int(c.bytes), int(c.messages)
+                    w.writerow(_rows(P, t, b, m, algorithm=name, n=x.n, k=x.k))
+    assert (
+        pm.main(
+            ["--shm", str(shm), "--emulated", str(emu), "--emu-alpha", "50e-6", "--P", "8,1024"]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "## Validation on the emulated cluster" in out
+    assert "| allgather | 4 |" in out
+    assert "median |error|" in out
+    assert "Projected latency" in out
+    assert "| dense |" in out

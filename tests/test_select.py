@@ -1,0 +1,573 @@
+"""Selection (sparsecoll.select) against sort-based oracles, on every backend and code path.
+
+Backends: "numba" (the kernels with their real tunables), "numba-small" (tunables shrunk so
+that small arrays take the chunked, sampled-candidate paths), "numpy" (the fallback), and
+"cupy" when a GPU is present (the same oracles, through the lazy GPU backend).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from sparsecoll import SparseVector
+from sparsecoll import select as sel
+from sparsecoll._array import cupy_or_none, index_dtype
+from sparsecoll.select import _common, _numba, _numpy
+
+DTYPES = (np.float16, np.float32, np.float64)
+BACKENDS = [
+    "numba",
+    "numba-small",
+    "numpy",
+    pytest.param("cupy", marks=pytest.mark.gpu),
+]
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Select a backend; "numba-small" shrinks the kernels' tunables."""
+    if name == "cupy" and cupy_or_none() is None:
+        pytest.skip("no GPU")
+    if name != "numba-small":
+        with sel.use_backend("numpy" if name == "numpy" else "numba"):
+            yield
+        return
+    saved = {
+        a: getattr(_numba, a)
+        for a in ("MIN_CHUNK", "PREFILTER_MIN_N", "SAMPLE_SIZE", "PARALLEL_MIN")
+    }
+    _numba.MIN_CHUNK, _numba.PREFILTER_MIN_N, _numba.SAMPLE_SIZE = 5, 12, 8
+    _numba.PARALLEL_MIN = 40
+    try:
+        with sel.use_backend("numba"):
+            yield
+    finally:
+        for a, v in saved.items():
+            setattr(_numba, a, v)
+
+
+def dev(x: np.ndarray, name: str):
+    """x on the backend's device."""
+    return cupy_or_none().asarray(x) if name == "cupy" else x
+
+
+def host(a) -> np.ndarray:
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+# -- oracles ------------------------------------------------------------------------------
+
+
+def topk_oracle(x: np.ndarray, k: int) -> np.ndarray:
+    """Sorted indices of the k largest |x|, ties to the lower index (a full sort)."""
+    a = np.abs(x.astype(np.float64))
+    order = np.lexsort((np.arange(x.shape[0]), -a))
+    return np.sort(order[:k])
+
+
+def threshold_oracle(x: np.ndarray, t: float) -> np.ndarray:
+    return np.flatnonzero(np.abs(x.astype(np.float64)) >= t)
+
+
+# -- inputs -------------------------------------------------------------------------------
+
+SPECIAL = [0.0, -0.0, 1.0, -1.0, 0.5, -2.0, 3.0, np.inf, -np.inf, 1e-7, -65504.0]
+
+
+@st.composite
+def vectors(draw, max_size: int = 300) -> np.ndarray:
+    """float16/32/64 vectors: arbitrary floats, heavy ties (incl. zeros, +-0, inf), or
+    Gaussian with a random scale. Never NaN."""
+    dt = np.dtype(draw(st.sampled_from(DTYPES)))
+    n = draw(st.integers(0, max_size))
+    kind = draw(st.sampled_from(["any", "ties", "normal", "constant"]))
+    if kind == "any":
+        elems = st.floats(width=8 * dt.itemsize, allow_nan=False)
+        return draw(arrays(dt, n, elements=elems))
+    if kind == "ties":
+        return draw(arrays(dt, n, elements=st.sampled_from(SPECIAL)))
+    if kind == "constant":
+        return np.full(n, draw(st.sampled_from(SPECIAL)), dtype=dt)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return (rng.standard_normal(n) * 10.0 ** draw(st.integers(-3, 3))).astype(dt)
+
+
+@st.composite
+def vector_and_k(draw) -> tuple[np.ndarray, int]:
+    x = draw(vectors())
+    return x, draw(st.integers(0, x.shape[0]))
+
+
+@st.composite
+def vector_and_t(draw) -> tuple[np.ndarray, float]:
+    x = draw(vectors())
+    if x.shape[0] and draw(st.booleans()):
+        t = float(abs(x[draw(st.integers(0, x.shape[0] - 1))]))  # a value of x: ties at t
+    else:
+        t = draw(st.floats(allow_nan=False, min_value=-1e300, max_value=np.inf))
+    return x, t
+
+
+# -- exact selection ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@given(case=vector_and_k())
+def test_topk_matches_sort_oracle(name: str, case: tuple[np.ndarray, int]) -> None:
+    x, k = case
+    with backend(name):
+        idx, vals = sel.topk(dev(x, name), k)
+    idx, vals = host(idx), host(vals)
+    expect = topk_oracle(x, k)
+    assert idx.dtype == index_dtype(x.shape[0])
+    assert vals.dtype == x.dtype
+    np.testing.assert_array_equal(idx, expect)
+    np.testing.assert_array_equal(vals.view(np.uint8), x[expect].view(np.uint8))  # bits, -0.0
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@given(case=vector_and_t())
+def test_threshold_matches_flatnonzero(name: str, case: tuple[np.ndarray, float]) -> None:
+    x, t = case
+    with backend(name):
+        idx, vals = sel.threshold(dev(x, name), t)
+        count = sel.count_ge(dev(x, name), t)
+    idx, vals = host(idx), host(vals)
+    expect = threshold_oracle(x, t)
+    assert idx.dtype == index_dtype(x.shape[0])
+    np.testing.assert_array_equal(idx, expect)
+    np.testing.assert_array_equal(vals.view(np.uint8), x[expect].view(np.uint8))
+    assert count == expect.shape[0]
+    with np.errstate(over="ignore"):
+        representable = float(x.dtype.type(t)) == t
+    if representable:  # the plain numpy expression agrees
+        np.testing.assert_array_equal(idx, np.flatnonzero(np.abs(x) >= x.dtype.type(t)))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@given(case=vector_and_k())
+def test_kth_largest_abs(name: str, case: tuple[np.ndarray, int]) -> None:
+    x, k = case
+    assume(k >= 1)
+    with backend(name):
+        t = sel.kth_largest_abs(dev(x, name), k)
+    assert t == np.sort(np.abs(x.astype(np.float64)))[::-1][k - 1]
+    assert isinstance(t, float)
+
+
+@given(case=vector_and_k(), t=st.floats(allow_nan=False))
+def test_backends_identical(case: tuple[np.ndarray, int], t: float) -> None:
+    """The Numba kernels (both tunings) and the numpy fallback give the same bits."""
+    x, k = case
+    out = {}
+    for name in ("numba", "numba-small", "numpy"):
+        with backend(name):
+            out[name] = (sel.topk(x, k), sel.threshold(x, t), sel.count_ge(x, t))
+    ref = out.pop("numpy")
+    for got in out.values():
+        for (gi, gv), (ri, rv) in zip(got[:2], ref[:2]):
+            assert gi.dtype == ri.dtype
+            np.testing.assert_array_equal(gi, ri)
+            np.testing.assert_array_equal(gv.view(np.uint8), rv.view(np.uint8))
+        assert got[2] == ref[2]
+
+
+@pytest.mark.parametrize("name", ["numba", "numpy"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("density", [1e-4, 1e-3, 0.01, 0.3])
+def test_topk_large_gaussian(name: str, dtype: type, density: float) -> None:
+    """Sizes where the sampled-candidate path runs with the real tunables."""
+    n = 300_007
+    x = np.random.default_rng(7).standard_normal(n).astype(dtype)
+    k = round(density * n)
+    with backend(name):
+        idx, vals = sel.topk(x, k)
+        kth = sel.kth_largest_abs(x, k)
+    expect = topk_oracle(x, k)
+    np.testing.assert_array_equal(idx, expect)
+    np.testing.assert_array_equal(vals, x[expect])
+    assert kth == float(np.abs(x[expect]).min())
+
+
+@pytest.mark.parametrize("name", ["numba", "numba-small", "numpy"])
+def test_topk_sample_misled(name: str) -> None:
+    """Inputs that defeat the strided sample (sorted, periodic, mostly zero, all equal):
+    the fallback keeps the result exact."""
+    n = 200_000
+    rng = np.random.default_rng(3)
+    periodic = np.zeros(n, np.float32)
+    periodic[:: n // _numba.SAMPLE_SIZE] = 1.0  # the sample sees only these
+    sparse = np.zeros(n, np.float32)
+    sparse[rng.integers(0, n, 50)] = rng.standard_normal(50)
+    cases = [
+        np.sort(rng.standard_normal(n)).astype(np.float32),
+        periodic,
+        sparse,
+        np.full(n, 2.5, np.float32),
+        -np.abs(rng.standard_normal(n)).astype(np.float32),
+    ]
+    with backend(name):
+        for x in cases:
+            for k in (1, 100, 5_000, n - 1):
+                idx, _ = sel.topk(x, k)
+                np.testing.assert_array_equal(idx, topk_oracle(x, k))
+
+
+def test_int64_index_path() -> None:
+    """The kernels write int64 indices (as they do for n > 2**31) with the same results.
+    (float32 only: each dtype costs seconds of compiling, and the code is dtype-generic.)"""
+    x = np.random.default_rng(1).standard_normal(100_000).astype(np.float32)
+    for fn, arg in ((_numba.topk, 777), (_numba.threshold, 2.0)):
+        i32, v32 = fn(x, arg)
+        i64, v64 = fn(x, arg, np.int64)
+        assert i32.dtype == np.int32
+        assert i64.dtype == np.int64
+        np.testing.assert_array_equal(i32, i64)
+        np.testing.assert_array_equal(v32, v64)
+
+
+@given(x=vectors(max_size=3000), frac=st.sampled_from([0.0, 0.001, 0.1, 1.0]), t=st.floats(0, 3))
+def test_scatter_room_estimates(x: np.ndarray, frac: float, t: float) -> None:
+    """However wrong the estimated hit fraction (0 forces the overflow rerun, 1 never
+    overflows), the one-pass scatter returns exactly the hits, with or without a limit."""
+    saved = _numba.MIN_CHUNK
+    _numba.MIN_CHUNK = 64
+    try:
+        b, info = _numba._keys(x)
+        lo = _common.threshold_key(t, x.dtype)
+        idx, bits = _numba._gather_keys(b, info, lo, np.int32, frac)
+        limited = _numba._gather_keys(b, info, lo, np.int32, frac, limit=5)
+    finally:
+        _numba.MIN_CHUNK = saved
+    expect = threshold_oracle(x, _common.round_threshold(t, x.dtype))
+    np.testing.assert_array_equal(idx, expect)
+    np.testing.assert_array_equal(bits, x[expect].view(info.utype))
+    if limited is None:
+        assert expect.shape[0] > 5
+    else:
+        np.testing.assert_array_equal(limited[0], expect)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("SPARSECOLL_BIG") != "1", reason="set SPARSECOLL_BIG=1 (4 GiB)")
+def test_beyond_int32() -> None:
+    """n > 2**31 (float16, 4 GiB): int64 indices, entries past 2**31 found."""
+    n = 2**31 + 1000
+    x = np.zeros(n, np.float16)
+    x[[5, 2**31 - 1, 2**31, n - 1]] = [1.0, -4.0, 3.0, -2.0]
+    idx, vals = sel.topk(x, 3)
+    assert idx.dtype == np.int64
+    assert idx.tolist() == [2**31 - 1, 2**31, n - 1]
+    assert vals.tolist() == [-4.0, 3.0, -2.0]
+    idx, _ = sel.threshold(x, 1.0)
+    assert idx.tolist() == [5, 2**31 - 1, 2**31, n - 1]
+    assert sel.count_ge(x, 2.5) == 2
+    assert sel.kth_largest_abs(x, 4) == 1.0
+
+
+# -- NaN, inf, bad input ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@given(x=vectors(), data=st.data())
+def test_nan_raises(name: str, x: np.ndarray, data: st.DataObject) -> None:
+    assume(x.shape[0] > 0)
+    x = x.copy()
+    x[data.draw(st.integers(0, x.shape[0] - 1))] = np.nan
+    n = x.shape[0]
+    k = data.draw(st.integers(0, n))
+    with backend(name):
+        d = dev(x, name)
+        for call in (
+            lambda: sel.topk(d, k),
+            lambda: sel.threshold(d, 1.0),
+            lambda: sel.threshold(d, np.inf),
+            lambda: sel.count_ge(d, 0.0),
+            lambda: sel.kth_largest_abs(d, max(k, 1)),
+        ):
+            with pytest.raises(ValueError, match="NaN"):
+                call()
+
+
+@pytest.mark.parametrize("name", ["numba", "numba-small", "numpy"])
+def test_nan_raises_large(name: str) -> None:
+    """NaN found on every path of a large array: one NaN anywhere, or a negative one."""
+    x = np.random.default_rng(2).standard_normal(150_000).astype(np.float32)
+    with backend(name):
+        for pos, nan in ((0, np.nan), (77_777, -np.nan), (149_999, np.nan)):
+            y = x.copy()
+            y[pos] = nan
+            for k in (0, 1, 100, 150_000):
+                with pytest.raises(ValueError, match="NaN"):
+                    sel.topk(y, k)
+
+
+def test_inf_is_largest() -> None:
+    x = np.array([1.0, -np.inf, 3.0, np.inf, -2.0], np.float32)
+    idx, _vals = sel.topk(x, 2)
+    assert idx.tolist() == [1, 3]
+    assert sel.threshold(x, np.inf)[0].tolist() == [1, 3]
+    assert sel.kth_largest_abs(x, 1) == np.inf
+
+
+def test_threshold_compares_exactly() -> None:
+    """A float64 threshold between two float16 values is not rounded to the nearer one."""
+    x = np.array([0.1, 0.2], np.float16)
+    t = float(x[0]) + 1e-6  # rounds back to float16(0.1) when cast to float16
+    assert np.float16(t) == x[0]
+    assert sel.threshold(x, t)[0].tolist() == [1]
+    assert sel.count_ge(x, float(x[0])) == 2
+    assert _common.round_threshold(1e6, np.float16) == np.inf
+    assert _common.round_threshold(-3.0, np.float16) == 0.0
+
+
+def test_bad_input() -> None:
+    x = np.ones(4, np.float32)
+    with pytest.raises(ValueError, match="k must be in"):
+        sel.topk(x, 5)
+    with pytest.raises(ValueError, match="k must be in"):
+        sel.topk(x, -1)
+    with pytest.raises(ValueError, match=r"k must be in \[1, 4\]"):
+        sel.kth_largest_abs(x, 0)
+    with pytest.raises(TypeError, match="k must be an integer"):
+        sel.topk(x, 2.0)
+    with pytest.raises(TypeError, match="float16, float32 or float64"):
+        sel.topk(np.ones(4, np.int32), 2)
+    with pytest.raises(ValueError, match="1-D"):
+        sel.threshold(np.ones((2, 2), np.float32), 1.0)
+    with pytest.raises(ValueError, match="t must not be NaN"):
+        sel.threshold(x, float("nan"))
+    with pytest.raises(ValueError, match="backend"):
+        sel.set_backend("fortran")
+
+
+def test_non_contiguous_and_lists() -> None:
+    x = np.arange(20, dtype=np.float64)[::-2]  # strided view
+    idx, vals = sel.topk(x, 3)
+    assert idx.tolist() == [0, 1, 2]
+    assert vals.tolist() == [19.0, 17.0, 15.0]
+    idx, _ = sel.threshold([0.5, -3.0, 2.0], 2.0)
+    assert idx.tolist() == [1, 2]
+
+
+def test_sparse_helpers() -> None:
+    v = SparseVector.from_coo(np.array([3, 10, 40, 41]), np.array([1.0, -5.0, 2.0, 5.0]), 50)
+    top = sel.topk_sparse(v, 2)
+    assert top.indices.tolist() == [10, 41]
+    assert top.values.tolist() == [-5.0, 5.0]
+    assert top.indices.dtype == np.int32
+    assert top.n == 50
+    thr = sel.threshold_sparse(v, 2.0)
+    assert thr.indices.tolist() == [10, 40, 41]
+
+
+def test_env_disables_numba(tmp_path) -> None:
+    """SPARSECOLL_NO_NUMBA=1 selects the numpy backend in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = "from sparsecoll import select; print(select.backend())"
+    env = dict(os.environ, SPARSECOLL_NO_NUMBA="1")
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert out.stdout.strip() == "numpy"
+
+
+def test_moments() -> None:
+    x = np.random.default_rng(4).standard_normal(100_000).astype(np.float32) * 3 + 1
+    for name in ("numba", "numpy"):
+        with backend(name):
+            mean, std = sel.moments(x)
+        assert math.isclose(mean, float(x.astype(np.float64).mean()), rel_tol=1e-9, abs_tol=1e-9)
+        assert math.isclose(std, float(x.astype(np.float64).std()), rel_tol=1e-9)
+    assert sel.moments(np.ones(8, np.float16)) == (1.0, 0.0)
+
+
+def test_backend_module_contract() -> None:
+    """Every CPU backend provides the functions the dispatch (and the GPU module) names."""
+    for mod in (_numba, _numpy):
+        for fn in sel.BACKEND_FUNCTIONS:
+            assert callable(getattr(mod, fn)), (mod.__name__, fn)
+
+
+# -- estimators ---------------------------------------------------------------------------
+
+
+def gradient_like(kind: str, n: int, seed: int, layout: int | None = None) -> np.ndarray:
+    """Synthetic gradients: Gaussian, heavy-tailed (Student t, 3 dof), Laplace, or layers
+    of different scales (Gaussian blocks spanning 3 decades, their cuts and scales drawn
+    from ``layout``, default ``seed``)."""
+    rng = np.random.default_rng(seed)
+    if kind == "gaussian":
+        x = rng.standard_normal(n)
+    elif kind == "student":
+        x = rng.standard_t(3, n)
+    elif kind == "laplace":
+        x = rng.laplace(size=n)
+    else:
+        x = rng.standard_normal(n)
+        lay = np.random.default_rng(seed if layout is None else layout)
+        cuts = np.sort(lay.integers(0, n, 7))
+        for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, n]):
+            x[lo:hi] *= 10.0 ** lay.uniform(-3, 0)
+    return (x * 1e-3).astype(np.float32)
+
+
+KINDS = ["gaussian", "student", "laplace", "layers"]
+
+
+def check_selection(s: sel.Selection, x: np.ndarray) -> None:
+    assert s.n == x.shape[0]
+    assert np.all(np.diff(s.indices) > 0)
+    np.testing.assert_array_equal(s.values, x[s.indices])
+    if s.count:
+        assert float(np.abs(s.values).min()) >= s.threshold or s.method.endswith("topk")
+
+
+@given(
+    kind=st.sampled_from(KINDS),
+    seed=st.integers(0, 2**32 - 1),
+    density=st.sampled_from([0.001, 0.01, 0.05]),
+)
+def test_estimators_within_band(kind: str, seed: int, density: float) -> None:
+    x = gradient_like(kind, 100_000, seed)
+    k = round(density * x.shape[0])
+    for est in (
+        sel.ExactThreshold(density=density),
+        sel.SamplingThreshold(density=density, seed=seed),
+        sel.GaussianThreshold(density=density),
+    ):
+        s = est.select(x)
+        check_selection(s, x)
+        assert s.k == k
+        lo, hi = est.band
+        assert lo * k <= s.count <= hi * k, (type(est).__name__, s)
+        if isinstance(est, sel.ExactThreshold):
+            np.testing.assert_array_equal(s.indices, topk_oracle(x, k))
+
+
+@given(kind=st.sampled_from(KINDS), seed=st.integers(0, 2**32 - 1))
+def test_reuse_threshold_holds_band(kind: str, seed: int) -> None:
+    """Slowly drifting gradients (AR(1), correlation 0.995 per step): exact every 8 steps,
+    the reused threshold keeps the count in the band on every step."""
+    n, k = 50_000, 500
+    rng = np.random.default_rng(seed)
+    x = gradient_like(kind, n, seed)
+    est = sel.ReuseThreshold(k, interval=8, nudge=1.02)
+    for step in range(24):
+        s = est.select(x)
+        check_selection(s, x)
+        assert s.method == ("reuse-exact" if step % 8 == 0 else "reuse")
+        assert est.band[0] * k <= s.count <= est.band[1] * k, (step, s)
+        noise = gradient_like(kind, n, int(rng.integers(2**32)), layout=seed)
+        x = (0.995 * x + 0.1 * noise).astype(x.dtype)
+    assert est.recomputes == 3
+
+
+@pytest.mark.parametrize("scale", [1.15, 1 / 1.15])
+def test_reuse_threshold_recovers_by_nudging(scale: float) -> None:
+    """After a jump in scale that throws the count out of the band, the nudges bring it
+    back (about log(scale)/log(nudge) steps) and it stays there, with no recompute."""
+    n, k = 50_000, 500
+    x = gradient_like("gaussian", n, 9)
+    est = sel.ReuseThreshold(k, interval=10_000, nudge=1.02)
+    est.select(x)
+    x = (x * scale).astype(x.dtype)
+    counts = [est.select(x).count for _ in range(20)]
+    assert not est.band[0] * k <= counts[0] <= est.band[1] * k
+    assert all(est.band[0] * k <= c <= est.band[1] * k for c in counts[12:]), counts
+    assert est.recomputes == 1
+
+
+def test_reuse_threshold_nudges() -> None:
+    """Outside the band the threshold moves by the nudge factor, inside it stays."""
+    est = sel.ReuseThreshold(100, interval=1000, nudge=1.5)
+    assert est.due
+    est.observe(100, 100, exact=2.0)
+    assert not est.due
+    assert est.threshold == 2.0
+    est.observe(100, 100)
+    assert est.threshold == 2.0
+    est.observe(50, 100)
+    assert est.threshold == 2.0 / 1.5
+    est.observe(200, 100)
+    assert est.threshold == 2.0
+    with pytest.raises(ValueError, match="interval"):
+        sel.ReuseThreshold(10, interval=0)
+
+
+def test_estimator_edges() -> None:
+    x = np.random.default_rng(5).standard_normal(1000).astype(np.float32)
+    for est_cls in (
+        sel.ExactThreshold,
+        sel.SamplingThreshold,
+        sel.GaussianThreshold,
+        sel.ReuseThreshold,
+    ):
+        for k in (0, 1000):
+            s = est_cls(k).select(x)
+            assert s.count == k
+            assert s.k == k
+        assert est_cls(k=5000).select(x).count == 1000  # k is capped at n
+    s = sel.GaussianThreshold(10).select(np.full(100, 3.0, np.float32))  # std = 0
+    assert s.count == 10
+    assert s.method == "gaussian-exact"
+    with pytest.raises(ValueError, match="exactly one"):
+        sel.ExactThreshold()
+    with pytest.raises(ValueError, match="exactly one"):
+        sel.ExactThreshold(3, density=0.1)
+    with pytest.raises(ValueError, match="density"):
+        sel.ExactThreshold(density=1.5)
+    with pytest.raises(ValueError, match="1-D"):
+        sel.SamplingThreshold(3).select(np.ones((40, 40), np.float32))
+    with pytest.raises(ValueError, match="NaN"):
+        sel.GaussianThreshold(3).select(np.array([1.0, np.nan, 2.0, 3.0]))
+    s = sel.ExactThreshold(density=0.01)(x)
+    assert (s.requested_density, s.achieved_density, s.ratio) == (0.01, 0.01, 1.0)
+    assert "count=10" in repr(s)
+    v = s.to_sparse()
+    assert v.n == 1000
+    np.testing.assert_array_equal(v.indices, s.indices)
+
+
+def test_estimators_same_on_both_backends() -> None:
+    x = gradient_like("student", 80_000, 11)
+    out = {}
+    for name in ("numba", "numpy"):
+        with backend(name):
+            ests = (
+                sel.ExactThreshold(400),
+                sel.SamplingThreshold(400, seed=3),
+                sel.ReuseThreshold(400, interval=2),
+            )
+            out[name] = [e.select(x) for e in ests] + [ests[-1].select(x * 1.01)]
+    for a, b in zip(out["numba"], out["numpy"]):
+        np.testing.assert_array_equal(a.indices, b.indices)
+        assert (a.threshold, a.method, a.tries) == (b.threshold, b.method, b.tries)
+
+
+def test_torch_tensors_come_back_as_torch() -> None:
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([0.5, -3.0, 2.0, 0.0])
+    idx, vals = sel.topk(x, 2)
+    assert isinstance(idx, torch.Tensor)
+    assert idx.tolist() == [1, 2]
+    assert vals.tolist() == [-3.0, 2.0]
+    s = sel.ExactThreshold(1).select(x)
+    assert isinstance(s.indices, torch.Tensor)
+    assert s.indices.tolist() == [1]

@@ -1,0 +1,79 @@
+"""SparseVector and coalesce: local logic, in-process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from sparsecoll import SparseVector
+from sparsecoll._array import index_dtype
+from sparsecoll.sparse import check_local, coalesce
+
+
+@given(
+    n=st.integers(1, 200),
+    data=st.data(),
+    dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+)
+def test_coalesce_sums_repeats_and_sorts(n, data, dtype):
+    m = data.draw(st.integers(0, 300))
+    idx = data.draw(hnp.arrays(np.int64, m, elements=st.integers(0, n - 1)))
+    vals = data.draw(
+        hnp.arrays(dtype, m, elements=st.floats(-100, 100, width=np.dtype(dtype).itemsize * 8))
+    )
+    out = coalesce(idx, vals, n)
+    assert out.indices.dtype == index_dtype(n)
+    assert out.values.dtype == dtype
+    assert np.all(np.diff(out.indices) > 0)
+    want = np.zeros(n)
+    np.add.at(want, idx, vals.astype(np.float64))
+    got = np.zeros(n)
+    got[out.indices] = out.values
+    eps = float(np.finfo(dtype).eps)
+    bound = eps * (m + 1) * float(np.abs(vals.astype(np.float64)).sum())  # summation error
+    assert np.allclose(got, want, rtol=4 * eps, atol=bound + 1e-300)
+    assert set(out.indices.tolist()) == set(idx.tolist())
+
+
+def test_coalesce_does_not_modify_input():
+    idx = np.array([5, 1, 5, 0])
+    vals = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+    out = coalesce(idx, vals, 10)
+    assert idx.tolist() == [5, 1, 5, 0] and vals.tolist() == [1, 2, 3, 4]
+    assert out.indices.tolist() == [0, 1, 5] and out.values.tolist() == [4, 2, 4]
+
+
+def test_index_dtype_switches_above_int32():
+    assert index_dtype(2**31) == np.int32  # largest index 2**31 - 1 still fits
+    assert index_dtype(2**31 + 1) == np.int64
+    big = coalesce(np.array([2**40 - 1, 3], np.int64), np.ones(2, np.float32), 2**40)
+    assert big.indices.tolist() == [3, 2**40 - 1]  # nothing wrapped
+
+
+def test_from_dense_round_trip():
+    x = np.array([0, 1.5, 0, -2, 0], np.float32)
+    v = SparseVector.from_dense(x)
+    assert v.indices.tolist() == [1, 3]
+    assert np.array_equal(v.to_dense(), x)
+    assert v.nnz == 2 and len(v) == 5
+
+
+@pytest.mark.parametrize(
+    ("idx", "vals", "n", "etype", "text"),
+    [
+        (np.array([0, 10]), np.ones(2, np.float32), 10, ValueError, "index 10 out of range"),
+        (np.array([-1]), np.ones(1, np.float32), 10, ValueError, "index -1 out of range"),
+        (np.array([0.0]), np.ones(1, np.float32), 10, TypeError, "integers"),
+        (np.array([0]), np.ones(1, np.int64), 10, TypeError, "float16, float32 or float64"),
+        (np.array([0, 1]), np.ones(1, np.float32), 10, ValueError, "differ in length"),
+        (np.array([0]), np.ones((1, 1), np.float32), 10, ValueError, "1-D"),
+        (np.array([0]), np.ones(1, np.float32), 2.5, TypeError, "n must be an integer"),
+        (np.array([0]), np.ones(1, np.float32), -3, ValueError, "non-negative"),
+    ],
+)
+def test_check_local_rejects(idx, vals, n, etype, text):
+    with pytest.raises(etype, match=text):
+        check_local(idx, vals, n)
