@@ -34,6 +34,20 @@ from sparsecoll.comm import Communicator, mpi_library_version
 METHODS = ("dense", "allgather", "gtopk", "oktopk", "exdyna")
 # extra method names: a registered algorithm plus options
 VARIANTS = {"exdyna-authors": ("exdyna", {"rule": "authors"})}
+MOMENTUM = 0.9
+# A "+mc" suffix (e.g. "oktopk+mc") selects momentum correction (DGC): the reducer keeps the
+# momentum (velocity accumulated before selection, masked where sent) and the optimizer none.
+
+
+def method_setup(method: str) -> tuple[str, dict, float]:
+    """``(algorithm, reducer options, optimizer momentum)`` for a method name."""
+    base, mc = (method[:-3], True) if method.endswith("+mc") else (method, False)
+    algorithm, options = VARIANTS.get(base, (base, {}))
+    if mc:
+        return algorithm, {**options, "momentum": MOMENTUM}, 0.0
+    return algorithm, dict(options), MOMENTUM
+
+
 FIELDS = (
     "task",
     "method",
@@ -156,7 +170,7 @@ def train(args, torch, comm: Communicator, method: str) -> list[dict]:
 
     from sparsecoll.integrations.torch import SparseHookState, sparse_allreduce_hook
 
-    algorithm, options = VARIANTS.get(method, (method, {}))
+    algorithm, options, momentum = method_setup(method)
     task_cls, default_lr = TASKS[args.task]
     task = task_cls(torch, args.seed, comm.rank, comm.size)
     torch.manual_seed(args.seed)
@@ -164,7 +178,7 @@ def train(args, torch, comm: Communicator, method: str) -> list[dict]:
     ddp = DistributedDataParallel(model)
     state = SparseHookState(comm, algorithm, density=args.density, **options)
     ddp.register_comm_hook(state, sparse_allreduce_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr or default_lr, momentum=0.9)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr or default_lr, momentum=momentum)
     sched = None
     if args.schedule == "cosine":
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps)
@@ -224,7 +238,11 @@ def summarize(rows: list[dict], n_last: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", choices=sorted(TASKS), default="digits")
-    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
+    ap.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated; a +mc suffix adds momentum correction (e.g. oktopk+mc)",
+    )
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--eval-every", type=int, default=20)
@@ -254,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     all_rows, summary = [], {}
     for method in methods:
-        if VARIANTS.get(method, (method,))[0] not in known:
+        if method_setup(method)[0] not in known:
             if comm.rank == 0:
                 print(f"# {method}: not registered here, skipped")
             continue

@@ -322,7 +322,9 @@ class Communicator:
             self.stats.messages_recv += 1
 
     # -- payload collectives ------------------------------------------------------------
-    def allgatherv(self, sendbuf: Any, counts: Sequence[int] | None = None) -> tuple[Any, list[int]]:
+    def allgatherv(
+        self, sendbuf: Any, counts: Sequence[int] | None = None
+    ) -> tuple[Any, list[int]]:
         """Gather every rank's 1-D ``sendbuf`` (concatenated in rank order) on every rank.
 
         ``counts`` (elements per rank) may be given when every rank already knows them;

@@ -62,6 +62,11 @@ class GradientReducer:
         warmup: number of first steps reduced densely (no selection, no residual).
         average: divide the sum by the number of ranks (the usual data-parallel mean).
         error_feedback: keep what was not applied in the residual (default); False drops it.
+        momentum: momentum correction (DGC, Lin et al. 2018) when > 0: the reducer keeps a
+            velocity ``u = momentum·u + grad`` and accumulates ``u`` instead of ``grad``; the
+            velocity is zeroed where entries were sent (momentum factor masking). Use it
+            with a momentum-free optimizer (plain SGD): the update already carries the
+            momentum. Default 0 (the optimizer's own momentum acts on the sparse updates).
         selection: how this rank picks its ~k entries (algorithms that take a local top-k):
             ``"exact"`` (top-k every step), or a :mod:`sparsecoll.select` estimator:
             ``"reuse"`` (Ok-Topk's threshold reuse), ``"sampling"`` (DGC), ``"gaussian"``;
@@ -85,6 +90,7 @@ class GradientReducer:
         warmup: int = 0,
         average: bool = True,
         error_feedback: bool = True,
+        momentum: float = 0.0,
         selection: str = "exact",
         selection_options: dict[str, Any] | None = None,
         check: bool = True,
@@ -100,8 +106,12 @@ class GradientReducer:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
         if isinstance(warmup, bool) or not isinstance(warmup, (int, np.integer)) or warmup < 0:
             raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
+        momentum = float(momentum)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         self.n = int(n)
         self.density = density
+        self.momentum = momentum
         self.k = min(self.n, max(1, round(density * self.n))) if self.n else 0
         self.warmup = int(warmup)
         self.average = bool(average)
@@ -123,6 +133,8 @@ class GradientReducer:
         self.steps = 0
         self._residual: Any = None
         self._pending_residual: np.ndarray | None = None  # restored, not yet on its module
+        self._velocity: Any = None  # momentum correction's u (None when momentum is 0)
+        self._new_velocity: Any = None  # this step's u, kept once the step succeeds
         self._last = _StepInfo()
         self._totals = CommStats()
         self._sparse_steps = 0
@@ -136,6 +148,12 @@ class GradientReducer:
         if self._residual is None and self._pending_residual is not None:
             return self._pending_residual
         return self._residual
+
+    @property
+    def velocity(self) -> Any:
+        """This rank's momentum-correction velocity after the last step (masked where sent;
+        None without momentum or before the first step)."""
+        return self._velocity
 
     def step(self, grad: Any) -> Any:
         """Reduce this rank's gradient; return the dense update, the same on every rank.
@@ -210,6 +228,7 @@ class GradientReducer:
             "density": self.density,
             "steps": self.steps,
             "residual": None if res is None else np.array(to_host(res), copy=True),
+            "velocity": None if self._velocity is None else np.array(to_host(self._velocity)),
             "algorithm_state": _host_copy(vars(self.algorithm)),
             "selection_state": _host_copy(_slot_values(self._selector)),
             "totals": self._totals.as_dict(),
@@ -228,6 +247,8 @@ class GradientReducer:
         res = state["residual"]
         self._residual = None
         self._pending_residual = None if res is None else np.array(res, copy=True)
+        vel = state.get("velocity")
+        self._velocity = None if vel is None else np.array(vel, copy=True)
         vars(self.algorithm).update(copy.deepcopy(state["algorithm_state"]))
         for name, value in copy.deepcopy(state["selection_state"]).items():
             setattr(self._selector, name, value)
@@ -259,6 +280,11 @@ class GradientReducer:
         res = self._residual
         if res is None and self._pending_residual is not None:
             res = to_module(self._pending_residual, xp).astype(g.dtype)
+        if self.momentum:
+            vel = self._velocity
+            u = g.copy() if vel is None else to_module(vel, xp).astype(g.dtype) * self.momentum + g
+            self._new_velocity = u
+            g = u
         acc = g + res if res is not None and self.error_feedback else g.copy()
         if self._is_dense or self.steps < self.warmup or self._has_dense_path:
             return acc, None
@@ -287,12 +313,16 @@ class GradientReducer:
                 if result.contributed is not None:
                     sel = sel[result.contributed]
             acc[sel] = 0  # what reached the update leaves the residual
+            if self.momentum:
+                self._new_velocity[sel] = 0  # momentum factor masking
             update = xp.zeros(self.n, dtype=acc.dtype)
             update[result.indices] = result.values
             self._last.record(result.nnz, selected)
             self._sparse_steps += 1
             self._density_sum += result.nnz / self.n if self.n else 0.0
         self._residual, self._pending_residual = acc, None
+        if self.momentum:
+            self._velocity, self._new_velocity = self._new_velocity, None
         if self.average and p > 1:
             update /= p
         return update

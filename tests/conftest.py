@@ -23,7 +23,9 @@ _common = dict(
     print_blob=not IN_MPIEXEC,
 )
 settings.register_profile("dev", max_examples=60, **_common)
-settings.register_profile("ci", max_examples=12, **{**_common, "derandomize": True, "database": None})
+settings.register_profile(
+    "ci", max_examples=12, **{**_common, "derandomize": True, "database": None}
+)
 settings.load_profile(
     os.environ.get("SPARSECOLL_HYPOTHESIS", "ci" if os.environ.get("CI") else "dev")
 )

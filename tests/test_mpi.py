@@ -16,7 +16,5 @@ NPROCS = [1, 2, 3, 4, 5, 8]
 @pytest.mark.parametrize("nprocs", NPROCS)
 @pytest.mark.parametrize("path", MPI_FILES, ids=lambda p: p.stem)
 def test_under_mpiexec(path: Path, nprocs: int) -> None:
-    proc = run_mpi(
-        nprocs, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(path)]
-    )
+    proc = run_mpi(nprocs, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(path)])
     assert proc.returncode == 0, f"mpiexec -n {nprocs} {path.name} failed:\n{proc.stdout[-8000:]}"

@@ -64,7 +64,9 @@ class Algorithm(ABC):
         """Integers that must agree on every rank (e.g. k); checked before any payload moves."""
         return []
 
-    def verify(self, result: SparseVector, reference: SparseVector, inputs: list[SparseVector]) -> bool:
+    def verify(
+        self, result: SparseVector, reference: SparseVector, inputs: list[SparseVector]
+    ) -> bool:
         """Whether ``result`` meets this algorithm's contract, given the exact ``reference``
         sum and every rank's coalesced ``inputs`` (used by benchmarks and tests)."""
         return allclose_sparse(result, reference)

@@ -44,8 +44,15 @@ class Timing:
 
 
 def time_algorithm(
-    comm: Communicator, name: str, vals: Any, idx: Any, n: int, k: int, iters: int,
-    warmup: int, reuse: bool = False,
+    comm: Communicator,
+    name: str,
+    vals: Any,
+    idx: Any,
+    n: int,
+    k: int,
+    iters: int,
+    warmup: int,
+    reuse: bool = False,
 ) -> Timing:
     """Time ``iters`` calls (after ``warmup``) of ``sparsecoll.allreduce`` with one algorithm.
 
@@ -81,8 +88,13 @@ def gather_inputs(comm: Communicator, vals: Any, idx: Any, n: int) -> list[Spars
 
 
 def verify_all(
-    comm: Communicator, name: str, result: SparseVector, reference: SparseVector,
-    inputs: list[SparseVector], n: int, k: int,
+    comm: Communicator,
+    name: str,
+    result: SparseVector,
+    reference: SparseVector,
+    inputs: list[SparseVector],
+    n: int,
+    k: int,
 ) -> bool:
     """Whether every rank holds the same ``result`` and it meets the algorithm's contract.
 
@@ -118,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     comm = Communicator()
     n, dtype = args.n, np.dtype(args.dtype)
     vals, idx = make_problem(n, args.density, comm.rank, comm.size, args.overlap, dtype)
-    k = int(round(args.density * n))
+    k = round(args.density * n)
     names = args.algorithm or available_algorithms()
     inputs = gather_inputs(comm, vals, idx, n)
     reference = None
@@ -133,12 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     if comm.rank == 0:
         dense_bytes = rows[0][3]  # dense always runs first: it is the reference
         print(f"# sparsecoll {__version__} bench: {mpi_library_version()}")
-        print(f"# P={comm.size} n={n} density={args.density} overlap={args.overlap} "
-              f"dtype={dtype} k/rank={k} iterations={args.iterations} warmup={args.warmup}")
-        print(f"{'algorithm':<20}{'correct':>8}{'median ms':>12}{'bytes/rank':>14}"
-              f"{'vs dense':>10}{'result nnz':>12}")
+        print(
+            f"# P={comm.size} n={n} density={args.density} overlap={args.overlap} "
+            f"dtype={dtype} k/rank={k} iterations={args.iterations} warmup={args.warmup}"
+        )
+        print(
+            f"{'algorithm':<20}{'correct':>8}{'median ms':>12}{'bytes/rank':>14}"
+            f"{'vs dense':>10}{'result nnz':>12}"
+        )
         for name, ok, t, b, nnz in rows:
             ratio = f"{b / dense_bytes:.3f}" if dense_bytes else "-"
-            print(f"{name:<20}{'yes' if ok else 'NO':>8}{t * 1e3:>12.2f}{b:>14}{ratio:>10}{nnz:>12}")
+            print(
+                f"{name:<20}{'yes' if ok else 'NO':>8}{t * 1e3:>12.2f}{b:>14}{ratio:>10}{nnz:>12}"
+            )
         sys.stdout.flush()
     return 0 if all(r[1] for r in rows) else 1

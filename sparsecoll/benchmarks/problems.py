@@ -44,7 +44,7 @@ def make_problem(
     """This rank's (values, indices) for the named overlap pattern."""
     if overlap not in OVERLAPS:
         raise ValueError(f"unknown overlap {overlap!r}; known: {', '.join(OVERLAPS)}")
-    k = int(round(density * n))
+    k = round(density * n)
     rng = np.random.default_rng([seed, rank])
     if overlap == "random":
         idx = _distinct(rng, 0, n, k)

@@ -69,7 +69,7 @@ def local_input(case: Case, rank: int, size: int) -> tuple[np.ndarray, np.ndarra
     """This rank's (values, indices) for ``case``: unsorted, possibly with repeats."""
     rng = np.random.default_rng([case.seed, rank])
     n = case.n
-    k = min(int(round(case.density * n)), 300)
+    k = min(round(case.density * n), 300)
     kind = case.kind
     if kind == "all_empty" or (kind == "one_empty" and rank == size - 1):
         k = 0
@@ -80,9 +80,11 @@ def local_input(case: Case, rank: int, size: int) -> tuple[np.ndarray, np.ndarra
         lo_hi = max(1, n // max(size, 1))
         idx = np.arange(lo_hi) if rank == 0 else rng.integers(0, n, size=k)
     elif kind == "same":
-        idx = np.random.default_rng([case.seed, 10**6]).choice(
-            n, size=min(k, n), replace=False
-        ) if n <= 10**7 else np.random.default_rng([case.seed, 10**6]).integers(0, n, size=k)
+        idx = (
+            np.random.default_rng([case.seed, 10**6]).choice(n, size=min(k, n), replace=False)
+            if n <= 10**7
+            else np.random.default_rng([case.seed, 10**6]).integers(0, n, size=k)
+        )
     elif kind == "disjoint":
         lo, hi = rank * n // size, (rank + 1) * n // size
         idx = rng.integers(lo, hi, size=k if hi > lo else 0)
@@ -106,7 +108,11 @@ def oracle(case: Case, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     idx = np.concatenate([p[1].astype(np.int64) for p in parts])
     vals = np.concatenate([p[0].astype(np.float64) for p in parts])
     uniq, inv = np.unique(idx, return_inverse=True)
-    return uniq, np.bincount(inv, vals, uniq.shape[0]), np.bincount(inv, np.abs(vals), uniq.shape[0])
+    return (
+        uniq,
+        np.bincount(inv, vals, uniq.shape[0]),
+        np.bincount(inv, np.abs(vals), uniq.shape[0]),
+    )
 
 
 def mismatch(result: SparseVector, case: Case, size: int) -> str | None:

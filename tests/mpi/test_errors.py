@@ -72,8 +72,10 @@ def test_bad_input_raises_everywhere(comm, name, what):
         got = None
     except Exception as exc:  # every rank must land here with the same error
         got = (exc, str(exc))
-    ok = got is not None and isinstance(got[0], etype) and isinstance(
-        got[0], sparsecoll.SparseCollError
+    ok = (
+        got is not None
+        and isinstance(got[0], etype)
+        and isinstance(got[0], sparsecoll.SparseCollError)
     )
     assert_all(comm, ok, f"expected {etype.__name__}, got {got!r}")
     msgs = comm.allgather_object(got[1])
