@@ -176,7 +176,7 @@ def train(args, torch, comm: Communicator, method: str) -> list[dict]:
     torch.manual_seed(args.seed)
     model = task.model()
     ddp = DistributedDataParallel(model)
-    state = SparseHookState(comm, algorithm, density=args.density, **options)
+    state = SparseHookState(comm, algorithm, density=args.density, warmup=args.warmup, **options)
     ddp.register_comm_hook(state, sparse_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr or default_lr, momentum=momentum)
     sched = None
@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--warmup", type=int, default=1, help="first iterations reduced densely (>= 1)")
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--lr", type=float, default=None, help="default: per task")
     ap.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
@@ -268,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"# task={args.task} P={comm.size} density={args.density} steps={args.steps} "
             f"lr={args.lr or TASKS[args.task][1]} schedule={args.schedule} seed={args.seed} "
-            f"torch={torch.__version__} (one dense warm-up iteration, then error feedback)"
+            f"torch={torch.__version__} ({args.warmup} dense warm-up iteration(s), then error "
+            "feedback)"
         )
     all_rows, summary = [], {}
     for method in methods:

@@ -76,21 +76,30 @@ def run(comm, s: Stream, algorithm: str, **kw) -> tuple[GradientReducer, list[np
     return red, [red.step(s.grad(comm.rank, t)) for t in range(s.steps)]
 
 
-def simulate(s: Stream, p: int, k: int, select: bool) -> tuple[list[np.ndarray], list]:
+def simulate(
+    s: Stream, p: int, k: int, select: bool, momentum: float = 0.0
+) -> tuple[list[np.ndarray], list, list]:
     """Every rank's reducer, simulated here: local top-k (or nothing when ``select`` is
-    False: dense), exact sums. Returns the updates and every rank's final residual."""
+    False: dense), exact sums; with ``momentum``, DGC's momentum correction (velocity
+    accumulated, masked where sent on sparse steps). Returns the updates and every rank's
+    final residual and velocity."""
     residual = [np.zeros(s.n) for _ in range(p)]
+    velocity = [np.zeros(s.n) for _ in range(p)]
     updates = []
     for t in range(s.steps):
         total = np.zeros(s.n)
         for r in range(p):
-            acc = residual[r] + s.grad(r, t)
-            sel = reference_topk(acc, k) if select and t >= s.warmup else slice(None)
+            u = momentum * velocity[r] + s.grad(r, t)
+            acc = residual[r] + u
+            sparse = select and t >= s.warmup
+            sel = reference_topk(acc, k) if sparse else slice(None)
             total[sel] += acc[sel]
             acc[sel] = 0
-            residual[r] = acc
+            if sparse:
+                u[sel] = 0
+            residual[r], velocity[r] = acc, u
         updates.append(total / p if s.average else total)
-    return updates, residual
+    return updates, residual, velocity
 
 
 def reference_topk(x: np.ndarray, k: int) -> np.ndarray:
@@ -127,7 +136,7 @@ def test_error_feedback_loses_nothing(comm, algorithm, s):
     if any(u.shape != (s.n,) or u.dtype != np.float64 for u in updates):
         problems.append("update shape/dtype")
     if algorithm == "dense" or algorithm_class(algorithm).exact:
-        want, residual = simulate(s, p, red.k, select=algorithm != "dense")
+        want, residual, _ = simulate(s, p, red.k, select=algorithm != "dense")
         for t, (u, w) in enumerate(zip(updates, want)):
             if not np.allclose(u, w, rtol=1e-12, atol=1e-12 * (1 + np.abs(w).max())):
                 problems.append(f"{algorithm} step {t} differs from the simulation")
@@ -135,6 +144,41 @@ def test_error_feedback_loses_nothing(comm, algorithm, s):
             problems.append("residual differs from the simulation")
     elif s.steps > s.warmup and np.count_nonzero(updates[-1]) > p * red.k:
         problems.append("update denser than P·k")  # gtopk/oktopk: <= P·k; exdyna: about k
+    check_everywhere(comm, problems, updates)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(s=streams(), momentum=st.sampled_from([0.5, 0.9]))
+def test_momentum_correction(comm, algorithm, s, momentum):
+    """With momentum correction nothing is lost either: sum of updates (× P when averaging)
+    + sum of residuals == sum of the velocities fed in (u = m·u + g, masked where sent);
+    dense is momentum SGD's buffer; exact algorithms equal a simulation of every rank."""
+    p = comm.size
+    red = GradientReducer(
+        comm, s.n, algorithm, s.density, warmup=s.warmup, average=s.average, momentum=momentum
+    )
+    updates, fed = [], np.zeros(s.n)
+    for t in range(s.steps):
+        before = np.zeros(s.n) if red.velocity is None else red.velocity
+        fed += momentum * before + s.grad(comm.rank, t)
+        updates.append(red.step(s.grad(comm.rank, t)))
+    problems = []
+    applied = np.sum(updates, axis=0) * (p if s.average else 1)
+    residuals = comm.allreduce(np.asarray(red.residual, dtype=np.float64))
+    fed_all = comm.allreduce(fed)
+    scale = comm.allreduce(np.abs(fed)) * (s.steps + 1)
+    err = np.abs(applied + residuals - fed_all)
+    if not np.all(err <= 1e-12 * (scale + 1)):
+        problems.append(f"{algorithm}: lost {err.max()!r} of the velocities")
+    if algorithm == "dense" or algorithm_class(algorithm).exact:
+        want, residual, velocity = simulate(s, p, red.k, algorithm != "dense", momentum)
+        for t, (u, w) in enumerate(zip(updates, want)):
+            if not np.allclose(u, w, rtol=1e-12, atol=1e-12 * (1 + np.abs(w).max())):
+                problems.append(f"{algorithm} step {t} differs from the simulation")
+        if not np.allclose(red.residual, residual[comm.rank], rtol=1e-12, atol=1e-12):
+            problems.append("residual differs from the simulation")
+        if not np.allclose(red.velocity, velocity[comm.rank], rtol=1e-12, atol=1e-12):
+            problems.append("velocity differs from the simulation")
     check_everywhere(comm, problems, updates)
 
 
@@ -172,6 +216,22 @@ def test_checkpoint_restores_the_same_run(comm, algorithm):
     # the saved state is a snapshot: stepping red2 further does not change it
     red2.step(s.grad(comm.rank, 4))
     assert_all(comm, saved["steps"] == 4, "state_dict aliases the live state")
+
+
+@pytest.mark.parametrize("algorithm", ["allgather", "oktopk", "exdyna"])
+def test_checkpoint_with_momentum(comm, algorithm):
+    s = Stream(n=1500, kind="gauss", seed=3, steps=6, density=0.02, warmup=1, average=True)
+    red = GradientReducer(comm, s.n, algorithm, s.density, warmup=1, momentum=0.9)
+    updates = [red.step(s.grad(comm.rank, t)) for t in range(s.steps)]
+    red2 = GradientReducer(comm, s.n, algorithm, s.density, warmup=1, momentum=0.9)
+    for t in range(3):
+        red2.step(s.grad(comm.rank, t))
+    red3 = GradientReducer(comm, s.n, algorithm, s.density, warmup=1, momentum=0.9)
+    red3.load_state_dict(pickle.loads(pickle.dumps(red2.state_dict())))
+    for t in range(3, s.steps):
+        u = red3.step(s.grad(comm.rank, t))
+        assert_all(comm, np.array_equal(u, updates[t]), f"{algorithm} step {t} after restore")
+    assert_all(comm, np.array_equal(red3.velocity, red.velocity), "velocity after restore")
 
 
 def test_checkpoint_rejects_other_reducer(comm):
@@ -237,6 +297,8 @@ def test_options_are_validated(comm):
         GradientReducer(comm, 10, "allgather", 0.0)
     with pytest.raises(ValueError, match="warmup"):
         GradientReducer(comm, 10, "allgather", 0.1, warmup=-1)
+    with pytest.raises(ValueError, match="momentum"):
+        GradientReducer(comm, 10, "allgather", 0.1, momentum=1.0)
     with pytest.raises(sparsecoll.UnknownAlgorithmError):
         GradientReducer(comm, 10, "nope", 0.1)
     with pytest.raises(TypeError, match="takes no options"):
