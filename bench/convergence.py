@@ -220,10 +220,10 @@ def train(args, torch, comm: Communicator, method: str) -> list[dict]:
     return rows
 
 
-def summarize(rows: list[dict], n_last: int) -> dict:
+def summarize(rows: list[dict], n_last: int, warmup: int = 1) -> dict:
     evals = [r for r in rows if r["eval_loss"] != ""]
     tail = evals[-n_last:]
-    sparse = [r for r in rows[1:]]  # after the dense warm-up iteration
+    sparse = rows[warmup:]  # after the dense warm-up iterations
     return {
         "eval_loss": float(np.mean([r["eval_loss"] for r in tail])),
         "eval_acc": float(np.mean([r["eval_acc"] for r in tail])),
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows = train(args, torch, comm, method)
         all_rows += rows
-        summary[method] = summarize(rows, 3)
+        summary[method] = summarize(rows, 3, args.warmup)
     if comm.rank == 0:
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
