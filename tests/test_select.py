@@ -10,8 +10,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import assume, given
@@ -34,7 +37,8 @@ BACKENDS = [
 
 @contextlib.contextmanager
 def backend(name: str) -> Iterator[None]:
-    """Select a backend; "numba-small" shrinks the kernels' tunables."""
+    """Select a backend; "numba-small" shrinks the kernels' tunables (so every chunked
+    path runs on small arrays, the parallel kernels on 2 threads where Numba has them)."""
     if name == "cupy" and cupy_or_none() is None:
         pytest.skip("no GPU")
     if name != "numba-small":
@@ -43,10 +47,11 @@ def backend(name: str) -> Iterator[None]:
         return
     saved = {
         a: getattr(_numba, a)
-        for a in ("MIN_CHUNK", "PREFILTER_MIN_N", "SAMPLE_SIZE", "PARALLEL_MIN")
+        for a in ("MIN_CHUNK", "PREFILTER_MIN_N", "SAMPLE_SIZE", "PARALLEL_MIN", "_threads")
     }
     _numba.MIN_CHUNK, _numba.PREFILTER_MIN_N, _numba.SAMPLE_SIZE = 5, 12, 8
     _numba.PARALLEL_MIN = 40
+    _numba._threads = min(2, numba.config.NUMBA_NUM_THREADS)
     try:
         with sel.use_backend("numba"):
             yield
@@ -571,3 +576,47 @@ def test_torch_tensors_come_back_as_torch() -> None:
     s = sel.ExactThreshold(1).select(x)
     assert isinstance(s.indices, torch.Tensor)
     assert s.indices.tolist() == [1]
+
+
+@pytest.mark.parametrize(
+    ("env", "cores", "want"),
+    [
+        ({}, 8, 8),
+        ({"MPI_LOCALNRANKS": "4"}, 8, 2),
+        ({"MPI_LOCALNRANKS": "4"}, 2, 1),  # oversubscribed: one thread, never zero
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, 8, 2),
+        ({"SLURM_NTASKS_PER_NODE": "2(x3),1"}, 8, 4),
+        ({"MPI_LOCALNRANKS": "4", "SPARSECOLL_NUM_THREADS": "3"}, 8, 3),
+        ({"MPI_LOCALNRANKS": "4", "NUMBA_NUM_THREADS": "8"}, 8, 8),
+    ],
+)
+def test_thread_count_follows_ranks_per_node(monkeypatch, env, cores, want) -> None:
+    for var in (*_numba.LOCAL_SIZE_VARS, "SPARSECOLL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(_numba, "_cores", lambda: cores)
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 8)
+    monkeypatch.setattr(_numba, "_threads", None)
+    assert _numba.get_num_threads() == want
+    _numba.set_num_threads(1)
+    assert sel.get_num_threads() == 1 or sel.backend() == "numpy"
+    with pytest.raises(ValueError, match="threads"):
+        _numba.set_num_threads(9)
+
+
+def test_small_arrays_never_start_the_thread_pool() -> None:
+    """A fresh process selecting on arrays under PARALLEL_MIN uses only serial kernels: no
+    Numba thread pool (whose idle OpenMP threads would spin on other ranks' cores)."""
+    code = (
+        "import numpy as np, sparsecoll.select as s\n"
+        "from numba.np.ufunc import parallel\n"
+        "x = np.random.default_rng(0).standard_normal(100_000).astype(np.float32)\n"
+        "s.topk(x, 100); s.threshold(x, 2.0); s.count_ge(x, 1.0); s.moments(x)\n"
+        "s.GaussianThreshold(k=100).select(x)\n"
+        "print(parallel._is_initialized)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -18,9 +18,11 @@ __all__ = [
     "BACKEND_FUNCTIONS",
     "backend",
     "count_ge",
+    "get_num_threads",
     "kth_largest_abs",
     "moments",
     "set_backend",
+    "set_num_threads",
     "threshold",
     "threshold_sparse",
     "topk",
@@ -164,8 +166,26 @@ def threshold_sparse(v: SparseVector, t: float) -> SparseVector:
     return SparseVector(v.indices[pos], vals, v.n)
 
 
-def warmup() -> None:
-    """Compile (or load from Numba's cache) the CPU kernels now, not on the first call."""
+def warmup(parallel: bool = False) -> None:
+    """Compile (or load from Numba's cache) the CPU kernels now, not on the first call;
+    with ``parallel`` the multi-threaded versions too (used on arrays of 2**22 keys and up
+    when more than one thread is available)."""
     mod = _cpu()
     if hasattr(mod, "warmup"):
-        mod.warmup()
+        mod.warmup(parallel)
+
+
+def get_num_threads() -> int:
+    """Threads the CPU backend uses (1 for numpy). Numba: the cores this process may run on
+    divided by the MPI ranks on its node (read from the launcher's environment), at least 1,
+    unless ``SPARSECOLL_NUM_THREADS``/``NUMBA_NUM_THREADS`` or :func:`set_num_threads` say
+    otherwise."""
+    mod = _cpu()
+    return mod.get_num_threads() if hasattr(mod, "get_num_threads") else 1
+
+
+def set_num_threads(n: int) -> None:
+    """Use n threads in the Numba kernels (1 to Numba's pool size); no effect on numpy."""
+    mod = _cpu()
+    if hasattr(mod, "set_num_threads"):
+        mod.set_num_threads(n)

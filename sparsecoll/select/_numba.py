@@ -16,7 +16,15 @@ the same code serves float16, float32 and float64 and compares |x| exactly.
   a count/scatter over them applies the tie rule (keys above the k-th, then the
   lowest-indexed keys equal to it). When the sample misleads (too few or too many
   candidates) the same radix select runs over the whole array: slower, same result.
-* Arrays under 2**22 keys run on one thread: waking the thread pool costs more there.
+* Threads. Every kernel is compiled twice: a serial version and a parallel one. Arrays under
+  2**22 keys, and every array when only one thread is available, run the serial version,
+  which never touches Numba's thread pool: waking the pool costs more than the job there,
+  and an idle OpenMP pool spins, stealing the cores that other MPI ranks on the node need
+  (measured: a 64K-parameter training step 4x slower with 4 ranks on 2 cores). The thread
+  count (:func:`get_num_threads`) is the cores this process may run on divided by the MPI
+  ranks on its node (from the launcher's environment: MPICH/Hydra, Open MPI, MVAPICH,
+  Slurm, PALS), at least 1; ``SPARSECOLL_NUM_THREADS``, ``NUMBA_NUM_THREADS`` or
+  :func:`set_num_threads` override it.
 
 Inputs are validated by ``sparsecoll.select``: x is a contiguous 1-D float16/32/64 array,
 1 <= k <= n where noted, t a float that is not NaN.
@@ -25,6 +33,8 @@ Inputs are validated by ``sparsecoll.select``: x is a contiguous 1-D float16/32/
 from __future__ import annotations
 
 import math
+import os
+import types
 from typing import Any
 
 import numba
@@ -34,7 +44,16 @@ from numba import njit, prange
 from .._array import index_dtype
 from ._common import NAN_MESSAGE, key_info, key_value, threshold_key
 
-__all__ = ["count_ge", "kth_largest_abs", "moments", "threshold", "topk", "warmup"]
+__all__ = [
+    "count_ge",
+    "get_num_threads",
+    "kth_largest_abs",
+    "moments",
+    "set_num_threads",
+    "threshold",
+    "topk",
+    "warmup",
+]
 
 # Tunables (tests lower them to reach every code path on small arrays).
 MIN_CHUNK = 1 << 16  # elements per parallel chunk, at least
@@ -45,13 +64,85 @@ PARALLEL_MIN = 1 << 22  # smaller arrays run on one thread (a parallel launch co
 BLOCK = 32  # keys per block tested before the scatter loops copy any
 
 
+# -- threads ------------------------------------------------------------------------------
+# Environment variables through which launchers tell a process how many ranks share its node.
+LOCAL_SIZE_VARS = (
+    "MPI_LOCALNRANKS",  # MPICH / Hydra
+    "OMPI_COMM_WORLD_LOCAL_SIZE",  # Open MPI
+    "MV2_COMM_WORLD_LOCAL_SIZE",  # MVAPICH
+    "PALS_LOCAL_SIZE",  # HPE Cray PALS
+    "SLURM_NTASKS_PER_NODE",  # Slurm (when set)
+)
+_threads: int | None = None  # chosen on first use, or by set_num_threads
+
+
+def _local_ranks() -> int:
+    for var in LOCAL_SIZE_VARS:
+        text = os.environ.get(var, "").split("(")[0].split(",")[0]  # Slurm: "4(x2),3"
+        if text.strip().isdigit() and int(text) > 0:
+            return int(text)
+    return 1
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def get_num_threads() -> int:
+    """Threads the selection kernels use: cores available / MPI ranks on this node (>= 1),
+    unless set by ``SPARSECOLL_NUM_THREADS``, ``NUMBA_NUM_THREADS`` or
+    :func:`set_num_threads`; never more than Numba's pool."""
+    global _threads
+    if _threads is None:
+        pool = numba.config.NUMBA_NUM_THREADS
+        if os.environ.get("SPARSECOLL_NUM_THREADS", "").strip().isdigit():
+            want = int(os.environ["SPARSECOLL_NUM_THREADS"])
+        elif "NUMBA_NUM_THREADS" in os.environ:
+            want = pool
+        else:
+            want = _cores() // _local_ranks()
+        _threads = min(pool, max(1, want))
+    return _threads
+
+
+def set_num_threads(n: int) -> None:
+    """Use n threads (1 <= n <= Numba's ``NUMBA_NUM_THREADS``) in the selection kernels."""
+    global _threads
+    pool = numba.config.NUMBA_NUM_THREADS
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= pool:
+        raise ValueError(f"threads must be an integer in [1, {pool}], got {n!r}")
+    _threads = n
+
+
+class _Kernel:
+    """A kernel compiled twice: ``serial`` (prange runs as range) and ``parallel``."""
+
+    __slots__ = ("parallel", "serial")
+
+    def __init__(self, fn: Any, **flags: Any) -> None:
+        self.parallel = njit(parallel=True, cache=True, nogil=True, **flags)(fn)
+        # A separate function object (its own name, so its own cache file: Numba's cache
+        # is keyed by name and signature, not by the parallel flag).
+        twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial")
+        twin.__qualname__ = fn.__qualname__ + "_serial"
+        twin.__module__ = fn.__module__
+        self.serial = njit(cache=True, nogil=True, **flags)(twin)
+
+
+def _kernels(**flags: Any) -> Any:
+    return lambda fn: _Kernel(fn, **flags)
+
+
 # -- kernels ------------------------------------------------------------------------------
 # Kernels loop over a slice of each chunk (``bc = b[lo:hi]``, index from 0): with a loop
 # range(lo, hi) Numba cannot prove the index non-negative, keeps the wraparound check,
 # and LLVM does not vectorize (measured 8x slower for the count).
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@_kernels()
 def _count(b, mask, lo, inf_key, bounds, counts, nans):  # pragma: no cover - compiled
     # counts[c]: keys >= lo in chunk c (NaN keys included), nans[c]: NaN keys in chunk c.
     for c in prange(bounds.shape[0] - 1):
@@ -66,7 +157,7 @@ def _count(b, mask, lo, inf_key, bounds, counts, nans):  # pragma: no cover - co
         nans[c] = bad
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@_kernels()
 def _scatter(
     b, mask, lo, inf_key, bounds, starts, caps, out_idx, out_bits, counts, nans
 ):  # pragma: no cover
@@ -102,7 +193,7 @@ def _scatter(
         nans[c] = bad
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@_kernels()
 def _histogram(
     b, mask, inf_key, shift, dmask, pshift, prefix, bounds, hist, nans
 ):  # pragma: no cover
@@ -120,7 +211,7 @@ def _histogram(
         nans[c] = bad
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@_kernels()
 def _count_gt_eq(b, mask, kth, bounds, gt, eq):  # pragma: no cover
     for c in prange(bounds.shape[0] - 1):
         bc = b[bounds[c] : bounds[c + 1]]
@@ -134,7 +225,7 @@ def _count_gt_eq(b, mask, kth, bounds, gt, eq):  # pragma: no cover
         eq[c] = e
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@_kernels()
 def _scatter_gt_eq(
     b, mask, kth, bounds, offsets, quota, src, use_src, out_idx, out_bits
 ):  # pragma: no cover
@@ -168,7 +259,7 @@ def _scatter_gt_eq(
 
 # reassoc lets LLVM split the float64 sums into vector lanes instead of one serial
 # chain of dependent adds; the result changes only by rounding.
-@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc"})
+@_kernels(fastmath={"reassoc"})
 def _sums(x, bounds, s1, s2):  # pragma: no cover
     for c in prange(bounds.shape[0] - 1):
         xc = x[bounds[c] : bounds[c + 1]]
@@ -185,28 +276,28 @@ def _sums(x, bounds, s1, s2):  # pragma: no cover
 # -- drivers ------------------------------------------------------------------------------
 
 
+def _parallel(n: int) -> bool:
+    return n >= PARALLEL_MIN and get_num_threads() > 1
+
+
 def _bounds(n: int, per_thread: int) -> np.ndarray:
-    parts = max(1, min(-(-n // MIN_CHUNK), per_thread * numba.get_num_threads()))
+    threads = get_num_threads() if _parallel(n) else 1
+    parts = max(1, min(-(-n // MIN_CHUNK), per_thread * threads))
     return (np.arange(parts + 1, dtype=np.int64) * n) // parts
 
 
-def _run(kernel: Any, m: int, *args: Any) -> None:
-    """Call a parallel kernel over m keys: threads handed chunks one at a time (a thread
-    that the OS parks on a shared machine then holds up less), or one thread when m is
-    small (waking a parked thread pool can cost more than the whole job)."""
-    if m >= PARALLEL_MIN:
-        with numba.parallel_chunksize(1):
-            kernel(*args)
+def _run(kernel: _Kernel, m: int, *args: Any) -> None:
+    """Call a kernel over m keys: the serial version when m is small or one thread is all
+    there is; else the parallel one on get_num_threads() threads, handed chunks one at a time
+    (a thread that the OS parks on a shared machine then holds up less)."""
+    if not _parallel(m):
+        kernel.serial(*args)
         return
-    threads = numba.get_num_threads()
-    if threads == 1:
-        kernel(*args)
-        return
-    numba.set_num_threads(1)
-    try:
-        kernel(*args)
-    finally:
+    threads = get_num_threads()
+    if numba.get_num_threads() != threads:  # Numba's setting is per calling thread
         numba.set_num_threads(threads)
+    with numba.parallel_chunksize(1):
+        kernel.parallel(*args)
 
 
 def _keys(x: np.ndarray) -> tuple[np.ndarray, Any]:
@@ -435,12 +526,20 @@ def moments(x: np.ndarray) -> tuple[float, float]:
     return mean, math.sqrt(var)
 
 
-def warmup() -> None:
-    """Compile (or load from the cache) every kernel for every dtype."""
-    for dt in (np.float16, np.float32, np.float64):
-        x = np.linspace(-1.0, 1.0, 64).astype(dt)
-        topk(x, 5)  # int32 indices; int64 ones (n > 2**31) compile on first use
-        threshold(x, 0.5)
-        kth_largest_abs(x, 3)
-        count_ge(x, 0.5)
-        moments(x)
+def warmup(parallel: bool = False) -> None:
+    """Compile (or load from the cache) every serial kernel for every dtype, and with
+    ``parallel`` the parallel ones too (that also starts Numba's thread pool)."""
+    global PARALLEL_MIN
+    saved = PARALLEL_MIN
+    for big in (False, True) if parallel and get_num_threads() > 1 else (False,):
+        PARALLEL_MIN = 1 if big else saved
+        try:
+            for dt in (np.float16, np.float32, np.float64):
+                x = np.linspace(-1.0, 1.0, 64).astype(dt)
+                topk(x, 5)  # int32 indices; int64 ones (n > 2**31) compile on first use
+                threshold(x, 0.5)
+                kth_largest_abs(x, 3)
+                count_ge(x, 0.5)
+                moments(x)
+        finally:
+            PARALLEL_MIN = saved
