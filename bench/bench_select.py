@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--dtype", default="float32", choices=["float16", "float32", "float64"])
     ap.add_argument("--backend", default=None, choices=["numba", "numpy"])
-    ap.add_argument("--threads", type=int, default=None, help="Numba threads (default: all)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="Numba threads (default: cores / ranks per node)"
+    )
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument(
         "--torch-max-n", default="30M", help="skip torch.topk above this n (it is slow)"
@@ -99,17 +101,15 @@ def main(argv: list[str] | None = None) -> int:
             torch = None
 
     if args.threads is not None:
-        import numba
-
-        numba.set_num_threads(args.threads)
+        sel.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    sel.warmup()
+    sel.warmup(parallel=True)
     compile_s = time.perf_counter() - t0
     threads = "-"
     if sel.backend() == "numba":
         import numba
 
-        threads = f"{numba.get_num_threads()} ({numba.threading_layer()})"
+        threads = f"{sel.get_num_threads()} ({numba.threading_layer()})"
     load = os.getloadavg()[0]
     print(f"# sparsecoll {sparsecoll.__version__} selection benchmark ({args.dtype}, Gaussian)")
     print(f"# backend {sel.backend()}, threads {threads}, warm-up/compile {compile_s:.1f} s")
