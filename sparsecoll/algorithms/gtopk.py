@@ -31,10 +31,12 @@ from typing import Any
 
 import numpy as np
 
+from .. import select
 from .._array import get_array_module
 from ..comm import Communicator
 from ..registry import register_algorithm
-from ..sparse import SparseVector, coalesce
+from ..sparse import SparseVector
+from ._merge import merge_two
 from .base import Algorithm, Fold, allclose_sparse, pack_pairs, recv_pairs
 
 __all__ = ["GTopk", "check_k", "gtopk_tree", "isin_sorted", "merge_topk", "topk_positions"]
@@ -60,20 +62,10 @@ def topk_positions(values: Any, k: int) -> Any:
     than k values are nonzero. On a coalesced vector, position order is index order, so this
     is the top-k with ties broken by the lower index.
     """
-    # Local fallback until sparsecoll.select lands on main; only this function changes then.
-    xp = get_array_module(values)
-    mag = xp.abs(values)
-    nz = xp.flatnonzero(mag > 0)
-    m = int(nz.shape[0])
-    if m <= k:
-        return nz
-    if k == 0:
-        return nz[:0]
-    mnz = mag[nz]
-    kth = xp.partition(mnz, m - k)[m - k]
-    above = nz[mnz > kth]
-    ties = nz[mnz == kth][: k - int(above.shape[0])]
-    return xp.sort(xp.concatenate([above, ties]))
+    if k == 0 or values.shape[0] == 0:
+        return get_array_module(values).zeros(0, dtype=np.int64)
+    pos, picked = select.topk(values, min(k, int(values.shape[0])))
+    return pos[picked != 0]
 
 
 def isin_sorted(a: Any, b: Any) -> Any:
@@ -92,10 +84,9 @@ def merge_topk(a: tuple[Any, Any], b: tuple[Any, Any], k: int, n: int) -> tuple[
     Symmetric in its arguments: at most two values meet at an index and a + b == b + a,
     so both partners of a round get the same bits.
     """
-    xp = get_array_module(a[1])
-    merged = coalesce(xp.concatenate([a[0], b[0]]), xp.concatenate([a[1], b[1]]), n)
-    pos = topk_positions(merged.values, k)
-    return merged.indices[pos], merged.values[pos]
+    idx, vals = merge_two(a[0], a[1], b[0], b[1], n)
+    pos = topk_positions(vals, k)
+    return idx[pos], vals[pos]
 
 
 def _local_topk(x: SparseVector, k: int) -> tuple[Any, tuple[Any, Any]]:

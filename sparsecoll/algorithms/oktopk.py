@@ -47,7 +47,8 @@ import numpy as np
 from .._array import get_array_module, to_host
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
-from ..sparse import SparseVector, coalesce
+from ..sparse import SparseVector
+from ._merge import merge_two
 from .base import Algorithm, allclose_sparse, pack_pairs, range_bounds, unpack_pairs
 from .gtopk import check_k, isin_sorted, topk_positions
 
@@ -268,10 +269,8 @@ class OkTopk(Algorithm):
             req, buf = recvs[src]
             req.wait()
             ci, cv = unpack_pairs(buf, itype, vtype)
-            summed = coalesce(
-                xp.concatenate([acc_idx, ci]), xp.concatenate([acc_val, cv.astype(acc_type)]), x.n
-            )
-            acc_idx, acc_val = summed.indices, summed.values
+            # both runs are sorted and unique: one linear merge (acc + cv at equal indices)
+            acc_idx, acc_val = merge_two(acc_idx, acc_val, ci, cv.astype(acc_type), x.n)
         Request.waitall(sends)
         return acc_idx, acc_val.astype(vtype, copy=False)
 

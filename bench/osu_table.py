@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Markdown tables from OSU-suite CSV files (``--format csv``), for docs/benchmarks.md.
+
+One row per (P, n, algorithm): median latency over the timed calls, the ``vs dense`` ratio
+(dense median / this median: > 1 is faster than dense), exact payload bytes per rank, and,
+with ``--rate``, the wire-time floor of each row (bytes per rank / link rate) and how far the
+measured median is above it.
+
+    python bench/osu_table.py docs/results/emu_1gbit_p4.csv docs/results/emu_1gbit_p8.csv \\
+        --rate 1gbit --sizes 25557032
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from emulate_cluster import parse_rate
+
+
+def read(paths: list[str]) -> list[dict]:
+    rows = []
+    for path in paths:
+        with open(path, newline="") as f:
+            rows += [r for r in csv.DictReader(f) if r.get("algorithm")]
+    return rows
+
+
+def fmt_us(us: float) -> str:
+    return f"{us / 1e3:,.1f} ms" if us >= 1e3 else f"{us:,.0f} µs"
+
+
+def table(rows: list[dict], rate_bps: float | None, sizes: set[int] | None) -> str:
+    head = ["P", "n", "algorithm", "median", "vs dense", "bytes/rank"]
+    if rate_bps:
+        head += ["wire floor", "median / floor"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    dense = {
+        (r["P"], r["n"]): float(r["median_us"]) for r in rows if r["algorithm"] == "dense"
+    }
+    keyed = sorted(rows, key=lambda r: (int(r["P"]), int(r["n"]), r["algorithm"] != "dense"))
+    for r in keyed:
+        n = int(r["n"])
+        if sizes and n not in sizes:
+            continue
+        med = float(r["median_us"])
+        base = dense.get((r["P"], r["n"]))
+        ratio = f"{base / med:.2f}×" if base and med > 0 else "–"
+        if r.get("valid") not in ("", "yes", "True", "true", "1"):
+            ratio += " (invalid)"
+        nbytes = int(float(r["bytes_per_rank"]))
+        cells = [r["P"], f"{n:,}", f"`{r['algorithm']}`", fmt_us(med), ratio, f"{nbytes:,}"]
+        if rate_bps:
+            floor_us = nbytes * 8 / rate_bps * 1e6
+            cells += [fmt_us(floor_us), f"{med / floor_us:.1f}" if floor_us > 0 else "–"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("csv", nargs="+")
+    ap.add_argument("--rate", default=None, help="link rate for the wire floor (e.g. 1gbit)")
+    ap.add_argument("--sizes", default=None, help="comma-separated n to keep (default: all)")
+    args = ap.parse_args(argv)
+    sizes = {int(s) for s in args.sizes.split(",")} if args.sizes else None
+    rate = parse_rate(args.rate) if args.rate else None
+    print(table(read(args.csv), rate, sizes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
