@@ -38,9 +38,7 @@ def table(rows: list[dict], rate_bps: float | None, sizes: set[int] | None) -> s
     if rate_bps:
         head += ["wire floor", "median / floor"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    dense = {
-        (r["P"], r["n"]): float(r["median_us"]) for r in rows if r["algorithm"] == "dense"
-    }
+    dense = {(r["P"], r["n"]): float(r["median_us"]) for r in rows if r["algorithm"] == "dense"}
     keyed = sorted(rows, key=lambda r: (int(r["P"]), int(r["n"]), r["algorithm"] != "dense"))
     for r in keyed:
         n = int(r["n"])
@@ -60,15 +58,43 @@ def table(rows: list[dict], rate_bps: float | None, sizes: set[int] | None) -> s
     return "\n".join(out)
 
 
+def pivot(rows: list[dict]) -> str:
+    """One row per algorithm, one column per n: median latency and (× dense)."""
+    sizes = sorted({int(r["n"]) for r in rows})
+    dense = {int(r["n"]): float(r["median_us"]) for r in rows if r["algorithm"] == "dense"}
+    cell: dict[tuple[str, int], str] = {}
+    for r in rows:
+        n, med = int(r["n"]), float(r["median_us"])
+        base = dense.get(n)
+        cell[(r["algorithm"], n)] = fmt_us(med) + (
+            f" ({base / med:.2f}×)" if base and r["algorithm"] != "dense" else ""
+        )
+    algos = sorted({r["algorithm"] for r in rows}, key=lambda a: (a != "dense", a))
+    out = ["| algorithm | " + " | ".join(f"n = {size_label(n)}" for n in sizes) + " |"]
+    out.append("|" + "---|" * (len(sizes) + 1))
+    for a in algos:
+        out.append(f"| `{a}` | " + " | ".join(cell.get((a, n), "–") for n in sizes) + " |")
+    return "\n".join(out)
+
+
+def size_label(n: int) -> str:
+    for div, unit in ((2**30, "G"), (2**20, "M"), (2**10, "K")):
+        if n % div == 0:
+            return f"{n // div}{unit}"
+    return f"{n:,}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", nargs="+")
     ap.add_argument("--rate", default=None, help="link rate for the wire floor (e.g. 1gbit)")
     ap.add_argument("--sizes", default=None, help="comma-separated n to keep (default: all)")
+    ap.add_argument("--pivot", action="store_true", help="one row per algorithm, one column per n")
     args = ap.parse_args(argv)
     sizes = {int(s) for s in args.sizes.split(",")} if args.sizes else None
     rate = parse_rate(args.rate) if args.rate else None
-    print(table(read(args.csv), rate, sizes))
+    rows = [r for r in read(args.csv) if not sizes or int(r["n"]) in sizes]
+    print(pivot(rows) if args.pivot else table(rows, rate, sizes))
     return 0
 
 
