@@ -109,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     if sel.backend() == "numba":
         import numba
 
-        threads = f"{sel.get_num_threads()} ({numba.threading_layer()})"
+        try:
+            layer = numba.threading_layer()
+        except ValueError:  # one thread: the serial kernels never start Numba's pool
+            layer = "serial kernels"
+        threads = f"{sel.get_num_threads()} ({layer})"
     load = os.getloadavg()[0]
     print(f"# sparsecoll {sparsecoll.__version__} selection benchmark ({args.dtype}, Gaussian)")
     print(f"# backend {sel.backend()}, threads {threads}, warm-up/compile {compile_s:.1f} s")
