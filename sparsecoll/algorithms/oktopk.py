@@ -16,7 +16,11 @@ does, on every rank:
    per byte of the value type) finds the global k-th largest |value|, and ties at it are kept
    in index order up to k. In between the threshold is reused; after each call it is
    multiplied by ``nudge`` when more than ``band[1]·k`` entries were kept, divided by it when
-   fewer than ``band[0]·k``;
+   fewer than ``band[0]·k`` (the paper's rule). By default (``adaptive=True``) the step
+   doubles in the exponent while the count stays out of the band on the same side (nudge,
+   nudge², nudge⁴, … up to nudge³²) and resets once it is back in the band or crosses to
+   the other side: the paper's fixed 2% per call cannot follow values that move faster,
+   e.g. accumulated gradients under momentum correction (docs/training.md);
 5. *balance and allgatherv*: the kept entries move so every rank holds an equal share (in index
    order: every rank knows every count, so no sizes travel), then one allgatherv of the packed
    (indices, values) parts, counts known, every part 8-byte aligned.
@@ -135,6 +139,8 @@ class OkTopk(Algorithm):
             band (default 1.02).
         band: ``(low, high)`` fractions of k outside which the threshold is nudged
             (default (0.8, 1.25)).
+        adaptive: grow the nudge while the count stays out of the band on one side
+            (default True); False: the paper's fixed nudge.
     """
 
     name = "oktopk"
@@ -147,8 +153,10 @@ class OkTopk(Algorithm):
         tau_prime: int = 64,
         nudge: float = 1.02,
         band: tuple[float, float] = (0.8, 1.25),
+        adaptive: bool = True,
     ) -> None:
         self.k = check_k(self.name, k)
+        self.adaptive = bool(adaptive)
         for name, v in (("tau", tau), ("tau_prime", tau_prime)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -166,6 +174,7 @@ class OkTopk(Algorithm):
         """Forget the threshold, the regions and the step counter (the next call recomputes)."""
         self.step = 0
         self.threshold = 0.0
+        self.streak = 0  # consecutive reuse calls out of the band: + above, - below
         self.boundaries: np.ndarray | None = None
         self._shape: tuple[int, int] | None = None
         self._regions_from_data = False
@@ -175,8 +184,21 @@ class OkTopk(Algorithm):
         return {"k": k}
 
     def signature(self) -> list[int]:
-        knobs = zlib.crc32(repr((self.nudge, self.band)).encode())
+        knobs = zlib.crc32(repr((self.nudge, self.band, self.adaptive)).encode())
         return [self.k, self.tau, self.tau_prime, knobs, self.step]
+
+    def next_threshold(self, threshold: float, kept: int) -> float:
+        """The threshold after a reuse call that kept ``kept`` entries in all (updates the
+        out-of-band streak)."""
+        lo, hi = self.band
+        side = 1 if kept > hi * self.k else -1 if kept < lo * self.k else 0
+        if side == 0:
+            self.streak = 0
+            return threshold
+        self.streak = self.streak + side if self.streak * side > 0 else side
+        power = 2 ** min(abs(self.streak) - 1, 5) if self.adaptive else 1
+        factor = self.nudge**power
+        return threshold * factor if side > 0 else threshold / factor
 
     def __repr__(self) -> str:
         return (
@@ -210,12 +232,10 @@ class OkTopk(Algorithm):
             keep = _at_least(region[1], threshold)
             kept_counts = comm.allgather_ints(int(keep.shape[0]))
         total = int(sum(kept_counts))
-        if not recompute:
-            lo, hi = self.band
-            if total > hi * self.k:
-                self.threshold *= self.nudge
-            elif total < lo * self.k:
-                self.threshold /= self.nudge
+        if recompute:
+            self.streak = 0
+        else:
+            self.threshold = self.next_threshold(threshold, total)
         idx, vals = self._balance_gather(comm, region[0][keep], region[1][keep], kept_counts, n)
         out = SparseVector(idx, vals, n)
         out.contributed = isin_sorted(x.indices, idx)
