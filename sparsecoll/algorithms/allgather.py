@@ -15,7 +15,7 @@ import numpy as np
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from ._merge import merge_two
+from ._merge import accumulate_dtype, merge_two
 from .base import Algorithm
 
 __all__ = ["Allgather"]
@@ -34,13 +34,16 @@ class Allgather(Algorithm):
 def merge_runs(idx: Any, vals: Any, counts: list[int], n: int) -> tuple[Any, Any]:
     """Sum P gathered coalesced runs (rank order) by merging neighbours pairwise, log2 P
     linear passes instead of sorting the concatenation. The pairing depends only on the
-    counts, so every rank adds in the same order and gets the same bits."""
+    counts, so every rank adds in the same order and gets the same bits. float16 values are
+    summed in float64 and rounded once, at the end."""
+    dtype = vals.dtype
+    vals = vals.astype(accumulate_dtype(dtype), copy=False)
     ends = np.cumsum([0, *counts])
     runs = [(idx[a:b], vals[a:b]) for a, b in zip(ends[:-1].tolist(), ends[1:].tolist())]
     runs = [r for r in runs if r[0].shape[0]]
     if not runs:
-        return idx[:0], vals[:0]
+        return idx[:0], vals[:0].astype(dtype)
     while len(runs) > 1:
         pairs = [merge_two(*runs[j], *runs[j + 1], n) for j in range(0, len(runs) - 1, 2)]
         runs = pairs + ([runs[-1]] if len(runs) % 2 else [])
-    return runs[0]
+    return runs[0][0], runs[0][1].astype(dtype, copy=False)
