@@ -134,7 +134,6 @@ class GradientReducer:
         self._residual: Any = None
         self._pending_residual: np.ndarray | None = None  # restored, not yet on its module
         self._velocity: Any = None  # momentum correction's u (None when momentum is 0)
-        self._new_velocity: Any = None  # this step's u, kept once the step succeeds
         self._last = _StepInfo()
         self._totals = CommStats()
         self._sparse_steps = 0
@@ -272,30 +271,35 @@ class GradientReducer:
         if res is not None and res.dtype != arr.dtype:
             raise TypeError(f"grad dtype changed from {res.dtype} to {arr.dtype}")
 
-    def _prepare(self, g: Any) -> tuple[Any, Any]:
-        """``(accumulated, selected indices or None)``, before anything moves. The residual is
-        untouched until the step succeeds, so a step that fails on some rank changes nothing.
+    def _prepare(self, g: Any) -> tuple[Any, Any, Any]:
+        """``(accumulated, selected indices or None, this step's velocity or None)``, before
+        anything moves. The residual and the velocity are untouched until the step succeeds,
+        so a step that fails on some rank changes nothing.
         """
         xp = get_array_module(g)
         res = self._residual
         if res is None and self._pending_residual is not None:
             res = to_module(self._pending_residual, xp).astype(g.dtype)
+        u = None
         if self.momentum:
             vel = self._velocity
-            u = g.copy() if vel is None else to_module(vel, xp).astype(g.dtype) * self.momentum + g
-            self._new_velocity = u
+            u = (
+                g.copy()
+                if vel is None
+                else to_module(vel, xp).astype(g.dtype, copy=False) * self.momentum + g
+            )
             g = u
         acc = g + res if res is not None and self.error_feedback else g.copy()
         if self._is_dense or self.steps < self.warmup or self._has_dense_path:
-            return acc, None
+            return acc, None, u
         if self._selector is None:
             idx, vals = select.topk(acc, self.k)
         else:
             chosen = self._selector.select(acc)
             idx, vals = chosen.indices, chosen.values
-        return acc, idx[vals != 0]  # exact zeros carry nothing
+        return acc, idx[vals != 0], u  # exact zeros carry nothing
 
-    def _reduce(self, acc: Any, sel: Any) -> Any:
+    def _reduce(self, acc: Any, sel: Any, velocity: Any) -> Any:
         xp = get_array_module(acc)
         p = self.comm.size
         if sel is None and (self._is_dense or self.steps < self.warmup):
@@ -313,16 +317,16 @@ class GradientReducer:
                 if result.contributed is not None:
                     sel = sel[result.contributed]
             acc[sel] = 0  # what reached the update leaves the residual
-            if self.momentum:
-                self._new_velocity[sel] = 0  # momentum factor masking
+            if velocity is not None:
+                velocity[sel] = 0  # momentum factor masking
             update = xp.zeros(self.n, dtype=acc.dtype)
             update[result.indices] = result.values
             self._last.record(result.nnz, selected)
             self._sparse_steps += 1
             self._density_sum += result.nnz / self.n if self.n else 0.0
         self._residual, self._pending_residual = acc, None
-        if self.momentum:
-            self._velocity, self._new_velocity = self._new_velocity, None
+        if velocity is not None:
+            self._velocity = velocity
         if self.average and p > 1:
             update /= p
         return update
