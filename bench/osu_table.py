@@ -13,20 +13,14 @@ measured median is above it.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+from sparsecoll.benchmarks.model import read_rows
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from emulate_cluster import parse_rate
-
-
-def read(paths: list[str]) -> list[dict]:
-    rows = []
-    for path in paths:
-        with open(path, newline="") as f:
-            rows += [r for r in csv.DictReader(f) if r.get("algorithm")]
-    return rows
 
 
 def fmt_us(us: float) -> str:
@@ -38,19 +32,19 @@ def table(rows: list[dict], rate_bps: float | None, sizes: set[int] | None) -> s
     if rate_bps:
         head += ["wire floor", "median / floor"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    dense = {(r["P"], r["n"]): float(r["median_us"]) for r in rows if r["algorithm"] == "dense"}
-    keyed = sorted(rows, key=lambda r: (int(r["P"]), int(r["n"]), r["algorithm"] != "dense"))
+    dense = {(r["P"], r["n"]): r["median_us"] for r in rows if r["algorithm"] == "dense"}
+    keyed = sorted(rows, key=lambda r: (r["P"], r["n"], r["algorithm"] != "dense"))
     for r in keyed:
-        n = int(r["n"])
+        n = r["n"]
         if sizes and n not in sizes:
             continue
-        med = float(r["median_us"])
+        med = r["median_us"]
         base = dense.get((r["P"], r["n"]))
         ratio = f"{base / med:.2f}×" if base and med > 0 else "–"
         if r.get("valid") not in ("", "yes", "True", "true", "1"):
             ratio += " (invalid)"
-        nbytes = int(float(r["bytes_per_rank"]))
-        cells = [r["P"], f"{n:,}", f"`{r['algorithm']}`", fmt_us(med), ratio, f"{nbytes:,}"]
+        nbytes = r["bytes_per_rank"]
+        cells = [str(r["P"]), f"{n:,}", f"`{r['algorithm']}`", fmt_us(med), ratio, f"{nbytes:,}"]
         if rate_bps:
             floor_us = nbytes * 8 / rate_bps * 1e6
             cells += [fmt_us(floor_us), f"{med / floor_us:.1f}" if floor_us > 0 else "–"]
@@ -60,11 +54,11 @@ def table(rows: list[dict], rate_bps: float | None, sizes: set[int] | None) -> s
 
 def pivot(rows: list[dict]) -> str:
     """One row per algorithm, one column per n: median latency and (× dense)."""
-    sizes = sorted({int(r["n"]) for r in rows})
-    dense = {int(r["n"]): float(r["median_us"]) for r in rows if r["algorithm"] == "dense"}
+    sizes = sorted({r["n"] for r in rows})
+    dense = {r["n"]: r["median_us"] for r in rows if r["algorithm"] == "dense"}
     cell: dict[tuple[str, int], str] = {}
     for r in rows:
-        n, med = int(r["n"]), float(r["median_us"])
+        n, med = r["n"], r["median_us"]
         base = dense.get(n)
         cell[(r["algorithm"], n)] = fmt_us(med) + (
             f" ({base / med:.2f}×)" if base and r["algorithm"] != "dense" else ""
@@ -93,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sizes = {int(s) for s in args.sizes.split(",")} if args.sizes else None
     rate = parse_rate(args.rate) if args.rate else None
-    rows = [r for r in read(args.csv) if not sizes or int(r["n"]) in sizes]
+    rows = [r for r in read_rows(args.csv) if not sizes or r["n"] in sizes]
     print(pivot(rows) if args.pivot else table(rows, rate, sizes))
     return 0
 
