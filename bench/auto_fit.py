@@ -14,10 +14,15 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 
 from sparsecoll.algorithms.auto import CostModel, choose
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep_table import read
 
 ALGORITHMS = ("dense", "allgather", "dsa", "recursive_doubling")
 
@@ -25,13 +30,9 @@ ALGORITHMS = ("dense", "allgather", "dsa", "recursive_doubling")
 def load(paths: list[str]) -> dict:
     rows: dict = collections.OrderedDict()
     for path in paths:
-        with open(path) as fh:
-            for line in fh:
-                f = line.split()
-                if line.startswith("#") or len(f) < 12 or f[0] == "P":
-                    continue
-                key = (int(f[0]), int(f[1]), float(f[2].rstrip("%")) / 100, f[3])
-                rows.setdefault(key, {})[f[4]] = float(f[5])
+        for r in read(path):
+            key = (r["P"], r["n"], float(r["density"].rstrip("%")) / 100, r["overlap"])
+            rows.setdefault(key, {})[r["algorithm"]] = r["median"]
     return {k: v for k, v in rows.items() if all(a in v for a in ALGORITHMS)}
 
 

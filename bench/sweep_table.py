@@ -19,11 +19,12 @@ SHORT = {"recursive_doubling": "rd"}
 
 
 def read(path: str) -> list[dict]:
+    """The rows of a bench/sweep_exact.py table (numbers converted)."""
     rows = []
     with open(path) as f:
         for line in f:
             parts = line.split()
-            if not parts or line.startswith("#") or parts[0] == "P":
+            if line.startswith("#") or len(parts) < 12 or parts[0] == "P":
                 continue
             rows.append(
                 {
