@@ -17,6 +17,17 @@ How each kind of algorithm is driven:
 * exdyna: the algorithm sparsifies the dense accumulated gradient itself (its own partition,
   its own threshold, ``k = round(density·n)`` globally); every rank drops all selected entries.
 
+One pass over the gradient: :func:`sparsecoll.select.accumulate` reads the gradient and the
+residual (and the velocity) once, writes the accumulated vector once, zeroes the update's
+buffer and collects the entries above a cut known before the pass: exdyna's window edge,
+the reuse estimator's threshold, or, for an exact local top-k, a cut predicted from the last
+step's k-th largest value, so the top-k runs over those candidates only (when the prediction
+misses, over the accumulated vector: one more read). After the collective only O(k) work is
+left (the contributed entries leave the residual, the result is scattered into the update).
+The accumulated vector is written to a second buffer, not over the residual, so a step that
+fails on any rank (NaN or Inf in ``grad + residual``, bad input) leaves every rank's residual
+and velocity as they were.
+
 ``warmup`` steps of dense allreduce come first (all algorithms). The state (residual, step,
 the algorithm's state, byte counters) can be saved with :meth:`state_dict` and restored with
 :meth:`load_state_dict`; every rank saves and restores its own.
@@ -25,6 +36,8 @@ the algorithm's state, byte counters) can be saved with :meth:`state_dict` and r
 from __future__ import annotations
 
 import copy
+import math
+import time
 import zlib
 from typing import Any
 
@@ -41,6 +54,8 @@ from .sparse import VALUE_DTYPES, SparseVector
 __all__ = ["GradientReducer"]
 
 STATE_VERSION = 1
+CUT_MARGIN = 0.9  # first predicted candidate cut, as a fraction of the last k-th largest |value|
+CAP_FACTOR = 4  # candidates kept at most, in multiples of k (more: the prediction missed)
 # local selection policies for the algorithms that take a local top-k (not dense, not exdyna)
 SELECTIONS = {
     "exact": None,  # select.topk every step
@@ -121,8 +136,8 @@ class GradientReducer:
         if selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}")
         self.selection = selection
-        est = SELECTIONS[selection]
-        self._selector = None if est is None else est(k=self.k, **(selection_options or {}))
+        if SELECTIONS[selection] is not None:  # bad estimator options fail here, early
+            SELECTIONS[selection](k=self.k, **(selection_options or {}))
         cls = algorithm_class(algorithm)
         opts = cls.default_options(self.n, self.k)
         opts.update(options)
@@ -130,10 +145,25 @@ class GradientReducer:
         self._crc = zlib.crc32(algorithm.encode())
         self._is_dense = algorithm == "dense"
         self._has_dense_path = hasattr(self.algorithm, "reduce_dense")
+        self._selector_args = selection_options or {}
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop the residual, the velocity, the algorithm's and the selection's state and the
+        statistics: the reducer is as newly built (warm-up steps included). Collective in
+        effect: call it on every rank, between the same steps."""
         self.steps = 0
         self._residual: Any = None
         self._pending_residual: np.ndarray | None = None  # restored, not yet on its module
         self._velocity: Any = None  # momentum correction's u (None when momentum is 0)
+        self._spare: Any = None  # where the next step writes its accumulated vector
+        self._spare_velocity: Any = None
+        self._cut: float | None = None  # predicted candidate cut of the exact local top-k
+        self._margin = CUT_MARGIN
+        if hasattr(self.algorithm, "reset"):
+            self.algorithm.reset()
+        est = SELECTIONS[self.selection]
+        self._selector = None if est is None else est(k=self.k, **self._selector_args)
         self._last = _StepInfo()
         self._totals = CommStats()
         self._sparse_steps = 0
@@ -143,7 +173,8 @@ class GradientReducer:
     @property
     def residual(self) -> Any:
         """This rank's error-feedback memory (dense, the module and dtype of the gradients;
-        None before the first step)."""
+        None before the first step). The reducer's own buffer, reused two steps later:
+        copy it to keep it."""
         if self._residual is None and self._pending_residual is not None:
             return self._pending_residual
         return self._residual
@@ -151,22 +182,35 @@ class GradientReducer:
     @property
     def velocity(self) -> Any:
         """This rank's momentum-correction velocity after the last step (masked where sent;
-        None without momentum or before the first step)."""
+        None without momentum or before the first step). The reducer's own buffer, reused
+        two steps later: copy it to keep it."""
         return self._velocity
 
-    def step(self, grad: Any) -> Any:
+    def step(self, grad: Any, out: Any = None) -> Any:
         """Reduce this rank's gradient; return the dense update, the same on every rank.
 
         ``grad`` is a numpy/CuPy array (or a torch tensor, returned as torch) of n elements
-        and float16/32/64 dtype; it is not modified. The update has its shape and dtype.
+        and float16/32/64 dtype; it is only read. The update has its shape and dtype; with
+        ``out`` (an array or tensor of the same size, dtype and device; it may be ``grad``
+        itself) it is written there and ``out`` is returned, saving an allocation of n.
+
+        Raises:
+            CollectiveInputError / CollectiveTypeError on every rank when any rank's input
+            is bad: wrong size, dtype or ``out``, or NaN/Inf in ``grad + residual`` (the
+            message names the rank). The residual and the velocity are then unchanged on
+            every rank; ``out`` may have been zeroed.
         """
-        arr, wrap, error, prepared = None, identity, None, None
+        arr, wrap, dest, error, prepared = None, identity, None, None, None
         try:
             arr, wrap = as_array(grad, "grad")
             self._check_local(arr)
-            prepared = self._prepare(arr.reshape(-1))  # selection raises on NaN: agreed below
+            if out is not None:
+                dest, _ = as_array(out, "out")
+                self._check_out(dest, arr)
+            prepared = self._prepare(arr.reshape(-1), None if dest is None else dest.reshape(-1))
         except (TypeError, ValueError) as exc:
             error = exc
+        t0 = time.perf_counter()
         if self.check:
             sig = None
             if error is None:
@@ -175,12 +219,15 @@ class GradientReducer:
             collective_check(self.comm, error, sig, ("n", "grad dtype", "step", "algorithm"))
         elif error is not None:
             raise error
+        self._last.comm_s = time.perf_counter() - t0
         with self.comm.measure() as st:
-            update = self._reduce(*prepared)
+            update = self._reduce(prepared)
         self._last.stats = st
         for f in ("bytes_sent", "bytes_recv", "messages_sent", "meta_bytes_sent"):
             setattr(self._totals, f, getattr(self._totals, f) + getattr(st, f))
         self.steps += 1
+        if out is not None:
+            return out
         return wrap(update.reshape(arr.shape))
 
     def stats(self) -> dict[str, Any]:
@@ -190,6 +237,9 @@ class GradientReducer:
         ranks for exact algorithms: their build-up shows here); ``selected_density`` is this
         rank's own selection over n; ``mean_achieved_density`` averages the sparse steps.
         ``dense_bytes`` is what one dense allreduce step moves per rank, for comparison.
+        ``time_collective_s``: seconds the last step spent in collective calls (the input
+        agreement and the algorithm's reduction, its own local merging included); the rest
+        of the step is local work (the pass, selection, fix-ups).
         """
         st, tot = self._last.stats, self._totals
         p = self.comm.size
@@ -211,6 +261,7 @@ class GradientReducer:
             "bytes_recv_total": tot.bytes_recv,
             "meta_bytes_sent_total": tot.meta_bytes_sent,
             "dense_bytes": 2 * (p - 1) * self.n * itemsize // p,
+            "time_collective_s": self._last.comm_s,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -271,74 +322,201 @@ class GradientReducer:
         if res is not None and res.dtype != arr.dtype:
             raise TypeError(f"grad dtype changed from {res.dtype} to {arr.dtype}")
 
-    def _prepare(self, g: Any) -> tuple[Any, Any, Any]:
-        """``(accumulated, selected indices or None, this step's velocity or None)``, before
-        anything moves. The residual and the velocity are untouched until the step succeeds,
-        so a step that fails on some rank changes nothing.
-        """
-        xp = get_array_module(g)
-        res = self._residual
-        if res is None and self._pending_residual is not None:
-            res = to_module(self._pending_residual, xp).astype(g.dtype)
-        u = None
-        if self.momentum:
-            vel = self._velocity
-            u = (
-                g.copy()
-                if vel is None
-                else to_module(vel, xp).astype(g.dtype, copy=False) * self.momentum + g
+    @staticmethod
+    def _check_out(dest: Any, arr: Any) -> None:
+        if int(dest.size) != int(arr.size) or dest.dtype != arr.dtype:
+            raise ValueError(
+                f"out must have {int(arr.size)} elements of {arr.dtype}, got {int(dest.size)} "
+                f"of {dest.dtype}"
             )
-            g = u
-        acc = g + res if res is not None and self.error_feedback else g.copy()
-        if self._is_dense or self.steps < self.warmup or self._has_dense_path:
-            return acc, None, u
-        if self._selector is None:
-            idx, vals = select.topk(acc, self.k)
+        if get_array_module(dest) is not get_array_module(arr):
+            raise TypeError("out must live on the same device as grad")
+        if not dest.flags.c_contiguous:
+            raise ValueError("out must be contiguous")
+
+    def _buffers(self, g: Any, prep: _Prepared) -> None:
+        """Fill ``prep`` with the residual and velocity to read (zeros before the first
+        step, or restored ones moved to g's module) and the spare buffers to write, on g's
+        module and dtype. What the reducer keeps changes only when the step succeeds."""
+        xp = get_array_module(g)
+
+        def current(a: Any) -> Any:
+            if a is None:
+                return xp.zeros(self.n, g.dtype)
+            if get_array_module(a) is xp and a.dtype == g.dtype:
+                return a
+            return to_module(to_host(a), xp).astype(g.dtype)
+
+        def spare(a: Any) -> Any:
+            ok = a is not None and get_array_module(a) is xp and a.dtype == g.dtype
+            return a if ok else xp.empty(self.n, g.dtype)
+
+        res = self._residual if self._residual is not None else self._pending_residual
+        prep.res, prep.acc = current(res), spare(self._spare)
+        if self.momentum:
+            prep.old_velocity = current(self._velocity)
+            prep.velocity = spare(self._spare_velocity)
+
+    def _prepare(self, g: Any, dest: Any) -> _Prepared:
+        """One pass over ``g``: the accumulated vector (in the spare buffer), the new
+        velocity, the update buffer zeroed, and this step's selection or its candidates.
+        Nothing the reducer keeps is changed (the step may still fail on some rank)."""
+        xp = get_array_module(g)
+        prep = _Prepared()
+        self._buffers(g, prep)
+        acc = prep.acc
+        dense = self._is_dense or self.steps < self.warmup
+        if not dense:  # the update is scattered into zeros: zero it in the same pass
+            prep.update = dest if dest is not None else xp.empty(self.n, g.dtype)
         else:
+            prep.update = dest
+        cut, lo, hi = math.inf, 0, self.n
+        if dense:
+            prep.mode = "dense"
+        elif self._has_dense_path:  # exdyna selects in its own partition
+            prep.mode = "exdyna"
+            self.algorithm.prepare(self.comm, self.n)
+            lo, hi = self.algorithm.owned_range(self.comm.rank)
+            cut = self.algorithm.candidate_cut(g.dtype)
+            cut = math.inf if cut is None else cut
+        elif self._selector is None or (
+            isinstance(self._selector, select.ReuseThreshold) and self._selector.due
+        ):
+            prep.mode = "topk"
+            cut = math.inf if self._cut is None else self._cut
+        elif isinstance(self._selector, select.ReuseThreshold):
+            prep.mode = "reuse"
+            cut = self._selector.threshold
+        else:
+            prep.mode = "estimator"
+        prep.found = select.accumulate(
+            g,
+            prep.res if self.error_feedback else None,
+            out=acc,
+            cut=cut if cut > 0 else math.inf,
+            lo=lo,
+            hi=hi,
+            cap=CAP_FACTOR * self.k + 1024,
+            velocity=prep.old_velocity,
+            velocity_out=prep.velocity,
+            momentum=self.momentum,
+            zero=None if dense else prep.update,
+        )
+        if prep.found.nonfinite:
+            raise ValueError(
+                f"grad holds NaN or Inf: {prep.found.nonfinite} entries of grad + residual "
+                f"are not finite (the step is skipped, the residual kept)"
+            )
+        if prep.mode in ("topk", "reuse", "estimator"):
+            prep.selected = self._select(acc, prep.found, prep.mode)
+        return prep
+
+    def _select(self, acc: Any, found: select.Accumulation, mode: str) -> Any:
+        """This rank's selected indices of ``acc`` (exact zeros dropped: they carry nothing)."""
+        k = self.k
+        if mode == "estimator":
             chosen = self._selector.select(acc)
             idx, vals = chosen.indices, chosen.values
-        return acc, idx[vals != 0], u  # exact zeros carry nothing
+        elif mode == "reuse":
+            if found.complete:
+                idx, vals = found.indices, found.values
+            else:
+                idx, vals = select.threshold(acc, self._selector.threshold)
+            self._selector.observe(int(idx.shape[0]), k)
+        else:
+            if found.complete and found.hits >= k:  # the top-k is among the candidates
+                pos, vals = select.topk(found.values, k)
+                idx = found.indices[pos]
+            else:
+                idx, vals = select.topk(acc, k)
+            kth = float(get_array_module(vals).abs(vals).min()) if k else 0.0
+            self._predict_cut(found, kth)
+            if self._selector is not None:  # a due ReuseThreshold: this was its exact step
+                self._selector.observe(k, k, exact=kth)
+        return idx[vals != 0]
 
-    def _reduce(self, acc: Any, sel: Any, velocity: Any) -> Any:
-        xp = get_array_module(acc)
+    def _predict_cut(self, found: select.Accumulation, kth: float) -> None:
+        """Next step's candidate cut: a margin under this step's k-th largest |value|; the
+        margin widens after a miss and narrows while candidates are plentiful."""
+        k = self.k
+        if self._cut is not None:
+            if found.hits < k:
+                self._margin *= 0.8
+            elif found.hits > 2.5 * k:
+                self._margin = min(0.98, self._margin * 1.05)
+        self._cut = kth * self._margin if kth > 0 else None
+
+    def _reduce(self, prep: _Prepared) -> Any:
         p = self.comm.size
-        if sel is None and (self._is_dense or self.steps < self.warmup):
+        acc, velocity = prep.acc, prep.velocity
+        t0 = time.perf_counter()
+        if prep.mode == "dense":
             update = self.comm.allreduce(acc)
+            self._last.comm_s += time.perf_counter() - t0
             acc[...] = 0
             self._last.record(self.n, self.n)
+            if self.average and p > 1:
+                update /= p
+            if prep.update is not None:
+                prep.update[...] = update
+                update = prep.update
         else:
-            if sel is None:  # exdyna: the algorithm selects from the dense accumulated array
-                result = self.algorithm.reduce_dense(self.comm, acc)
+            if prep.mode == "exdyna":
+                found = prep.found
+                cand = (found.indices, found.values) if found.complete else None
+                result = self.algorithm.reduce_dense(self.comm, acc, candidates=cand)
+                self._last.comm_s += time.perf_counter() - t0
                 sel = result.indices
                 selected = int(result.info["selected"])
             else:
-                result = self.algorithm.reduce(self.comm, SparseVector(sel, acc[sel], self.n))
+                sel = prep.selected
+                x = SparseVector(sel, acc[sel], self.n)
+                t0 = time.perf_counter()
+                result = self.algorithm.reduce(self.comm, x)
+                self._last.comm_s += time.perf_counter() - t0
                 selected = int(sel.shape[0])
                 if result.contributed is not None:
                     sel = sel[result.contributed]
             acc[sel] = 0  # what reached the update leaves the residual
             if velocity is not None:
                 velocity[sel] = 0  # momentum factor masking
-            update = xp.zeros(self.n, dtype=acc.dtype)
-            update[result.indices] = result.values
+            update = prep.update  # zeroed by the pass
+            vals = result.values
+            update[result.indices] = vals / vals.dtype.type(p) if self.average and p > 1 else vals
             self._last.record(result.nnz, selected)
             self._sparse_steps += 1
             self._density_sum += result.nnz / self.n if self.n else 0.0
-        self._residual, self._pending_residual = acc, None
+        # the step succeeded on every rank: keep what it wrote, recycle what it read
+        self._residual, self._spare, self._pending_residual = acc, prep.res, None
         if velocity is not None:
-            self._velocity = velocity
-        if self.average and p > 1:
-            update /= p
+            self._velocity, self._spare_velocity = velocity, prep.old_velocity
         return update
 
 
+class _Prepared:
+    """One step between its pass over the gradient and its collective."""
+
+    __slots__ = ("acc", "found", "mode", "old_velocity", "res", "selected", "update", "velocity")
+
+    def __init__(self) -> None:
+        self.acc: Any = None
+        self.res: Any = None
+        self.old_velocity: Any = None
+        self.found: Any = None
+        self.mode = ""
+        self.selected: Any = None
+        self.update: Any = None
+        self.velocity: Any = None
+
+
 class _StepInfo:
-    __slots__ = ("nnz", "selected", "stats")
+    __slots__ = ("comm_s", "nnz", "selected", "stats")
 
     def __init__(self) -> None:
         self.nnz = 0
         self.selected = 0
         self.stats = CommStats()
+        self.comm_s = 0.0
 
     def record(self, nnz: int, selected: int) -> None:
         self.nnz, self.selected = nnz, selected

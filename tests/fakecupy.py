@@ -297,7 +297,31 @@ def _ge_mask(
         flag[0] = 1
 
 
+def _accumulate(*args: Any) -> None:
+    # the arguments of select._cupy._accumulate_kernel: g, [r], [u, m], cut, acc, [uo], sel, bad
+    layouts = {5: (False, False), 6: (True, False), 8: (False, True), 9: (True, True)}
+    has_r, has_u = layouts[len(args)]
+    it = iter(args)
+    g = next(it)
+    r = next(it) if has_r else None
+    u, m = (next(it), next(it)) if has_u else (None, None)
+    cut = next(it)
+    acc = next(it)
+    uo = next(it) if has_u else None
+    sel, bad = next(it), next(it)
+    v = g.copy()
+    if has_u:
+        v = (u * g.dtype.type(m)).astype(g.dtype) + g
+        uo[...] = v
+    if has_r:
+        v = v + r
+    acc[...] = v
+    sel[...] = np.abs(v) >= cut
+    bad[0] += np.count_nonzero(~np.isfinite(v))
+
+
 KERNELS = {
+    "sparsecoll_accumulate": _accumulate,
     "sparsecoll_segment_sum": _segment_sum,
     "sparsecoll_radix_hist": _radix_hist,
     "sparsecoll_ge_mask": _ge_mask,

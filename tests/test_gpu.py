@@ -375,6 +375,12 @@ def test_kernel_sources_compile_with_nvrtc():
         (_array._segment_sum_kernel.__wrapped__(cap), "unsigned int", t)
         for t in ("float", "double")
     ]
+    jobs += [
+        (_cupy._accumulate_kernel.__wrapped__(cap, has_r, has_u), "unsigned int", t)
+        for has_r in (False, True)
+        for has_u in (False, True)
+        for t in ("float", "double")  # float16 takes CuPy's ufuncs, not this kernel
+    ]
     for spec, utype, ttype in jobs:
         prog = nvrtc.createProgram(_kernel_source(spec, utype, ttype), "k.cu", [], [])
         try:
@@ -406,3 +412,35 @@ def test_public_dispatch_matches_cpu_backend(xp, x, data):
     assert select.count_ge(d, t) == h_cnt
     if n:
         assert select.kth_largest_abs(d, max(k, 1)) == h_kth
+
+
+@given(x=vectors(), data=st.data())
+def test_accumulate_matches_cpu_backend(xp, x, data):
+    """The fused error-feedback pass on device arrays equals the numpy backend."""
+    from sparsecoll import select
+
+    n = x.shape[0]
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    r = rng.standard_normal(n).astype(x.dtype)
+    u = rng.standard_normal(n).astype(x.dtype)
+    m = data.draw(st.sampled_from([0.0, 0.9]))
+    lo = data.draw(st.integers(0, n))
+    hi = data.draw(st.integers(lo, n))
+    kw = {"cut": data.draw(st.sampled_from([0.0, 0.5, 3.0])), "lo": lo, "hi": hi, "momentum": m}
+    runs = []
+    for mod, conv in ((np, np.asarray), (xp, xp.asarray)):
+        out, uo, zero = conv(np.empty(n, x.dtype)), conv(np.empty(n, x.dtype)), conv(x.copy())
+        vel = (conv(u), uo) if m else (None, None)
+        with select.use_backend("numpy"), np.errstate(over="ignore", invalid="ignore"):
+            got = select.accumulate(
+                conv(x), conv(r), out=out, velocity=vel[0], velocity_out=vel[1], zero=zero, **kw
+            )
+        to = (lambda a: a) if mod is np else (lambda a: a.get())
+        runs.append((to(out), to(got.indices), to(got.values), got.hits, got.nonfinite, to(zero)))
+    (ho, hi_, hv, hh, hb, hz), (do, di, dv, dh, db, dz) = runs
+    np.testing.assert_array_equal(do, ho)
+    assert not dz.any() and not hz.any()
+    assert (dh, db) == (hh, hb)
+    if not hb:
+        np.testing.assert_array_equal(di, hi_)
+        np.testing.assert_array_equal(dv, hv)

@@ -620,3 +620,77 @@ def test_small_arrays_never_start_the_thread_pool() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
     )
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+# -- the fused error-feedback pass ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@given(
+    x=vectors(),
+    data=st.data(),
+    momentum=st.sampled_from([0.0, 0.9]),
+    with_residual=st.booleans(),
+)
+def test_accumulate_matches_separate_passes(name, x, data, momentum, with_residual) -> None:
+    """out = g + r (with momentum u' = m·u + g first), the entries of out[lo:hi] with
+    |out| >= cut exactly as ``threshold`` would pick them, at most cap of them with every hit
+    counted, the zero buffer zeroed (even when it is g), non-finite entries counted."""
+    n = x.shape[0]
+    dt = x.dtype
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    r = (rng.standard_normal(n) * data.draw(st.sampled_from([0.0, 1.0, 100.0]))).astype(dt)
+    u = rng.standard_normal(n).astype(dt)
+    lo = data.draw(st.integers(0, n))
+    hi = data.draw(st.integers(lo, n))
+    cut = data.draw(st.sampled_from([0.0, 0.5, 1.0, 3.0, math.inf]))
+    cap = data.draw(st.one_of(st.none(), st.integers(0, n + 1)))
+    alias_zero = data.draw(st.booleans())
+    g = x.copy()
+    with backend(name):
+        out = dev(np.full(n, 7, dt), name)
+        gd, rd, ud = dev(g, name), dev(r, name), dev(u, name)
+        uo = dev(np.empty(n, dt), name) if momentum else None
+        zero = gd if alias_zero else dev(np.ones(n, dt), name)
+        with np.errstate(over="ignore", invalid="ignore"):
+            src = (u * dt.type(momentum) + g).astype(dt) if momentum else g
+            want = (src + r).astype(dt) if with_residual else src.copy()
+        got = sel.accumulate(
+            gd, rd if with_residual else None, out=out, cut=cut, lo=lo, hi=hi, cap=cap,
+            velocity=ud if momentum else None, velocity_out=uo, momentum=momentum, zero=zero,
+        )  # fmt: skip
+    np.testing.assert_array_equal(host(out), want)
+    if momentum:
+        np.testing.assert_array_equal(host(uo), src)
+    assert not host(zero).any()
+    with np.errstate(invalid="ignore"):
+        finite = np.isfinite(want)
+    assert got.nonfinite == n - np.count_nonzero(finite)
+    part = np.where(finite, want, 0)[lo:hi]  # non-finite entries: agreed on by the caller
+    t = math.inf if cut == math.inf else (cut or float(np.finfo(dt).smallest_subnormal))
+    hits = threshold_oracle(part, t) + lo
+    hits = hits if cut != math.inf else np.flatnonzero(np.isinf(want[lo:hi])) + lo
+    if got.nonfinite:
+        return  # which non-finite entries count as hits is unspecified
+    assert got.hits == hits.shape[0]
+    room = hi - lo if cap is None else min(cap, hi - lo)
+    idx = host(got.indices)
+    assert idx.dtype == index_dtype(n)
+    if got.complete:
+        assert got.hits <= room
+        np.testing.assert_array_equal(idx, hits)
+        np.testing.assert_array_equal(host(got.values), want[hits])
+    else:
+        assert got.hits > idx.shape[0]
+
+
+def test_accumulate_rejects_mismatched_buffers() -> None:
+    g = np.ones(10, np.float32)
+    with pytest.raises(TypeError, match="out must be a float32"):
+        sel.accumulate(g, out=np.empty(10, np.float64))
+    with pytest.raises(TypeError, match="residual"):
+        sel.accumulate(g, np.ones(9, np.float32), out=np.empty(10, np.float32))
+    with pytest.raises(ValueError, match="lo <= hi"):
+        sel.accumulate(g, out=np.empty(10, np.float32), lo=5, hi=4)
+    with pytest.raises(ValueError, match="velocity and velocity_out"):
+        sel.accumulate(g, out=np.empty(10, np.float32), velocity=g)

@@ -230,12 +230,28 @@ class ExDyna(Algorithm):
         out.local = x
         return out
 
-    def reduce_dense(self, comm: Communicator, acc: Any) -> SparseVector:
+    def candidate_cut(self, dtype: Any) -> float | None:
+        """The smallest |value| the next call can select (None when it will derive its
+        threshold from the data): a caller that collects the entries of its owned range at
+        or above it, in a pass it makes anyway, can hand them to :meth:`reduce_dense`."""
+        if self.threshold is None:
+            return None
+        if self.rule == "authors":
+            return _cut(dtype, self.threshold)
+        edge = (self.threshold * np.exp(WINDOW_OFFSETS[:1])).astype(dtype)
+        return _cut(dtype, float(edge[0]))
+
+    def reduce_dense(
+        self, comm: Communicator, acc: Any, candidates: tuple[Any, Any] | None = None
+    ) -> SparseVector:
         """Select from this rank's dense accumulated gradient ``acc`` and reduce.
 
         The same as :meth:`reduce` given all n entries of ``acc``, without building them.
         Every rank must call it with an array of the same length and dtype. The caller's
         residual drops all ``result.indices`` (every rank contributed its value there).
+        ``candidates``: ``(indices, values)`` of every entry of the owned range with |value|
+        at or above :meth:`candidate_cut` (ascending, global indices), found by the caller;
+        the call then reads only those, not the owned range (unless it must re-derive).
         """
         n = int(acc.shape[0])
         self.prepare(comm, n)
@@ -246,17 +262,22 @@ class ExDyna(Algorithm):
         def to_index(pos: Any) -> Any:
             return (pos + lo).astype(itype)
 
-        return self._run(comm, n, acc[lo:hi], to_index, lambda idx: acc[idx], acc.dtype, xp)
+        found = None
+        if candidates is not None:
+            idx, vals = candidates
+            found = ((idx - lo).astype(np.int64), xp.abs(vals))
+        part = acc[lo:hi]
+        return self._run(comm, n, part, to_index, lambda idx: acc[idx], acc.dtype, xp, found)
 
     # -- the call ---------------------------------------------------------------------------
-    def _run(self, comm, n, part, to_index, gather, dtype, xp) -> SparseVector:
+    def _run(self, comm, n, part, to_index, gather, dtype, xp, found=None) -> SparseVector:
         p = comm.size
         if self.k == 0 or n == 0:
             self.step += 1
             out = SparseVector.empty(n, dtype, xp)
             out.info.update(threshold=math.inf, counts=[0] * p, selected=0, rederived=False)
             return out
-        pos, counts, used, rederived = self._select(comm, n, part)
+        pos, counts, used, rederived = self._select(comm, n, part, found)
         mine = to_index(pos)
         gathered, _ = comm.allgatherv(mine, counts)
         # rank r's chunk is partition (step + r) mod P: put the chunks in partition order
@@ -275,10 +296,15 @@ class ExDyna(Algorithm):
         )
         return out
 
-    def _select(self, comm: Communicator, n: int, part: Any) -> tuple[Any, list[int], float, bool]:
-        """Positions selected in ``part``, every rank's count, the threshold used."""
+    def _select(
+        self, comm: Communicator, n: int, part: Any, found: Any = None
+    ) -> tuple[Any, list[int], float, bool]:
+        """Positions selected in ``part``, every rank's count, the threshold used.
+        ``found``: ``(positions, |values|)`` of part's entries at or above
+        :meth:`candidate_cut`, when the caller has them."""
         rederived = False
         if self.threshold is None:
+            found = None
             self.threshold = self._derive(comm, n, part)
             rederived = True
         self._cooldown = max(0, self._cooldown - 1)
@@ -289,16 +315,17 @@ class ExDyna(Algorithm):
                 return empty, [0] * comm.size, math.inf, rederived
             if self.rule == "authors":
                 t = _cut(part.dtype, self.threshold)
-                found = _above(part, t)
+                found = _above(part, t) if found is None else found
                 counts = comm.allgather_ints(-1 if found is None else int(found[0].shape[0]))
                 _agree_no_nan(np.asarray(counts).reshape(-1, 1))
                 pos = found[0]
                 self.threshold = authors_rule(self.threshold, sum(counts), self.k)
                 self.rederives += rederived
                 return pos, counts, t, rederived
-            pos, counts, used, missed = self._window(comm, part)
+            pos, counts, used, missed = self._window(comm, part, found)
             if not missed or rederived or self._cooldown:
                 break
+            found = None  # the candidates were for the old threshold
             self.threshold = self._derive(comm, n, part)
             rederived = True
         if missed and rederived:
@@ -309,13 +336,16 @@ class ExDyna(Algorithm):
         self.threshold = used if 0 < used < math.inf else None
         return pos, counts, used, rederived
 
-    def _window(self, comm: Communicator, part: Any) -> tuple[Any, list[int], float, bool]:
+    def _window(
+        self, comm: Communicator, part: Any, found: Any = None
+    ) -> tuple[Any, list[int], float, bool]:
         xp = _xp(part)
         k = self.k
         edges = self.threshold * np.exp(WINDOW_OFFSETS)
         cast = edges.astype(part.dtype)  # compare in the data's dtype: counts == selections
         # zeros are never selected, even where a tiny edge rounds to 0 in the data's dtype
-        found = _above(part, _cut(part.dtype, float(cast[0])))
+        if found is None:
+            found = _above(part, _cut(part.dtype, float(cast[0])))
         if found is None:
             ge = np.full(cast.shape[0], -1, dtype=np.int64)
         else:

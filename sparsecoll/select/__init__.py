@@ -7,6 +7,8 @@ Public functions (one dispatch for numpy, CuPy, and torch tensors, which come ba
     count_ge(x, t)         -> int: how many entries have |x| >= t
     kth_largest_abs(x, k)  -> float: the k-th largest |x| (1 <= k <= n)
     moments(x)             -> (mean, std) of x, in float64
+    accumulate(g, r, out=, cut=) -> Accumulation: out = g + r and the entries of out with
+                              |out| >= cut, in one pass (error feedback fused with selection)
     topk_sparse(v, k), threshold_sparse(v, t): the same on a SparseVector's values
     ExactThreshold, ReuseThreshold, SamplingThreshold, GaussianThreshold: estimators that
         turn a requested k (or density) into a threshold and report the achieved count.
@@ -46,6 +48,8 @@ from __future__ import annotations
 from ._common import NAN_MESSAGE
 from ._dispatch import (
     BACKEND_FUNCTIONS,
+    Accumulation,
+    accumulate,
     backend,
     count_ge,
     get_num_threads,
@@ -72,12 +76,14 @@ from .estimators import (
 __all__ = [
     "BACKEND_FUNCTIONS",
     "NAN_MESSAGE",
+    "Accumulation",
     "ExactThreshold",
     "GaussianThreshold",
     "ReuseThreshold",
     "SamplingThreshold",
     "Selection",
     "ThresholdEstimator",
+    "accumulate",
     "backend",
     "count_ge",
     "get_num_threads",

@@ -233,3 +233,47 @@ def kth_largest_abs(x: Any, k: int) -> float:
         return 0.0
     t, _ = _kth_key(x, min(max(int(k), 1), n))
     return float(np.array([t], dtype=_UINT[x.dtype.itemsize]).view(x.dtype)[0])
+
+
+@functools.cache
+def _accumulate_kernel(cp: Any, has_r: bool, has_u: bool) -> Any:
+    # One pass: uo = m*u + g (momentum), acc = (uo or g) + r, sel = |acc| >= cut, and
+    # bad[0] counts non-finite acc. One kernel per combination of the optional inputs, so
+    # absent ones are never read.
+    ins = ["T g"] + (["T r"] if has_r else []) + (["T u", "T m"] if has_u else []) + ["T cut"]
+    outs = ["T acc"] + (["T uo"] if has_u else []) + ["bool sel", "raw uint64 bad"]
+    body = "T v = g;\n"
+    if has_u:
+        body += "v = (T)(m * u) + g; uo = v;\n"
+    if has_r:
+        body += "v = v + r;\n"
+    body += """
+        acc = v;
+        sel = abs(v) >= cut;
+        if (!isfinite(v)) atomicAdd((unsigned long long*)&bad[0], 1ULL);
+    """
+    return cp.ElementwiseKernel(", ".join(ins), ", ".join(outs), body, "sparsecoll_accumulate")
+
+
+def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype):
+    """The fused pass on the GPU: one elementwise kernel, then the selection's indices
+    (see ``sparsecoll.select.accumulate``)."""
+    cp = cupy_or_none()
+    if g.dtype == np.float16:  # plain CuPy ufuncs: several passes, no half-precision kernel
+        from . import _numpy
+
+        return _numpy.accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, xp=cp)
+    n = int(g.shape[0])
+    dt = g.dtype.type
+    sel = cp.empty(n, dtype=np.bool_)
+    bad = cp.zeros(1, dtype=np.uint64)
+    args = [g] + ([r] if r is not None else []) + ([u, dt(m)] if u is not None else [])
+    outs = [acc] + ([uo] if u is not None else []) + [sel, bad]
+    if n:
+        _accumulate_kernel(cp, r is not None, u is not None)(*args, dt(cut), *outs)
+    idx = cp.flatnonzero(sel[lo:hi])
+    if z is not None:
+        z.fill(0)
+    hits = int(idx.shape[0])
+    idx = (idx[:cap] + lo).astype(itype, copy=False)
+    return idx, acc[idx], hits, int(bad[0])

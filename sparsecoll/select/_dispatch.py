@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._array import as_array, get_array_module
+from .._array import as_array, get_array_module, index_dtype
 from ..sparse import VALUE_DTYPES, SparseVector
 from ._common import round_threshold
 
 __all__ = [
     "BACKEND_FUNCTIONS",
+    "Accumulation",
+    "accumulate",
     "backend",
     "count_ge",
     "get_num_threads",
@@ -32,7 +35,7 @@ __all__ = [
 ]
 
 # What every backend module provides (the GPU module included).
-BACKEND_FUNCTIONS = ("topk", "threshold", "count_ge", "kth_largest_abs", "moments")
+BACKEND_FUNCTIONS = ("topk", "threshold", "count_ge", "kth_largest_abs", "moments", "accumulate")
 
 _CPU_BACKENDS = ("numba", "numpy")
 _choice: str | None = "numpy" if os.environ.get("SPARSECOLL_NO_NUMBA") == "1" else None
@@ -189,3 +192,87 @@ def set_num_threads(n: int) -> None:
     mod = _cpu()
     if hasattr(mod, "set_num_threads"):
         mod.set_num_threads(n)
+
+
+class Accumulation(NamedTuple):
+    """What :func:`accumulate` selected on its pass.
+
+    ``indices``/``values``: the entries of ``out[lo:hi]`` with ``|out| >= cut``, indices
+    ascending (global positions), at most ``cap`` of them; ``hits``: how many there were in
+    all (``hits > len(indices)`` means the room ran out and the selection is incomplete);
+    ``nonfinite``: how many entries of ``out`` are NaN or infinite.
+    """
+
+    indices: Any
+    values: Any
+    hits: int
+    nonfinite: int
+
+    @property
+    def complete(self) -> bool:
+        return self.hits == int(self.indices.shape[0])
+
+
+def accumulate(
+    grad: Any,
+    residual: Any = None,
+    *,
+    out: Any,
+    cut: float = math.inf,
+    lo: int = 0,
+    hi: int | None = None,
+    cap: int | None = None,
+    velocity: Any = None,
+    velocity_out: Any = None,
+    momentum: float = 0.0,
+    zero: Any = None,
+) -> Accumulation:
+    """Error feedback and selection in one pass: ``out = grad + residual`` (or ``grad``
+    when residual is None), and the entries of ``out[lo:hi]`` with ``|out| >= cut``.
+
+    With ``velocity`` (momentum correction): ``velocity_out = momentum·velocity + grad`` and
+    ``out = velocity_out + residual``. ``out`` may be ``residual`` itself and
+    ``velocity_out`` may be ``velocity`` (in place); ``grad`` is only read. Reads each input
+    once and writes each output once (the Numba kernel and the CuPy kernel; float16 on the
+    CPU takes several numpy passes). ``zero`` (optional, same kind) is set to 0 in the same
+    pass, e.g. the buffer a sparse update is scattered into afterwards; it may be ``grad``
+    (each element is read before it is zeroed). NaN and infinities are not raised on but counted in
+    ``nonfinite``: a collective caller agrees on them first (every other function of this
+    module raises on NaN).
+
+    Args:
+        grad, residual, velocity: 1-D float arrays of one length n, dtype and module.
+        out, velocity_out: outputs of the same kind (``velocity_out`` with velocity).
+        cut: the |value| threshold (``inf``: select nothing but infinities in range); it is
+            compared exactly, as in :func:`threshold`.
+        lo, hi: the index range selected from (default the whole vector).
+        cap: the most entries returned (default ``hi - lo``).
+    """
+    arr, mod, _ = _prepare(grad)
+    n = int(arr.shape[0])
+    xp = get_array_module(arr)
+    hi = n if hi is None else int(hi)
+    lo = int(lo)
+    if not 0 <= lo <= hi <= n:
+        raise ValueError(f"need 0 <= lo <= hi <= {n}, got lo={lo}, hi={hi}")
+    cap = hi - lo if cap is None else max(0, min(int(cap), hi - lo))
+    if (velocity is None) != (velocity_out is None):
+        raise ValueError("velocity and velocity_out go together")
+    for name, a in (
+        ("residual", residual), ("out", out), ("velocity", velocity),
+        ("velocity_out", velocity_out), ("zero", zero),
+    ):  # fmt: skip
+        if a is None:
+            continue
+        if get_array_module(a) is not xp or a.dtype != arr.dtype or a.shape != arr.shape:
+            raise TypeError(f"{name} must be a {arr.dtype} array of shape {arr.shape} like grad")
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be contiguous")
+    t = _check_t(cut, arr.dtype) if cut != math.inf else math.inf
+    if t == 0.0:  # zeros are never selected: the smallest positive value instead
+        t = float(np.finfo(arr.dtype).smallest_subnormal)
+    res = mod.accumulate(
+        arr, residual, velocity, velocity_out, float(momentum), out, zero, t, lo, hi, cap,
+        index_dtype(n),
+    )  # fmt: skip
+    return Accumulation(*res)

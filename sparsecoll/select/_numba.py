@@ -41,6 +41,18 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+try:  # LLVM's cttz: the position of the lowest set bit
+    from numba.cpython.unsafe.numbers import trailing_zeros as _ctz
+except ImportError:  # pragma: no cover - older or newer Numba without it
+
+    @njit(inline="always")
+    def _ctz(x):
+        j = 0
+        while not (x >> j) & 1:
+            j += 1
+        return j
+
+
 from .._array import index_dtype
 from ._common import NAN_MESSAGE, key_info, key_value, threshold_key
 
@@ -543,3 +555,104 @@ def warmup(parallel: bool = False) -> None:
                 moments(x)
         finally:
             PARALLEL_MIN = saved
+
+
+# -- the fused error-feedback pass --------------------------------------------------------
+@_kernels()
+def _accumulate(
+    g, r, u, uo, m, acc, z, cut, lo, hi, bounds, starts, caps, out_idx, out_val, counts, bad
+):  # pragma: no cover - compiled
+    # One pass over chunk c: uo = m·u + g (momentum, when u is not None), acc = (uo or g)
+    # + r, z = 0 (when z is not None), and the index and value of each acc[i] with
+    # |acc[i]| >= cut and lo <= i < hi written to out[starts[c]:] while caps[c] slots last
+    # (counting on after); bad[c] counts non-finite acc. Optional arrays are None, so Numba
+    # compiles each combination without the branch. Blocks of 32 are computed by a
+    # vectorizable loop that also packs the hits into a bit mask; the copy loop then visits
+    # the set bits only. No fastmath: ``a - a != 0`` must see NaN and Inf.
+    for c in prange(bounds.shape[0] - 1):
+        s = bounds[c]
+        e = bounds[c + 1]
+        p = starts[c]
+        end = p + caps[c]
+        nbad = 0
+        for b0 in range(s, e, 32):
+            b1 = min(b0 + 32, e)
+            gb, rb, ab = g[b0:b1], r[b0:b1], acc[b0:b1]
+            bits = np.uint32(0)
+            if u is None:
+                for j in range(gb.shape[0]):
+                    a = gb[j] + rb[j]
+                    ab[j] = a
+                    bits |= np.uint32(abs(a) >= cut) << np.uint32(j)
+                    nbad += (a - a) != 0
+            else:
+                ub, uob = u[b0:b1], uo[b0:b1]
+                for j in range(gb.shape[0]):
+                    v = m * ub[j] + gb[j]
+                    uob[j] = v
+                    a = v + rb[j]
+                    ab[j] = a
+                    bits |= np.uint32(abs(a) >= cut) << np.uint32(j)
+                    nbad += (a - a) != 0
+            if z is not None:
+                z[b0:b1] = 0
+            if bits == 0 or b0 >= hi or b1 <= lo:
+                continue
+            inside = lo <= b0 and b1 <= hi
+            while bits:
+                j = _ctz(bits)
+                bits &= bits - np.uint32(1)
+                i = b0 + j
+                if inside or (lo <= i and i < hi):
+                    if p < end:
+                        out_idx[p] = i
+                        out_val[p] = ab[j]
+                    p += 1
+        counts[c] = p - starts[c]
+        bad[c] = nbad
+
+
+def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype):
+    """The fused pass (see ``sparsecoll.select.accumulate``); float16 goes to numpy (Numba
+    has no float16 arithmetic)."""
+    if g.dtype == np.float16:
+        from . import _numpy
+
+        return _numpy.accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype)
+    n = g.shape[0]
+    dt = g.dtype.type
+    bounds = _bounds(n, CHUNKS_PER_THREAD)
+    parts = bounds.shape[0] - 1
+    # each chunk's room: its share of cap, by its overlap with [lo, hi), plus a margin
+    span = max(hi - lo, 1)
+    overlap = np.clip(np.minimum(bounds[1:], hi) - np.maximum(bounds[:-1], lo), 0, None)
+    if parts == 1:
+        room = np.array([min(cap, int(overlap[0]))], np.int64)
+    else:
+        share = overlap * (cap / span)
+        room = np.minimum(overlap, (1.25 * share + 4.0 * np.sqrt(share) + 64).astype(np.int64))
+    starts = np.zeros(parts, np.int64)
+    np.cumsum(room[:-1], out=starts[1:])
+    out_idx = np.empty(int(room.sum()), itype)
+    out_val = np.empty(out_idx.shape[0], g.dtype)
+    counts = np.empty(parts, np.int64)
+    bad = np.empty(parts, np.int64)
+    if r is None:  # the kernel always adds a residual: a zero one (pages never written)
+        r = np.zeros_like(g)
+    _run(
+        _accumulate, n, g, r, u, uo, dt(m), acc, z, dt(cut), np.int64(lo), np.int64(hi),
+        bounds, starts, room, out_idx, out_val, counts, bad,
+    )  # fmt: skip
+    hits = int(counts.sum())
+    if parts == 1 or np.all(counts <= room):
+        if parts == 1:
+            got = min(int(counts[0]), int(room[0]))
+            return out_idx[:got], out_val[:got], hits, int(bad.sum())
+        cut_ = [slice(a, a + h) for a, h in zip(starts.tolist(), counts.tolist())]
+        return (
+            np.concatenate([out_idx[c] for c in cut_]),
+            np.concatenate([out_val[c] for c in cut_]),
+            hits,
+            int(bad.sum()),
+        )
+    return out_idx[:0], out_val[:0], hits, int(bad.sum())  # some chunk overflowed its room

@@ -14,7 +14,7 @@ import numpy as np
 from .._array import index_dtype
 from ._common import NAN_MESSAGE, key_info, key_value, threshold_key
 
-__all__ = ["count_ge", "kth_largest_abs", "moments", "threshold", "topk"]
+__all__ = ["accumulate", "count_ge", "kth_largest_abs", "moments", "threshold", "topk"]
 
 
 def _keys(x: np.ndarray) -> tuple[np.ndarray, Any]:
@@ -62,3 +62,28 @@ def moments(x: np.ndarray) -> tuple[float, float]:
     mean = float(v.sum()) / v.shape[0]
     var = max(float(np.dot(v, v)) / v.shape[0] - mean * mean, 0.0)
     return mean, math.sqrt(var)
+
+
+def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, xp=np):
+    """The fused pass, stated plainly (several passes of ``xp``, numpy or CuPy):
+    ``uo = m*u + g`` (when u is given), ``acc = (uo or g) + r`` (r may be None), then the
+    entries of ``acc[lo:hi]`` with ``|acc| >= cut`` (at most cap of them; ``hits`` counts
+    all), the non-finite count, and ``z`` (when given) zeroed."""
+    src = g
+    with np.errstate(over="ignore", invalid="ignore"):  # non-finite results are counted
+        if u is not None:
+            xp.multiply(u, g.dtype.type(m), out=uo)
+            xp.add(uo, g, out=uo)
+            src = uo
+        if r is not None:
+            xp.add(src, r, out=acc)
+        else:
+            xp.copyto(acc, src)
+    if z is not None:
+        z[...] = 0
+    bad = int(acc.shape[0] - int(xp.count_nonzero(xp.isfinite(acc))))
+    part = acc[lo:hi]
+    idx = xp.flatnonzero(xp.abs(part) >= part.dtype.type(cut))
+    hits = int(idx.shape[0])
+    idx = idx[:cap]
+    return (idx + lo).astype(itype), part[idx], hits, bad

@@ -1,0 +1,201 @@
+"""Training-step benchmark: ``GradientReducer.step`` on a dense gradient, every algorithm.
+
+What one data-parallel training step pays for gradient exchange: error feedback, selection
+and the collective, from a dense gradient to the dense update (``step(grad, out=update)``,
+the update buffer reused as a training loop does). Per algorithm it reports the median step
+time (max over ranks per step, as OSU does) split into local work and communication (the
+reducer times its collective call; local = step − collective), bytes sent per rank, the
+achieved density per step (result nnz / k), the step time over one ``np.add(a, b, out=c)`` of
+two n-arrays (the memory floor of the pass) and the speed-up over the dense allreduce step.
+
+Gradients: a stream of Gaussian vectors with a linear scale profile
+(``N(0, 1)·linspace(0.2, 2, n)``, fresh each step), stationary or decaying 10% per step.
+
+    mpiexec -n 4 python bench/step.py -m 16M                  # every algorithm, 1%
+    SPARSECOLL_NUM_THREADS=1 python bench/step.py -m 16M      # P = 1, one thread
+    mpiexec -n 4 python bench/step.py -m 1M --stream decay -i 40 --csv out.csv --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import time
+
+import numpy as np
+
+ALGORITHMS = ("dense", "allgather", "gtopk", "oktopk", "exdyna")
+COLUMNS = (
+    "algorithm", "P", "n", "step", "time_s", "local_s", "comm_s", "nnz", "k", "bytes_sent",
+)  # fmt: skip
+
+
+def gradients(n: int, rank: int, count: int, seed: int) -> list[np.ndarray]:
+    """``count`` gradients of the stationary stream for this rank (cycled by the timing
+    loop: drawing a fresh 16M-vector costs more than a step)."""
+    rng = np.random.default_rng([seed, rank])
+    scale = np.linspace(0.2, 2.0, n, dtype=np.float32)
+    return [rng.standard_normal(n, dtype=np.float32) * scale for _ in range(count)]
+
+
+def add_time(n: int, reps: int) -> float:
+    """Median time of one ``np.add(a, b, out=c)`` of two float32 n-arrays."""
+    a = np.ones(n, np.float32)
+    b = np.ones(n, np.float32)
+    c = np.empty(n, np.float32)
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        np.add(a, b, out=c)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times[1:]))
+
+
+def run(comm, name: str, args: argparse.Namespace, grads: list[np.ndarray]) -> list[dict]:
+    from sparsecoll import GradientReducer
+
+    red = GradientReducer(comm, args.size, name, args.density)
+    update = np.empty(args.size, np.float32)
+    rows = []
+    for it in range(args.warmup + args.iterations):
+        g = grads[it % len(grads)]
+        if args.stream == "decay":
+            g = g * np.float32(0.9 ** (it % 60))  # outside the timed region
+        comm.barrier()
+        t = time.perf_counter()
+        red.step(g, out=update)
+        elapsed = time.perf_counter() - t
+        st = red.stats()
+        mine = [elapsed, st["time_collective_s"]]
+        worst = comm.allreduce_floats(mine, "max")
+        if it >= args.warmup:
+            rows.append(
+                {
+                    "algorithm": name,
+                    "P": comm.size,
+                    "n": args.size,
+                    "step": it - args.warmup,
+                    "time_s": float(worst[0]),
+                    "local_s": float(worst[0] - worst[1]),
+                    "comm_s": float(worst[1]),
+                    "nnz": round(st["achieved_density"] * args.size),
+                    "k": red.k,
+                    "bytes_sent": st["bytes_sent"],
+                }
+            )
+    return rows
+
+
+def summarize(rows: list[dict], floor: float, dense: float | None) -> dict:
+    t = np.array([r["time_s"] for r in rows])
+    ratio = np.array([r["nnz"] / r["k"] for r in rows]) if rows[0]["k"] else np.ones(1)
+    med = float(np.median(t))
+    return {
+        "median_ms": med * 1e3,
+        "min_ms": float(t.min()) * 1e3,
+        "local_ms": float(np.median([r["local_s"] for r in rows])) * 1e3,
+        "comm_ms": float(np.median([r["comm_s"] for r in rows])) * 1e3,
+        "x_add": med / floor,
+        "vs_dense": (dense / med) if dense else float("nan"),
+        "bytes": int(np.median([r["bytes_sent"] for r in rows])),
+        "dens_min": float(ratio.min()),
+        "dens_mean": float(ratio.mean()),
+        "dens_max": float(ratio.max()),
+    }
+
+
+def plot(rows: list[dict], summary: dict[str, dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    loc = [summary[a]["local_ms"] for a in names]
+    com = [summary[a]["comm_ms"] for a in names]
+    ax1.bar(names, loc, label="local work")
+    ax1.bar(names, com, bottom=loc, label="collective")
+    ax1.set_ylabel("median step time (ms)")
+    ax1.set_yscale("log")
+    ax1.legend()
+    for a in names:
+        if a == "dense":
+            continue
+        pts = [(r["step"], r["nnz"] / r["k"]) for r in rows if r["algorithm"] == a]
+        ax2.plot(*zip(*pts), label=a, marker=".")
+    ax2.axhspan(0.8, 1.25, color="0.9", zorder=0)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("result nnz / k")
+    ax2.legend()
+    p, n = rows[0]["P"], rows[0]["n"]
+    fig.suptitle(f"GradientReducer.step, P = {p}, n = {n:,}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from sparsecoll import Communicator, __version__, select
+    from sparsecoll.benchmarks.osu import parse_sizes
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--size", default="16M", help="gradient length n (K/M/G suffixes)")
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    ap.add_argument("-i", "--iterations", type=int, default=20)
+    ap.add_argument("-x", "--warmup", type=int, default=5, help="untimed steps first")
+    ap.add_argument("--stream", choices=("stationary", "decay"), default="stationary")
+    ap.add_argument("--grads", type=int, default=4, help="distinct gradients cycled")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--csv", help="write every step's row here")
+    ap.add_argument("--plot", help="write a PNG here (matplotlib)")
+    args = ap.parse_args(argv)
+    args.size = parse_sizes(args.size)[0]
+    comm = Communicator()
+    select.warmup(parallel=True)
+    grads = gradients(args.size, comm.rank, args.grads, args.seed)
+    floor = float(comm.allreduce_floats([add_time(args.size, 9)], "max")[0])
+    rows, summary = [], {}
+    names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    for name in names:
+        mine = run(comm, name, args, grads)
+        rows += mine
+        dense = summary["dense"]["median_ms"] / 1e3 if "dense" in summary else None
+        summary[name] = summarize(mine, floor, dense)
+    if comm.rank:
+        return
+    print(f"# sparsecoll {__version__} training-step benchmark (GradientReducer.step)")
+    print(
+        f"# P = {comm.size}, n = {args.size:,} float32, density {args.density}, "
+        f"stream {args.stream}, {args.iterations} steps after {args.warmup} warm-up, "
+        f"selection threads {select.get_num_threads()}"
+    )
+    print(f"# np.add(a, b, out=c) of two n-arrays: {floor * 1e3:.2f} ms (median)")
+    print("# times: median over steps of the max over ranks; x add: step / np.add;")
+    print("# vs dense: dense step / step; density: result nnz / k (min mean max)")
+    head = (
+        f"{'algorithm':<10}{'median ms':>10}{'min ms':>9}{'local ms':>10}{'comm ms':>9}"
+        f"{'x add':>7}{'vs dense':>9}{'bytes/rank':>12}{'density':>20}"
+    )
+    print(head)
+    for name, s in summary.items():
+        dens = f"{s['dens_min']:.2f} {s['dens_mean']:.2f} {s['dens_max']:.2f}"
+        dens = "-" if name == "dense" else dens
+        print(
+            f"{name:<10}{s['median_ms']:>10.2f}{s['min_ms']:>9.2f}{s['local_ms']:>10.2f}"
+            f"{s['comm_ms']:>9.2f}{s['x_add']:>7.2f}{s['vs_dense']:>9.2f}{s['bytes']:>12,}"
+            f"{dens:>20}"
+        )
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
+    if args.plot:
+        plot(rows, summary, args.plot)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
