@@ -87,6 +87,11 @@ class GradientReducer:
             ``"reuse"`` (Ok-Topk's threshold reuse), ``"sampling"`` (DGC), ``"gaussian"``;
             ``selection_options`` go to its constructor (e.g. ``{"interval": 32}``). Its
             state is part of the checkpoint.
+        reuse_update: return the reducer's own update buffer from :meth:`step` (when no
+            ``out`` is given) instead of a new array: the previous update's entries are
+            zeroed and the new ones scattered, O(k) instead of writing all n. The returned
+            array is then valid until the next step (copy it to keep it) and must not be
+            written to. Default False.
         check: agree on every step's input collectively (one small allreduce), so a bad
             gradient on one rank raises the same error on every rank instead of hanging.
         **options: more constructor options for the algorithm (e.g. ``tau=`` for oktopk).
@@ -108,6 +113,7 @@ class GradientReducer:
         momentum: float = 0.0,
         selection: str = "exact",
         selection_options: dict[str, Any] | None = None,
+        reuse_update: bool = False,
         check: bool = True,
         **options: Any,
     ) -> None:
@@ -132,6 +138,7 @@ class GradientReducer:
         self.average = bool(average)
         self.error_feedback = bool(error_feedback)
         self.check = bool(check)
+        self.reuse_update = bool(reuse_update)
         self.algorithm_name = algorithm
         if selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}")
@@ -158,6 +165,8 @@ class GradientReducer:
         self._velocity: Any = None  # momentum correction's u (None when momentum is 0)
         self._spare: Any = None  # where the next step writes its accumulated vector
         self._spare_velocity: Any = None
+        self._update: Any = None  # the reused update buffer (reuse_update)
+        self._update_nnz: Any = None  # its nonzero positions; None: unknown, zero it all
         self._cut: float | None = None  # predicted candidate cut of the exact local top-k
         self._margin = CUT_MARGIN
         if hasattr(self.algorithm, "reset"):
@@ -366,10 +375,14 @@ class GradientReducer:
         self._buffers(g, prep)
         acc = prep.acc
         dense = self._is_dense or self.steps < self.warmup
-        if not dense:  # the update is scattered into zeros: zero it in the same pass
-            prep.update = dest if dest is not None else xp.empty(self.n, g.dtype)
-        else:
+        if dest is None and self.reuse_update:
+            if self._update is None or get_array_module(self._update) is not xp:
+                self._update, self._update_nnz = xp.zeros(self.n, g.dtype), None
+            prep.update, prep.reused = self._update, True
+        elif dense:
             prep.update = dest
+        else:  # the update is scattered into zeros: zeroed in the same pass
+            prep.update = dest if dest is not None else xp.empty(self.n, g.dtype)
         cut, lo, hi = math.inf, 0, self.n
         if dense:
             prep.mode = "dense"
@@ -400,7 +413,7 @@ class GradientReducer:
             velocity=prep.old_velocity,
             velocity_out=prep.velocity,
             momentum=self.momentum,
-            zero=None if dense else prep.update,
+            zero=None if dense or prep.reused else prep.update,
         )
         if prep.found.nonfinite:
             raise ValueError(
@@ -460,6 +473,7 @@ class GradientReducer:
             if prep.update is not None:
                 prep.update[...] = update
                 update = prep.update
+                self._update_nnz = None
         else:
             if prep.mode == "exdyna":
                 found = prep.found
@@ -480,7 +494,13 @@ class GradientReducer:
             acc[sel] = 0  # what reached the update leaves the residual
             if velocity is not None:
                 velocity[sel] = 0  # momentum factor masking
-            update = prep.update  # zeroed by the pass
+            update = prep.update  # zeroed by the pass, or the reused buffer
+            if prep.reused:
+                if self._update_nnz is None:
+                    update[...] = 0
+                else:
+                    update[self._update_nnz] = 0
+                self._update_nnz = result.indices
             vals = result.values
             update[result.indices] = vals / vals.dtype.type(p) if self.average and p > 1 else vals
             self._last.record(result.nnz, selected)
@@ -496,9 +516,12 @@ class GradientReducer:
 class _Prepared:
     """One step between its pass over the gradient and its collective."""
 
-    __slots__ = ("acc", "found", "mode", "old_velocity", "res", "selected", "update", "velocity")
+    __slots__ = (
+        "acc", "found", "mode", "old_velocity", "res", "reused", "selected", "update", "velocity",
+    )  # fmt: skip
 
     def __init__(self) -> None:
+        self.reused = False
         self.acc: Any = None
         self.res: Any = None
         self.old_velocity: Any = None

@@ -310,22 +310,70 @@ def test_options_are_validated(comm):
         GradientReducer(comm, 10, "allgather", 0.1, tau=3)
 
 
-@pytest.mark.parametrize("algorithm", ["allgather", "gtopk", "exdyna"])
-def test_nan_gradient_on_one_rank_raises_everywhere(comm, algorithm):
-    n = 400
-    red = GradientReducer(comm, n, algorithm, 0.05)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf])
+def test_nan_gradient_on_one_rank_raises_everywhere(comm, algorithm, bad_value):
+    """One policy for every algorithm: NaN or Inf anywhere in one rank's grad + residual
+    raises the same CollectiveInputError on every rank, naming ``grad`` and that rank, at
+    that step; no rank's residual or velocity changes, and the reducer goes on."""
+    n = 4000
+    red = GradientReducer(comm, n, algorithm, 0.01, momentum=0.9)
     g = np.random.default_rng([6, comm.rank]).standard_normal(n)
     red.step(g)
-    before = red.residual.copy()
+    before = red.residual.copy(), red.velocity.copy()
     bad = comm.size - 1
     g2 = g.copy()
     if comm.rank == bad:
-        g2[:] = np.nan  # NaN everywhere: it falls in exdyna's partition whichever it is
-    with pytest.raises(ValueError, match=f"NaN.*on rank {bad}"):
+        g2[[17, 3001]] = bad_value  # two entries, wherever exdyna's partition lies
+    with pytest.raises(sparsecoll.CollectiveInputError, match=f"grad holds NaN or Inf.*rank {bad}"):
         red.step(g2)
-    assert_all(comm, np.array_equal(red.residual, before), "a failed step changed the residual")
+    same = np.array_equal(red.residual, before[0]) and np.array_equal(red.velocity, before[1])
+    assert_all(comm, same, "a failed step changed the residual or the velocity")
+    assert_all(comm, red.steps == 1, "a failed step counted")
     red.step(g)  # and the reducer goes on
     assert_all(comm, red.steps == 2, "step counter")
+
+
+@pytest.mark.parametrize("algorithm", ["allgather", "oktopk", "exdyna"])
+def test_reset_equals_a_new_reducer(comm, algorithm):
+    """reset() drops residual, velocity, algorithm and selection state and statistics: the
+    next steps equal those of a newly built reducer."""
+    s = Stream(n=3000, kind="heavy", seed=4, steps=4, density=0.02, warmup=1, average=True)
+    red, _ = run(comm, s, algorithm, momentum=0.5)
+    red.reset()
+    assert red.residual is None and red.velocity is None and red.steps == 0
+    assert red.stats()["bytes_sent_total"] == 0
+    fresh = GradientReducer(comm, s.n, algorithm, s.density, warmup=1, momentum=0.5)
+    problems = []
+    for t in range(s.steps):
+        g = s.grad(comm.rank, t)
+        if not np.array_equal(red.step(g), fresh.step(g)):
+            problems.append(f"step {t} differs from a new reducer")
+    check_everywhere(comm, problems, [])
+
+
+@pytest.mark.parametrize("algorithm", ["allgather", "exdyna"])
+def test_out_buffer(comm, algorithm):
+    """step(grad, out=buf) writes the update into buf (grad itself allowed) and returns it;
+    reuse_update=True returns one buffer, updated in O(k), equal to a fresh update."""
+    n = 2000
+    red = GradientReducer(comm, n, algorithm, 0.02, warmup=1)
+    reuse = GradientReducer(comm, n, algorithm, 0.02, warmup=1, reuse_update=True)
+    twin = GradientReducer(comm, n, algorithm, 0.02, warmup=1)
+    problems = []
+    for t in range(4):
+        g = np.random.default_rng([t, comm.rank]).standard_normal(n)
+        want = twin.step(g)
+        buf = g.copy()
+        if red.step(buf, out=buf) is not buf or not np.array_equal(buf, want):
+            problems.append(f"step {t}: out differs")
+        got = reuse.step(g)
+        if not np.array_equal(got, want) or (t and not np.shares_memory(got, first)):
+            problems.append(f"step {t}: reused update differs")
+        first = got if t == 0 else first
+    with pytest.raises(sparsecoll.CollectiveInputError, match="out must have"):
+        red.step(g, out=np.empty(n - 1))
+    check_everywhere(comm, problems, [])
 
 
 @pytest.mark.parametrize("selection", ["reuse", "sampling", "gaussian"])
