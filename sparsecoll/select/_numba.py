@@ -644,6 +644,8 @@ def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype):
         bounds, starts, room, out_idx, out_val, counts, bad,
     )  # fmt: skip
     hits = int(counts.sum())
+    if hits > cap:  # more than asked for (the chunks' rooms add up to more than cap)
+        return out_idx[:0], out_val[:0], hits, int(bad.sum())
     if parts == 1 or np.all(counts <= room):
         if parts == 1:
             got = min(int(counts[0]), int(room[0]))
