@@ -297,12 +297,16 @@ def shutdown() -> None:
     """At interpreter exit: let every engine finish its queued calls, then stop its thread.
 
     Pending requests are completed (every rank submitted them, so their collectives
-    match); a call that cannot complete hangs here unless the watchdog is on.
+    match); a call that cannot complete hangs here unless the watchdog is on. When the
+    program dies of an uncaught exception, nothing is waited for: the other ranks may never
+    reach the pending calls, and the launcher ends the job on the non-zero exit.
     """
     with _registry_lock:
         engines = list(_engines)
     for engine in engines:
         engine.close(wait=False)
+    if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
+        return
     for engine in engines:
         engine.close(wait=True)
         if engine._watchdog is not None:
