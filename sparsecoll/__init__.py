@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from ._progress import SparseRequest, get_timeout, set_timeout
 from .algorithms.base import Algorithm
-from .api import allreduce
+from .api import allreduce, iallreduce
 from .comm import CommStats, Communicator
 from .errors import (
     AlgorithmExistsError,
@@ -27,11 +28,15 @@ __all__ = [
     "Communicator",
     "GradientReducer",
     "SparseCollError",
+    "SparseRequest",
     "SparseVector",
     "UnknownAlgorithmError",
     "__version__",
     "allreduce",
     "available_algorithms",
     "get_algorithm",
+    "get_timeout",
+    "iallreduce",
     "register_algorithm",
+    "set_timeout",
 ]

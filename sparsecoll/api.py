@@ -1,4 +1,5 @@
-"""The public entry point: ``sparsecoll.allreduce`` with collective input validation."""
+"""The public entry points: ``sparsecoll.allreduce`` with collective input validation, and its
+nonblocking twin ``sparsecoll.iallreduce``."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import numpy as np
 
 from . import errors
 from ._array import as_array, device_scope, get_array_module, identity
+from ._progress import SparseRequest, get_timeout
 from .algorithms.base import Algorithm
 from .comm import Communicator
 from .errors import CollectiveInputError, CollectiveTypeError
 from .registry import get_algorithm
 from .sparse import VALUE_DTYPES, SparseVector, check_local, coalesce
 
-__all__ = ["allreduce", "collective_check"]
+__all__ = ["allreduce", "collective_check", "iallreduce"]
 
 SIGNATURE_LEN = 8
 
@@ -50,8 +52,13 @@ def allreduce(
         CollectiveInputError (a ValueError) or CollectiveTypeError (a TypeError) on every
         rank when any rank's input is bad or n/dtype/algorithm differ across ranks; the
         message names the offending rank.
+
+    With the watchdog on (:func:`sparsecoll.set_timeout`), the call runs through the
+    progress engine (``iallreduce(...).wait()``), so that a hang ends in a diagnostic.
     """
     c = Communicator.wrap(comm)
+    if get_timeout() and not c.on_progress_thread():
+        return iallreduce(c, values, indices, n=n, algorithm=algorithm, **options).wait()
     algo: Any = None
     vals: Any = None
     idx: Any = None
@@ -89,6 +96,37 @@ def allreduce(
     if wrap is not identity:
         out.indices, out.values = wrap(out.indices), wrap(out.values)
     return out
+
+
+def iallreduce(
+    comm: Any,
+    values: Any,
+    indices: Any,
+    *,
+    n: int,
+    algorithm: str | Algorithm = "allgather",
+    **options: Any,
+) -> SparseRequest:
+    """Start :func:`allreduce` on the communicator's progress thread; return its request.
+
+    ``request.wait()`` returns the SparseVector (or raises what ``allreduce`` would have
+    raised, on every rank alike: input errors surface there, not here). Calls on a
+    communicator run one after the other in submission order, on a duplicate of it: every
+    rank must start them in the same order. ``values``, ``indices`` (and an Algorithm
+    instance) are borrowed: do not modify them until the request has completed. A blocking
+    call on the same communicator first waits for every pending request.
+
+    Raises:
+        RuntimeError: MPI was not initialized with MPI_THREAD_MULTIPLE.
+    """
+    c = Communicator.wrap(comm)
+    name = algorithm if isinstance(algorithm, str) else type(algorithm).__name__
+    label = f"iallreduce(algorithm={name!r}, n={n!r})"
+
+    def call() -> SparseVector:
+        return allreduce(c, values, indices, n=n, algorithm=algorithm, **options)
+
+    return c.engine().submit(call, label, owner=c)
 
 
 def _signature(algo: Any, vals: Any, n: Any) -> list[int]:

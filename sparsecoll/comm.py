@@ -12,6 +12,19 @@ apart in the ``meta_*`` fields):
 Device (CuPy) buffers go straight to MPI when the library is CUDA-aware (the current
 stream is synchronized first) and are staged through pinned host memory otherwise; either
 way the bytes counted are the payload's, staging copies are not communication.
+
+Polling mode (``Communicator(comm, poll=True)``, what the progress thread of nonblocking
+calls uses): every blocking operation is started with its nonblocking MPI variant and
+completed by ``Test`` calls with sleeps in between (exponential back-off from
+``POLL_MIN`` to ``POLL_MAX`` seconds), because MPI's blocking calls busy-poll a core
+(MPICH's do) that the training computation needs.
+
+Progress engine: :meth:`Communicator.engine` attaches one to the MPI communicator (an MPI
+attribute, so every Communicator wrapping the same MPI communicator shares it). While it
+exists, the communication methods of those Communicators route: called from the engine's
+thread they run on its duplicate communicator (counted in its stats); called from any other
+thread they first wait until every request submitted to it has completed, so a blocking
+call is always ordered after the nonblocking ones issued before it.
 """
 
 from __future__ import annotations
@@ -19,8 +32,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import math
 import os
+import pickle
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -29,6 +46,9 @@ import numpy as np
 from ._array import cupy_or_none, get_array_module, is_device_array, pinned_empty, synchronize
 
 __all__ = ["CommStats", "Communicator", "Request", "mpi_library_version"]
+
+POLL_MIN = 20e-6  # seconds: first sleep between two Test calls in polling mode
+POLL_MAX = 1e-3  # seconds: longest sleep (the added latency is at most about this)
 
 
 def _mpi() -> Any:
@@ -70,22 +90,42 @@ class CommStats:
         return dataclasses.asdict(self)
 
 
-class Request:
-    """A pending nonblocking operation; ``wait()`` completes it (and any device copy-back)."""
+def _poll(test: Callable[[], Any]) -> Any:
+    """Call ``test`` until it returns something true, sleeping (backing off) in between."""
+    delay = POLL_MIN
+    while not (flag := test()):
+        time.sleep(delay)
+        delay = min(2 * delay, POLL_MAX)
+    return flag
 
-    __slots__ = ("_done", "_finish", "_keep", "_req")
+
+class Request:
+    """A pending nonblocking operation; ``wait()`` completes it (and any device copy-back).
+
+    Requests of a polling Communicator complete by Test calls with sleeps, not Wait.
+    """
+
+    __slots__ = ("_done", "_finish", "_keep", "_poll", "_req")
 
     def __init__(
-        self, req: Any, finish: Callable[[], None] | None = None, keep: Any = None
+        self,
+        req: Any,
+        finish: Callable[[], None] | None = None,
+        keep: Any = None,
+        poll: bool = False,
     ) -> None:
         self._req = req
         self._finish = finish
         self._keep = keep  # a staged send buffer must outlive the request
         self._done = False
+        self._poll = poll
 
     def wait(self) -> None:
         if not self._done:
-            self._req.Wait()
+            if self._poll:
+                _poll(self._req.Test)
+            else:
+                self._req.Wait()
             self._complete()
 
     def _complete(self) -> None:
@@ -99,7 +139,11 @@ class Request:
     def waitall(requests: Sequence[Request]) -> None:
         pending = [r for r in requests if not r._done]
         if pending:
-            _mpi().Request.Waitall([r._req for r in pending])
+            reqs = [r._req for r in pending]
+            if any(r._poll for r in pending):
+                _poll(lambda: _mpi().Request.Testall(reqs))
+            else:
+                _mpi().Request.Waitall(reqs)
             for r in pending:
                 r._complete()
 
@@ -109,9 +153,19 @@ class Request:
         live = [i for i, r in enumerate(requests) if not r._done]
         if not live:
             return -1
-        j = _mpi().Request.Waitany([requests[i]._req for i in live])
+        reqs = [requests[i]._req for i in live]
+        if any(requests[i]._poll for i in live):
+            j = _poll(lambda: _any_done(reqs)) - 1
+        else:
+            j = _mpi().Request.Waitany(reqs)
         requests[live[j]]._complete()
         return live[j]
+
+
+def _any_done(reqs: list[Any]) -> int:
+    """1 + the position of a completed request in ``reqs``, or 0 when none has completed."""
+    j, flag = _mpi().Request.Testany(reqs)
+    return j + 1 if flag else 0
 
 
 def _query_cuda_aware(comm: Any = None) -> bool:
@@ -160,14 +214,52 @@ def _alloc_kinds(comm: Any) -> str:
     return str(value or "").lower()
 
 
+_ENGINE_KEYVAL: int | None = None  # MPI attribute key of the progress engine
+_KEYVAL_LOCK = threading.Lock()
+
+
+def _engine_keyval() -> int:
+    global _ENGINE_KEYVAL
+    with _KEYVAL_LOCK:
+        if _ENGINE_KEYVAL is None:
+            _ENGINE_KEYVAL = _mpi().Comm.Create_keyval(delete_fn=_engine_deleted)
+    return _ENGINE_KEYVAL
+
+
+def _engine_deleted(comm: Any, keyval: int, engine: Any) -> None:
+    # the user's communicator is being freed: let the thread finish its queue and end
+    # (no waiting here, inside MPI_Comm_free)
+    engine.close(wait=False)
+
+
+def _routed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a communication method on the progress engine's duplicate when called from the
+    engine's thread; from any other thread, wait for the engine's pending work first."""
+
+    @functools.wraps(fn)
+    def call(self: Communicator, *args: Any, **kwargs: Any) -> Any:
+        engine = self._attached_engine()
+        if engine is not None:
+            self = engine.route(self)
+        return fn(self, *args, **kwargs)
+
+    return call
+
+
+def _nonblocking(name: str) -> str:
+    """MPI's nonblocking variant of a blocking call: Allgatherv -> Iallgatherv."""
+    return "I" + name[0].lower() + name[1:]
+
+
 class Communicator:
     """Wrap an mpi4py ``Intracomm`` (default: COMM_WORLD) for sparsecoll's algorithms.
 
     Buffers are numpy or CuPy arrays; point-to-point payloads travel as raw bytes, so any
-    dtype (float16 included) passes unchanged.
+    dtype (float16 included) passes unchanged. ``poll=True`` completes every operation by
+    Test calls with sleeps in between instead of MPI's (busy-polling) blocking calls.
     """
 
-    def __init__(self, comm: Any = None) -> None:
+    def __init__(self, comm: Any = None, *, poll: bool = False) -> None:
         MPI = _mpi()
         if comm is None:
             comm = MPI.COMM_WORLD
@@ -184,16 +276,98 @@ class Communicator:
         self.stats = CommStats()
         self.last_stats = CommStats()  # what the last sparsecoll.allreduce moved
         self._cuda_aware: bool | None = None
+        self.poll = bool(poll)
 
     @classmethod
     def wrap(cls, comm: Any) -> Communicator:
         """Return ``comm`` if it already is a Communicator, else wrap it."""
         return comm if isinstance(comm, Communicator) else cls(comm)
 
+    # -- progress engine ------------------------------------------------------------------
+    def engine(self) -> Any:
+        """The progress engine of this MPI communicator, started on first use.
+
+        Starting it duplicates the communicator twice (collective: every rank must reach
+        its first nonblocking call on this communicator in the same order). Raises
+        RuntimeError when MPI was not initialized with MPI_THREAD_MULTIPLE.
+        """
+        engine = self._attached_engine()
+        if engine is not None:
+            return engine
+        if type(self) is not Communicator:
+            # a subclass (NCCLCommunicator) moves payloads its own way, outside the routing
+            raise NotImplementedError(
+                f"nonblocking calls on a {type(self).__name__} are not supported; use a "
+                f"Communicator"
+            )
+        MPI = _mpi()
+        level = MPI.Query_thread()
+        if level < MPI.THREAD_MULTIPLE:
+            names = {
+                MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
+                MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+                MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
+            }
+            raise RuntimeError(
+                f"nonblocking calls need MPI_THREAD_MULTIPLE (a progress thread calls MPI "
+                f"while yours may too), but MPI was initialized with "
+                f"{names.get(level, level)}: leave mpi4py.rc.thread_level at 'multiple' "
+                f"(its default) before importing mpi4py.MPI, with an MPI library that "
+                f"supports it"
+            )
+        from ._progress import Engine
+
+        work = self.mpi_comm.Dup()
+        alarm = self.mpi_comm.Dup()
+        engine = Engine(Communicator(work, poll=True), Communicator(alarm, poll=True))
+        self.mpi_comm.Set_attr(_engine_keyval(), engine)
+        return engine
+
+    def _attached_engine(self) -> Any:
+        if _ENGINE_KEYVAL is None:  # no engine anywhere yet
+            return None
+        return self.mpi_comm.Get_attr(_ENGINE_KEYVAL)
+
+    def on_progress_thread(self) -> bool:
+        """Whether the caller is this communicator's progress thread."""
+        engine = self._attached_engine()
+        return engine is not None and engine.is_worker_thread()
+
+    def abort(self, code: int = 1) -> None:
+        """MPI_Abort: end every process of the job."""
+        self.mpi_comm.Abort(code)
+
+    def try_recv_ints(self, tag: int) -> tuple[int, list[int]] | None:
+        """A small int64 message with ``tag`` from any rank, if one has arrived:
+        ``(source, values)``; None otherwise (never waits)."""
+        MPI = _mpi()
+        status = MPI.Status()
+        msg = self.mpi_comm.Improbe(MPI.ANY_SOURCE, tag, status)
+        if msg is None:
+            return None
+        out = np.empty(status.Get_count(MPI.BYTE) // 8, dtype=np.int64)
+        msg.Recv(out)  # already matched; a few eager bytes
+        return status.Get_source(), out.tolist()
+
+    def _complete(self, name: str, *args: Any) -> Any:
+        """Run MPI's blocking call ``name`` on this communicator, or in polling mode its
+        nonblocking variant completed by Test calls with sleeps."""
+        if self.poll:
+            req = getattr(self.mpi_comm, _nonblocking(name))(*args)
+            _poll(req.Test)
+            return None
+        return getattr(self.mpi_comm, name)(*args)
+
     # -- accounting ---------------------------------------------------------------------
     def reset_stats(self) -> None:
         self.stats = CommStats()
 
+    def _add_stats(self, delta: CommStats) -> None:
+        """Count traffic that ran elsewhere on this Communicator's behalf (its engine)."""
+        for f in dataclasses.fields(delta):
+            setattr(self.stats, f.name, getattr(self.stats, f.name) + getattr(delta, f.name))
+
+    @_routed
     @contextlib.contextmanager
     def measure(self) -> Iterator[CommStats]:
         """Context manager yielding a CommStats filled with what ran inside it."""
@@ -266,46 +440,58 @@ class Communicator:
         return int(buf.nbytes)
 
     # -- point-to-point -----------------------------------------------------------------
+    @_routed
     def send(self, buf: Any, dest: int, tag: int = 0) -> None:
-        self.mpi_comm.Send(self._send_view(buf), dest, tag)
+        self._complete("Send", self._send_view(buf), dest, tag)
         self._count_send(buf, dest)
 
+    @_routed
     def recv(self, buf: Any, source: int, tag: int = 0) -> None:
         view, finish = self._recv_view(buf)
-        self.mpi_comm.Recv(view, source, tag)
+        self._complete("Recv", view, source, tag)
         if finish:
             finish()
         self._count_recv(buf, source)
 
+    @_routed
     def isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
         view = self._send_view(buf)
         req = self.mpi_comm.Isend(view, dest, tag)
         self._count_send(buf, dest)
-        return Request(req, keep=view)
+        return Request(req, keep=view, poll=self.poll)
 
+    @_routed
     def irecv(self, buf: Any, source: int, tag: int = 0) -> Request:
         view, finish = self._recv_view(buf)
         req = self.mpi_comm.Irecv(view, source, tag)
         self._count_recv(buf, source)
-        return Request(req, finish)
+        return Request(req, finish, poll=self.poll)
 
+    @_routed
     def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
         view, finish = self._recv_view(recvbuf)
-        self.mpi_comm.Sendrecv(self._send_view(sendbuf), dest, tag, view, source, tag)
+        self._complete("Sendrecv", self._send_view(sendbuf), dest, tag, view, source, tag)
         if finish:
             finish()
         self._count_send(sendbuf, dest)
         self._count_recv(recvbuf, source)
 
+    @_routed
     def recv_bytes(self, source: int, tag: int = 0, xp: Any = np) -> Any:
         """Receive a message of unknown length from ``source`` as a uint8 array of module
         ``xp`` (numpy, or cupy to land it on the device)."""
         MPI = _mpi()
         status = MPI.Status()
-        msg = self.mpi_comm.Mprobe(source, tag, status)
+        if self.poll:
+            msg = _poll(lambda: self.mpi_comm.Improbe(source, tag, status))
+        else:
+            msg = self.mpi_comm.Mprobe(source, tag, status)
         buf = xp.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
         view, finish = self._recv_view(buf)
-        msg.Recv(view)
+        if self.poll:
+            _poll(msg.Irecv(view).Test)
+        else:
+            msg.Recv(view)
         if finish:
             finish()
         self._count_recv(buf, source)
@@ -322,6 +508,7 @@ class Communicator:
             self.stats.messages_recv += 1
 
     # -- payload collectives ------------------------------------------------------------
+    @_routed
     def allgatherv(
         self, sendbuf: Any, counts: Sequence[int] | None = None
     ) -> tuple[Any, list[int]]:
@@ -343,8 +530,10 @@ class Communicator:
         bcounts = [c * item for c in counts]
         displs = np.concatenate(([0], np.cumsum(bcounts)[:-1])).tolist()
         MPI = _mpi()
-        self.mpi_comm.Allgatherv(
-            [self._send_view(sendbuf), MPI.BYTE], [rview, (bcounts, displs), MPI.BYTE]
+        self._complete(
+            "Allgatherv",
+            [self._send_view(sendbuf), MPI.BYTE],
+            [rview, (bcounts, displs), MPI.BYTE],
         )
         if finish:
             finish()
@@ -357,6 +546,7 @@ class Communicator:
         self.stats.messages_sent += self._log2()
         self.stats.messages_recv += self._log2()
 
+    @_routed
     def alltoallv(self, sendbuf: Any, sendcounts: Sequence[int]) -> tuple[Any, list[int]]:
         """Send ``sendcounts[j]`` consecutive elements of ``sendbuf`` to rank j.
 
@@ -372,8 +562,10 @@ class Communicator:
         rd = np.concatenate(([0], np.cumsum(rb)[:-1])).tolist()
         rview, finish = self._recv_view(out)
         MPI = _mpi()
-        self.mpi_comm.Alltoallv(
-            [self._send_view(sendbuf), (sb, sd), MPI.BYTE], [rview, (rb, rd), MPI.BYTE]
+        self._complete(
+            "Alltoallv",
+            [self._send_view(sendbuf), (sb, sd), MPI.BYTE],
+            [rview, (rb, rd), MPI.BYTE],
         )
         if finish:
             finish()
@@ -387,6 +579,7 @@ class Communicator:
         self.stats.messages_sent += sum(1 for j, c in enumerate(sb) if c and j != me)
         self.stats.messages_recv += sum(1 for j, c in enumerate(rb) if c and j != me)
 
+    @_routed
     def allreduce(self, buf: Any) -> Any:
         """Sum a dense float array over all ranks (MPI_Allreduce); returns a new array.
 
@@ -404,7 +597,8 @@ class Communicator:
             mpitype = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}
             count = int(work.size)
             rview, finish = self._recv_view(out)
-            self.mpi_comm.Allreduce(
+            self._complete(
+                "Allreduce",
                 [self._send_view(work), count, mpitype[work.dtype]],
                 [rview, count, mpitype[work.dtype]],
                 MPI.SUM,
@@ -427,62 +621,87 @@ class Communicator:
             self.stats.meta_bytes_sent += nbytes
             self.stats.meta_messages_sent += messages
 
+    @_routed
     def allreduce_ints(self, values: Sequence[int] | np.ndarray, op: str = "sum") -> np.ndarray:
         """Reduce a small int64 vector over all ranks with ``op`` in sum/max/min."""
         MPI = _mpi()
         a = np.ascontiguousarray(values, dtype=np.int64)
         out = np.empty_like(a)
-        self.mpi_comm.Allreduce(a, out, {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
+        self._complete("Allreduce", a, out, {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
         self._meta(2 * a.nbytes, 2 * self._log2())
         return out
 
+    @_routed
     def allreduce_floats(self, values: Sequence[float] | np.ndarray, op: str = "sum") -> np.ndarray:
         """Reduce a small float64 vector over all ranks with ``op`` in sum/max/min."""
         MPI = _mpi()
         a = np.ascontiguousarray(values, dtype=np.float64)
         out = np.empty_like(a)
-        self.mpi_comm.Allreduce(a, out, {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
+        self._complete("Allreduce", a, out, {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
         self._meta(2 * a.nbytes, 2 * self._log2())
         return out
 
+    @_routed
     def allgather_ints(self, value: int | Sequence[int]) -> Any:
         """Gather one int (or a fixed-length int vector) from every rank: list or (P, m) array."""
         scalar = np.ndim(value) == 0
         a = np.ascontiguousarray(np.atleast_1d(np.asarray(value, dtype=np.int64)))
         out = np.empty((self.size, a.shape[0]), dtype=np.int64)
-        self.mpi_comm.Allgather(a, out)
+        self._complete("Allgather", a, out)
         self._meta(a.nbytes * (self.size - 1), self._log2())
         return out[:, 0].tolist() if scalar else out
 
+    @_routed
     def alltoall_ints(self, values: Sequence[int]) -> list[int]:
         """Send ``values[j]`` to rank j; return what every rank sent to this one."""
         a = np.ascontiguousarray(values, dtype=np.int64)
         out = np.empty_like(a)
-        self.mpi_comm.Alltoall(a, out)
+        self._complete("Alltoall", a, out)
         self._meta(a.nbytes * (self.size - 1) // max(self.size, 1), self.size - 1)
         return out.tolist()
 
+    @_routed
     def sendrecv_ints(self, values: int | Sequence[int], dest: int, source: int, tag: int = 0):
         """Send a few ints to ``dest`` while receiving as many from ``source`` (metadata:
         e.g. the size of the payload that follows, so no probe is needed)."""
         scalar = np.ndim(values) == 0
         a = np.atleast_1d(np.asarray(values, dtype=np.int64))
         out = np.empty_like(a)
-        self.mpi_comm.Sendrecv(a, dest, tag, out, source, tag)
+        self._complete("Sendrecv", a, dest, tag, out, source, tag)
         if dest != self.rank:
             self._meta(a.nbytes, 1)
         return int(out[0]) if scalar else out.tolist()
 
+    @_routed
     def bcast_object(self, obj: Any, root: int) -> Any:
         """Broadcast a small picklable object (error reports, configuration)."""
-        return self.mpi_comm.bcast(obj, root=root)
+        if not self.poll:
+            return self.mpi_comm.bcast(obj, root=root)
+        data = pickle.dumps(obj) if self.rank == root else b""
+        size = np.array([len(data)], dtype=np.int64)
+        self._complete("Bcast", size, root)
+        buf = np.frombuffer(data, np.uint8).copy() if self.rank == root else None
+        buf = buf if buf is not None else np.empty(int(size[0]), dtype=np.uint8)
+        self._complete("Bcast", buf, root)
+        return pickle.loads(buf.tobytes())
 
+    @_routed
     def allgather_object(self, obj: Any) -> list[Any]:
         """Gather a small picklable object from every rank."""
-        return self.mpi_comm.allgather(obj)
+        if not self.poll:
+            return self.mpi_comm.allgather(obj)
+        data = np.frombuffer(pickle.dumps(obj), np.uint8)
+        sizes = np.empty(self.size, dtype=np.int64)
+        self._complete("Allgather", np.array([data.shape[0]], dtype=np.int64), sizes)
+        out = np.empty(int(sizes.sum()), dtype=np.uint8)
+        displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        MPI = _mpi()
+        self._complete("Allgatherv", [data, MPI.BYTE], [out, (sizes, displs), MPI.BYTE])
+        return [pickle.loads(out[d : d + c].tobytes()) for d, c in zip(displs, sizes)]
 
+    @_routed
     def barrier(self) -> None:
-        self.mpi_comm.Barrier()
+        self._complete("Barrier")
 
     @staticmethod
     def wtime() -> float:

@@ -183,6 +183,19 @@ class GradientReducer:
         self.steps += 1
         return wrap(update.reshape(arr.shape))
 
+    def step_async(self, grad: Any, out: Any = None) -> Any:
+        """Start :meth:`step` on the communicator's progress thread; ``wait()`` on the
+        returned :class:`sparsecoll.SparseRequest` gives the update (or the step's error).
+
+        Steps run in submission order. ``grad`` (and ``out``) are borrowed, and the
+        reducer's state is in use, until the request completes: wait for it before
+        calling :meth:`step` or reading the reducer's state.
+        """
+        kw = {} if out is None else {"out": out}
+        return self.comm.engine().submit(
+            lambda: self.step(grad, **kw), f"step_async({self.algorithm_name!r})", self.comm
+        )
+
     def stats(self) -> dict[str, Any]:
         """Requested and achieved density, and bytes per rank (last step and in total).
 

@@ -7,7 +7,9 @@ import); the ranks check, collectively:
   parameters as DDP's default allreduce hook;
 * allgather, gtopk, oktopk and exdyna at density 0.1 train (the loss falls), parameters stay
   identical on both ranks, and each sends fewer bytes than dense;
-* DDP rebuilt its buckets after the first iteration and the hook coped (several buckets).
+* DDP rebuilt its buckets after the first iteration and the hook coped (several buckets);
+* the asynchronous hook (buckets reduced on the progress thread while backward goes on)
+  gives bit for bit the parameters of the synchronous one, warm-up iterations included.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def _worker() -> None:
         import sparsecoll
         from sparsecoll.integrations.torch import (
             SparseHookState,
+            async_sparse_allreduce_hook,
             init_process_group,
             sparse_allreduce_hook,
         )
@@ -88,6 +91,19 @@ def _worker() -> None:
             problems.append("density 1.0 differs from the default hook")
         if state.stats()["buckets"] < 2:
             problems.append(f"expected several buckets, got {state.stats()['buckets']}")
+
+        # the overlapping hook: same updates as the synchronous one (2 dense warm-up
+        # iterations, then sparse with error feedback)
+        for name in ("allgather", "exdyna"):
+            if name not in sparsecoll.available_algorithms():
+                continue
+            runs = []
+            for hook in (sparse_allreduce_hook, async_sparse_allreduce_hook):
+                state = SparseHookState(comm, name, density=0.1, warmup=2)
+                runs.append(_train(torch, DistributedDataParallel, state, hook, rank, steps=8))
+            (p_sync, l_sync), (p_async, l_async) = runs
+            if l_sync != l_async or not all(torch.equal(a, b) for a, b in zip(p_sync, p_async)):
+                problems.append(f"{name}: the async hook's updates differ from the sync hook's")
 
         # the hook is algorithm-agnostic (tests/mpi/test_reducer.py covers every algorithm):
         # one of each kind keeps this run short

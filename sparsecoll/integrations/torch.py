@@ -9,6 +9,10 @@ Three lines in a training script (after the model is built)::
     ddp.register_comm_hook(sc_torch.SparseHookState(density=0.01, algorithm="exdyna"),
                            sc_torch.sparse_allreduce_hook)
 
+:func:`async_sparse_allreduce_hook` (same state) overlaps: it queues each bucket on the
+communicator's progress thread and returns a pending future, so early buckets are reduced
+while backward computes the rest (see docs/api.md, "Nonblocking calls").
+
 DDP needs a torch process group even when the hook does all the gradient traffic (it
 broadcasts the initial parameters and checks their shapes through it): gloo is enough.
 DDP rebuilds its buckets after the first iteration (in the order gradients became ready), so
@@ -29,7 +33,12 @@ from .._array import as_array
 from ..comm import CommStats, Communicator
 from ..training import GradientReducer
 
-__all__ = ["SparseHookState", "init_process_group", "sparse_allreduce_hook"]
+__all__ = [
+    "SparseHookState",
+    "async_sparse_allreduce_hook",
+    "init_process_group",
+    "sparse_allreduce_hook",
+]
 
 
 def _torch() -> Any:
@@ -82,7 +91,8 @@ def init_process_group(
 
 
 class SparseHookState:
-    """State of :func:`sparse_allreduce_hook`: one GradientReducer per DDP bucket.
+    """State of :func:`sparse_allreduce_hook` (or :func:`async_sparse_allreduce_hook`): one
+    GradientReducer per DDP bucket.
 
     Args:
         comm: an mpi4py Intracomm or a sparsecoll Communicator (default: COMM_WORLD).
@@ -91,7 +101,8 @@ class SparseHookState:
         **options: more GradientReducer options (``error_feedback``, algorithm options).
 
     Every rank must build the same state. ``stats()`` sums the byte counts over buckets;
-    ``state_dict()``/``load_state_dict()`` save and restore every bucket's reducer.
+    ``state_dict()``/``load_state_dict()`` save and restore every bucket's reducer (with the
+    asynchronous hook: after the iteration's backward, when no bucket is in flight).
     """
 
     __slots__ = (
@@ -190,6 +201,32 @@ class SparseHookState:
         self._pending = dict(state["reducers"])
 
 
+def _reduce_bucket(state: SparseHookState, buf: Any, red: GradientReducer | None) -> None:
+    """Overwrite ``buf`` with the bucket's average: dense during the warm-up (``red`` None),
+    else ``red``'s sparse update."""
+    if red is None:
+        arr, _ = as_array(buf, "bucket")
+        with state.comm.measure() as st:
+            total = state.comm.allreduce(arr)
+        for f in ("bytes_sent", "bytes_recv", "messages_sent", "meta_bytes_sent"):
+            setattr(state._dense_stats, f, getattr(state._dense_stats, f) + getattr(st, f))
+        arr[...] = total / state.comm.size
+    else:
+        buf.copy_(red.step(buf).reshape(buf.shape))
+
+
+def _bucket_reducer(state: SparseHookState, bucket: Any) -> GradientReducer | None:
+    """The bucket's reducer (None during the warm-up); counts the iteration on its last
+    bucket."""
+    buf = bucket.buffer()
+    red = None
+    if state.iteration >= state.warmup:
+        red = state.reducer(bucket.index(), int(buf.numel()), str(buf.dtype))
+    if bucket.is_last():
+        state.iteration += 1
+    return red
+
+
 # DDP checks a hook's annotations against dist.GradBucket / Future[Tensor] at registration;
 # bucket and return stay unannotated so that torch need not be imported to define the hook.
 def sparse_allreduce_hook(state: SparseHookState, bucket):
@@ -200,18 +237,36 @@ def sparse_allreduce_hook(state: SparseHookState, bucket):
     """
     torch = _torch()
     buf = bucket.buffer()
-    if state.iteration < state.warmup:
-        arr, _ = as_array(buf, "bucket")
-        with state.comm.measure() as st:
-            total = state.comm.allreduce(arr)
-        for f in ("bytes_sent", "bytes_recv", "messages_sent", "meta_bytes_sent"):
-            setattr(state._dense_stats, f, getattr(state._dense_stats, f) + getattr(st, f))
-        arr[...] = total / state.comm.size
-    else:
-        red = state.reducer(bucket.index(), int(buf.numel()), str(buf.dtype))
-        buf.copy_(red.step(buf).reshape(buf.shape))
-    if bucket.is_last():
-        state.iteration += 1
+    _reduce_bucket(state, buf, _bucket_reducer(state, bucket))
     fut = torch.futures.Future()
     fut.set_result(buf)
+    return fut
+
+
+def async_sparse_allreduce_hook(state: SparseHookState, bucket):
+    """DDP communication hook, overlapping: like :func:`sparse_allreduce_hook`, but the
+    bucket is reduced on the communicator's progress thread while backward goes on.
+
+    Returns a pending ``torch.futures.Future``, completed from the progress thread with the
+    bucket's buffer (overwritten with the averaged update) or with the reduction's error.
+    DDP lends the bucket's buffer until the future completes. Buckets are reduced in the
+    order DDP hands them over (the same on every rank); warm-up iterations too.
+    """
+    torch = _torch()
+    buf = bucket.buffer()
+    iteration = state.iteration
+    red = _bucket_reducer(state, bucket)
+    fut = torch.futures.Future()
+
+    def run() -> None:
+        try:
+            _reduce_bucket(state, buf, red)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            raise
+        fut.set_result(buf)
+
+    what = "dense warm-up" if red is None else repr(state.algorithm)
+    label = f"ddp bucket {bucket.index()} ({what}, iteration {iteration})"
+    state.comm.engine().submit(run, label, owner=state.comm)
     return fut

@@ -1,0 +1,313 @@
+"""Nonblocking calls: a progress thread per communicator, requests, and the watchdog.
+
+Each MPI communicator used for nonblocking calls gets one :class:`Engine` (see
+:meth:`sparsecoll.Communicator.engine`): a daemon thread that runs the submitted calls one
+after the other, in submission order, on a duplicate of the communicator in polling mode
+(so neither the user's own traffic can interleave with it nor its waiting spin a core).
+Every rank must submit its calls in the same order, as with blocking collectives.
+
+The watchdog (off by default; :func:`set_timeout` or ``SPARSECOLL_TIMEOUT=seconds``) watches
+the call each engine is running: past the timeout it prints this rank's state to stderr,
+asks every other rank (a small message on a second duplicate, never a collective) to print
+theirs, and after a short grace period calls MPI_Abort.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Engine", "SparseRequest", "get_timeout", "set_timeout"]
+
+ALARM_TAG = 0x5C7  # tag of the watchdog's messages, on the engine's own duplicate
+WATCH_PERIOD = 0.05  # seconds between two looks of the watchdog
+GRACE = 1.0  # seconds the other ranks get to print their state before MPI_Abort
+
+_timeout: float | None = None
+_timeout_read = False
+_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+_atexit_registered = False
+_registry_lock = threading.Lock()
+
+
+def set_timeout(seconds: float | None) -> None:
+    """Turn the watchdog on (a timeout in seconds) or off (None or 0), on this rank.
+
+    Set the same value on every rank (``SPARSECOLL_TIMEOUT`` in the job's environment
+    does). With a timeout, blocking :func:`sparsecoll.allreduce` calls also run through
+    the progress engine, so that the watchdog sees them.
+    """
+    global _timeout, _timeout_read
+    if seconds is not None:
+        seconds = float(seconds)
+        if not seconds >= 0:
+            raise ValueError(f"timeout must be >= 0 seconds or None, got {seconds!r}")
+    _timeout = seconds or None
+    _timeout_read = True
+
+
+def get_timeout() -> float | None:
+    """The watchdog's timeout in seconds (None: off); ``SPARSECOLL_TIMEOUT`` is read once."""
+    global _timeout_read
+    if not _timeout_read:
+        env = os.environ.get("SPARSECOLL_TIMEOUT", "").strip()
+        try:
+            set_timeout(float(env) if env else None)
+        except ValueError:
+            raise ValueError(
+                f"SPARSECOLL_TIMEOUT must be a number of seconds, got {env!r}"
+            ) from None
+        _timeout_read = True
+    return _timeout
+
+
+class SparseRequest:
+    """A nonblocking call in flight; in the style of mpi4py requests and
+    ``concurrent.futures``.
+
+    ``wait()`` returns the call's result (a SparseVector for :func:`sparsecoll.iallreduce`,
+    the dense update for ``GradientReducer.step_async``) or raises its error; ``test()`` and
+    ``done()`` say whether it has completed, without waiting.
+    """
+
+    __slots__ = ("_error", "_event", "_value", "call", "label")
+
+    def __init__(self, call: int, label: str) -> None:
+        self.call = call  # 1-based position among the engine's calls
+        self.label = label
+        self._event = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block (without spinning) until the call completes; return its result.
+
+        Raises:
+            TimeoutError: not complete within ``timeout`` seconds; the call goes on, and a
+                later ``wait()`` can still complete it.
+            The call's own error (e.g. CollectiveInputError), on every rank alike.
+        """
+        if not self._event.wait(timeout):
+            raise TimeoutError(
+                f"{self.label} (call #{self.call}) did not complete within {timeout} s"
+            )
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    result = wait
+
+    def test(self) -> bool:
+        """Whether the call has completed (successfully or not); never waits."""
+        return self._event.is_set()
+
+    done = test
+
+    def exception(self) -> BaseException | None:
+        """The call's error once completed (None if it succeeded or is still running)."""
+        return self._error
+
+    def __repr__(self) -> str:
+        state = "done" if self.test() else "pending"
+        return f"<SparseRequest #{self.call} {self.label} {state}>"
+
+    def _finish(self, value: Any, error: BaseException | None) -> None:
+        self._value, self._error = value, error
+        self._event.set()
+
+
+class Engine:
+    """One progress thread: runs submitted calls in order on ``comm`` (a polling duplicate).
+
+    ``alarm`` is a second duplicate, used only by the watchdog.
+    """
+
+    def __init__(self, comm: Any, alarm: Any) -> None:
+        self.comm = comm
+        self._alarm = alarm
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[SparseRequest, Callable[[], Any], Any]] = deque()
+        self._submitted = 0
+        self._completed = 0
+        self._closed = False
+        self._current: SparseRequest | None = None
+        self._started = 0.0
+        self._last = ""
+        self._reported = False
+        self._watchdog: threading.Thread | None = None
+        self._thread = threading.Thread(
+            target=self._loop, name=f"sparsecoll-progress-{comm.rank}", daemon=True
+        )
+        self._thread.start()
+        global _atexit_registered
+        with _registry_lock:
+            _engines.add(self)
+            if not _atexit_registered:
+                atexit.register(shutdown)
+                _atexit_registered = True
+
+    # -- the user's side ------------------------------------------------------------------
+    def submit(self, fn: Callable[[], Any], label: str, owner: Any = None) -> SparseRequest:
+        """Queue ``fn`` (it calls collectives; every rank submits the same calls in the same
+        order); its traffic is added to ``owner``'s stats (a Communicator) when it ends."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the progress engine of this communicator is shut down")
+            self._submitted += 1
+            req = SparseRequest(self._submitted, label)
+            self._queue.append((req, fn, owner))
+            self._cond.notify_all()
+        if self._watchdog is None and get_timeout():
+            self._start_watchdog()
+        return req
+
+    def drain(self) -> None:
+        """Wait until every call submitted so far has completed."""
+        if self._completed == self._submitted:
+            return
+        with self._cond:
+            target = self._submitted
+            while self._completed < target:
+                self._cond.wait()
+
+    def route(self, comm: Any) -> Any:
+        """The Communicator that ``comm``'s calls should use from the calling thread."""
+        if threading.get_ident() == self._thread.ident:
+            return self.comm
+        self.drain()
+        return comm
+
+    def is_worker_thread(self) -> bool:
+        return threading.get_ident() == self._thread.ident
+
+    def pending(self) -> int:
+        """How many submitted calls have not completed."""
+        return self._submitted - self._completed
+
+    def cpu_time(self) -> float:
+        """CPU seconds the progress thread has used so far (Linux, macOS)."""
+        ident = self._thread.ident
+        if ident is None or not self._thread.is_alive():
+            return 0.0
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+
+    def close(self, wait: bool = True) -> None:
+        """Accept no more calls; the thread ends after the queued ones (joined if ``wait``)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if wait and not self.is_worker_thread():
+            self._thread.join()
+
+    # -- the progress thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                req, fn, owner = self._queue.popleft()
+                self._current, self._started = req, time.monotonic()
+            before = self.comm.stats.copy()
+            try:
+                value, error = fn(), None
+            except BaseException as exc:  # the error belongs to the request
+                value, error = None, exc
+            if owner is not None and owner is not self.comm:
+                owner._add_stats(self.comm.stats - before)
+            req._finish(value, error)
+            with self._cond:
+                self._current = None
+                self._last = req.label
+                self._completed += 1
+                self._cond.notify_all()
+
+    # -- watchdog ---------------------------------------------------------------------------
+    def _start_watchdog(self) -> None:
+        with self._cond:
+            if self._watchdog is not None:
+                return
+            self._watchdog = threading.Thread(
+                target=self._watch, name=f"sparsecoll-watchdog-{self.comm.rank}", daemon=True
+            )
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        while self._thread.is_alive():
+            time.sleep(WATCH_PERIOD)
+            timeout = get_timeout()
+            with self._cond:
+                current, started = self._current, self._started
+            if timeout and current is not None and time.monotonic() - started > timeout:
+                self._fire(timeout)
+            alarm = self._alarm.try_recv_ints(ALARM_TAG)
+            if alarm is not None:
+                self._report(f"rank {alarm[0]} timed out in its call #{alarm[1][0]}")
+
+    def state(self) -> str:
+        """This rank's progress: which call it has reached, with which algorithm."""
+        with self._cond:
+            current, started = self._current, self._started
+            submitted, completed, last = self._submitted, self._completed, self._last
+        if current is not None:
+            now = f"in call #{current.call} {current.label} for {time.monotonic() - started:.1f} s"
+        elif completed:
+            now = f"idle after call #{completed} {last}"
+        else:
+            now = "idle, no call yet"
+        return f"{now} ({submitted} submitted, {completed} completed)"
+
+    def _report(self, why: str) -> None:
+        if self._reported:
+            return
+        self._reported = True
+        c = self.comm
+        _stderr(f"sparsecoll watchdog: rank {c.rank} of {c.size}: {self.state()}; {why}")
+
+    def _fire(self, timeout: float) -> None:
+        with self._cond:
+            call = self._current.call if self._current is not None else self._completed
+        c = self._alarm
+        self._report(f"timeout {timeout:g} s expired (SPARSECOLL_TIMEOUT); aborting the job")
+        msg = np.array([call], dtype=np.int64)
+        sends = [c.isend(msg, r, ALARM_TAG) for r in range(c.size) if r != c.rank]
+        time.sleep(GRACE)  # the other ranks print their state meanwhile
+        del sends
+        c.abort(1)
+
+
+def _stderr(line: str) -> None:
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:  # pragma: no cover - stderr closed
+        print(line, file=sys.stderr, flush=True)
+
+
+def shutdown() -> None:
+    """At interpreter exit: let every engine finish its queued calls, then stop its thread.
+
+    Pending requests are completed (every rank submitted them, so their collectives
+    match); a call that cannot complete hangs here unless the watchdog is on. When the
+    program dies of an uncaught exception, nothing is waited for: the other ranks may never
+    reach the pending calls, and the launcher ends the job on the non-zero exit.
+    """
+    with _registry_lock:
+        engines = list(_engines)
+    for engine in engines:
+        engine.close(wait=False)
+    if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
+        return
+    for engine in engines:
+        engine.close(wait=True)
+        if engine._watchdog is not None:
+            engine._watchdog.join()

@@ -1,0 +1,139 @@
+"""Nonblocking calls under MPI: iallreduce equals allreduce bit for bit (every algorithm,
+several requests outstanding), mixed blocking and nonblocking calls, errors through wait(),
+step_async equals step, wait(timeout=), byte accounting."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import sparsecoll
+from sparsecoll.registry import algorithm_class
+from sparsecoll.training import GradientReducer
+
+from .cases import assert_all, digest
+
+NAMES = sparsecoll.available_algorithms()
+N = 3000
+K = 60
+
+
+def _input(rank: int, seed: int):
+    rng = np.random.default_rng([seed, rank])
+    idx = rng.integers(0, N, K).astype(np.int64)
+    return rng.standard_normal(K).astype(np.float32), idx
+
+
+def _opts(name: str) -> dict:
+    return algorithm_class(name).default_options(N, K)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_iallreduce_equals_allreduce(comm, name):
+    inputs = [_input(comm.rank, seed) for seed in range(3)]
+    reqs = [
+        sparsecoll.iallreduce(comm, v, i, n=N, algorithm=name, **_opts(name)) for v, i in inputs
+    ]
+    got = [r.wait() for r in reqs]
+    assert_all(comm, all(r.done() and r.test() for r in reqs))
+    want = [sparsecoll.allreduce(comm, v, i, n=N, algorithm=name, **_opts(name)) for v, i in inputs]
+    for g, w in zip(got, want):
+        assert_all(comm, digest(g) == digest(w), f"{name}: iallreduce differs from allreduce")
+        assert_all(comm, g.info["stats"] == w.info["stats"], f"{g.info} != {w.info}")
+
+
+def test_mixed_blocking_and_nonblocking(comm):
+    inputs = [_input(comm.rank, seed) for seed in range(4)]
+    want = [digest(sparsecoll.allreduce(comm, v, i, n=N)) for v, i in inputs]
+    first = sparsecoll.iallreduce(comm, *inputs[0], n=N)
+    second = sparsecoll.iallreduce(comm, *inputs[1], n=N)
+    blocking = sparsecoll.allreduce(comm, *inputs[2], n=N)
+    # a blocking call on the communicator is ordered after the requests issued before it
+    assert_all(comm, first.done() and second.done(), "blocking call overtook pending requests")
+    fourth = sparsecoll.iallreduce(comm.mpi_comm, *inputs[3], n=N)  # a raw mpi4py comm too
+    got = [first.wait(), second.wait(), blocking, fourth.wait()]
+    assert_all(comm, [digest(g) for g in got] == want, "mixed calls give other results")
+
+
+def test_stats_of_requests(comm):
+    vals, idx = _input(comm.rank, 5)
+    with comm.measure() as st:
+        out = sparsecoll.iallreduce(comm, vals, idx, n=N).wait()
+    with comm.measure() as want:
+        ref = sparsecoll.allreduce(comm, vals, idx, n=N)
+    # the Communicator counts its requests' traffic (metadata included) once they complete
+    assert_all(comm, st == want, f"{st} != {want}")
+    assert_all(comm, out.info["stats"] == ref.info["stats"], f"{out.info} != {ref.info}")
+    if comm.size > 1:
+        assert_all(comm, st.bytes_sent > 0)
+
+
+@pytest.mark.parametrize("name", ["allgather", "gtopk"])
+def test_bad_input_raises_everywhere_through_wait(comm, name):
+    bad = comm.size - 1
+    vals, idx = _input(comm.rank, 1)
+    if comm.rank == bad:
+        idx = idx.copy()
+        idx[3] = N + 5
+    req = sparsecoll.iallreduce(comm, vals, idx, n=N, algorithm=name, **_opts(name))
+    try:
+        req.wait()
+        got = None
+    except sparsecoll.CollectiveInputError as exc:
+        got = str(exc)
+    assert_all(comm, got is not None and "out of range" in got and f"rank {bad}" in got, got)
+    assert_all(comm, len(set(comm.allgather_object(got))) == 1)
+    assert_all(comm, req.done() and isinstance(req.exception(), ValueError))
+    # the engine goes on
+    out = sparsecoll.iallreduce(comm, *_input(comm.rank, 2), n=N).wait()
+    assert_all(comm, out.n == N)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_async_equals_step(comm, name):
+    n, steps = 2000, 4
+    grads = [
+        np.random.default_rng([9, comm.rank, t]).standard_normal(n).astype(np.float32)
+        for t in range(steps)
+    ]
+    sync = GradientReducer(comm, n, name, 0.05, warmup=1)
+    want = [sync.step(g) for g in grads]
+    red = GradientReducer(comm, n, name, 0.05, warmup=1)
+    reqs = [red.step_async(g) for g in grads]  # all outstanding at once
+    got = [r.wait() for r in reqs]
+    same = all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert_all(comm, same, f"{name}: step_async updates differ from step's")
+    assert_all(comm, np.array_equal(red.residual, sync.residual) and red.steps == steps)
+    assert_all(comm, red.stats()["bytes_sent_total"] == sync.stats()["bytes_sent_total"])
+
+
+def test_wait_timeout_leaves_the_request_running(comm):
+    engine = comm.engine()
+    gate = threading.Event()
+    blocker = engine.submit(gate.wait, "gate")  # holds the queue (local, no communication)
+    req = sparsecoll.iallreduce(comm, *_input(comm.rank, 3), n=N)
+    with pytest.raises(TimeoutError, match="did not complete within"):
+        req.wait(timeout=0.05)
+    assert not req.test() and not req.done()
+    gate.set()
+    assert blocker.wait() is True
+    out = req.wait(timeout=600)
+    assert_all(comm, digest(out) == digest(sparsecoll.allreduce(comm, *_input(comm.rank, 3), n=N)))
+
+
+def test_wait_timeout_while_other_ranks_are_late(comm):
+    if comm.size == 1:
+        pytest.skip("needs a rank that is late")
+    vals, idx = _input(comm.rank, 4)
+    if comm.rank == 0:
+        req = sparsecoll.iallreduce(comm, vals, idx, n=N)
+        with pytest.raises(TimeoutError):
+            req.wait(timeout=0.05)  # the others have not started it yet
+        comm.mpi_comm.Barrier()  # raw MPI: a sparsecoll call would wait for req first
+    else:
+        comm.mpi_comm.Barrier()
+        req = sparsecoll.iallreduce(comm, vals, idx, n=N)
+    out = req.wait()
+    assert_all(comm, digest(out) == digest(sparsecoll.allreduce(comm, vals, idx, n=N)))
