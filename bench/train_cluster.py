@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
     ap.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--lr-warmup", type=int, default=20, help="linear warm-up steps, then constant")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     ap.add_argument("--seed", type=int, default=0)
@@ -408,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             f"optimizer={args.optimizer} lr={args.lr} density={args.density} "
             f"bucket_mb={args.bucket_mb} seed={args.seed}"
         )
+        print(f"# load average at start (1/5/15 min, whole machine): {os.getloadavg()}")
         sys.stdout.flush()
     target, limit, compute_s, summary = args.target, None, None, {}
     for method in methods:
@@ -425,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                 w.writeheader()
                 w.writerows(rows)
     if comm.rank == 0:
+        print(f"# load average at end (1/5/15 min, whole machine): {os.getloadavg()}")
         print_summary(summary, target)
     return 0
 
