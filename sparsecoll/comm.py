@@ -367,10 +367,19 @@ class Communicator:
         for f in dataclasses.fields(delta):
             setattr(self.stats, f.name, getattr(self.stats, f.name) + getattr(delta, f.name))
 
-    @_routed
+    def measure(self) -> contextlib.AbstractContextManager[CommStats]:
+        """Context manager yielding a CommStats filled with what ran inside it.
+
+        On the progress thread it measures the engine's duplicate; elsewhere it does not
+        wait for pending requests (their traffic is counted when they complete).
+        """
+        engine = self._attached_engine()
+        if engine is not None and engine.is_worker_thread():
+            return engine.comm._measure()
+        return self._measure()
+
     @contextlib.contextmanager
-    def measure(self) -> Iterator[CommStats]:
-        """Context manager yielding a CommStats filled with what ran inside it."""
+    def _measure(self) -> Iterator[CommStats]:
         before = self.stats.copy()
         out = CommStats()
         try:

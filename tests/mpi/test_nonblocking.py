@@ -117,6 +117,9 @@ def test_wait_timeout_leaves_the_request_running(comm):
     with pytest.raises(TimeoutError, match="did not complete within"):
         req.wait(timeout=0.05)
     assert not req.test() and not req.done()
+    with comm.measure() as st:  # measuring does not wait for pending requests
+        pass
+    assert st == sparsecoll.CommStats()
     gate.set()
     assert blocker.wait() is True
     out = req.wait(timeout=600)
