@@ -12,8 +12,8 @@ excluded) and, every ``--eval-every`` steps, the held-out loss. Methods:
   ALGO-async     sparsecoll's ``async_sparse_allreduce_hook`` (same state, a pending future)
 
 ``dense`` runs ``--steps`` steps; its final held-out loss is the target. Every later method
-stops at its first evaluation at or below the target, or when it has used as much
-wall-clock as dense (then it is no faster), or after ``--max-steps``.
+stops at its first evaluation at or below the target, or when it has used ``--time-factor``
+times dense's wall-clock (default 1: then it is no faster), or after ``--max-steps``.
 
 Data (offline): the ``.py`` sources of the running CPython's standard library (no
 site-packages, no tests), split into words, numbers, punctuation and newlines; the
@@ -350,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300, help="dense steps (its end is the target)")
     ap.add_argument("--max-steps", type=int, default=None, help="cap for the others (3x steps)")
     ap.add_argument("--compute-steps", type=int, default=30)
+    ap.add_argument(
+        "--time-factor", type=float, default=1.0, help="others stop at this x dense's wall-clock"
+    )
     ap.add_argument("--target", type=float, default=None, help="held-out loss (default: dense's)")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--vocab", type=int, default=32768)
@@ -417,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             compute_s = float(np.median([r["step_s"] for r in rows[min(5, len(rows) // 4) :]]))
         if method == "dense":
             target = target if target is not None else rows[-1]["eval_loss"]
-            limit = rows[-1]["wall_s"]
+            limit = rows[-1]["wall_s"] * args.time_factor
         summary[method] = summarize(rows, target, compute_s)
         if comm.rank == 0 and args.out_dir:
             args.out_dir.mkdir(parents=True, exist_ok=True)
