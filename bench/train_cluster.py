@@ -3,7 +3,12 @@
 Trains a small word-level transformer language model with PyTorch DDP once per method, from
 the same seeds, and writes a CSV per method with a row per step: forward, backward and
 optimizer time, the time the step's communication was in flight, wall-clock (evaluation
-excluded) and, every ``--eval-every`` steps, the held-out loss. Methods:
+excluded) and, every ``--eval-every`` steps, the held-out loss. Communication per step is
+measured two ways: ``comm_s``, the time some bucket's communication was in flight (from its
+hook's call to its future's completion, union over buckets), and ``wait_s``, the time
+backward spent on it (inside the hooks, plus DDP's wait for the futures after the last hook
+returned); the summary adds "exposed" = median step − the ``compute`` method's median step.
+Methods:
 
   compute        no communication at all (a hook that returns the local bucket): the compute
                  time of a step, to which the others are compared; not evaluated
@@ -61,6 +66,7 @@ FIELDS = (
     "step_s",
     "comm_s",
     "hook_s",
+    "wait_s",
     "wall_s",
     "train_loss",
     "eval_loss",
@@ -168,6 +174,12 @@ class Timed:
 
     def reset(self) -> None:
         self.spans, self.hook_s = [], 0.0
+
+    def wait_s(self, backward_end: float) -> float:
+        """Time backward spent on communication: inside the hooks, plus DDP's wait for the
+        futures after the last hook returned (the end of backward's compute)."""
+        last = max((s[1] for s in self.spans), default=backward_end)
+        return self.hook_s + max(0.0, backward_end - last)
 
     def comm_s(self) -> float:
         """Length of the union of [hook entered, future done] over this step's buckets."""
@@ -291,6 +303,7 @@ def train(args, torch, comm: Communicator, ids, method: str, target: float | Non
             "step_s": t3 - t0,
             "comm_s": timed.comm_s() if method != "compute" else 0.0,
             "hook_s": timed.hook_s,
+            "wait_s": timed.wait_s(t2) if method != "compute" else 0.0,
             "wall_s": wall,
             "train_loss": "",
             "eval_loss": "",
@@ -321,7 +334,8 @@ def train(args, torch, comm: Communicator, ids, method: str, target: float | Non
 def summarize(rows: list[dict], target: float | None, compute_s: float | None) -> dict:
     skip = min(5, len(rows) // 4)  # the first steps carry one-time costs (bucket rebuild)
     body = rows[skip:]
-    med = {k: float(np.median([r[k] for r in body])) for k in ("step_s", "comm_s", "backward_s")}
+    keys = ("step_s", "comm_s", "wait_s", "backward_s")
+    med = {k: float(np.median([r[k] for r in body])) for k in keys}
     evals = [r for r in rows if r["eval_loss"] != ""]
     reach = next((r for r in evals if target is not None and r["eval_loss"] <= target), None)
     return {
@@ -438,6 +452,7 @@ def print_summary(summary: dict, target: float | None) -> None:
     print(f"# target held-out loss: {target}")
     print(
         f"{'method':<16}{'steps':>7}{'step ms':>9}{'compute':>9}{'comm':>9}{'exposed':>9}"
+        f"{'waited':>8}"
         f"{'final loss':>12}{'reach step':>12}{'reach s':>9}{'vs dense':>10}"
     )
     dense = summary.get("dense", {}).get("reach_wall")
@@ -448,7 +463,7 @@ def print_summary(summary: dict, target: float | None) -> None:
         final = f"{s['final_eval']:.4f}" if s["final_eval"] is not None else "-"
         print(
             f"{m:<16}{s['steps']:>7}{ms(s['step_s']):>9}{ms(s['compute_s']):>9}"
-            f"{ms(s['comm_s']):>9}{ms(s['exposed_s']):>9}{final:>12}"
+            f"{ms(s['comm_s']):>9}{ms(s['exposed_s']):>9}{ms(s['wait_s']):>8}{final:>12}"
             f"{s['reach_step'] or '-':>12}{(f'{reach:.1f}' if reach else '-'):>9}{speed:>10}"
         )
     sys.stdout.flush()
