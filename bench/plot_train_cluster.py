@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         names, comp, waited, hidden = [], [], [], []
         for method, rows in runs.items():
             step, comm, wait = step_parts(rows)
+            if "wait_s" not in rows[0] and compute is not None:  # CSVs older than wait_s
+                wait = max(0.0, step - compute)
             names.append(method)
             comp.append((step - wait) * 1e3)
             waited.append(wait * 1e3)
