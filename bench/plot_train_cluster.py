@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
         compute = step_parts(runs["compute"])[0] if "compute" in runs else None
         names, comp, waited, hidden = [], [], [], []
+        old = any("wait_s" not in rows[0] for rows in runs.values())
         for method, rows in runs.items():
             step, comm, wait = step_parts(rows)
             if "wait_s" not in rows[0] and compute is not None:  # CSVs older than wait_s
@@ -93,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
                     color="tab:red", alpha=0.3, hatch="//")  # fmt: skip
         if compute is not None:
             ax_step.axhline(compute * 1e3, color="k", lw=0.8, ls=":", label="no-comm step")
+        ax_step.set_ylim(0, 1.4 * max(c + w + h for c, w, h in zip(comp, waited, hidden)))
         ax_step.set_ylabel("median per step (ms)")
-        ax_step.set_title(f"{title}: where a step goes")
+        note = "\n(no wait_s in these CSVs: waited = step − no-comm step)" if old else ""
+        ax_step.set_title(f"{title}: where a step goes{note}")
         ax_step.tick_params(axis="x", rotation=20)
         ax_step.legend(fontsize=8)
         ax_step.grid(axis="y", alpha=0.3)
