@@ -209,6 +209,9 @@ class GradientReducer:
             message names the rank). The residual and the velocity are then unchanged on
             every rank; ``out`` may have been zeroed.
         """
+        engine = self.comm._attached_engine()
+        if engine is not None and not engine.is_worker_thread():
+            engine.drain()  # earlier step_async calls use (and change) the same state
         arr, wrap, dest, error, prepared = None, identity, None, None, None
         try:
             arr, wrap = as_array(grad, "grad")
@@ -244,8 +247,8 @@ class GradientReducer:
         returned :class:`sparsecoll.SparseRequest` gives the update (or the step's error).
 
         Steps run in submission order. ``grad`` (and ``out``) are borrowed, and the
-        reducer's state is in use, until the request completes: wait for it before
-        calling :meth:`step` or reading the reducer's state.
+        reducer's state is in use, until the request completes: wait for it before reading
+        the reducer's state (a blocking :meth:`step` waits for pending ones itself).
         """
         kw = {} if out is None else {"out": out}
         return self.comm.engine().submit(

@@ -212,7 +212,7 @@ def _reduce_bucket(state: SparseHookState, buf: Any, red: GradientReducer | None
             setattr(state._dense_stats, f, getattr(state._dense_stats, f) + getattr(st, f))
         arr[...] = total / state.comm.size
     else:
-        buf.copy_(red.step(buf).reshape(buf.shape))
+        red.step(buf, out=buf)  # the update overwrites the gradient in place
 
 
 def _bucket_reducer(state: SparseHookState, bucket: Any) -> GradientReducer | None:
