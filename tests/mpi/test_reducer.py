@@ -361,6 +361,7 @@ def test_out_buffer(comm, algorithm):
     reuse = GradientReducer(comm, n, algorithm, 0.02, warmup=1, reuse_update=True)
     twin = GradientReducer(comm, n, algorithm, 0.02, warmup=1)
     problems = []
+    first = None
     for t in range(4):
         g = np.random.default_rng([t, comm.rank]).standard_normal(n)
         want = twin.step(g)
@@ -370,7 +371,7 @@ def test_out_buffer(comm, algorithm):
         got = reuse.step(g)
         if not np.array_equal(got, want) or (t and not np.shares_memory(got, first)):
             problems.append(f"step {t}: reused update differs")
-        first = got if t == 0 else first
+        first = got if first is None else first
     with pytest.raises(sparsecoll.CollectiveInputError, match="out must have"):
         red.step(g, out=np.empty(n - 1))
     check_everywhere(comm, problems, [])
