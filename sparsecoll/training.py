@@ -168,6 +168,7 @@ class GradientReducer:
         self._update: Any = None  # the reused update buffer (reuse_update)
         self._update_nnz: Any = None  # its nonzero positions; None: unknown, zero it all
         self._cut: float | None = None  # predicted candidate cut of the exact local top-k
+        self._kth = 0.0  # the last exact top-k's k-th largest |value|
         self._margin = CUT_MARGIN
         if hasattr(self.algorithm, "reset"):
             self.algorithm.reset()
@@ -465,15 +466,20 @@ class GradientReducer:
         return idx[vals != 0]
 
     def _predict_cut(self, found: select.Accumulation, kth: float) -> None:
-        """Next step's candidate cut: a margin under this step's k-th largest |value|; the
-        margin widens after a miss and narrows while candidates are plentiful."""
+        """Next step's candidate cut: this step's k-th largest |value|, times its growth
+        since the last step (accumulated gradients grow or shrink steadily while the
+        residual builds up or the gradients decay), times a margin under 1 that widens
+        after a miss and narrows while candidates are plentiful."""
         k = self.k
         if self._cut is not None:
             if found.hits < k:
                 self._margin *= 0.8
-            elif found.hits > 2.5 * k:
+            elif found.hits > 2 * k:
                 self._margin = min(0.98, self._margin * 1.05)
-        self._cut = kth * self._margin if kth > 0 else None
+        trend = kth / self._kth if self._kth and kth > 0 else 1.0
+        self._kth = kth
+        pred = kth * min(max(trend, 0.5), 2.0) * self._margin
+        self._cut = pred if pred > 0 else None
 
     def _reduce(self, prep: _Prepared) -> Any:
         p = self.comm.size

@@ -623,14 +623,10 @@ def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype):
     dt = g.dtype.type
     bounds = _bounds(n, CHUNKS_PER_THREAD)
     parts = bounds.shape[0] - 1
-    # each chunk's room: its share of cap, by its overlap with [lo, hi), plus a margin
-    span = max(hi - lo, 1)
+    # each chunk's room: all it could hold (np.empty reserves address space; only the pages
+    # written are ever touched), so no chunk overflows unless the whole cap does
     overlap = np.clip(np.minimum(bounds[1:], hi) - np.maximum(bounds[:-1], lo), 0, None)
-    if parts == 1:
-        room = np.array([min(cap, int(overlap[0]))], np.int64)
-    else:
-        share = overlap * (cap / span)
-        room = np.minimum(overlap, (1.25 * share + 4.0 * np.sqrt(share) + 64).astype(np.int64))
+    room = np.minimum(overlap, cap)
     starts = np.zeros(parts, np.int64)
     np.cumsum(room[:-1], out=starts[1:])
     out_idx = np.empty(int(room.sum()), itype)
