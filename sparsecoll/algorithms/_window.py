@@ -1,8 +1,9 @@
 """Threshold windows: counts at geometric edges around a threshold, and the edge nearest k.
 
 Used by exdyna (every call) and oktopk (reuse calls): each rank counts its magnitudes at the
-E edges of :func:`window_edges`, one small collective sums the counts over ranks, and every
-rank runs :func:`pick_edge` on the same totals, so every rank picks the same edge.
+E edges of :func:`window_edges`, one small collective gathers the counts, and every rank runs
+:func:`pick_edge` (exdyna) or :func:`bracket_edge` (oktopk) on the same totals, so every rank
+picks the same edge.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 
 from .._array import get_array_module, to_host
 
-__all__ = ["WINDOW_OFFSETS", "edge_counts", "pick_edge", "window_edges"]
+__all__ = ["WINDOW_OFFSETS", "bracket_edge", "edge_counts", "pick_edge", "window_edges"]
 
 # log-offsets of the threshold window: step 0.003 in the middle, ±0.223 (×1.25) at the ends
 _J = np.arange(-32, 33, dtype=np.float64)
@@ -48,3 +49,12 @@ def pick_edge(total: np.ndarray, k: int, tol: float) -> tuple[int, bool]:
     miss = np.abs(np.asarray(total, dtype=np.int64) - k)
     best = np.flatnonzero(miss == miss.min())
     return int(best[best.shape[0] // 2]), False
+
+
+def bracket_edge(total: np.ndarray, k: int) -> int | None:
+    """The highest edge j whose global count ``total[j]`` is >= k, so that the k-th largest
+    magnitude lies in ``[edges[j], edges[j + 1])`` (or is exactly at the top edge); None when
+    k lies outside the window (fewer than k at the lowest edge, more at the highest)."""
+    if total[0] < k or total[-1] > k:
+        return None
+    return int(np.flatnonzero(np.asarray(total) >= k)[-1])
