@@ -53,6 +53,7 @@ from .._array import index_dtype, to_host
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
+from ._window import WINDOW_OFFSETS, edge_counts, pick_edge, window_edges
 from .base import Algorithm, allclose_sparse
 from .gtopk import check_k
 
@@ -60,9 +61,6 @@ __all__ = ["WINDOW_OFFSETS", "ExDyna", "authors_rule", "rebalance"]
 
 RULES = ("window", "authors")
 COOLDOWN = 16  # calls between re-derives while k stays outside the window
-# log-offsets of the threshold window: step 0.003 in the middle, ±0.223 (×1.25) at the ends
-_J = np.arange(-32, 33, dtype=np.float64)
-WINDOW_OFFSETS = 0.003 * _J + (math.log(1.25) - 0.096) / 32**3 * _J**3
 
 
 def _above(x: Any, t: float) -> tuple[Any, Any] | None:
@@ -238,8 +236,7 @@ class ExDyna(Algorithm):
             return None
         if self.rule == "authors":
             return _cut(dtype, self.threshold)
-        edge = (self.threshold * np.exp(WINDOW_OFFSETS[:1])).astype(dtype)
-        return _cut(dtype, float(edge[0]))
+        return _cut(dtype, float(window_edges(self.threshold, dtype)[0]))
 
     def reduce_dense(
         self, comm: Communicator, acc: Any, candidates: tuple[Any, Any] | None = None
@@ -339,10 +336,7 @@ class ExDyna(Algorithm):
     def _window(
         self, comm: Communicator, part: Any, found: Any = None
     ) -> tuple[Any, list[int], float, bool]:
-        xp = _xp(part)
-        k = self.k
-        edges = self.threshold * np.exp(WINDOW_OFFSETS)
-        cast = edges.astype(part.dtype)  # compare in the data's dtype: counts == selections
+        cast = window_edges(self.threshold, part.dtype)  # counts == selections in that dtype
         # zeros are never selected, even where a tiny edge rounds to 0 in the data's dtype
         if found is None:
             found = _above(part, _cut(part.dtype, float(cast[0])))
@@ -350,21 +344,10 @@ class ExDyna(Algorithm):
             ge = np.full(cast.shape[0], -1, dtype=np.int64)
         else:
             cand, mags = found
-            h = xp.searchsorted(xp.asarray(cast), mags, side="right")  # edges <= |value|
-            hist = to_host(xp.bincount(h, minlength=cast.shape[0] + 1)).astype(np.int64)
-            ge = np.ascontiguousarray(np.cumsum(hist[::-1])[::-1][1:])  # #(|value| >= edge j)
+            h, ge = edge_counts(mags, cast)
         table = np.asarray(comm.allgather_ints(ge)).reshape(comm.size, -1)
         _agree_no_nan(table)
-        total = table.sum(axis=0)
-        tol = 0.05 * k
-        if total[-1] > k + tol:  # too many even at the highest edge: the window is too low
-            j, missed = total.shape[0] - 1, True
-        elif total[0] < k - tol:  # too few even at the lowest edge: the window is too high
-            j, missed = 0, True
-        else:  # the middle of the edges whose count is closest to k: margin on both sides
-            miss = np.abs(total - k)
-            best = np.flatnonzero(miss == miss.min())
-            j, missed = int(best[best.shape[0] // 2]), False
+        j, missed = pick_edge(table.sum(axis=0), self.k, 0.05 * self.k)
         sel = cand[h > j]
         return sel, table[:, j].tolist(), float(cast[j]), bool(missed)
 

@@ -14,13 +14,28 @@ does, on every rank:
    threshold. Every ``tau`` calls (and on the first, and after a threshold of 0) the threshold
    is recomputed exactly: a distributed radix select (256-bin histograms, one small allreduce
    per byte of the value type) finds the global k-th largest |value|, and ties at it are kept
-   in index order up to k. In between the threshold is reused; after each call it is
-   multiplied by ``nudge`` when more than ``band[1]·k`` entries were kept, divided by it when
-   fewer than ``band[0]·k`` (the paper's rule). By default (``adaptive=True``) the step
-   doubles in the exponent while the count stays out of the band on the same side (nudge,
-   nudge², nudge⁴, … up to nudge³²) and resets once it is back in the band or crosses to
-   the other side: the paper's fixed 2% per call cannot follow values that move faster,
-   e.g. accumulated gradients under momentum correction (docs/training.md);
+   in index order up to k. In between the threshold is reused, by one of two rules:
+
+   - ``rule="window"`` (default): the cut is re-placed on this call's reduced values, around
+     the last threshold. Each owner counts its region's |values| at E = 65 geometric edges
+     ``threshold·e^{±0.22}`` (finest, 0.3% apart, in the middle, 1.5% at the ends; one pass
+     over the region); the allgather of kept counts that step 5 needs anyway carries those E
+     counts instead of one, so every rank knows every rank's count at every edge. Every rank
+     finds the same two neighbouring edges ``lo < hi`` with at least k entries ≥ lo and
+     fewer than k ≥ hi, keeps its entries ≥ hi and, of those in ``[lo, hi)``, as many as
+     complete k, lowest indices first (the ranks' regions are in index order, so each rank
+     knows its share). ``lo`` is the next call's window centre. So a window call keeps
+     exactly k entries, and differs from the exact top-k only inside one bucket less than
+     1.5% wide in |value|, at no extra message. When k lies outside the window (fewer
+     than k nonzeros in all, a jump in scale) the call falls back to the exact recompute
+     above (``info["window_missed"]``);
+   - ``rule="paper"``: the threshold of the last call is used as is; after the call it is
+     multiplied by ``nudge`` when more than ``band[1]·k`` entries were kept, divided by it
+     when fewer than ``band[0]·k``. With ``adaptive=True`` the step doubles in the exponent
+     while the count stays out of the band on the same side (nudge, nudge², nudge⁴, … up
+     to nudge³²) and resets once it is back in the band or crosses to the other side;
+     ``adaptive=False`` is the paper's fixed step. Under error feedback the count swings
+     far out of the band (0.06k to 3.7k on a stationary stream, docs/selecting.md);
 5. *balance and allgatherv*: the kept entries move so every rank holds an equal share (in index
    order: every rank knows every count, so no sizes travel), then one allgatherv of the packed
    (indices, values) parts, counts known, every part 8-byte aligned.
@@ -29,12 +44,16 @@ Volume per rank, with local inputs of at most k entries and K ≈ k kept: step 3
 entries outside the own region (≈ k(P−1)/P) and receives about as many; step 5 moves only the
 excess of each rank over K/P, then the allgatherv moves K(P−1)/P. With K ≤ k (recompute
 calls) each direction stays below 6k(P−1)/P pairs: unconditionally for P ≤ 4, and for larger
-P while the regions are balanced. Metadata: counts (P ints), samples on repartition calls,
-histograms on recompute calls. Latency: about 2P + 2 log P messages.
+P while the regions are balanced; window calls keep K = k as well. Metadata: counts (P ints,
+E per rank on window calls), samples on repartition calls, histograms on recompute calls.
+Latency: about 2P + 2 log P messages.
 
-Contract: the kept indices are those whose reduced |value| is ≥ the threshold in force
-(``result.info["threshold"]``), zeros excepted; on a recompute call (``info["recomputed"]``)
-they are exactly the global top-k of the reduced vector, ties broken by the lower index. The
+Contract: on a recompute call (``info["recomputed"]``, scheduled or a window fallback) the
+kept indices are exactly the global top-k of the reduced vector, ties broken by the lower
+index, zeros excepted. On a window call (``info["window"] = (lo, hi)``) they are exactly k:
+every index whose reduced |value| is ≥ hi, and the lowest indices with lo ≤ |value| < hi
+(``info["threshold"]`` is lo). With ``rule="paper"`` a reuse call keeps every index whose
+reduced |value| is ≥ the threshold in force (``info["threshold"]``), zeros excepted. The
 values are the exact sums of every rank's contributions at those indices (each region is
 summed by one owner). The result is identical on every rank, sorted, without repeats.
 Error feedback: ``result.contributed`` marks this rank's entries whose index was kept (their
@@ -53,6 +72,7 @@ from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import merge_two
+from ._window import bracket_edge, edge_counts, window_edges
 from .base import Algorithm, allclose_sparse, pack_pairs, range_bounds, unpack_pairs
 from .gtopk import check_k, isin_sorted, topk_positions
 
@@ -61,6 +81,7 @@ __all__ = ["OkTopk", "balanced_boundaries", "index_samples", "sample_segments"]
 TAG_SPLIT = 41
 TAG_BALANCE = 42
 KEY_TYPES = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+RULES = ("window", "paper")
 
 
 def sample_segments(size: int) -> int:
@@ -135,12 +156,15 @@ class OkTopk(Algorithm):
         tau: recompute the global threshold exactly every ``tau`` calls (default 32, the
             authors' VGG/LSTM setting).
         tau_prime: recompute the region boundaries every ``tau_prime`` calls (default 64).
-        nudge: factor (>= 1) applied to a reused threshold when the kept count leaves the
-            band (default 1.02).
-        band: ``(low, high)`` fractions of k outside which the threshold is nudged
-            (default (0.8, 1.25)).
-        adaptive: grow the nudge while the count stays out of the band on one side
-            (default True); False: the paper's fixed nudge.
+        rule: how the threshold is reused between recomputes: ``"window"`` (default: the
+            cut re-placed on each call's data within a window of edges, exactly k kept) or
+            ``"paper"`` (reused, nudged after calls whose count left ``band``).
+        nudge: (``rule="paper"``) factor (>= 1) applied to a reused threshold when the kept
+            count leaves the band (default 1.02).
+        band: (``rule="paper"``) ``(low, high)`` fractions of k outside which the threshold
+            is nudged (default (0.8, 1.25)).
+        adaptive: (``rule="paper"``) grow the nudge while the count stays out of the band on
+            one side (default True); False: the paper's fixed nudge.
     """
 
     name = "oktopk"
@@ -154,8 +178,12 @@ class OkTopk(Algorithm):
         nudge: float = 1.02,
         band: tuple[float, float] = (0.8, 1.25),
         adaptive: bool = True,
+        rule: str = "window",
     ) -> None:
         self.k = check_k(self.name, k)
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
+        self.rule = rule
         self.adaptive = bool(adaptive)
         for name, v in (("tau", tau), ("tau_prime", tau_prime)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -175,6 +203,7 @@ class OkTopk(Algorithm):
         self.step = 0
         self.threshold = 0.0
         self.streak = 0  # consecutive reuse calls out of the band: + above, - below
+        self.window_misses = 0  # window calls that fell back to the exact select
         self.boundaries: np.ndarray | None = None
         self._shape: tuple[int, int] | None = None
         self._regions_from_data = False
@@ -184,7 +213,7 @@ class OkTopk(Algorithm):
         return {"k": k}
 
     def signature(self) -> list[int]:
-        knobs = zlib.crc32(repr((self.nudge, self.band, self.adaptive)).encode())
+        knobs = zlib.crc32(repr((self.rule, self.nudge, self.band, self.adaptive)).encode())
         return [self.k, self.tau, self.tau_prime, knobs, self.step]
 
     def next_threshold(self, threshold: float, kept: int) -> float:
@@ -203,7 +232,8 @@ class OkTopk(Algorithm):
     def __repr__(self) -> str:
         return (
             f"<sparsecoll algorithm 'oktopk' k={self.k} tau={self.tau} "
-            f"tau_prime={self.tau_prime} step={self.step} threshold={self.threshold:g}>"
+            f"tau_prime={self.tau_prime} rule={self.rule!r} step={self.step} "
+            f"threshold={self.threshold:g}>"
         )
 
     # -- one call --------------------------------------------------------------------------
@@ -224,18 +254,25 @@ class OkTopk(Algorithm):
         bounds = self.boundaries
         region = self._split_reduce(comm, x, bounds)
         recompute = self.step % self.tau == 0 or self.threshold <= 0.0
-        if recompute:
-            keep, kept_counts, threshold = self._select_exact(comm, region[1])
-            self.threshold = threshold
-        else:
+        missed = False
+        window = None
+        if not recompute and self.rule == "window" and self.k > 0:
+            picked = self._select_window(comm, region[1])
+            missed = recompute = picked is None
+            if picked is not None:
+                keep, kept_counts, window = picked
+                threshold = self.threshold = window[0]
+        elif not recompute:
             threshold = self.threshold
             keep = _at_least(region[1], threshold)
             kept_counts = comm.allgather_ints(int(keep.shape[0]))
-        total = int(sum(kept_counts))
+            self.threshold = self.next_threshold(threshold, int(sum(kept_counts)))
         if recompute:
+            keep, kept_counts, threshold = self._select_exact(comm, region[1])
+            self.threshold = threshold
             self.streak = 0
-        else:
-            self.threshold = self.next_threshold(threshold, total)
+            self.window_misses += missed
+        total = int(sum(kept_counts))
         idx, vals = self._balance_gather(comm, region[0][keep], region[1][keep], kept_counts, n)
         out = SparseVector(idx, vals, n)
         out.contributed = isin_sorted(x.indices, idx)
@@ -246,6 +283,8 @@ class OkTopk(Algorithm):
             threshold=threshold,
             next_threshold=self.threshold,
             recomputed=recompute,
+            window=window,
+            window_missed=missed,
             repartitioned=repartition,
             boundaries=bounds.copy(),
             kept=total,
@@ -293,6 +332,48 @@ class OkTopk(Algorithm):
             acc_idx, acc_val = merge_two(acc_idx, acc_val, ci, cv.astype(acc_type), x.n)
         Request.waitall(sends)
         return acc_idx, acc_val.astype(vtype, copy=False)
+
+    def _select_window(
+        self, comm: Communicator, vals: Any
+    ) -> tuple[Any, list[int], tuple[float, float]] | None:
+        """Step 4 on a reuse call with ``rule="window"``: k entries, cut at the edges around
+        the last threshold that bracket the global k-th largest |value| (one allgather of E
+        counts per rank, no other message).
+
+        Keeps every |value| >= ``hi`` and, of those in ``[lo, hi)``, the lowest indices up
+        to k in all. Returns the kept positions in this rank's region, every rank's kept
+        count and ``(lo, hi)``; None (on every rank: they all see the same counts) when k
+        lies outside the window.
+        """
+        xp = get_array_module(vals)
+        # compare in the values' dtype (counts == selections); an edge that rounds to 0
+        # must not select zeros
+        tiny = np.finfo(vals.dtype).smallest_subnormal
+        edges = np.maximum(window_edges(self.threshold, vals.dtype), tiny)
+        h, ge = edge_counts(xp.abs(vals), edges)
+        table = comm.allgather_ints(ge)
+        j = bracket_edge(table.sum(axis=0), self.k)
+        if j is None:
+            return None
+        # m: the edge all of whose entries are kept (j itself when exactly k are at the
+        # highest edge: no bucket to cut)
+        top = j + 1 == edges.shape[0]
+        m = j if top else j + 1
+        above = table[:, m]
+        bucket = table[:, j] - above  # per rank, in [lo, hi)
+        # regions are in index order by rank: the bucket's lowest indices are the lowest
+        # ranks' lowest positions
+        need = self.k - int(above.sum())
+        before = np.concatenate(([0], np.cumsum(bucket[:-1])))
+        taken = np.clip(need - before, 0, bucket)
+        hi = float("inf") if top else float(edges[m])
+        keep = xp.flatnonzero(h > m)
+        if taken[comm.rank]:
+            cut = xp.flatnonzero(h == m)[: int(taken[comm.rank])]
+            keep = xp.sort(xp.concatenate([keep, cut]))
+        counts = (above + taken).tolist()
+        assert sum(counts) == self.k, (counts, self.k)
+        return keep, counts, (float(edges[j]), hi)
 
     def _select_exact(self, comm: Communicator, vals: Any) -> tuple[Any, list[int], float]:
         """Step 4 on a recompute call: the exact global top-k (ties by lower index).

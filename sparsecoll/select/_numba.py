@@ -654,3 +654,31 @@ def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype):
             int(bad.sum()),
         )
     return out_idx[:0], out_val[:0], hits, int(bad.sum())  # some chunk overflowed its room
+
+
+@njit(cache=True, nogil=True)
+def _bucketize(x, edges, out):  # pragma: no cover - compiled
+    # out[i] = how many of the ascending edges are <= x[i] (a binary search each)
+    e = edges.shape[0]
+    top = 1
+    while top * 2 <= e:
+        top *= 2
+    for i in range(x.shape[0]):
+        v = x[i]
+        pos = 0
+        step = top
+        while step:
+            if pos + step <= e and edges[pos + step - 1] <= v:
+                pos += step
+            step >>= 1
+        out[i] = pos
+
+
+def bucketize(x: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """``np.searchsorted(edges, x, side="right")`` for ascending ``edges`` of x's dtype
+    (numpy's takes ~50 ns an element on unsorted x; this a few)."""
+    out = np.empty(x.shape[0], np.int64)
+    if x.dtype == np.float16:  # Numba has no float16 comparisons
+        x, edges = x.astype(np.float32), edges.astype(np.float32)
+    _bucketize(np.ascontiguousarray(x), np.ascontiguousarray(edges, dtype=x.dtype), out)
+    return out

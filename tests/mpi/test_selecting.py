@@ -126,17 +126,26 @@ def run(comm, algo, x, n):
 
 def check_call(out, inputs, k, rank) -> str | None:
     """Why ``out`` breaks the contract (None when it does not): kept values are the exact
-    sums; the kept set is the exact top-k on recompute calls and {|sum| >= threshold in
-    force} otherwise (integral inputs: every sum is exact, ties included)."""
+    sums; the kept set is the exact top-k on recompute calls, on window calls every |sum| >=
+    hi and the lowest indices in [lo, hi) up to k, and {|sum| >= threshold in force} on the
+    paper rule's reuse calls (integral inputs: every sum is exact, ties included)."""
     n = inputs[0].n
-    most = k if out.info["recomputed"] else n
+    info = out.info
+    most = k if info["recomputed"] or info["window"] else n
     why = well_formed(out, n, str(inputs[0].values.dtype), most)
     if why:
         return why
     oi, ov, _ = dense_sum(inputs)
     ri = out.indices.astype(np.int64)
-    if out.info["recomputed"]:
+    if info["recomputed"]:
         want = exact_topk(oi, ov, k)
+    elif info["window"]:
+        lo, hi = info["window"]
+        above = oi[np.abs(ov) >= hi]
+        bucket = oi[(np.abs(ov) >= lo) & (np.abs(ov) < hi)]
+        want = np.sort(np.concatenate([above, bucket[: k - above.shape[0]]]))
+        if want.shape[0] != k or info["threshold"] != lo:
+            return f"window {info['window']}: {want.shape[0]} entries, threshold"
     else:
         want = oi[np.abs(ov) >= out.info["threshold"]]
     if not np.array_equal(ri, want):
@@ -186,20 +195,25 @@ def near_sums(out, inputs, k) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("adaptive", [True, False])
+@pytest.mark.parametrize(
+    ("rule", "adaptive"), [("paper", True), ("paper", False), ("window", True)]
+)
 @given(case=cases(max_n=20_000), k=st.integers(1, 60), seed=st.integers(0, 2**16))
-def test_oktopk_stream_reuses_state(comm, adaptive, case, k, seed):
+def test_oktopk_stream_reuses_state(comm, rule, adaptive, case, k, seed):
     # short reuse intervals, so a few calls cover recompute, reuse, nudging and repartition
-    algo = sparsecoll.get_algorithm("oktopk", k=k, tau=4, tau_prime=4, nudge=1.5, adaptive=adaptive)
+    algo = sparsecoll.get_algorithm(
+        "oktopk", k=k, tau=4, tau_prime=4, nudge=1.5, adaptive=adaptive, rule=rule
+    )
     streak = 0
     for step in range(6):
         c = dataclasses.replace(case, seed=(case.seed + seed * step) % 2**32)
         inputs = all_inputs(c, comm.size, integral=True)
+        reuse = step % 4 != 0 and algo.threshold > 0  # else a scheduled or forced recompute
         out = run(comm, algo, inputs[comm.rank], case.n)
         info = out.info
         why = check_call(out, inputs, k, comm.rank)
         t, kept = info["threshold"], info["kept"]
-        if info["recomputed"]:
+        if info["recomputed"] or rule == "window":  # a window call's lo is the next centre
             streak = 0
         else:  # the nudging rule, band (0.8, 1.25); adaptive: the step grows on a streak
             side = 1 if kept > 1.25 * k else -1 if kept < 0.8 * k else 0
@@ -214,6 +228,12 @@ def test_oktopk_stream_reuses_state(comm, adaptive, case, k, seed):
             why = "missed a repartition"
         elif step % 4 == 0 and not info["recomputed"]:
             why = "missed a recompute"
+        elif info["recomputed"] == reuse and not info["window_missed"]:
+            why = "recomputed on a reuse call, or reused when due"
+        elif info["window_missed"] and not (rule == "window" and reuse):
+            why = "window_missed flag"
+        elif (info["window"] is not None) != (rule == "window" and not info["recomputed"]):
+            why = "a window call outside the window rule, or a reuse call without it"
         elif info["next_threshold"] != t or algo.threshold != t:
             why = f"nudged to {algo.threshold}, want {t}"
         verdict(comm, why, out)
@@ -278,8 +298,9 @@ def correlated_stream(comm, n, k, steps, decay, noise=2.0):
 
 @pytest.mark.parametrize("nudge", [1.02, 1.0])
 def test_oktopk_reuse_keeps_count_near_k(comm, nudge):
+    # the paper's rule (tests/mpi/test_oktopk_density.py checks the default window rule)
     n, k, steps = 20_000, 200, 50
-    algo = sparsecoll.get_algorithm("oktopk", k=k, nudge=nudge)
+    algo = sparsecoll.get_algorithm("oktopk", k=k, nudge=nudge, rule="paper")
     kept = []
     for vals, idx in correlated_stream(comm, n, k, steps, decay=0.99):
         kept.append(sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=n, algorithm=algo).nnz)
@@ -297,7 +318,7 @@ def test_oktopk_adaptive_nudge_follows_a_fast_drift(comm):
     n, k, steps = 20_000, 200, 64
     mean = {}
     for adaptive in (False, True):
-        algo = sparsecoll.get_algorithm("oktopk", k=k, adaptive=adaptive)
+        algo = sparsecoll.get_algorithm("oktopk", k=k, adaptive=adaptive, rule="paper")
         kept = [
             sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=n, algorithm=algo).nnz
             for vals, idx in correlated_stream(comm, n, k, steps, decay=0.9)
@@ -339,6 +360,20 @@ def test_oktopk_state_mismatch_raises_everywhere(comm):
         other = sparsecoll.get_algorithm("oktopk", k=5, tau=tau)
         with pytest.raises(sparsecoll.CollectiveInputError, match="algorithm options"):
             run(comm, other, x, 50)
+        rule = "paper" if comm.rank == 0 else "window"
+        other = sparsecoll.get_algorithm("oktopk", k=5, rule=rule)
+        with pytest.raises(sparsecoll.CollectiveInputError, match="algorithm options"):
+            run(comm, other, x, 50)
+    with pytest.raises(sparsecoll.CollectiveInputError, match="rule must be one of"):
+        sparsecoll.allreduce(
+            comm.mpi_comm,
+            x.values,
+            x.indices,
+            n=50,
+            algorithm="oktopk",
+            k=5,
+            rule="nudge" if comm.rank == 0 else "window",
+        )
     with pytest.raises(sparsecoll.CollectiveInputError, match="nudge"):
         sparsecoll.allreduce(
             comm.mpi_comm,

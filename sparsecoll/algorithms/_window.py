@@ -1,0 +1,66 @@
+"""Threshold windows: counts at geometric edges around a threshold, and the edge nearest k.
+
+Used by exdyna (every call) and oktopk (reuse calls): each rank counts its magnitudes at the
+E edges of :func:`window_edges`, one small collective gathers the counts, and every rank runs
+:func:`pick_edge` (exdyna) or :func:`bracket_edge` (oktopk) on the same totals, so every rank
+picks the same edge.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .._array import get_array_module, to_host
+from ..select import backend
+
+__all__ = ["WINDOW_OFFSETS", "bracket_edge", "edge_counts", "pick_edge", "window_edges"]
+
+# log-offsets of the threshold window: step 0.003 in the middle, ±0.223 (×1.25) at the ends
+_J = np.arange(-32, 33, dtype=np.float64)
+WINDOW_OFFSETS = 0.003 * _J + (math.log(1.25) - 0.096) / 32**3 * _J**3
+
+
+def window_edges(threshold: float, dtype: Any) -> np.ndarray:
+    """The E = 65 edges ``threshold·e^{WINDOW_OFFSETS}``, ascending, as ``dtype`` holds them
+    (what ``|x| >= edge`` compares against in that dtype)."""
+    return (threshold * np.exp(WINDOW_OFFSETS)).astype(dtype)
+
+
+def edge_counts(mags: Any, edges: np.ndarray) -> tuple[Any, np.ndarray]:
+    """``(h, ge)`` for non-negative ``mags``: ``h`` = how many edges are <= each magnitude
+    (so ``h > j`` selects ``mags >= edges[j]``) and ``ge[j]`` = #(mags >= edges[j]) (host
+    int64). One pass over ``mags``."""
+    xp = get_array_module(mags)
+    if xp is np and backend() == "numba":
+        from ..select._numba import bucketize
+
+        h = bucketize(mags, edges)
+    else:
+        h = xp.searchsorted(xp.asarray(edges), mags, side="right")
+    hist = to_host(xp.bincount(h, minlength=edges.shape[0] + 1)).astype(np.int64)
+    return h, np.ascontiguousarray(np.cumsum(hist[::-1])[::-1][1:])
+
+
+def pick_edge(total: np.ndarray, k: int, tol: float) -> tuple[int, bool]:
+    """``(j, missed)``: the edge whose global count ``total[j]`` is nearest ``k`` (the middle
+    one of a tie: margin on both sides); ``missed`` when k lies outside the window by more
+    than ``tol`` (then j is the end edge nearest k). Deterministic."""
+    if total[-1] > k + tol:  # too many even at the highest edge: the window is too low
+        return total.shape[0] - 1, True
+    if total[0] < k - tol:  # too few even at the lowest edge: the window is too high
+        return 0, True
+    miss = np.abs(np.asarray(total, dtype=np.int64) - k)
+    best = np.flatnonzero(miss == miss.min())
+    return int(best[best.shape[0] // 2]), False
+
+
+def bracket_edge(total: np.ndarray, k: int) -> int | None:
+    """The highest edge j whose global count ``total[j]`` is >= k, so that the k-th largest
+    magnitude lies in ``[edges[j], edges[j + 1])`` (or is exactly at the top edge); None when
+    k lies outside the window (fewer than k at the lowest edge, more at the highest)."""
+    if total[0] < k or total[-1] > k:
+        return None
+    return int(np.flatnonzero(np.asarray(total) >= k)[-1])

@@ -1,0 +1,54 @@
+"""The threshold-window helpers shared by exdyna and oktopk, against direct counts."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sparsecoll.algorithms._window import (
+    WINDOW_OFFSETS,
+    bracket_edge,
+    edge_counts,
+    pick_edge,
+    window_edges,
+)
+
+
+def test_edges_ascend_around_the_threshold():
+    e = window_edges(2.0, np.float64)
+    assert e.shape == WINDOW_OFFSETS.shape == (65,)
+    assert np.all(np.diff(e) > 0)
+    assert e[32] == 2.0
+    assert np.isclose(e[0], 2.0 / 1.25) and np.isclose(e[-1], 2.0 * 1.25)
+
+
+@given(
+    mags=st.lists(st.floats(0, 4, width=32), max_size=200),
+    t=st.floats(0.5, 3),
+    dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+)
+def test_edge_counts_match_direct_comparisons(mags, t, dtype):
+    m = np.abs(np.asarray(mags, dtype=dtype))
+    edges = window_edges(t, dtype)
+    h, ge = edge_counts(m, edges)
+    for j in range(edges.shape[0]):
+        assert ge[j] == np.count_nonzero(m >= edges[j])
+        assert np.array_equal(h > j, m >= edges[j])
+
+
+@given(total=st.lists(st.integers(0, 50), min_size=65, max_size=65), k=st.integers(1, 60))
+def test_bracket_edge(total, k):
+    total = np.sort(np.asarray(total))[::-1]  # counts fall as the edge rises
+    j = bracket_edge(total, k)
+    if total[0] < k or total[-1] > k:
+        assert j is None
+    else:
+        assert total[j] >= k and (j == 64 or total[j + 1] < k)
+
+
+def test_pick_edge_nearest_k_and_misses():
+    total = np.array([30, 20, 12, 10, 10, 10, 8, 0])
+    assert pick_edge(total, 10, 0.5) == (4, False)  # the middle of the tied best
+    assert pick_edge(total, 40, 0.5) == (0, True)
+    assert pick_edge(total + 5, 3, 0.5) == (7, True)
