@@ -38,17 +38,15 @@ class Algorithm(ABC):
         name: the registry name.
         exact: True when the result is the exact sum of every rank's input.
         densifies: True when the algorithm needs O(n) memory per rank (dense references).
+
+    Options are the constructor's parameters, documented in the class docstring's ``Args:``
+    section; :func:`sparsecoll.get_algorithm` and the registry's listing read them from
+    there. An algorithm without options defines no ``__init__``.
     """
 
     name: ClassVar[str] = ""
     exact: ClassVar[bool] = True
     densifies: ClassVar[bool] = False
-
-    def __init__(self, **options: Any) -> None:
-        if options:
-            raise TypeError(
-                f"algorithm {self.name!r} takes no options, got {', '.join(sorted(options))}"
-            )
 
     @abstractmethod
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
