@@ -137,3 +137,12 @@ def test_sizes_take_binary_suffixes() -> None:
     for bad in ("16X", "0", "1.5M", "-3", "", "1T"):
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+def test_gpu_bench_takes_the_same_sizes(capsys) -> None:
+    from sparsecoll.benchmarks import gpu
+
+    with pytest.raises(SystemExit) as exc:
+        gpu.main(["select", "-m", "16X"])
+    assert exc.value.code == 2
+    assert "expecting a size like 4096, 64K or 16M, got '16X'" in capsys.readouterr().err
