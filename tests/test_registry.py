@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import types
+from pathlib import Path
 
 import pytest
 
@@ -130,3 +131,11 @@ def test_dir_shows_only_the_api_and_submodules():
     ]
     assert extra == []
     assert "annotations" not in dir(sparsecoll)
+
+
+def test_docs_list_the_options_as_the_code_does():
+    """docs/api.md carries the output of ``python -m sparsecoll algorithms``; rerun it
+    into the block after the ``algorithms-listing`` marker when an option changes."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    block = text.split("<!-- algorithms-listing", 1)[1].split("```text\n", 1)[1]
+    assert block.split("```", 1)[0] == describe_algorithms()
