@@ -197,3 +197,13 @@ def test_parse_algorithms() -> None:
     assert parse_algorithms(["dense,allgather", "dense"], known) == ["dense", "allgather"]
     with pytest.raises(ValueError, match="unknown algorithm 'x'"):
         parse_algorithms(["allgather,x"], known)
+
+
+def test_readme_headline_says_what_it_measures() -> None:
+    """The README's headline speed-up is the collective alone on reused, pre-made input:
+    it must say so beside the number, not leave it to be read as a training speed-up."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    at = text.index("35.7×")
+    around = text[at - 300 : at + 800]
+    for needed in ("collective alone", "already sparse", "--reuse", "not a training-step"):
+        assert needed in around, needed
