@@ -14,6 +14,7 @@ from typing import Any
 __all__ = [
     "RankZeroParser",
     "add_launch_arguments",
+    "check_nprocs",
     "launcher_rank",
     "parse_algorithms",
     "parse_size",
@@ -123,5 +124,6 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_nprocs(p: argparse.ArgumentParser, nprocs: int) -> None:
+    """A usage error (exit 2) unless ``--np`` is at least 1."""
     if nprocs < 1:
         p.error(f"expecting --np >= 1, got {nprocs}")
