@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Markdown tables from OSU-suite CSV files (``--format csv``), for docs/benchmarks.md.
 
-One row per (P, n, algorithm): median latency over the timed calls, the ``vs dense`` ratio
+One row per (P, n, algorithm): median latency over the timed calls, ``speedup vs dense``
 (dense median / this median: > 1 is faster than dense), exact payload bytes per rank, and,
 with ``--rate``, the wire-time floor of each row (bytes per rank / link rate) and how far the
 measured median is above it.
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+from sparsecoll.benchmarks.cli import sizes_arg
 from sparsecoll.benchmarks.model import read_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,7 +29,7 @@ def fmt_us(us: float) -> str:
 
 
 def table(rows: list[dict], rate_bps: float | None, sizes: set[int] | None) -> str:
-    head = ["P", "n", "algorithm", "median", "vs dense", "bytes/rank"]
+    head = ["P", "n", "algorithm", "median", "speedup vs dense", "bytes/rank"]
     if rate_bps:
         head += ["wire floor", "median / floor"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -82,10 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", nargs="+")
     ap.add_argument("--rate", default=None, help="link rate for the wire floor (e.g. 1gbit)")
-    ap.add_argument("--sizes", default=None, help="comma-separated n to keep (default: all)")
+    ap.add_argument(
+        "--sizes",
+        type=sizes_arg,
+        default=None,
+        help="n to keep: a comma list, K/M/G suffixes (default: all)",
+    )
     ap.add_argument("--pivot", action="store_true", help="one row per algorithm, one column per n")
     args = ap.parse_args(argv)
-    sizes = {int(s) for s in args.sizes.split(",")} if args.sizes else None
+    sizes = set(args.sizes) if args.sizes else None
     rate = parse_rate(args.rate) if args.rate else None
     rows = [r for r in read_rows(args.csv) if not sizes or r["n"] in sizes]
     print(pivot(rows) if args.pivot else table(rows, rate, sizes))

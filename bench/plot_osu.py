@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
+from sparsecoll.benchmarks.cli import size_arg
 from sparsecoll.benchmarks.model import read_rows
 
 __all__ = ["load", "main"]
@@ -98,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("csv", nargs="+", help="CSV files written with --format csv")
     p.add_argument("-o", "--out", default=".", help="output folder (default .)")
     p.add_argument("--title", default="", help="prefix of the panel titles")
-    p.add_argument("--size", type=int, default=None, help="n for the bytes-vs-P figure")
+    p.add_argument(
+        "--size", type=size_arg, default=None, help="n for the bytes-vs-P figure (K/M/G ok)"
+    )
     args = p.parse_args(argv)
     try:
         import matplotlib

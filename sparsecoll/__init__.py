@@ -1,7 +1,5 @@
 """sparsecoll: sparse collectives (sparse allreduce) for distributed deep learning."""
 
-from __future__ import annotations
-
 from ._progress import SparseRequest, get_timeout, set_timeout
 from .algorithms.base import Algorithm
 from .api import allreduce, iallreduce

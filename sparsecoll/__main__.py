@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
 from ._launch import find_mpiexec, under_mpi
 
 USAGE = """usage: python -m sparsecoll bench [SUITE] [--np P] [options]
+       python -m sparsecoll algorithms
 
-suites:
-  (none)   every algorithm on one default problem, checked against dense
-  osu      OSU-style latency/bytes sweep (see --help)
+commands:
+  bench         run a benchmark suite (python -m sparsecoll bench [SUITE] --help)
+  algorithms    list the registered algorithms and their options
 
-When not already started by mpiexec, relaunches itself under `mpiexec -n P` (default 4).
+suites of bench:
+  (none)   every algorithm on one problem; each result checked (exact: against the dense
+           sum; selecting: against the algorithm's contract)
+  osu      OSU-style latency/bytes sweep over sizes
+
+bench parses its arguments, then (when not already started by mpiexec) relaunches itself
+under `mpiexec -n P` (--np P, default 4). Sizes take binary suffixes: 64K, 16M, 1G.
 """
 
 SUITES = {"main": "sparsecoll.benchmarks.main", "osu": "sparsecoll.benchmarks.osu"}
@@ -21,25 +29,29 @@ SUITES = {"main": "sparsecoll.benchmarks.main", "osu": "sparsecoll.benchmarks.os
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    if argv and argv[0] == "algorithms":
+        from .registry import describe_algorithms
+
+        print(describe_algorithms())
+        return 0
     if not argv or argv[0] != "bench":
-        print(USAGE, file=sys.stderr)
+        got = f"unknown command {argv[0]!r}\n" if argv else ""
+        print(f"{got}{USAGE}", file=sys.stderr)
         return 2
     rest = argv[1:]
     suite = "main"
     if rest and rest[0] in SUITES:
         suite = rest.pop(0)
-    nprocs = 4
-    if "--np" in rest:
-        i = rest.index("--np")
-        nprocs = int(rest[i + 1])
-        del rest[i : i + 2]
-    if not under_mpi():
-        cmd = [find_mpiexec(), "-n", str(nprocs), sys.executable, "-m", "sparsecoll", "bench"]
-        cmd += ([] if suite == "main" else [suite]) + rest
-        return subprocess.call(cmd)
-    import importlib
-
-    return int(importlib.import_module(SUITES[suite]).main(rest) or 0)
+    module = importlib.import_module(SUITES[suite])
+    # parse here, before relaunching: help and usage errors print once, not once per rank
+    args = module.parse_args(rest)
+    if under_mpi():
+        return int(module.run(args) or 0)
+    cmd = [find_mpiexec(), "-n", str(args.np), sys.executable, "-m", "sparsecoll", "bench"]
+    return subprocess.call(cmd + ([] if suite == "main" else [suite]) + rest)
 
 
 if __name__ == "__main__":

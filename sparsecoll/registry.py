@@ -6,6 +6,9 @@ Third-party packages can register algorithms through the entry-point group
 
 from __future__ import annotations
 
+import inspect
+import re
+import textwrap
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +17,13 @@ from .errors import AlgorithmExistsError, UnknownAlgorithmError
 if TYPE_CHECKING:
     from .algorithms.base import Algorithm
 
-__all__ = ["available_algorithms", "get_algorithm", "register_algorithm"]
+__all__ = [
+    "algorithm_options",
+    "available_algorithms",
+    "describe_algorithms",
+    "get_algorithm",
+    "register_algorithm",
+]
 
 _REGISTRY: dict[str, type[Algorithm]] = {}
 _loaded = False
@@ -37,6 +46,7 @@ def register_algorithm(cls: type[Algorithm], name: str | None = None) -> type[Al
             f"algorithm {key!r} is already registered (by {_REGISTRY[key].__qualname__})"
         )
     _REGISTRY[key] = cls
+    get_algorithm.__doc__ = _GET_ALGORITHM_DOC + _options_doc()  # help() lists every one
     return cls
 
 
@@ -67,10 +77,94 @@ def algorithm_class(name: str) -> type[Algorithm]:
         raise UnknownAlgorithmError(f"unknown algorithm {name!r}; known: {known}") from None
 
 
-def get_algorithm(name: str, **options: Any) -> Algorithm:
-    """A new instance of the algorithm registered as ``name``, built with ``options``.
+def algorithm_options(name: str) -> dict[str, tuple[Any, str]]:
+    """The options the algorithm registered as ``name`` takes: ``{option: (default, help)}``.
 
+    Read from its constructor's signature (``inspect.Parameter.empty`` for an option with
+    no default) and the ``Args:`` section of its class docstring, so it cannot go stale.
+    """
+    return _options(algorithm_class(name))
+
+
+def describe_algorithms() -> str:
+    """Every registered algorithm, exact or selecting, with its options and their defaults."""
+    _load()
+    return textwrap.dedent(_options_doc())
+
+
+def _accepts_any(cls: type[Algorithm]) -> bool:
+    params = inspect.signature(cls).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _options(cls: type[Algorithm]) -> dict[str, tuple[Any, str]]:
+    helps = _args_section(inspect.getdoc(cls) or "")
+    return {
+        p.name: (p.default, helps.get(p.name, ""))
+        for p in inspect.signature(cls).parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+
+
+def _args_section(doc: str) -> dict[str, str]:
+    """``{name: text}`` from a Google-style ``Args:`` section (continuation lines joined)."""
+    out: dict[str, str] = {}
+    lines = doc.split("Args:", 1)[1].splitlines()[1:] if "Args:" in doc else []
+    name = None
+    for line in lines:
+        m = re.match(r"    (\w+)(?: \([^)]*\))?: (.*)", line)
+        if m:
+            name = m.group(1)
+            out[name] = m.group(2).strip()
+        elif name and line.startswith("     "):
+            out[name] += " " + line.strip()
+        else:
+            break
+    return out
+
+
+def _options_doc() -> str:
+    """The listing, indented as the body of a docstring (4 spaces)."""
+    lines = ["    Algorithms and their options (option=default):", ""]
+    for key in sorted(_REGISTRY):
+        cls = _REGISTRY[key]
+        kind = "exact" if cls.exact else "selecting"
+        opts = _options(cls)
+        if not opts and not _accepts_any(cls):
+            lines.append(f"        {key} ({kind}): no options")
+            continue
+        lines.append(f"        {key} ({kind}):")
+        for opt, (default, text) in opts.items():
+            shown = "required" if default is inspect.Parameter.empty else repr(default)
+            entry = f"{opt}={shown}" + (f": {text}" if text else "")
+            lines.append(textwrap.fill(entry, 96, initial_indent=_IND3, subsequent_indent=_IND4))
+        if _accepts_any(cls):
+            lines.append(f"{_IND3}**options: passed to the class as they are")
+    return "\n".join(lines) + "\n"
+
+
+_IND3, _IND4 = " " * 12, " " * 16
+_GET_ALGORITHM_DOC = """A new instance of the algorithm ``name``, built with ``options``.
+
+    Every registered algorithm's options, with their defaults, are listed below.
     Stateful algorithms (oktopk, exdyna) keep their state in the instance: pass the same
     instance to every call of :func:`sparsecoll.allreduce` to reuse it.
-    """
-    return algorithm_class(name)(**options)
+
+    Raises:
+        UnknownAlgorithmError: no algorithm is registered as ``name``.
+        TypeError: an option the algorithm does not take.
+
+"""
+
+
+def get_algorithm(name: str, **options: Any) -> Algorithm:
+    cls = algorithm_class(name)
+    if options and not _accepts_any(cls):
+        unknown = sorted(set(options) - set(_options(cls)))
+        if unknown:
+            takes = ", ".join(_options(cls)) or "no options"
+            raise TypeError(f"algorithm {name!r} takes {takes}, got {', '.join(unknown)}")
+    return cls(**options)
+
+
+get_algorithm.__doc__ = _GET_ALGORITHM_DOC

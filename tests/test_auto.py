@@ -109,8 +109,10 @@ def test_choice_is_the_cheapest_candidate(P, log_n, density, theta, dtype):
 
 
 def test_options_are_checked():
-    with pytest.raises(TypeError, match="takes alpha"):
+    with pytest.raises(TypeError, match="latency"):
         Auto(latency=1.0)
+    with pytest.raises(TypeError, match="takes alpha, beta, .*got latency"):
+        sparsecoll.get_algorithm("auto", latency=1.0)
     with pytest.raises(ValueError, match="finite non-negative"):
         Auto(alpha=-1.0)
     a = Auto(alpha=1e-5, beta=2e-10)

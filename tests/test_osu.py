@@ -10,9 +10,10 @@ import pytest
 
 from sparsecoll import available_algorithms
 from sparsecoll._array import cupy_or_none
-from sparsecoll.benchmarks.osu import FIELDS, parse_algorithms, parse_sizes
+from sparsecoll.benchmarks.model import read_rows
+from sparsecoll.benchmarks.osu import FIELDS, latency_stats, parse_algorithms, parse_sizes
 
-from .mpirun import run_mpi
+from .mpirun import ROOT, run_mpi
 
 OSU = ["-m", "sparsecoll", "bench", "osu"]
 TINY = ["-m", "1K,3000", "-i", "2", "-x", "1", "-c", "-q"]
@@ -38,6 +39,7 @@ def test_every_algorithm_validates(nprocs: int) -> None:
         assert r["valid"] == "yes", r
         assert int(r["P"]) == nprocs
         assert float(r["min_us"]) <= float(r["avg_us"]) <= float(r["max_us"])
+        assert float(r["min_us"]) <= float(r["median_us"]) <= float(r["max_us"])
         if nprocs == 1:
             assert int(r["bytes_per_rank"]) == 0, r
     for r in rows:
@@ -58,9 +60,14 @@ def test_text_output_has_osu_shape() -> None:
         assert lines[0].startswith("# sparsecoll OSU-style sparse allreduce latency test v")
         assert lines[1].startswith("# MPI library: ")
         assert f"P: 2, algorithm: {name} (exact), density: 0.01" in lines[2]
-        assert lines[3].split() == [
+        assert lines[3].startswith("# Size: bytes of the dense vector (n x 4 B); Latency: ")
+        assert "avg/min/max over the 2 timed calls" in lines[3]
+        assert lines[4].startswith("# Speedup vs dense: dense Avg Latency / this Avg Latency")
+        assert "Validation: against the dense sum" in lines[4]
+        assert lines[5].split() == [
             "#",
             "Size",
+            "n",
             "Avg",
             "Latency(us)",
             "Min",
@@ -69,14 +76,58 @@ def test_text_output_has_osu_shape() -> None:
             "Latency(us)",
             "Iterations",
             "Bytes/rank",
+            "Speedup",
             "vs",
             "dense",
             "Validation",
         ]
-        sizes = [int(line.split()[0]) for line in lines[4:]]
-        assert sizes == [1024, 3000]
-        assert all(line.split()[-1] == "Pass" for line in lines[4:])
-        assert all(line.split()[4] == "2" for line in lines[4:])  # iterations
+        rows = [line.split() for line in lines[6:]]
+        assert [int(r[1]) for r in rows] == [1024, 3000]  # n
+        assert [int(r[0]) for r in rows] == [4 * 1024, 4 * 3000]  # Size: bytes, float32
+        assert all(r[-1] == "Pass" for r in rows)
+        assert all(r[5] == "2" for r in rows)  # iterations
+        for r in rows:  # min <= avg <= max
+            assert float(r[3]) <= float(r[2]) <= float(r[4])
+
+
+@pytest.mark.mpi
+def test_full_stats_come_from_the_same_samples() -> None:
+    """The issue's case: with -f, median, avg, min and max are all over the same calls."""
+    args = [*OSU, "-m", "64K:256K", "-i", "3", "-x", "1", "--format", "csv", "-f", "-q"]
+    proc = run_mpi(3, [*args, "--algorithm", "all"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    rows = _csv(proc.stdout)
+    assert len(rows) == 3 * len(available_algorithms())
+    for r in rows:
+        lo, hi = float(r["min_us"]), float(r["max_us"])
+        assert lo <= float(r["median_us"]) <= hi, r
+        assert lo <= float(r["avg_us"]) <= hi, r
+        assert int(r["size_bytes"]) == 4 * int(r["n"])
+
+
+def test_latency_stats_share_samples() -> None:
+    stats = latency_stats([3e-6, 1e-6, 10e-6, 2e-6])
+    assert stats == {"avg_us": 4.0, "min_us": 1.0, "max_us": 10.0, "median_us": 2.5}
+
+
+def test_readers_take_old_and_new_csvs(tmp_path) -> None:
+    """docs/results/ CSVs predate size_bytes; read_rows fills it in from n and dtype."""
+    old = read_rows([str(ROOT / "docs" / "results" / "shm_p2.csv")])
+    assert old
+    assert all(r["size_bytes"] == 4 * r["n"] for r in old)
+    row = dict.fromkeys(FIELDS, "")
+    row.update(algorithm="dense", exact=True, P=2, n=1024, size_bytes=2048, dtype="float16")
+    row.update(density=0.01, k=10, iterations=1, avg_us=1.0, min_us=1.0, max_us=1.0)
+    row.update(median_us=1.0, bytes_per_rank=2048, bytes_recv_per_rank=2048, result_nnz=20)
+    row.update(messages_per_rank=2, meta_bytes_per_rank=0, meta_messages_per_rank=0)
+    path = tmp_path / "new.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerow(row)
+    (new,) = read_rows([str(path)])
+    assert new["size_bytes"] == 2048
+    assert new["n"] == 1024
 
 
 @pytest.mark.mpi
@@ -146,3 +197,13 @@ def test_parse_algorithms() -> None:
     assert parse_algorithms(["dense,allgather", "dense"], known) == ["dense", "allgather"]
     with pytest.raises(ValueError, match="unknown algorithm 'x'"):
         parse_algorithms(["allgather,x"], known)
+
+
+def test_readme_headline_says_what_it_measures() -> None:
+    """The README's headline speed-up is the collective alone on reused, pre-made input:
+    it must say so beside the number, not leave it to be read as a training speed-up."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    at = text.index("35.7×")
+    around = text[at - 300 : at + 800]
+    for needed in ("collective alone", "already sparse", "--reuse", "not a training-step"):
+        assert needed in around, needed

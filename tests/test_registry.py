@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import types
+from pathlib import Path
+
 import pytest
 
 import sparsecoll
 from sparsecoll import Algorithm, register_algorithm
-from sparsecoll.registry import _REGISTRY, algorithm_class
+from sparsecoll.registry import _REGISTRY, algorithm_class, algorithm_options, describe_algorithms
 
 
 def test_builtins_registered():
@@ -72,3 +77,65 @@ def test_unexpected_option_is_a_type_error():
 def test_not_an_algorithm():
     with pytest.raises(TypeError, match="Algorithm subclass"):
         register_algorithm(int)
+
+
+def test_every_option_and_default_is_documented():
+    """get_algorithm's docstring and describe_algorithms() list each algorithm's options,
+    read from the constructors, with their defaults."""
+    doc = sparsecoll.get_algorithm.__doc__
+    listing = describe_algorithms()
+    for name in sparsecoll.available_algorithms():
+        cls = algorithm_class(name)
+        params = [p for p in inspect.signature(cls).parameters.values()]
+        assert list(algorithm_options(name)) == [p.name for p in params]
+        kind = "exact" if cls.exact else "selecting"
+        for text in (doc, listing):
+            if not params:
+                assert f"{name} ({kind}): no options" in text
+            for p in params:
+                assert f"{p.name}={p.default!r}" in text, (name, p.name)
+    assert algorithm_options("oktopk")["tau"][0] == 32
+    assert "recompute the global threshold" in algorithm_options("oktopk")["tau"][1]
+
+
+def test_exact_algorithms_take_only_what_they_accept():
+    for name in sparsecoll.available_algorithms():
+        cls = algorithm_class(name)
+        kinds = {p.kind for p in inspect.signature(cls).parameters.values()}
+        assert inspect.Parameter.VAR_KEYWORD not in kinds, f"{name} advertises **options"
+    for name in ("allgather", "dense", "dsa", "rabenseifner", "recursive_doubling"):
+        assert algorithm_options(name) == {}
+        with pytest.raises(TypeError, match=f"algorithm '{name}' takes no options, got x"):
+            sparsecoll.get_algorithm(name, x=1)
+
+
+def test_unknown_option_names_the_accepted_ones():
+    with pytest.raises(TypeError, match="'oktopk' takes k, tau, tau_prime, .*got kk"):
+        sparsecoll.get_algorithm("oktopk", kk=3)
+
+
+def test_auto_options_are_the_cost_model_constants():
+    from sparsecoll.algorithms.auto import CostModel
+
+    opts = algorithm_options("auto")
+    assert {k: v[0] for k, v in opts.items()} == dataclasses.asdict(CostModel())
+
+
+def test_dir_shows_only_the_api_and_submodules():
+    extra = [
+        n
+        for n in dir(sparsecoll)
+        if not n.startswith("_")
+        and n not in sparsecoll.__all__
+        and not isinstance(getattr(sparsecoll, n), types.ModuleType)
+    ]
+    assert extra == []
+    assert "annotations" not in dir(sparsecoll)
+
+
+def test_docs_list_the_options_as_the_code_does():
+    """docs/api.md carries the output of ``python -m sparsecoll algorithms``; rerun it
+    into the block after the ``algorithms-listing`` marker when an option changes."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    block = text.split("<!-- algorithms-listing", 1)[1].split("```text\n", 1)[1]
+    assert block.split("```", 1)[0] == describe_algorithms()

@@ -136,15 +136,29 @@ def choose(
 
 @register_algorithm
 class Auto(Algorithm):
+    """Exact: picks allgather, dsa, recursive_doubling or dense per call (module docstring).
+
+    Args:
+        alpha: seconds per message (the default: a cluster node pair).
+        beta: seconds per byte sent (the default: 10 GB/s).
+        gamma_sort: seconds per pair and pass of a sort-based coalesce.
+        gamma_merge: seconds per pair of a linear two-run merge.
+        delta: seconds per element of a dense pass (zero, add, scan).
+    """
+
     name = "auto"
 
-    def __init__(self, **constants: float) -> None:
-        fields = {f.name for f in dataclasses.fields(CostModel)}
-        unknown = sorted(set(constants) - fields)
-        if unknown:
-            raise TypeError(
-                f"algorithm 'auto' takes {', '.join(sorted(fields))}, got {', '.join(unknown)}"
-            )
+    def __init__(
+        self,
+        alpha: float = CostModel.alpha,
+        beta: float = CostModel.beta,
+        gamma_sort: float = CostModel.gamma_sort,
+        gamma_merge: float = CostModel.gamma_merge,
+        delta: float = CostModel.delta,
+    ) -> None:
+        constants = dict(
+            alpha=alpha, beta=beta, gamma_sort=gamma_sort, gamma_merge=gamma_merge, delta=delta
+        )
         for k, v in constants.items():
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{k} must be a finite non-negative number, got {v!r}")

@@ -11,6 +11,7 @@ and ``result.local = x``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -38,6 +39,10 @@ class Algorithm(ABC):
         name: the registry name.
         exact: True when the result is the exact sum of every rank's input.
         densifies: True when the algorithm needs O(n) memory per rank (dense references).
+
+    Options are the constructor's parameters, documented in the class docstring's ``Args:``
+    section; :func:`sparsecoll.get_algorithm` and the registry's listing read them from
+    there. An algorithm without options defines no ``__init__``: it takes none.
     """
 
     name: ClassVar[str] = ""
@@ -45,10 +50,17 @@ class Algorithm(ABC):
     densifies: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
+        # What an algorithm without options inherits. It takes none, and its signature says
+        # so (below); the keywords are caught only to fail with a clear message, however
+        # the class is built (get_algorithm, GradientReducer, directly).
         if options:
             raise TypeError(
                 f"algorithm {self.name!r} takes no options, got {', '.join(sorted(options))}"
             )
+
+    __init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    )
 
     @abstractmethod
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:

@@ -1,7 +1,7 @@
 """GPU benchmarks: selection against torch.topk, and allreduce of device buffers.
 
-  python -m sparsecoll.benchmarks.gpu select [-n 1M,25M,100M] [--density 0.001,0.01]
-  mpiexec -n P python -m sparsecoll.benchmarks.gpu allreduce [-n 25M] [--density 0.01]
+  python -m sparsecoll.benchmarks.gpu select [-m 1M,25M,100M] [--density 0.001,0.01]
+  mpiexec -n P python -m sparsecoll.benchmarks.gpu allreduce [-m 25M] [--density 0.01]
       [--comm mpi|nccl] [--algorithm NAME ...]
 
 ``select`` times, on one GPU, sparsecoll's exact top-k (radix select), threshold selection
@@ -28,18 +28,10 @@ import numpy as np
 from .. import __version__
 from .._array import cupy_or_none
 from ..comm import Communicator, mpi_library_version
+from .cli import sizes_arg
 from .problems import OVERLAPS, make_problem
 
 __all__ = ["main"]
-
-
-def _sizes(text: str) -> list[int]:
-    mult = {"k": 10**3, "m": 10**6, "g": 10**9}
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        out.append(int(float(part[:-1]) * mult[part[-1]]) if part[-1] in mult else int(part))
-    return out
 
 
 def _floats(text: str) -> list[float]:
@@ -202,7 +194,17 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("suite", choices=("select", "allreduce"))
-    p.add_argument("-n", type=_sizes, default=None, help="lengths, e.g. 1M,25M,100M")
+    p.add_argument(
+        "-m",
+        "--message-size",
+        dest="n",
+        type=sizes_arg,
+        default=None,
+        metavar="SIZES",
+        help="lengths n in elements, e.g. 1M,25M,100M or 1M:64M (K/M/G = 2**10/2**20/2**30)",
+    )
+    # the old spelling, kept working (mpiexec's -n is the rank count: prefer -m)
+    p.add_argument("-n", dest="n", type=sizes_arg, help=argparse.SUPPRESS)
     p.add_argument("--density", type=_floats, default=[0.001, 0.01])
     p.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float32")
     p.add_argument("-i", "--iterations", type=int, default=20)
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         print("sparsecoll.benchmarks.gpu: no CuPy with a CUDA device", file=sys.stderr)
         return 2
     if args.suite == "select":
-        args.n = args.n or [10**6, 25 * 10**6, 100 * 10**6]
+        args.n = args.n or [2**20, 25 * 2**20, 100 * 2**20]
         rows = bench_select(args, cp)
         header = [
             f"sparsecoll {__version__} GPU selection on {_device_name(cp)}",
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         _print(rows, args.format, header)
         return 0
-    args.n = args.n or [25 * 10**6]
+    args.n = args.n or [25 * 2**20]
     comm, rows = bench_allreduce(args, cp)
     if comm.rank == 0:
         header = [

@@ -204,7 +204,13 @@ AUTO_CANDIDATES = ("allgather", "dsa", "recursive_doubling", "dense")
 
 
 def read_rows(paths: Iterable[str]) -> list[dict[str, Any]]:
-    """Rows of the OSU suite's CSV files, numbers converted; rows with errors dropped."""
+    """Rows of the OSU suite's CSV files, numbers converted; rows with errors dropped.
+
+    Files written before ``size_bytes`` existed get it from n and dtype. Their latency
+    columns differ too: ``median_us`` was already over each call's slowest rank, but
+    ``avg_us``/``min_us``/``max_us`` were over ranks of each rank's own mean (now all four
+    are over the same per-call samples).
+    """
     ints = (
         "P",
         "n",
@@ -228,8 +234,15 @@ def read_rows(paths: Iterable[str]) -> list[dict[str, Any]]:
                     r[key] = int(r[key])
                 for key in floats:
                     r[key] = float(r[key])
+                if r.get("size_bytes"):
+                    r["size_bytes"] = int(r["size_bytes"])
+                else:
+                    r["size_bytes"] = r["n"] * _ITEMSIZE[r["dtype"]]
                 rows.append(r)
     return rows
+
+
+_ITEMSIZE = {"float16": 2, "float32": 4, "float64": 8}
 
 
 @dataclasses.dataclass

@@ -5,11 +5,15 @@ Run under mpiexec (``python -m sparsecoll bench osu --np 4 ...`` relaunches itse
 rank builds its input with :func:`sparsecoll.benchmarks.problems.make_problem` (density·n
 nonzeros, ``--overlap`` pattern), then each algorithm is timed as OSU times a collective:
 ``-x`` warm-up calls, then ``-i`` timed calls, each after a barrier, with ``MPI.Wtime``;
-every rank averages its own calls and the table shows the min/avg/max over ranks of those
-means. ``dense`` (MPI_Allreduce) always runs, as the baseline of the ``vs dense`` column
-(dense latency / this latency: > 1 means faster than dense). ``Bytes/rank`` is the payload
-one call sends per rank (the max over ranks), exact, from the Communicator's counters.
-Only rank 0 prints; progress goes to stderr.
+a call's latency is its slowest rank's time, and avg/min/max/median (``-f`` prints min and
+max) are taken over the ``-i`` calls, all from those same samples. (OSU's ``-f`` reports
+instead the min/max over ranks of each rank's average; ours is the collective's time as
+the job sees it.) ``Size`` is the dense vector in bytes (n elements of ``--dtype``), as
+OSU's message size; ``n`` has its own column. ``dense`` (MPI_Allreduce) always runs, as
+the baseline of ``Speedup vs dense`` (dense avg latency / this avg latency: > 1 means
+faster than dense; CSV ``speedup_vs_dense``; CSV ``bytes_vs_dense`` is the byte ratio).
+``Bytes/rank`` is the payload one call sends per rank (the max over ranks), exact, from
+the Communicator's counters. Only rank 0 prints; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -18,8 +22,6 @@ import argparse
 import csv
 import io
 import json
-import os
-import re
 import sys
 import time
 from typing import Any
@@ -31,10 +33,27 @@ from .._array import cupy_or_none
 from ..comm import Communicator, mpi_library_version
 from ..errors import SparseCollError
 from ..registry import algorithm_class, available_algorithms
+from .cli import (
+    RankZeroParser,
+    add_launch_arguments,
+    check_nprocs,
+    parse_algorithms,
+    parse_sizes,
+    sizes_arg,
+)
 from .main import gather_inputs, time_algorithm, verify_all
 from .problems import OVERLAPS, make_problem
 
-__all__ = ["FIELDS", "main", "parse_algorithms", "parse_sizes"]
+__all__ = [
+    "FIELDS",
+    "build_parser",
+    "latency_stats",
+    "main",
+    "parse_algorithms",
+    "parse_args",
+    "parse_sizes",
+    "run",
+]
 
 BASELINE = "dense"
 FIELDS = (
@@ -42,6 +61,7 @@ FIELDS = (
     "exact",
     "P",
     "n",
+    "size_bytes",
     "density",
     "k",
     "overlap",
@@ -65,79 +85,23 @@ FIELDS = (
     "valid",
     "error",
 )
-SUFFIX = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
-
-
-def _size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)\s*", text.lower())
-    if not m:
-        raise ValueError(f"expecting a size like 4096, 64K or 16M, got {text!r}")
-    return int(m.group(1)) * SUFFIX[m.group(2)]
-
-
-def parse_sizes(text: str) -> list[int]:
-    """``MIN:MAX`` (doubling from MIN while <= MAX), ``N``, or a comma list of sizes.
-
-    Sizes take binary suffixes: K = 2**10, M = 2**20, G = 2**30.
-    """
-    if "," in text:
-        sizes = [_size(t) for t in text.split(",")]
-    elif ":" in text:
-        lo, hi = (_size(t) for t in text.split(":", 1))
-        if lo > hi:
-            raise ValueError(f"expecting MIN <= MAX, got {text!r}")
-        sizes = []
-        s = lo
-        while s <= hi:
-            sizes.append(s)
-            s *= 2
-    else:
-        sizes = [_size(text)]
-    if any(s < 1 for s in sizes):
-        raise ValueError(f"sizes must be positive, got {text!r}")
-    return sizes
-
-
-def parse_algorithms(values: list[str] | None, known: list[str]) -> list[str]:
-    """Names from repeated/comma-separated ``--algorithm`` values; ``all`` (or none) = all."""
-    names: list[str] = []
-    for v in values or ["all"]:
-        for name in filter(None, (t.strip() for t in v.split(","))):
-            for add in known if name == "all" else [name]:
-                if add not in known:
-                    raise ValueError(f"unknown algorithm {add!r}; known: {', '.join(known)}")
-                if add not in names:
-                    names.append(add)
-    return names
-
-
-class _Parser(argparse.ArgumentParser):
-    """Every rank parses the same argv and exits alike; only rank 0 prints."""
-
-    def _print_message(self, message: str, file: Any = None) -> None:
-        if _launcher_rank() == 0:
-            super()._print_message(message, file)
-
-
-def _launcher_rank() -> int:
-    for var in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = RankZeroParser(
         prog="python -m sparsecoll bench osu",
         description=__doc__.split("\n\n")[0],
-        epilog="Sizes take binary suffixes (K, M, G). Example: -m 1M:64M --density 0.01 -c",
+        epilog="Sizes take binary suffixes: K = 2**10, M = 2**20, G = 2**30. "
+        "Example: -m 1M:64M --density 0.01 -c",
     )
+    add_launch_arguments(p)
     p.add_argument(
         "-m",
         "--message-size",
+        type=sizes_arg,
         default="1M:16M",
         metavar="MIN:MAX",
-        help="dense lengths n: MIN:MAX doubling, N, or a comma list (default 1M:16M)",
+        help="dense lengths n, in elements: MIN:MAX doubling, N, or a comma list (default 1M:16M)",
     )
     p.add_argument("-i", "--iterations", type=int, default=10, help="timed calls per size")
     p.add_argument("-x", "--warmup", type=int, default=2, help="untimed calls first")
@@ -145,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-f",
         "--full",
         action="store_true",
-        help="full stats: min/max latency over ranks and iterations",
+        help="full stats: min and max latency over the timed calls",
     )
     p.add_argument(
         "-d",
@@ -158,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-c",
         "--validate",
         action="store_true",
-        help="check every result against dense (the algorithm's verify())",
+        help="check every result: exact algorithms against the dense sum, selecting ones "
+        "against their contract (the algorithm's verify())",
     )
     p.add_argument(
         "--algorithm",
@@ -180,18 +145,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check the arguments (usage errors exit 2, printed by rank 0 only)."""
     p = build_parser()
     args = p.parse_args(argv)
+    check_nprocs(p, args.np)
     try:
-        sizes = parse_sizes(args.message_size)
-        names = parse_algorithms(args.algorithm, available_algorithms())
+        args.algorithm = parse_algorithms(args.algorithm, available_algorithms())
         if args.iterations < 1 or args.warmup < 0:
             raise ValueError("expecting -i >= 1 and -x >= 0")
         if not 0 <= args.density <= 1:
             raise ValueError(f"expecting 0 <= density <= 1, got {args.density}")
     except ValueError as exc:
         p.error(str(exc))  # every rank parses the same argv: all exit alike
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run (under mpiexec)."""
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """The sweep on parsed arguments; rank 0 prints. Exit code 1 when a row failed."""
+    sizes, names = args.message_size, args.algorithm
     comm = Communicator()
     xp = np
     if args.device == "cuda":
@@ -269,6 +246,7 @@ def measure(
         exact=algorithm_class(name).exact,
         P=comm.size,
         n=n,
+        size_bytes=n * dtype.itemsize,
         density=args.density,
         k=k,
         overlap=args.overlap,
@@ -287,18 +265,13 @@ def measure(
         row["error"] = f"{type(exc).__name__}: {exc}"
         row["avg_us"] = 0.0
         return row
-    mean = float(np.mean(t.times))
-    per_rank = comm.allgather_object(mean)
-    per_iter = comm.allreduce_floats(t.times, "max")
+    per_iter = comm.allreduce_floats(t.times, "max")  # a call lasts as long as its slowest rank
     s = t.stats
     counts = [s.bytes_sent, s.bytes_recv, s.messages_sent, s.meta_bytes_sent, s.meta_messages_sent]
     mx = comm.allreduce_ints(counts, "max")
     sent_sum = int(comm.allreduce_ints([s.bytes_sent], "sum")[0])
     row.update(
-        avg_us=_us(np.mean(per_rank)),
-        min_us=_us(np.min(per_rank)),
-        max_us=_us(np.max(per_rank)),
-        median_us=_us(np.median(per_iter)),
+        **latency_stats(per_iter),
         bytes_per_rank=int(mx[0]),
         bytes_per_rank_avg=sent_sum / comm.size,
         bytes_recv_per_rank=int(mx[1]),
@@ -309,6 +282,20 @@ def measure(
         _result=t.result,
     )
     return row
+
+
+def latency_stats(per_iter: Any) -> dict[str, float]:
+    """avg/min/max/median latency (µs) of one set of samples: each timed call's slowest rank.
+
+    All four come from the same samples, so min <= median <= max and min <= avg <= max.
+    """
+    t = np.asarray(per_iter, dtype=np.float64)
+    return {
+        "avg_us": _us(np.mean(t)),
+        "min_us": _us(np.min(t)),
+        "max_us": _us(np.max(t)),
+        "median_us": _us(np.median(t)),
+    }
 
 
 def _us(seconds: float) -> float:
@@ -349,22 +336,34 @@ def render(rows: list[dict[str, Any]], args: Any, nprocs: int, names: list[str])
             f"{', reused instance' if args.reuse else ''}",
             file=out,
         )
-        cols = f"{'# Size':<12}{'Avg Latency(us)':>18}"
+        print(
+            f"# Size: bytes of the dense vector (n x {np.dtype(args.dtype).itemsize} B); "
+            f"Latency: each timed call's slowest rank, {'avg/min/max' if args.full else 'avg'}"
+            f" over the {args.iterations} timed calls",
+            file=out,
+        )
+        print(
+            "# Speedup vs dense: dense Avg Latency / this Avg Latency (> 1: faster)"
+            + ("; Validation: against the dense sum" if args.validate and kind == "exact" else "")
+            + ("; Validation: against its contract" if args.validate and kind != "exact" else ""),
+            file=out,
+        )
+        cols = f"{'# Size':<14}{'n':>12}{'Avg Latency(us)':>18}"
         if args.full:
             cols += f"{'Min Latency(us)':>18}{'Max Latency(us)':>18}{'Iterations':>12}"
-        cols += f"{'Bytes/rank':>14}{'vs dense':>10}"
+        cols += f"{'Bytes/rank':>14}{'Speedup vs dense':>18}"
         if args.validate:
             cols += f"{'Validation':>12}"
         print(cols, file=out)
         for r in sel:
             if r["error"]:
-                print(f"{r['n']:<12}  error: {r['error']}", file=out)
+                print(f"{r['size_bytes']:<14}{r['n']:>12}  error: {r['error']}", file=out)
                 continue
-            line = f"{r['n']:<12}{r['avg_us']:>18.2f}"
+            line = f"{r['size_bytes']:<14}{r['n']:>12}{r['avg_us']:>18.2f}"
             if args.full:
                 line += f"{r['min_us']:>18.2f}{r['max_us']:>18.2f}{r['iterations']:>12}"
             speed = r["speedup_vs_dense"]
-            line += f"{r['bytes_per_rank']:>14}{(f'{speed:.2f}x' if speed else '-'):>10}"
+            line += f"{r['bytes_per_rank']:>14}{(f'{speed:.2f}x' if speed else '-'):>18}"
             if args.validate:
                 line += f"{'Pass' if r['valid'] == 'yes' else 'FAIL':>12}"
             print(line, file=out)

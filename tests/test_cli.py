@@ -1,0 +1,148 @@
+"""The command line as a user meets it: help and usage errors once, exit codes, sizes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sparsecoll import available_algorithms
+from sparsecoll.benchmarks.cli import parse_size, parse_sizes
+
+from .mpirun import ROOT, run_mpi
+
+_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m sparsecoll ARGS`` as a user types it (not under mpiexec)."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return subprocess.run(
+        [sys.executable, "-m", "sparsecoll", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_top_level_help_exits_0() -> None:
+    for flag in ("--help", "-h"):
+        proc = cli(flag)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("usage: python -m sparsecoll bench")
+
+
+def test_no_or_unknown_command_is_a_usage_error() -> None:
+    proc = cli()
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("usage:")
+    proc = cli("benhc")
+    assert proc.returncode == 2
+    assert "unknown command 'benhc'" in proc.stderr
+
+
+@pytest.mark.parametrize("suite", [[], ["osu"]])
+def test_bench_help_prints_once_and_shows_np(suite: list[str]) -> None:
+    proc = cli("bench", *suite, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("usage: python -m sparsecoll bench") == 1
+    assert "--np P" in proc.stdout
+    assert "-m" in proc.stdout
+    assert "--message-size" in proc.stdout
+    assert "K = 2**10" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-m", "16X"], "expecting a size like 4096, 64K or 16M, got '16X'"),
+        (["-n", "16M"], "-n is ambiguous here: use --np P"),
+        (["-i", "0"], "expecting -i >= 1"),
+        (["--np", "0"], "expecting --np >= 1"),
+        (["--algorithm", "nosuch"], "unknown algorithm 'nosuch'"),
+        (["osu", "-m", "8K:1K"], "expecting MIN <= MAX"),
+        (["osu", "-n", "4"], "-n is ambiguous here"),
+        (["osu", "--algorithm", "dense,nosuch"], "unknown algorithm 'nosuch'"),
+    ],
+)
+def test_usage_errors_print_once_before_any_launch(args: list[str], message: str) -> None:
+    proc = cli("bench", *args)
+    assert proc.returncode == 2
+    assert proc.stderr.count(message) == 1, proc.stderr
+    assert proc.stderr.count("usage:") == 1
+
+
+def test_algorithms_command_lists_options() -> None:
+    proc = cli("algorithms")
+    assert proc.returncode == 0, proc.stderr
+    for name in available_algorithms():
+        assert f"{name} (" in proc.stdout
+    assert "oktopk (selecting):" in proc.stdout
+    assert "tau=32" in proc.stdout
+    assert "allgather (exact): no options" in proc.stdout
+
+
+@pytest.mark.mpi
+def test_help_under_mpiexec_prints_once() -> None:
+    """Started by mpiexec directly, every rank parses but only rank 0 prints."""
+    proc = run_mpi(3, ["-m", "sparsecoll", "bench", "--help"], timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("usage: python -m sparsecoll bench") == 1
+    proc = run_mpi(3, ["-m", "sparsecoll", "bench", "osu", "-m", "1Q"], timeout=120)
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stdout.count("expecting a size like") == 1
+
+
+@pytest.mark.mpi
+def test_main_bench_relaunches_and_names_its_check() -> None:
+    """--np and a suffixed size; the check column says what each result was checked against."""
+    proc = cli("bench", "--np", "2", "-m", "16K", "-i", "1", "-x", "0", timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1].startswith("# P=2 n=16384 ")
+    assert any(line.startswith("# check: 'sum' = equals the exact dense sum") for line in lines)
+    head = next(i for i, line in enumerate(lines) if line.startswith("algorithm"))
+    assert lines[head].split() == [
+        "algorithm",
+        "check",
+        "median",
+        "ms",
+        "speedup",
+        "bytes/rank",
+        "bytes",
+        "ratio",
+        "result",
+        "nnz",
+    ]
+    rows = {line.split()[0]: line.split() for line in lines[head + 1 :]}
+    assert sorted(rows) == available_algorithms()
+    for name in ("allgather", "dense", "dsa", "auto"):
+        assert rows[name][1:3] == ["sum", "ok"], rows[name]
+    for name in ("oktopk", "gtopk", "exdyna"):
+        assert rows[name][1:3] == ["contract", "ok"], rows[name]
+    assert proc.stdout.count("# P=2") == 1  # rank 0 alone prints
+
+
+def test_sizes_take_binary_suffixes() -> None:
+    assert parse_size("4096") == 4096
+    assert parse_size("64K") == 64 * 2**10
+    assert parse_size("16m") == 16 * 2**20
+    assert parse_size("1G") == 2**30
+    assert parse_sizes("64K:256K") == [2**16, 2**17, 2**18]
+    for bad in ("16X", "0", "1.5M", "-3", "", "1T"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_gpu_bench_takes_the_same_sizes(capsys) -> None:
+    from sparsecoll.benchmarks import gpu
+
+    with pytest.raises(SystemExit) as exc:
+        gpu.main(["select", "-m", "16X"])
+    assert exc.value.code == 2
+    assert "expecting a size like 4096, 64K or 16M, got '16X'" in capsys.readouterr().err
