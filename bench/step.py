@@ -137,7 +137,7 @@ def plot(rows: list[dict], summary: dict[str, dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     from sparsecoll import Communicator, __version__, select
-    from sparsecoll.benchmarks.osu import parse_sizes
+    from sparsecoll.benchmarks.cli import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--size", default="16M", help="gradient length n (K/M/G suffixes)")
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--csv", help="write every step's row here")
     ap.add_argument("--plot", help="write a PNG here (matplotlib)")
     args = ap.parse_args(argv)
-    args.size = parse_sizes(args.size)[0]
+    args.size = parse_size(args.size)
     comm = Communicator()
     select.warmup(parallel=True)
     grads = gradients(args.size, comm.rank, args.grads, args.seed)

@@ -426,7 +426,8 @@ class GradientReducer:
             cut=cut if cut > 0 else math.inf,
             lo=lo,
             hi=hi,
-            cap=CAP_FACTOR * self.k + 1024,
+            # exdyna reads every candidate anyway: room for all (only written pages are used)
+            cap=None if prep.mode == "exdyna" else CAP_FACTOR * self.k + 1024,
             velocity=prep.old_velocity,
             velocity_out=prep.velocity,
             momentum=self.momentum,

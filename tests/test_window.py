@@ -10,6 +10,7 @@ from sparsecoll.algorithms._window import (
     WINDOW_OFFSETS,
     bracket_edge,
     edge_counts,
+    edge_totals,
     pick_edge,
     window_edges,
 )
@@ -32,6 +33,7 @@ def test_edge_counts_match_direct_comparisons(mags, t, dtype):
     m = np.abs(np.asarray(mags, dtype=dtype))
     edges = window_edges(t, dtype)
     h, ge = edge_counts(m, edges)
+    assert np.array_equal(edge_totals(m, edges), ge)
     for j in range(edges.shape[0]):
         assert ge[j] == np.count_nonzero(m >= edges[j])
         assert np.array_equal(h > j, m >= edges[j])

@@ -16,7 +16,9 @@ import numpy as np
 from .._array import get_array_module, to_host
 from ..select import backend
 
-__all__ = ["WINDOW_OFFSETS", "bracket_edge", "edge_counts", "pick_edge", "window_edges"]
+__all__ = [
+    "WINDOW_OFFSETS", "bracket_edge", "edge_counts", "edge_totals", "pick_edge", "window_edges",
+]  # fmt: skip
 
 # log-offsets of the threshold window: step 0.003 in the middle, ±0.223 (×1.25) at the ends
 _J = np.arange(-32, 33, dtype=np.float64)
@@ -42,6 +44,16 @@ def edge_counts(mags: Any, edges: np.ndarray) -> tuple[Any, np.ndarray]:
         h = xp.searchsorted(xp.asarray(edges), mags, side="right")
     hist = to_host(xp.bincount(h, minlength=edges.shape[0] + 1)).astype(np.int64)
     return h, np.ascontiguousarray(np.cumsum(hist[::-1])[::-1][1:])
+
+
+def edge_totals(mags: Any, edges: np.ndarray) -> np.ndarray:
+    """``ge[j]`` = #(mags >= edges[j]) (host int64): :func:`edge_counts` without the
+    per-magnitude bucket (a vectorized count per edge on the CPU)."""
+    if isinstance(mags, np.ndarray) and backend() == "numba":
+        from ..select._numba import count_at_edges
+
+        return count_at_edges(mags, edges)
+    return edge_counts(mags, edges)[1]
 
 
 def pick_edge(total: np.ndarray, k: int, tol: float) -> tuple[int, bool]:

@@ -53,7 +53,7 @@ from .._array import index_dtype, to_host
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from ._window import WINDOW_OFFSETS, edge_counts, pick_edge, window_edges
+from ._window import WINDOW_OFFSETS, edge_totals, pick_edge, window_edges
 from .base import Algorithm, allclose_sparse
 from .gtopk import check_k
 
@@ -344,11 +344,11 @@ class ExDyna(Algorithm):
             ge = np.full(cast.shape[0], -1, dtype=np.int64)
         else:
             cand, mags = found
-            h, ge = edge_counts(mags, cast)
+            ge = edge_totals(mags, cast)
         table = np.asarray(comm.allgather_ints(ge)).reshape(comm.size, -1)
         _agree_no_nan(table)
         j, missed = pick_edge(table.sum(axis=0), self.k, 0.05 * self.k)
-        sel = cand[h > j]
+        sel = cand[mags >= cast[j]]
         return sel, table[:, j].tolist(), float(cast[j]), bool(missed)
 
     def _derive(self, comm: Communicator, n: int, part: Any) -> float | None:

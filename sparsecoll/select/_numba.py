@@ -682,3 +682,23 @@ def bucketize(x: np.ndarray, edges: np.ndarray) -> np.ndarray:
         x, edges = x.astype(np.float32), edges.astype(np.float32)
     _bucketize(np.ascontiguousarray(x), np.ascontiguousarray(edges, dtype=x.dtype), out)
     return out
+
+
+@njit(cache=True, nogil=True)
+def _count_at_edges(x, edges, out):  # pragma: no cover - compiled
+    # out[j] = #(x >= edges[j]): one vectorized pass per edge over x (candidates: small)
+    for j in range(edges.shape[0]):
+        e = edges[j]
+        c = 0
+        for i in range(x.shape[0]):
+            c += x[i] >= e
+        out[j] = c
+
+
+def count_at_edges(x: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """``[#(x >= e) for e in edges]`` (int64), exactly as compared in x's dtype."""
+    out = np.empty(edges.shape[0], np.int64)
+    if x.dtype == np.float16:  # exact in float32: every float16 is a float32
+        x, edges = x.astype(np.float32), edges.astype(np.float32)
+    _count_at_edges(np.ascontiguousarray(x), np.ascontiguousarray(edges, dtype=x.dtype), out)
+    return out
