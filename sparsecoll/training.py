@@ -54,7 +54,7 @@ from .sparse import VALUE_DTYPES, SparseVector
 __all__ = ["GradientReducer"]
 
 STATE_VERSION = 1
-CUT_MARGIN = 0.9  # first predicted candidate cut, as a fraction of the last k-th largest |value|
+CUT_TARGET = 2.0  # candidates the exact top-k's predicted cut aims at, in multiples of k
 CAP_FACTOR = 4  # candidates kept at most, in multiples of k (more: the prediction missed)
 # local selection policies for the algorithms that take a local top-k (not dense, not exdyna)
 SELECTIONS = {
@@ -169,7 +169,8 @@ class GradientReducer:
         self._update_nnz: Any = None  # its nonzero positions; None: unknown, zero it all
         self._cut: float | None = None  # predicted candidate cut of the exact local top-k
         self._kth = 0.0  # the last exact top-k's k-th largest |value|
-        self._margin = CUT_MARGIN
+        self._growth = 0.0  # its smoothed log growth per step
+        self._slope = 5.0  # d log(count) / d log(1/cut) near it (a Gaussian tail at 1%: ~5)
         if hasattr(self.algorithm, "reset"):
             self.algorithm.reset()
         est = SELECTIONS[self.selection]
@@ -467,19 +468,22 @@ class GradientReducer:
         return idx[vals != 0]
 
     def _predict_cut(self, found: select.Accumulation, kth: float) -> None:
-        """Next step's candidate cut: this step's k-th largest |value|, times its growth
-        since the last step (accumulated gradients grow or shrink steadily while the
-        residual builds up or the gradients decay), times a margin under 1 that widens
-        after a miss and narrows while candidates are plentiful."""
-        k = self.k
-        if self._cut is not None:
-            if found.hits < k:
-                self._margin *= 0.8
-            elif found.hits > 2 * k:
-                self._margin = min(0.98, self._margin * 1.05)
-        trend = kth / self._kth if self._kth and kth > 0 else 1.0
+        """Next step's candidate cut, aiming at CUT_TARGET·k candidates: this step's k-th
+        largest |value|, times its smoothed growth per step (accumulated gradients grow
+        while the residual builds up, shrink as gradients decay), lowered by the tail's
+        local slope (how fast the count rises below the k-th value, measured between this
+        step's cut and its k-th value; a miss makes it more careful)."""
+        k, cut = self.k, self._cut
+        if cut is not None and 0 < cut < kth and found.hits > k:
+            slope = math.log(found.hits / k) / math.log(kth / cut)
+            self._slope = min(max(slope, 1.0), 30.0)
+        elif cut is not None and found.hits < k:
+            self._slope = max(1.0, self._slope / 2)
+        if self._kth > 0 and kth > 0:
+            step = min(max(math.log(kth / self._kth), -0.5), 0.5)
+            self._growth = 0.5 * self._growth + 0.5 * step
         self._kth = kth
-        pred = kth * min(max(trend, 0.5), 2.0) * self._margin
+        pred = kth * math.exp(self._growth) * CUT_TARGET ** (-1.0 / self._slope)
         self._cut = pred if pred > 0 else None
 
     def _reduce(self, prep: _Prepared) -> Any:
