@@ -48,3 +48,9 @@ def test_nprocs_knob() -> None:
     for bad in ("x", "0", "2,,3"):
         with pytest.raises(ValueError, match="SPARSECOLL_NPROCS"):
             select_nprocs({"SPARSECOLL_NPROCS": bad})
+
+
+def test_readme_says_how_to_run_a_quick_subset() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert 'pytest -m "not mpi"' in readme
+    assert "SPARSECOLL_NPROCS=4 pytest" in readme
