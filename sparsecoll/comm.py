@@ -17,7 +17,10 @@ Polling mode (``Communicator(comm, poll=True)``, what the progress thread of non
 calls uses): every blocking operation is started with its nonblocking MPI variant and
 completed by ``Test`` calls with sleeps in between (exponential back-off from
 ``POLL_MIN`` to ``POLL_MAX`` seconds), because MPI's blocking calls busy-poll a core
-(MPICH's do) that the training computation needs.
+(MPICH's do) that the training computation needs. ``SPARSECOLL_POLL=1`` makes it the
+default of every Communicator: for ranks that share cores (more ranks than cores, or a
+training process whose other threads need the core), where a spinning wait steals the CPU
+from the rank being waited for.
 
 Progress engine: :meth:`Communicator.engine` attaches one to the MPI communicator (an MPI
 attribute, so every Communicator wrapping the same MPI communicator shares it). While it
@@ -256,10 +259,11 @@ class Communicator:
 
     Buffers are numpy or CuPy arrays; point-to-point payloads travel as raw bytes, so any
     dtype (float16 included) passes unchanged. ``poll=True`` completes every operation by
-    Test calls with sleeps in between instead of MPI's (busy-polling) blocking calls.
+    Test calls with sleeps in between instead of MPI's (busy-polling) blocking calls
+    (default: ``SPARSECOLL_POLL=1`` in the environment).
     """
 
-    def __init__(self, comm: Any = None, *, poll: bool = False) -> None:
+    def __init__(self, comm: Any = None, *, poll: bool | None = None) -> None:
         MPI = _mpi()
         if comm is None:
             comm = MPI.COMM_WORLD
@@ -276,7 +280,7 @@ class Communicator:
         self.stats = CommStats()
         self.last_stats = CommStats()  # what the last sparsecoll.allreduce moved
         self._cuda_aware: bool | None = None
-        self.poll = bool(poll)
+        self.poll = os.environ.get("SPARSECOLL_POLL") == "1" if poll is None else bool(poll)
 
     @classmethod
     def wrap(cls, comm: Any) -> Communicator:
