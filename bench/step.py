@@ -27,7 +27,8 @@ import numpy as np
 
 ALGORITHMS = ("dense", "allgather", "gtopk", "oktopk", "exdyna")
 COLUMNS = (
-    "algorithm", "P", "n", "step", "time_s", "local_s", "comm_s", "nnz", "k", "bytes_sent",
+    "algorithm", "P", "n", "step", "time_s", "cpu_s", "local_s", "comm_s", "nnz", "k",
+    "bytes_sent",
 )  # fmt: skip
 
 
@@ -39,17 +40,18 @@ def gradients(n: int, rank: int, count: int, seed: int) -> list[np.ndarray]:
     return [rng.standard_normal(n, dtype=np.float32) * scale for _ in range(count)]
 
 
-def add_time(n: int, reps: int) -> float:
-    """Median time of one ``np.add(a, b, out=c)`` of two float32 n-arrays."""
+def add_time(n: int, reps: int) -> tuple[float, float]:
+    """Median wall and CPU time of one ``np.add(a, b, out=c)`` of two float32 n-arrays."""
     a = np.ones(n, np.float32)
     b = np.ones(n, np.float32)
     c = np.empty(n, np.float32)
-    times = []
+    wall, cpu = [], []
     for _ in range(reps + 1):
-        t = time.perf_counter()
+        t, u = time.perf_counter(), time.process_time()
         np.add(a, b, out=c)
-        times.append(time.perf_counter() - t)
-    return float(np.median(times[1:]))
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - u)
+    return float(np.median(wall[1:])), float(np.median(cpu[1:]))
 
 
 def run(comm, name: str, args: argparse.Namespace, grads: list[np.ndarray]) -> list[dict]:
@@ -63,11 +65,11 @@ def run(comm, name: str, args: argparse.Namespace, grads: list[np.ndarray]) -> l
         if args.stream == "decay":
             g = g * np.float32(0.9 ** (it % 60))  # outside the timed region
         comm.barrier()
-        t = time.perf_counter()
+        t, u = time.perf_counter(), time.process_time()
         red.step(g, out=update)
-        elapsed = time.perf_counter() - t
+        elapsed, cpu = time.perf_counter() - t, time.process_time() - u
         st = red.stats()
-        mine = [elapsed, st["time_collective_s"]]
+        mine = [elapsed, st["time_collective_s"], cpu]
         worst = comm.allreduce_floats(mine, "max")
         if it >= args.warmup:
             rows.append(
@@ -77,6 +79,7 @@ def run(comm, name: str, args: argparse.Namespace, grads: list[np.ndarray]) -> l
                     "n": args.size,
                     "step": it - args.warmup,
                     "time_s": float(worst[0]),
+                    "cpu_s": float(worst[2]),
                     "local_s": float(worst[0] - worst[1]),
                     "comm_s": float(worst[1]),
                     "nnz": round(st["achieved_density"] * args.size),
@@ -87,8 +90,9 @@ def run(comm, name: str, args: argparse.Namespace, grads: list[np.ndarray]) -> l
     return rows
 
 
-def summarize(rows: list[dict], floor: float, dense: float | None) -> dict:
+def summarize(rows: list[dict], floor: tuple[float, float], dense: float | None) -> dict:
     t = np.array([r["time_s"] for r in rows])
+    cpu = float(np.median([r["cpu_s"] for r in rows]))
     ratio = np.array([r["nnz"] / r["k"] for r in rows]) if rows[0]["k"] else np.ones(1)
     med = float(np.median(t))
     return {
@@ -96,7 +100,9 @@ def summarize(rows: list[dict], floor: float, dense: float | None) -> dict:
         "min_ms": float(t.min()) * 1e3,
         "local_ms": float(np.median([r["local_s"] for r in rows])) * 1e3,
         "comm_ms": float(np.median([r["comm_s"] for r in rows])) * 1e3,
-        "x_add": med / floor,
+        "x_add": med / floor[0],
+        "cpu_ms": cpu * 1e3,
+        "x_add_cpu": cpu / floor[1],
         "vs_dense": (dense / med) if dense else float("nan"),
         "bytes": int(np.median([r["bytes_sent"] for r in rows])),
         "dens_min": float(ratio.min()),
@@ -118,7 +124,6 @@ def plot(rows: list[dict], summary: dict[str, dict], path: str) -> None:
     ax1.bar(names, loc, label="local work")
     ax1.bar(names, com, bottom=loc, label="collective")
     ax1.set_ylabel("median step time (ms)")
-    ax1.set_yscale("log")
     ax1.legend()
     for a in names:
         if a == "dense":
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     comm = Communicator()
     select.warmup(parallel=True)
     grads = gradients(args.size, comm.rank, args.grads, args.seed)
-    floor = float(comm.allreduce_floats([add_time(args.size, 9)], "max")[0])
+    floor = tuple(float(v) for v in comm.allreduce_floats(add_time(args.size, 9), "max"))
     rows, summary = [], {}
     names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     for name in names:
@@ -171,12 +176,17 @@ def main(argv: list[str] | None = None) -> None:
         f"stream {args.stream}, {args.iterations} steps after {args.warmup} warm-up, "
         f"selection threads {select.get_num_threads()}"
     )
-    print(f"# np.add(a, b, out=c) of two n-arrays: {floor * 1e3:.2f} ms (median)")
+    print(
+        f"# np.add(a, b, out=c) of two n-arrays: {floor[0] * 1e3:.2f} ms, "
+        f"{floor[1] * 1e3:.2f} ms CPU (medians)"
+    )
     print("# times: median over steps of the max over ranks; x add: step / np.add;")
+    print("# cpu: process CPU time of the step (robust to other load on a shared machine);")
     print("# vs dense: dense step / step; density: result nnz / k (min mean max)")
     head = (
         f"{'algorithm':<10}{'median ms':>10}{'min ms':>9}{'local ms':>10}{'comm ms':>9}"
-        f"{'x add':>7}{'vs dense':>9}{'bytes/rank':>12}{'density':>20}"
+        f"{'x add':>7}{'cpu ms':>8}{'x add cpu':>10}{'vs dense':>9}{'bytes/rank':>12}"
+        f"{'density':>20}"
     )
     print(head)
     for name, s in summary.items():
@@ -184,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         dens = "-" if name == "dense" else dens
         print(
             f"{name:<10}{s['median_ms']:>10.2f}{s['min_ms']:>9.2f}{s['local_ms']:>10.2f}"
-            f"{s['comm_ms']:>9.2f}{s['x_add']:>7.2f}{s['vs_dense']:>9.2f}{s['bytes']:>12,}"
+            f"{s['comm_ms']:>9.2f}{s['x_add']:>7.2f}{s['cpu_ms']:>8.2f}{s['x_add_cpu']:>10.2f}"
+            f"{s['vs_dense']:>9.2f}{s['bytes']:>12,}"
             f"{dens:>20}"
         )
     if args.csv:
