@@ -33,8 +33,12 @@ from sparsecoll.comm import Communicator, mpi_library_version
 
 METHODS = ("dense", "allgather", "gtopk", "oktopk", "exdyna")
 # extra method names: a registered algorithm plus options
-VARIANTS = {"exdyna-authors": ("exdyna", {"rule": "authors"})}
+VARIANTS = {
+    "exdyna-authors": ("exdyna", {"rule": "authors"}),
+    "oktopk-paper": ("oktopk", {"rule": "paper"}),
+}
 MOMENTUM = 0.9
+SETTLE, BAND = 5, (0.8, 1.25)  # density summary: steps after warm-up left out, K/k band
 # A "+mc" suffix (e.g. "oktopk+mc") selects momentum correction (DGC): the reducer keeps the
 # momentum (velocity accumulated before selection, masked where sent) and the optimizer none.
 
@@ -220,11 +224,18 @@ def train(args, torch, comm: Communicator, method: str) -> list[dict]:
     return rows
 
 
-def summarize(rows: list[dict], n_last: int, warmup: int = 1) -> dict:
+def summarize(rows: list[dict], n_last: int, warmup: int = 1, density: float = 0.01) -> dict:
     evals = [r for r in rows if r["eval_loss"] != ""]
     tail = evals[-n_last:]
     sparse = rows[warmup:]  # after the dense warm-up iterations
+    # achieved / requested density per step, after 5 more settling steps
+    ratio = np.array([r["achieved_density"] for r in rows[warmup + SETTLE :]]) / density
+    if ratio.size == 0:
+        ratio = np.ones(1)
     return {
+        "ratio_min": float(ratio.min()),
+        "ratio_max": float(ratio.max()),
+        "in_band": float(np.mean((ratio >= BAND[0]) & (ratio <= BAND[1]))),
         "eval_loss": float(np.mean([r["eval_loss"] for r in tail])),
         "eval_acc": float(np.mean([r["eval_acc"] for r in tail])),
         "train_loss": float(np.mean([r["train_loss"] for r in rows[-50:]])),
@@ -280,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows = train(args, torch, comm, method)
         all_rows += rows
-        summary[method] = summarize(rows, 3, args.warmup)
+        summary[method] = summarize(rows, 3, args.warmup, args.density)
     if comm.rank == 0:
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -292,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{'method':<16}{'eval acc':>10}{'eval loss':>11}{'vs dense':>10}{'train loss':>12}"
             f"{'density':>9}{'bytes/rank/step':>17}{'total MB':>10}{'seconds':>9}"
+            f"{'K/k min':>9}{'K/k max':>9}{'in band':>9}"
         )
         for m, s in summary.items():
             rel = f"{s['eval_loss'] / dense['eval_loss'] - 1:+.1%}" if dense else "-"
@@ -299,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{m:<16}{s['eval_acc'] * 100:>9.2f}%{s['eval_loss']:>11.4f}{rel:>10}"
                 f"{s['train_loss']:>12.4f}{s['density']:>9.4f}{s['bytes']:>17.0f}"
                 f"{s['total'] / 1e6:>10.2f}{s['seconds']:>9.1f}"
+                + (
+                    f"{'-':>9}{'-':>9}{'-':>9}"
+                    if m == "dense"
+                    else f"{s['ratio_min']:>9.3f}{s['ratio_max']:>9.3f}{s['in_band']:>9.1%}"
+                )
             )
         sys.stdout.flush()
     return 0
