@@ -1,0 +1,31 @@
+"""bench/step.py (the training-step benchmark) runs under mpiexec and reports every step."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from .mpirun import ROOT, run_mpi
+
+
+@pytest.mark.mpi
+def test_step_benchmark_runs(tmp_path) -> None:
+    out = tmp_path / "step.csv"
+    proc = run_mpi(
+        3,
+        [str(ROOT / "bench" / "step.py"), "-m", "64K", "-i", "3", "-x", "1", "--csv", str(out)],
+        timeout=600,
+        env={"SPARSECOLL_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    rows = list(csv.DictReader(out.open()))
+    algorithms = ("dense", "allgather", "gtopk", "oktopk", "exdyna")
+    assert [r["algorithm"] for r in rows] == [a for a in algorithms for _ in range(3)]
+    for r in rows:
+        assert r["P"] == "3" and r["n"] == str(64 * 1024)
+        assert 0 <= float(r["local_s"]) <= float(r["time_s"])
+        if r["algorithm"] in ("gtopk", "oktopk"):
+            assert r["nnz"] == r["k"]  # exactly k kept (oktopk: window or exact calls)
+    header = [ln for ln in proc.stdout.splitlines() if ln.startswith("algorithm")]
+    assert len(header) == 1 and "x add" in header[0]
