@@ -102,7 +102,8 @@ class SparseHookState:
 
     Every rank must build the same state. ``stats()`` sums the byte counts over buckets;
     ``state_dict()``/``load_state_dict()`` save and restore every bucket's reducer (with the
-    asynchronous hook: after the iteration's backward, when no bucket is in flight).
+    asynchronous hook: after the iteration's backward, when no bucket is in flight);
+    ``reset()`` drops their state.
     """
 
     __slots__ = (
@@ -192,6 +193,15 @@ class SparseHookState:
             "iteration": self.iteration,
             "reducers": {i: r.state_dict() for i, r in self.reducers.items()},
         }
+
+    def reset(self) -> None:
+        """Drop every bucket's residual, velocity and algorithm state (each reducer's
+        :meth:`~sparsecoll.GradientReducer.reset`) and the byte counters, keeping the
+        buckets and the iteration count (no new dense warm-up). Call it on every rank."""
+        for red in self.reducers.values():
+            red.reset()
+        self._pending.clear()
+        self._dense_stats = CommStats()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore; each bucket's reducer is rebuilt when the bucket next comes by."""

@@ -397,3 +397,15 @@ def test_selection_policies(comm, selection):
         if not np.array_equal(red3.step(s.grad(comm.rank, t)), updates[t]):
             problems.append(f"step {t} differs after restore")
     check_everywhere(comm, problems, updates)
+
+
+def test_hook_state_reset(comm):
+    """SparseHookState.reset() resets every bucket's reducer (no torch needed to check)."""
+    from sparsecoll.integrations.torch import SparseHookState
+
+    state = SparseHookState(comm, "oktopk", density=0.05)
+    red = state.reducer(0, 500, "torch.float32")
+    red.step(np.random.default_rng([2, comm.rank]).standard_normal(500).astype(np.float32))
+    state.reset()
+    assert state.reducers[0] is red and red.residual is None and red.steps == 0
+    assert red.algorithm.step == 0 and state.stats()["bytes_sent_total"] == 0
