@@ -367,10 +367,10 @@ class OkTopk(Algorithm):
         before = np.concatenate(([0], np.cumsum(bucket[:-1])))
         taken = np.clip(need - before, 0, bucket)
         hi = float("inf") if top else float(edges[m])
-        keep = xp.flatnonzero(h > m)
-        if taken[comm.rank]:
-            cut = xp.flatnonzero(h == m)[: int(taken[comm.rank])]
-            keep = xp.sort(xp.concatenate([keep, cut]))
+        chosen = h > m
+        if taken[comm.rank]:  # both ascending: a mask keeps the union sorted, no sort
+            chosen[xp.flatnonzero(h == m)[: int(taken[comm.rank])]] = True
+        keep = xp.flatnonzero(chosen)
         counts = (above + taken).tolist()
         assert sum(counts) == self.k, (counts, self.k)
         return keep, counts, (float(edges[j]), hi)
@@ -402,7 +402,8 @@ class OkTopk(Algorithm):
         # regions are in index order by rank, so ties go to the lowest ranks' lowest indices
         before = np.concatenate(([0], np.cumsum(ge[:-1, 1])))
         taken = np.clip(ties_needed - before, 0, ge[:, 1])
-        keep = xp.sort(xp.concatenate([xp.flatnonzero(above), tie_pos[: int(taken[comm.rank])]]))
+        above[tie_pos[: int(taken[comm.rank])]] = True  # the union, ascending, with no sort
+        keep = xp.flatnonzero(above)
         counts = (ge[:, 0] + taken).tolist()
         assert sum(counts) == self.k, (counts, self.k)
         threshold = float(np.array([key], dtype=ktype).view(vals.dtype)[0])
