@@ -13,6 +13,7 @@ Gradients: a stream of Gaussian vectors with a linear scale profile
 
     mpiexec -n 4 python bench/step.py -m 16M                  # every algorithm, 1%
     SPARSECOLL_NUM_THREADS=1 python bench/step.py -m 16M      # P = 1, one thread
+    SPARSECOLL_NUM_THREADS=1 python bench/step.py -m 16M --update reuse   # O(k) update
     mpiexec -n 4 python bench/step.py -m 1M --stream decay -i 40 --csv out.csv --plot out.png
 """
 
@@ -57,16 +58,23 @@ def add_time(n: int, reps: int) -> tuple[float, float]:
 def run(comm, name: str, args: argparse.Namespace, grads: list[np.ndarray]) -> list[dict]:
     from sparsecoll import GradientReducer
 
-    red = GradientReducer(comm, args.size, name, args.density)
+    reuse = args.update == "reuse"
+    red = GradientReducer(comm, args.size, name, args.density, reuse_update=reuse)
     update = np.empty(args.size, np.float32)
     rows = []
     for it in range(args.warmup + args.iterations):
         g = grads[it % len(grads)]
         if args.stream == "decay":
             g = g * np.float32(0.9 ** (it % 60))  # outside the timed region
+        if args.update == "inplace":  # the gradient buffer becomes the update (DDP's hook)
+            np.copyto(update, g)  # outside the timed region
+            g = update
         comm.barrier()
         t, u = time.perf_counter(), time.process_time()
-        red.step(g, out=update)
+        if reuse:
+            red.step(g)
+        else:
+            red.step(g, out=update)
         elapsed, cpu = time.perf_counter() - t, time.process_time() - u
         st = red.stats()
         mine = [elapsed, st["time_collective_s"], cpu]
@@ -153,6 +161,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stream", choices=("stationary", "decay"), default="stationary")
     ap.add_argument("--grads", type=int, default=4, help="distinct gradients cycled")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--update",
+        choices=("out", "inplace", "reuse"),
+        default="out",
+        help="where the update goes: out= a separate buffer (default), the gradient's own "
+        "buffer (step(g, out=g), as the DDP hooks do), or the reducer's reused buffer "
+        "(reuse_update=True: O(k) writes)",
+    )
     ap.add_argument("--csv", help="write every step's row here")
     ap.add_argument("--plot", help="write a PNG here (matplotlib)")
     args = ap.parse_args(argv)
@@ -174,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"# P = {comm.size}, n = {args.size:,} float32, density {args.density}, "
         f"stream {args.stream}, {args.iterations} steps after {args.warmup} warm-up, "
-        f"selection threads {select.get_num_threads()}"
+        f"selection threads {select.get_num_threads()}, update {args.update}"
     )
     print(
         f"# np.add(a, b, out=c) of two n-arrays: {floor[0] * 1e3:.2f} ms, "
