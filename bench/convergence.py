@@ -39,6 +39,9 @@ VARIANTS = {
 }
 MOMENTUM = 0.9
 SETTLE, BAND = 5, (0.8, 1.25)  # density summary: steps after warm-up left out, K/k band
+# period-2 verdict on K/k: lag-1 autocorrelation at most CYCLE_AC with a standard deviation of
+# at least CYCLE_SPREAD (a constant or nearly constant K/k has no cycle to speak of)
+CYCLE_AC, CYCLE_SPREAD = -0.5, 0.05
 # A "+mc" suffix (e.g. "oktopk+mc") selects momentum correction (DGC): the reducer keeps the
 # momentum (velocity accumulated before selection, masked where sent) and the optimizer none.
 
@@ -224,18 +227,41 @@ def train(args, torch, comm: Communicator, method: str) -> list[dict]:
     return rows
 
 
+def ratio_stats(ratio: np.ndarray) -> dict:
+    """K/k per step (after warm-up and SETTLE) summarized: min, max, mean, fraction in BAND,
+    lag-1 autocorrelation (nan when K/k is constant, to rounding), std, and the period-2 verdict."""
+    ratio = np.asarray(ratio, dtype=np.float64)
+    if ratio.size == 0:
+        ratio = np.ones(1)
+    d = ratio - ratio.mean()
+    var = float(np.mean(d * d))
+    lag1 = float("nan")
+    if ratio.size > 1 and var > 1e-18:
+        lag1 = float(np.mean(d[1:] * d[:-1]) / var)
+    std = var**0.5
+    return {
+        "ratio_min": float(ratio.min()),
+        "ratio_max": float(ratio.max()),
+        "ratio_mean": float(ratio.mean()),
+        "ratio_std": std,
+        "ratio_lag1": lag1,
+        "in_band": float(np.mean((ratio >= BAND[0]) & (ratio <= BAND[1]))),
+        "out_of_band_steps": int(np.count_nonzero((ratio < BAND[0]) | (ratio > BAND[1]))),
+        "period2": bool(lag1 <= CYCLE_AC and std >= CYCLE_SPREAD),
+    }
+
+
+def step_ratios(rows: list[dict], warmup: int = 1, density: float = 0.01) -> np.ndarray:
+    """Achieved / requested density per step, after the warm-up and SETTLE more steps."""
+    return np.array([float(r["achieved_density"]) for r in rows[warmup + SETTLE :]]) / density
+
+
 def summarize(rows: list[dict], n_last: int, warmup: int = 1, density: float = 0.01) -> dict:
     evals = [r for r in rows if r["eval_loss"] != ""]
     tail = evals[-n_last:]
     sparse = rows[warmup:]  # after the dense warm-up iterations
-    # achieved / requested density per step, after 5 more settling steps
-    ratio = np.array([r["achieved_density"] for r in rows[warmup + SETTLE :]]) / density
-    if ratio.size == 0:
-        ratio = np.ones(1)
     return {
-        "ratio_min": float(ratio.min()),
-        "ratio_max": float(ratio.max()),
-        "in_band": float(np.mean((ratio >= BAND[0]) & (ratio <= BAND[1]))),
+        **ratio_stats(step_ratios(rows, warmup, density)),
         "eval_loss": float(np.mean([r["eval_loss"] for r in tail])),
         "eval_acc": float(np.mean([r["eval_acc"] for r in tail])),
         "train_loss": float(np.mean([r["train_loss"] for r in rows[-50:]])),
@@ -303,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{'method':<16}{'eval acc':>10}{'eval loss':>11}{'vs dense':>10}{'train loss':>12}"
             f"{'density':>9}{'bytes/rank/step':>17}{'total MB':>10}{'seconds':>9}"
-            f"{'K/k min':>9}{'K/k max':>9}{'in band':>9}"
+            f"{'K/k min':>9}{'K/k max':>9}{'K/k mean':>9}{'in band':>9}{'lag-1':>7}"
         )
         for m, s in summary.items():
             rel = f"{s['eval_loss'] / dense['eval_loss'] - 1:+.1%}" if dense else "-"
@@ -312,9 +338,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{s['train_loss']:>12.4f}{s['density']:>9.4f}{s['bytes']:>17.0f}"
                 f"{s['total'] / 1e6:>10.2f}{s['seconds']:>9.1f}"
                 + (
-                    f"{'-':>9}{'-':>9}{'-':>9}"
+                    f"{'-':>9}{'-':>9}{'-':>9}{'-':>9}{'-':>7}"
                     if m == "dense"
-                    else f"{s['ratio_min']:>9.3f}{s['ratio_max']:>9.3f}{s['in_band']:>9.1%}"
+                    else f"{s['ratio_min']:>9.3f}{s['ratio_max']:>9.3f}{s['ratio_mean']:>9.3f}"
+                    f"{s['in_band']:>9.1%}"
+                    + ("      -" if np.isnan(s["ratio_lag1"]) else f"{s['ratio_lag1']:>7.2f}")
                 )
             )
         sys.stdout.flush()
