@@ -36,7 +36,7 @@ from .._array import get_array_module
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from ._merge import merge_two
+from ._merge import isin_sorted, merge_two
 from .base import Algorithm, Fold, allclose_sparse, pack_pairs, recv_pairs
 
 __all__ = ["GTopk", "check_k", "gtopk_tree", "isin_sorted", "merge_topk", "topk_positions"]
@@ -66,16 +66,6 @@ def topk_positions(values: Any, k: int) -> Any:
         return get_array_module(values).zeros(0, dtype=np.int64)
     pos, picked = select.topk(values, min(k, int(values.shape[0])))
     return pos[picked != 0]
-
-
-def isin_sorted(a: Any, b: Any) -> Any:
-    """Boolean mask over ``a``: which entries occur in the sorted array ``b``."""
-    xp = get_array_module(a)
-    if b.shape[0] == 0:
-        return xp.zeros(a.shape[0], dtype=bool)
-    pos = xp.searchsorted(b, a)
-    pos = xp.minimum(pos, b.shape[0] - 1)
-    return b[pos] == a
 
 
 def merge_topk(a: tuple[Any, Any], b: tuple[Any, Any], k: int, n: int) -> tuple[Any, Any]:

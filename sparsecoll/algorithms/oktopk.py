@@ -72,7 +72,7 @@ from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import merge_two
-from ._window import bracket_edge, edge_counts, window_edges
+from ._window import bracket_edge, edge_totals, window_edges
 from .base import Algorithm, allclose_sparse, pack_pairs, range_bounds, unpack_pairs
 from .gtopk import check_k, isin_sorted, topk_positions
 
@@ -350,8 +350,8 @@ class OkTopk(Algorithm):
         # must not select zeros
         tiny = np.finfo(vals.dtype).smallest_subnormal
         edges = np.maximum(window_edges(self.threshold, vals.dtype), tiny)
-        h, ge = edge_counts(xp.abs(vals), edges)
-        table = comm.allgather_ints(ge)
+        mags = xp.abs(vals)
+        table = comm.allgather_ints(edge_totals(mags, edges))
         j = bracket_edge(table.sum(axis=0), self.k)
         if j is None:
             return None
@@ -367,9 +367,10 @@ class OkTopk(Algorithm):
         before = np.concatenate(([0], np.cumsum(bucket[:-1])))
         taken = np.clip(need - before, 0, bucket)
         hi = float("inf") if top else float(edges[m])
-        chosen = h > m
-        if taken[comm.rank]:  # both ascending: a mask keeps the union sorted, no sort
-            chosen[xp.flatnonzero(h == m)[: int(taken[comm.rank])]] = True
+        chosen = mags >= edges[m]
+        if taken[comm.rank]:  # the bucket [edges[j], edges[m]); a mask keeps the union sorted
+            bucket_pos = xp.flatnonzero((mags >= edges[j]) & ~chosen)
+            chosen[bucket_pos[: int(taken[comm.rank])]] = True
         keep = xp.flatnonzero(chosen)
         counts = (above + taken).tolist()
         assert sum(counts) == self.k, (counts, self.k)
