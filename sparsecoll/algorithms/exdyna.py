@@ -257,7 +257,7 @@ class ExDyna(Algorithm):
         xp = _xp(acc)
 
         def to_index(pos: Any) -> Any:
-            return (pos + lo).astype(itype)
+            return xp.add(pos, lo, dtype=itype)  # one pass: no int64 temporary
 
         found = None
         if candidates is not None:
