@@ -194,6 +194,59 @@ def index_dtype(n: int) -> np.dtype:
     return np.dtype(np.int32) if n <= INT32_LIMIT + 1 else np.dtype(np.int64)
 
 
+RADIX_BITS = 12  # digit of the host's index sort: 4096 counters fit in L1
+RADIX_MIN = 1 << 12  # shorter index arrays go to numpy's sort
+
+
+def stable_argsort(keys: Any, n: int) -> Any:
+    """``argsort(keys, kind="stable")`` for integer keys in ``[0, n)``. On the host, for
+    long arrays, an LSD radix sort in Numba (ceil(log2 n / 12) passes; numpy's stable
+    argsort took ~70 ns a key on 167K random indices); numpy's or CuPy's sort otherwise."""
+    xp = get_array_module(keys)
+    m = int(keys.shape[0])
+    if xp is not np or m < RADIX_MIN or n <= 1:
+        return xp.argsort(keys, kind="stable")
+    bits = int(n - 1).bit_length()
+    return _radix_argsort_kernel()(np.ascontiguousarray(keys), bits, RADIX_BITS)
+
+
+@functools.cache
+def _radix_argsort_kernel() -> Any:
+    import numba
+
+    @numba.njit(cache=True, nogil=True)
+    def radix_argsort(keys, bits, digit):  # pragma: no cover - compiled
+        # LSD radix sort of (key, position) pairs, `digit` bits a pass: stable, so equal
+        # keys keep their input order
+        m = keys.shape[0]
+        size = 1 << digit
+        mask = size - 1
+        key = keys.astype(np.int64)
+        pos = np.arange(m)
+        key2 = np.empty(m, np.int64)
+        pos2 = np.empty(m, np.int64)
+        count = np.empty(size + 1, np.int64)
+        shift = 0
+        while shift < bits:
+            count[:] = 0
+            for i in range(m):
+                count[((key[i] >> shift) & mask) + 1] += 1
+            for d in range(size):
+                count[d + 1] += count[d]
+            for i in range(m):
+                d = (key[i] >> shift) & mask
+                j = count[d]
+                key2[j] = key[i]
+                pos2[j] = pos[i]
+                count[d] = j + 1
+            key, key2 = key2, key
+            pos, pos2 = pos2, pos
+            shift += digit
+        return pos
+
+    return radix_argsort
+
+
 def segment_sum(vals: Any, heads: Any) -> Any:
     """Sum ``vals`` over the segments starting at ``heads`` (ascending, heads[0] == 0).
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ._array import get_array_module, index_dtype, segment_sum
+from ._array import get_array_module, index_dtype, segment_sum, stable_argsort
 
 __all__ = ["VALUE_DTYPES", "SparseVector", "coalesce"]
 
@@ -127,7 +127,7 @@ def coalesce(indices: Any, values: Any, n: int) -> SparseVector:
     idx = indices.astype(itype, copy=False)
     if m == 1 or bool(xp.all(idx[1:] > idx[:-1])):
         return SparseVector(idx, values, n)
-    order = xp.argsort(idx, kind="stable")
+    order = stable_argsort(idx, n)
     idx = idx[order]
     vals = values[order]
     start = xp.ones(m, dtype=bool)
