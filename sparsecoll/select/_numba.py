@@ -564,44 +564,66 @@ def warmup(parallel: bool = False) -> None:
 
 # -- the fused error-feedback pass --------------------------------------------------------
 LANES = 8  # elements per vector step of the fused pass (8 mask bits)
+NT_ALIGN = 32  # bytes: where the pass's streaming (non-temporal) vector stores must start
 
 
 @intrinsic
-def _fused_lanes(typingctx, g, r, u, uo, m, acc, z, i, cut):  # pragma: no cover - compiled
+def _fused_lanes(typingctx, g, r, u, uo, m, acc, z, i, cut, nt, zt, tmp, t):  # pragma: no cover
     """LANES elements from i, as vectors: ``uo = m·u + g`` (with u), ``acc = (uo or g) +
-    r``, ``z = 0`` (with z); returns a bit mask, bit j for |acc[i+j]| >= cut and bit
+    r`` (also into ``tmp[t:t + LANES]``, a scratch row in cache that the copy loop reads:
+    acc itself may have bypassed the cache), ``z = 0`` (with z); returns a bit mask, bit j for |acc[i+j]| >= cut and bit
     LANES + j for a non-finite acc[i+j]. Every load comes before any store, so ``acc`` may
-    be ``r`` and ``z`` may be ``g``. Written as LLVM vector code because the compare-to-mask
-    step (one movmsk) is what LLVM's loop vectorizer does not find in a scalar loop: that
-    loop ran at half the memory bandwidth."""
+    be ``r`` and ``z`` may be ``g``. With ``nt`` the stores to uo and acc are non-temporal
+    (streaming, NT_ALIGN-aligned addresses required), and with ``zt`` those to z: a
+    written line is not read first, so the pass moves a quarter less memory than
+    ``np.add`` does. (z = g is zeroed by plain stores: its lines are in cache, just read,
+    and a streaming store to a cached line was 4x slower.) Written as LLVM vector code because
+    the compare-to-mask step (one movmsk) is what LLVM's loop vectorizer does not find in a
+    scalar loop: that loop ran at half the memory bandwidth."""
     has_u = not isinstance(u, nbtypes.NoneType)
     has_z = not isinstance(z, nbtypes.NoneType)
-    sig = nbtypes.uint32(g, r, u, uo, m, acc, z, nbtypes.intp, cut)
+    flag_t = nbtypes.boolean
+    sig = nbtypes.uint32(g, r, u, uo, m, acc, z, nbtypes.intp, cut, flag_t, flag_t, tmp, nbtypes.intp)
 
     def codegen(context, builder, signature, args):
-        ga, ra, ua, uoa, mv, aa, za, idx, cv = args
+        ga, ra, ua, uoa, mv, aa, za, idx, cv, ntf, ztf, ta, toff = args
         ty = signature.args
         fty = context.get_value_type(ty[0].dtype)
         vty = ir.VectorType(fty, LANES)
+        i32 = ir.IntType(32)
+        flag = builder.module.add_metadata([i32(1)])
 
-        def ptr(value, aty):
+        def ptr(value, aty, at=idx):
             data = context.make_array(aty)(context, builder, value).data
-            return builder.bitcast(builder.gep(data, [idx]), vty.as_pointer())
+            return builder.bitcast(builder.gep(data, [at]), vty.as_pointer())
 
         def splat(x):
-            v = builder.insert_element(ir.Constant(vty, ir.Undefined), x, ir.IntType(32)(0))
-            return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+            v = builder.insert_element(ir.Constant(vty, ir.Undefined), x, i32(0))
+            lanes = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
+            return builder.shuffle_vector(v, v, lanes)
 
+        stores = []
         gv = builder.load(ptr(ga, ty[0]), align=1)
         rv = builder.load(ptr(ra, ty[1]), align=1)
         if has_u:
             uv = builder.load(ptr(ua, ty[2]), align=1)
             gv = builder.fadd(builder.fmul(splat(mv), uv), gv)  # no contraction: as numpy
-            builder.store(gv, ptr(uoa, ty[3]), align=1)
+            stores.append((gv, ptr(uoa, ty[3])))
         av = builder.fadd(gv, rv)
-        builder.store(av, ptr(aa, ty[5]), align=1)
+        stores.append((av, ptr(aa, ty[5])))
+        builder.store(av, ptr(ta, ty[11], toff), align=1)
+
+        def store(value, where, streaming):
+            with builder.if_else(streaming) as (nt_store, plain):  # loop-invariant flags:
+                with nt_store:  # LLVM unswitches the loop
+                    builder.store(value, where, align=NT_ALIGN).set_metadata("nontemporal", flag)
+                with plain:
+                    builder.store(value, where, align=1)
+
+        for value, where in stores:
+            store(value, where, ntf)
         if has_z:
-            builder.store(ir.Constant(vty, None), ptr(za, ty[6]), align=1)
+            store(ir.Constant(vty, None), ptr(za, ty[6]), ztf)
         width = 32 if isinstance(fty, ir.FloatType) else 64
         fabs = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(vty, [vty]), f"llvm.fabs.v{LANES}f{width}"
@@ -609,7 +631,7 @@ def _fused_lanes(typingctx, g, r, u, uo, m, acc, z, i, cut):  # pragma: no cover
         hit = builder.fcmp_ordered(">=", builder.call(fabs, [av]), splat(cv))
         diff = builder.fsub(av, av)  # NaN exactly where av is NaN or infinite
         bad = builder.fcmp_unordered("uno", diff, diff)
-        i32, bits = ir.IntType(32), ir.IntType(LANES)
+        bits = ir.IntType(LANES)
         hits = builder.zext(builder.bitcast(hit, bits), i32)
         bads = builder.zext(builder.bitcast(bad, bits), i32)
         return builder.or_(hits, builder.shl(bads, i32(LANES)))
@@ -617,26 +639,66 @@ def _fused_lanes(typingctx, g, r, u, uo, m, acc, z, i, cut):  # pragma: no cover
     return sig, codegen
 
 
+@intrinsic
+def _store_fence(typingctx):  # pragma: no cover - compiled
+    """A full memory fence: streaming stores are weakly ordered, so a thread that made
+    some fences them before anyone (another thread, MPI) reads what they wrote."""
+
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return nbtypes.void(), codegen
+
+
 @njit(inline="always")
-def _take_hits(word, b0, span, lo, hi, acc, out_idx, out_val, p, end):  # pragma: no cover
-    # append the positions b0 + j of word's set bits (and acc there) that lie in [lo, hi)
+def _take_hits(word, b0, span, lo, hi, tmp, out_idx, out_val, p, end):  # pragma: no cover
+    # append the positions b0 + j of word's set bits (and their values, tmp[j]) that lie
+    # in [lo, hi)
     if b0 >= hi or b0 + span <= lo:
         return p
     inside = lo <= b0 and b0 + span <= hi
     while word:
-        i = b0 + _ctz(word)
+        j = _ctz(word)
         word &= word - np.uint64(1)
+        i = b0 + j
         if inside or (lo <= i and i < hi):
             if p < end:
                 out_idx[p] = i
-                out_val[p] = acc[i]
+                out_val[p] = tmp[j]
             p += 1
     return p
 
 
+@njit(inline="always")
+def _fused_scalar(
+    g, r, u, uo, m, acc, z, cut, lo, hi, s, e, out_idx, out_val, p, end
+):  # pragma: no cover
+    # elements s..e-1 one by one (a chunk's ends); returns (p, non-finite seen)
+    flag = np.uint32(0)
+    for i in range(s, e):
+        if u is None:
+            a = g[i] + r[i]
+        else:
+            v = m * u[i] + g[i]
+            uo[i] = v
+            a = v + r[i]
+        acc[i] = a
+        if z is not None:
+            z[i] = 0
+        flag |= np.uint32((a - a) != 0)
+        if abs(a) >= cut and lo <= i and i < hi:
+            if p < end:
+                out_idx[p] = i
+                out_val[p] = a
+            p += 1
+    return p, flag
+
+
 @_kernels()
 def _accumulate(
-    g, r, u, uo, m, acc, z, cut, lo, hi, bounds, starts, caps, out_idx, out_val, counts, bad
+    g, r, u, uo, m, acc, z, cut, lo, hi, nt, zt, base, bounds, starts, caps, out_idx, out_val,
+    counts, bad,
 ):  # pragma: no cover - compiled
     # One pass over chunk c: uo = m·u + g (momentum, when u is not None), acc = (uo or g)
     # + r, z = 0 (when z is not None), and the index and value of each acc[i] with
@@ -647,51 +709,61 @@ def _accumulate(
     # copy loop visits a word's set bits only. (A branch per 8 elements, taken at random a
     # few percent of the time, cost more than the memory traffic: 64 at a time is ~1.3x
     # np.add at 2% hits.) Non-finite values only raise a flag; the rare chunk that has
-    # one is counted again. The last < 64 elements go by 8, the last < 8 one by one.
+    # one is counted again. With nt (streaming stores) the elements before the first
+    # NT_ALIGN-aligned one (``base``: acc's address mod NT_ALIGN) go one by one, as do the
+    # last < 8; the last < 64 go by 8.
+    size = acc.itemsize
     for c in prange(bounds.shape[0] - 1):
         s = bounds[c]
         e = bounds[c + 1]
-        e64 = s + (e - s) // 64 * 64
-        e8 = s + (e - s) // LANES * LANES
+        head = 0
+        if nt:
+            head = min(e - s, ((NT_ALIGN - (base + s * size) % NT_ALIGN) % NT_ALIGN) // size)
         p = starts[c]
         end = p + caps[c]
-        flag = np.uint32(0)
-        for b0 in range(s, e64, 64):
+        p, flag = _fused_scalar(
+            g, r, u, uo, m, acc, z, cut, lo, hi, s, s + head, out_idx, out_val, p, end
+        )
+        s1 = s + head
+        e64 = s1 + (e - s1) // 64 * 64
+        e8 = s1 + (e - s1) // LANES * LANES
+        tmp = np.empty(64, acc.dtype)
+        for b0 in range(s1, e64, 64):
             word = np.uint64(0)
             for q in range(64 // LANES):
-                mask = _fused_lanes(g, r, u, uo, m, acc, z, b0 + q * LANES, cut)
-                word |= np.uint64(mask & np.uint32(255)) << np.uint64(q * LANES)
+                t = q * LANES
+                mask = _fused_lanes(g, r, u, uo, m, acc, z, b0 + t, cut, nt, zt, tmp, t)
+                word |= np.uint64(mask & np.uint32(255)) << np.uint64(t)
                 flag |= mask >> np.uint32(LANES)
             if word:
-                p = _take_hits(word, b0, 64, lo, hi, acc, out_idx, out_val, p, end)
+                p = _take_hits(word, b0, 64, lo, hi, tmp, out_idx, out_val, p, end)
         for b0 in range(e64, e8, LANES):
-            mask = _fused_lanes(g, r, u, uo, m, acc, z, b0, cut)
+            mask = _fused_lanes(g, r, u, uo, m, acc, z, b0, cut, nt, zt, tmp, 0)
             flag |= mask >> np.uint32(LANES)
             word = np.uint64(mask & np.uint32(255))
             if word:
-                p = _take_hits(word, b0, LANES, lo, hi, acc, out_idx, out_val, p, end)
-        for i in range(e8, e):
-            if u is None:
-                a = g[i] + r[i]
-            else:
-                v = m * u[i] + g[i]
-                uo[i] = v
-                a = v + r[i]
-            acc[i] = a
-            if z is not None:
-                z[i] = 0
-            flag |= np.uint32((a - a) != 0)
-            if abs(a) >= cut and lo <= i and i < hi:
-                if p < end:
-                    out_idx[p] = i
-                    out_val[p] = a
-                p += 1
+                p = _take_hits(word, b0, LANES, lo, hi, tmp, out_idx, out_val, p, end)
+        p, tail = _fused_scalar(
+            g, r, u, uo, m, acc, z, cut, lo, hi, e8, e, out_idx, out_val, p, end
+        )
+        if nt:
+            _store_fence()
         nbad = 0
-        if flag:
+        if flag | tail:
             for i in range(s, e):
                 nbad += (acc[i] - acc[i]) != 0
         counts[c] = p - starts[c]
         bad[c] = nbad
+
+
+def _streaming_ok(acc: np.ndarray, *others: Any) -> tuple[bool, int]:
+    """Whether the pass may use streaming stores (every written array at the same address
+    offset mod NT_ALIGN as acc, element-aligned), and acc's offset."""
+    base = acc.ctypes.data % NT_ALIGN
+    ok = base % acc.itemsize == 0 and all(
+        a.ctypes.data % NT_ALIGN == base for a in others if a is not None
+    )
+    return ok, base
 
 
 def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype):
@@ -718,9 +790,11 @@ def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype):
     bad = np.empty(parts, np.int64)
     if r is None:  # the kernel always adds a residual: a zero one (pages never written)
         r = np.zeros_like(g)
+    nt, base = _streaming_ok(acc, uo)
+    zt = nt and z is not None and z.ctypes.data % NT_ALIGN == base and not np.may_share_memory(z, g)
     _run(
         _accumulate, n, g, r, u, uo, dt(m), acc, z, dt(cut), np.int64(lo), np.int64(hi),
-        bounds, starts, room, out_idx, out_val, counts, bad,
+        nt, zt, np.int64(base), bounds, starts, room, out_idx, out_val, counts, bad,
     )  # fmt: skip
     hits = int(counts.sum())
     if hits > cap:  # more than asked for (the chunks' rooms add up to more than cap)
