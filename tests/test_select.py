@@ -684,6 +684,59 @@ def test_accumulate_matches_separate_passes(name, x, data, momentum, with_residu
         assert got.hits > idx.shape[0]
 
 
+def _at_offset(n: int, dt: np.dtype, offset: int) -> np.ndarray:
+    """An n-element array starting ``offset`` elements after a 64-byte boundary."""
+    buf = np.empty(n + 64, dt)
+    first = (-buf.ctypes.data % 64) // dt.itemsize
+    return buf[first + offset : first + offset + n]
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+@pytest.mark.parametrize("offsets", [(0, 0, 0), (3, 3, 3), (0, 1, 0), (2, 2, 5)])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_accumulate_streaming_stores_at_any_alignment(dt, offsets, momentum) -> None:
+    """The Numba pass streams its stores from the first aligned element when every written
+    array shares acc's alignment (else it stores plainly): the same results either way, at
+    the chunk edges too (several chunks on several threads, lo/hi inside, a separate zero
+    buffer and one that is grad)."""
+    dt = np.dtype(dt)
+    n = 5000
+    rng = np.random.default_rng(list(offsets) + [int(momentum * 10), dt.itemsize])
+    g0 = (rng.standard_normal(n) * 3).astype(dt)
+    r0 = rng.standard_normal(n).astype(dt)
+    u0 = rng.standard_normal(n).astype(dt)
+    src = (u0 * dt.type(momentum) + g0).astype(dt) if momentum else g0
+    want = (src + r0).astype(dt)
+    hits = np.flatnonzero(np.abs(want[700:4100]) >= 2.5) + 700
+    for alias in (False, True):
+        acc_off, z_off, uo_off = offsets
+        g, r = _at_offset(n, dt, acc_off), _at_offset(n, dt, 7)
+        g[:], r[:] = g0, r0
+        acc, uo = _at_offset(n, dt, acc_off), _at_offset(n, dt, uo_off)
+        zero = g if alias else _at_offset(n, dt, z_off)
+        if not alias:
+            zero[...] = 1
+        saved = _numba.MIN_CHUNK, _numba.PARALLEL_MIN, _numba._threads
+        _numba.MIN_CHUNK, _numba.PARALLEL_MIN = 333, 1
+        _numba._threads = min(2, numba.config.NUMBA_NUM_THREADS)
+        try:
+            with sel.use_backend("numba"):
+                got = sel.accumulate(
+                    g, r, out=acc, cut=2.5, lo=700, hi=4100,
+                    velocity=u0.copy() if momentum else None,
+                    velocity_out=uo if momentum else None, momentum=momentum, zero=zero,
+                )  # fmt: skip
+        finally:
+            _numba.MIN_CHUNK, _numba.PARALLEL_MIN, _numba._threads = saved
+        np.testing.assert_array_equal(acc, want)
+        if momentum:
+            np.testing.assert_array_equal(uo, src)
+        assert not zero.any()
+        assert got.nonfinite == 0 and got.complete
+        np.testing.assert_array_equal(got.indices, hits)
+        np.testing.assert_array_equal(got.values, want[hits])
+
+
 def test_accumulate_rejects_mismatched_buffers() -> None:
     g = np.ones(10, np.float32)
     with pytest.raises(TypeError, match="out must be a float32"):
