@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convergence import BAND, CYCLE_AC, CYCLE_SPREAD, SETTLE, ratio_stats, step_ratios  # noqa: E402
+from convergence import BAND, CYCLE_AC, CYCLE_SPREAD, SETTLE, ratio_stats, step_ratios
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         f"steps left out), band [{BAND[0]}, {BAND[1]}]; period-2 cycle: lag-1 "
         f"autocorrelation <= {CYCLE_AC} and std(K/k) >= {CYCLE_SPREAD}"
     )
-    print("| method | steps | min K/k | max K/k | mean K/k | std | in band | lag-1 autocorr. "
-          "| period-2 cycle |")
+    print(
+        "| method | steps | min K/k | max K/k | mean K/k | std | in band | lag-1 autocorr. "
+        "| period-2 cycle |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     outliers = {}
     for m in methods:

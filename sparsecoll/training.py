@@ -547,7 +547,13 @@ class GradientReducer:
 
 
 def _finish(
-    acc: Any, velocity: Any, sent: Any, update: Any, old: Any, indices: Any, values: Any,
+    acc: Any,
+    velocity: Any,
+    sent: Any,
+    update: Any,
+    old: Any,
+    indices: Any,
+    values: Any,
     divisor: int,
 ) -> None:
     """The step's O(k) end: ``acc[sent] = 0`` (and ``velocity[sent]``), ``update[old] =

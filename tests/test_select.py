@@ -701,7 +701,7 @@ def test_accumulate_streaming_stores_at_any_alignment(dt, offsets, momentum) -> 
     buffer and one that is grad)."""
     dt = np.dtype(dt)
     n = 5000
-    rng = np.random.default_rng(list(offsets) + [int(momentum * 10), dt.itemsize])
+    rng = np.random.default_rng([*offsets, int(momentum * 10), dt.itemsize])
     g0 = (rng.standard_normal(n) * 3).astype(dt)
     r0 = rng.standard_normal(n).astype(dt)
     u0 = rng.standard_normal(n).astype(dt)

@@ -40,7 +40,8 @@ from typing import Any
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types as nbtypes
+from numba import njit, prange
+from numba import types as nbtypes
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -571,19 +572,20 @@ NT_ALIGN = 32  # bytes: where the pass's streaming (non-temporal) vector stores 
 def _fused_lanes(typingctx, g, r, u, uo, m, acc, z, i, cut, nt, zt, tmp, t):  # pragma: no cover
     """LANES elements from i, as vectors: ``uo = m·u + g`` (with u), ``acc = (uo or g) +
     r`` (also into ``tmp[t:t + LANES]``, a scratch row in cache that the copy loop reads:
-    acc itself may have bypassed the cache), ``z = 0`` (with z); returns a bit mask, bit j for |acc[i+j]| >= cut and bit
-    LANES + j for a non-finite acc[i+j]. Every load comes before any store, so ``acc`` may
-    be ``r`` and ``z`` may be ``g``. With ``nt`` the stores to uo and acc are non-temporal
-    (streaming, NT_ALIGN-aligned addresses required), and with ``zt`` those to z: a
-    written line is not read first, so the pass moves a quarter less memory than
-    ``np.add`` does. (z = g is zeroed by plain stores: its lines are in cache, just read,
-    and a streaming store to a cached line was 4x slower.) Written as LLVM vector code because
-    the compare-to-mask step (one movmsk) is what LLVM's loop vectorizer does not find in a
-    scalar loop: that loop ran at half the memory bandwidth."""
+    acc itself may have bypassed the cache), ``z = 0`` (with z); returns a bit mask, bit j
+    for |acc[i+j]| >= cut and bit LANES + j for a non-finite acc[i+j]. Every load comes
+    before any store, so ``acc`` may be ``r`` and ``z`` may be ``g``. With ``nt`` the stores
+    to uo and acc are non-temporal (streaming, NT_ALIGN-aligned addresses required), and
+    with ``zt`` those to z: a written line is not read first, so the pass moves a quarter
+    less memory than ``np.add`` does. (z = g is zeroed by plain stores: its lines are in
+    cache, just read, and a streaming store to a cached line was 4x slower.) Written as
+    LLVM vector code because the compare-to-mask step (one movmsk) is what LLVM's loop
+    vectorizer does not find in a scalar loop: that loop ran at half the memory bandwidth."""
     has_u = not isinstance(u, nbtypes.NoneType)
     has_z = not isinstance(z, nbtypes.NoneType)
     flag_t = nbtypes.boolean
-    sig = nbtypes.uint32(g, r, u, uo, m, acc, z, nbtypes.intp, cut, flag_t, flag_t, tmp, nbtypes.intp)
+    idx_t = nbtypes.intp
+    sig = nbtypes.uint32(g, r, u, uo, m, acc, z, idx_t, cut, flag_t, flag_t, tmp, idx_t)
 
     def codegen(context, builder, signature, args):
         ga, ra, ua, uoa, mv, aa, za, idx, cv, ntf, ztf, ta, toff = args
@@ -699,7 +701,7 @@ def _fused_scalar(
 def _accumulate(
     g, r, u, uo, m, acc, z, cut, lo, hi, nt, zt, base, bounds, starts, caps, out_idx, out_val,
     counts, bad,
-):  # pragma: no cover - compiled
+):  # pragma: no cover - compiled  # fmt: skip
     # One pass over chunk c: uo = m·u + g (momentum, when u is not None), acc = (uo or g)
     # + r, z = 0 (when z is not None), and the index and value of each acc[i] with
     # |acc[i]| >= cut and lo <= i < hi written to out[starts[c]:] while caps[c] slots last
