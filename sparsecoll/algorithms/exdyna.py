@@ -171,6 +171,7 @@ class ExDyna(Algorithm):
         self.threshold: float | None = None
         self.rederives = 0
         self._cooldown = 0
+        self._cooldown_side = 0  # the miss that started the cooldown: +1 too many, -1 too few
 
     @classmethod
     def default_options(cls, n: int, k: int) -> dict[str, Any]:
@@ -319,8 +320,12 @@ class ExDyna(Algorithm):
                 self.threshold = authors_rule(self.threshold, sum(counts), self.k)
                 self.rederives += rederived
                 return pos, counts, t, rederived
-            pos, counts, used, missed = self._window(comm, part, found)
-            if not missed or rederived or self._cooldown:
+            pos, counts, used, side = self._window(comm, part, found)
+            missed = side != 0
+            # a cooldown holds off re-deriving only for misses like the one that started it
+            # (fewer than k nonzeros in all keeps missing low); a miss the other way (the
+            # data grew past k) re-derives at once
+            if not missed or rederived or (self._cooldown and side == self._cooldown_side):
                 break
             found = None  # the candidates were for the old threshold
             self.threshold = self._derive(comm, n, part)
@@ -329,13 +334,17 @@ class ExDyna(Algorithm):
             # k is outside the window even right after a re-derive (e.g. fewer than k
             # nonzeros in all): follow the window instead of re-deriving every call
             self._cooldown = COOLDOWN
+            self._cooldown_side = side
         self.rederives += rederived
         self.threshold = used if 0 < used < math.inf else None
         return pos, counts, used, rederived
 
     def _window(
         self, comm: Communicator, part: Any, found: Any = None
-    ) -> tuple[Any, list[int], float, bool]:
+    ) -> tuple[Any, list[int], float, int]:
+        """The selection at the window edge nearest k: positions, every rank's count, the
+        edge, and how k was missed: 0 inside the window, +1 too many even at the top edge,
+        -1 too few even at the bottom one."""
         cast = window_edges(self.threshold, part.dtype)  # counts == selections in that dtype
         # zeros are never selected, even where a tiny edge rounds to 0 in the data's dtype
         if found is None:
@@ -349,7 +358,8 @@ class ExDyna(Algorithm):
         _agree_no_nan(table)
         j, missed = pick_edge(table.sum(axis=0), self.k, 0.05 * self.k)
         sel = cand[mags >= cast[j]]
-        return sel, table[:, j].tolist(), float(cast[j]), bool(missed)
+        side = 0 if not missed else (1 if j == cast.shape[0] - 1 else -1)
+        return sel, table[:, j].tolist(), float(cast[j]), side
 
     def _derive(self, comm: Communicator, n: int, part: Any) -> float | None:
         """A threshold near the global k-th largest |value| (collective; O(k) volume).

@@ -158,6 +158,23 @@ def test_density_within_5_percent(comm, kind):
     assert_all(comm, theirs > float(np.abs(ours - 1).mean()), "authors' rule did as well")
 
 
+def test_data_growing_past_k_ends_the_cooldown(comm):
+    """Fewer than k nonzeros in all on the first call (k outside the window even after a
+    re-derive: exdyna then follows the window for a while instead of re-deriving every
+    call); when the data then grows past k, the next call re-derives at once and keeps
+    about k, instead of everything above the old, too low threshold."""
+    n, k = 2000, 40
+    alg = ExDyna(k=k)
+    rng = np.random.default_rng([11, comm.rank])
+    first = np.zeros(n)
+    first[comm.rank] = 1.0  # P <= 8 < k nonzeros in all
+    out = alg.reduce_dense(comm, first)
+    assert_all(comm, 0 < out.nnz < k, f"first call kept {out.nnz}")
+    kept = [alg.reduce_dense(comm, rng.standard_normal(n)).nnz / k for _ in range(4)]
+    ok = all(0.95 <= r <= 1.05 for r in kept)
+    assert_all(comm, ok, f"K/k after the data grew: {kept}")
+
+
 def test_rebalancing_follows_a_skewed_gradient(comm):
     """Magnitudes 1.5× larger in the first half: the partitions there shrink and the counts
     per partition even out (one block per boundary per call, as the rule says)."""
