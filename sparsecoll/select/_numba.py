@@ -578,7 +578,7 @@ def _fused_lanes(typingctx, g, r, u, uo, m, acc, z, i, cut, nt, zt, tmp, t):  # 
     to uo and acc are non-temporal (streaming, NT_ALIGN-aligned addresses required), and
     with ``zt`` those to z: a written line is not read first, so the pass moves a quarter
     less memory than ``np.add`` does. (z = g is zeroed by plain stores: its lines are in
-    cache, just read, and a streaming store to a cached line was 4x slower.) Written as
+    cache, just read, and streaming stores to them made a whole step 1.6x slower.) Written as
     LLVM vector code because the compare-to-mask step (one movmsk) is what LLVM's loop
     vectorizer does not find in a scalar loop: that loop ran at half the memory bandwidth."""
     has_u = not isinstance(u, nbtypes.NoneType)
@@ -708,12 +708,11 @@ def _accumulate(
     # (counting on after); bad[c] counts non-finite acc. Optional arrays are None, so Numba
     # compiles each combination without the branch. Vector code does LANES elements at a
     # time and returns their hits as a bit mask; eight masks make a 64-bit word, and the
-    # copy loop visits a word's set bits only. (A branch per 8 elements, taken at random a
-    # few percent of the time, cost more than the memory traffic: 64 at a time is ~1.3x
-    # np.add at 2% hits.) Non-finite values only raise a flag; the rare chunk that has
-    # one is counted again. With nt (streaming stores) the elements before the first
-    # NT_ALIGN-aligned one (``base``: acc's address mod NT_ALIGN) go one by one, as do the
-    # last < 8; the last < 64 go by 8.
+    # copy loop visits a word's set bits only (a branch per 8 elements, taken at random a
+    # few percent of the time, cost more than the memory traffic). Non-finite values only
+    # raise a flag; the rare chunk that has one is counted again. With nt (streaming
+    # stores) the elements before the first NT_ALIGN-aligned one (``base``: acc's address
+    # mod NT_ALIGN) go one by one, as do the last < 8; the last < 64 go by 8.
     size = acc.itemsize
     for c in prange(bounds.shape[0] - 1):
         s = bounds[c]
@@ -793,7 +792,8 @@ def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype):
     if r is None:  # the kernel always adds a residual: a zero one (pages never written)
         r = np.zeros_like(g)
     nt, base = _streaming_ok(acc, uo)
-    zt = nt and z is not None and z.ctypes.data % NT_ALIGN == base and not np.may_share_memory(z, g)
+    # a zero buffer that is g is stored to plainly (its lines were just read into cache)
+    zt = nt and z is not None and _streaming_ok(acc, z)[0] and not np.may_share_memory(z, g)
     _run(
         _accumulate, n, g, r, u, uo, dt(m), acc, z, dt(cut), np.int64(lo), np.int64(hi),
         nt, zt, np.int64(base), bounds, starts, room, out_idx, out_val, counts, bad,
@@ -819,8 +819,7 @@ def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype):
 def _finish_step(acc, vel, sent, update, old, idx, vals, divisor):  # pragma: no cover
     for i in range(sent.shape[0]):
         acc[sent[i]] = 0
-    if vel is not None:
-        for i in range(sent.shape[0]):
+        if vel is not None:  # resolved at compile time (vel typed None or an array)
             vel[sent[i]] = 0
     if old is not None:
         for i in range(old.shape[0]):
