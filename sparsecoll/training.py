@@ -171,6 +171,7 @@ class GradientReducer:
         self._kth = 0.0  # the last exact top-k's k-th largest |value|
         self._growth = 0.0  # its smoothed log growth per step
         self._slope = 5.0  # d log(count) / d log(1/cut) near it (a Gaussian tail at 1%: ~5)
+        self._zcut = math.inf  # the next k-th largest |value|, predicted
         if hasattr(self.algorithm, "reset"):
             self.algorithm.reset()
         est = SELECTIONS[self.selection]
@@ -420,6 +421,11 @@ class GradientReducer:
             cut = self._selector.threshold
         else:
             prep.mode = "estimator"
+        # the candidates leave acc in the pass (from the predicted k-th value up, for an
+        # exact top-k); _finish gives back those not sent
+        zero_cut = math.inf
+        if prep.mode in ("topk", "reuse") and _numba_host(g):
+            zero_cut = cut if prep.mode == "reuse" else max(cut, self._zcut)
         prep.found = select.accumulate(
             g,
             prep.res if self.error_feedback else None,
@@ -433,20 +439,30 @@ class GradientReducer:
             velocity_out=prep.velocity,
             momentum=self.momentum,
             zero=None if dense or prep.reused else prep.update,
+            zero_cut=zero_cut,
+            buckets=prep.mode == "topk",
         )
-        if prep.found.nonfinite:
+        found = prep.found
+        if found.nonfinite:
             raise ValueError(
-                f"grad holds NaN or Inf: {prep.found.nonfinite} entries of grad + residual "
+                f"grad holds NaN or Inf: {found.nonfinite} entries of grad + residual "
                 f"are not finite (the step is skipped, the residual kept)"
             )
+        if zero_cut < math.inf and found.complete:
+            prep.zeroed = (found.indices, found.values, zero_cut)
+            if prep.mode == "topk" and found.hits < self.k:  # a miss: acc made whole again
+                acc[found.indices] = found.values
+                prep.zeroed = None
         if prep.mode in ("topk", "reuse", "estimator"):
-            prep.selected = self._select(acc, prep.found, prep.mode)
+            prep.selected = self._select(acc, found, prep.mode)
         return prep
 
-    def _select(self, acc: Any, found: select.Accumulation, mode: str) -> tuple[Any, Any]:
-        """This rank's selected indices of ``acc`` and their values (exact zeros dropped:
-        they carry nothing)."""
+    def _select(self, acc: Any, found: select.Accumulation, mode: str) -> tuple[Any, Any, Any]:
+        """This rank's selected indices of ``acc``, their values (exact zeros dropped: they
+        carry nothing), and which of the pass's hits they are (a mask; None: all of them,
+        or the selection did not come from the hits)."""
         k = self.k
+        taken = None  # which of the pass's hits were selected (None: all or none of them)
         if mode == "estimator":
             chosen = self._selector.select(acc)
             idx, vals = chosen.indices, chosen.values
@@ -458,8 +474,7 @@ class GradientReducer:
             self._selector.observe(int(idx.shape[0]), k)
         else:
             if found.complete and found.hits >= k:  # the top-k is among the candidates
-                pos, vals = select.topk(found.values, k)
-                idx = found.indices[pos]
+                idx, vals, taken = select.topk_hits(found, k)
             else:
                 idx, vals = select.topk(acc, k)
             kth = float(get_array_module(vals).abs(vals).min()) if k else 0.0
@@ -468,8 +483,13 @@ class GradientReducer:
                 self._selector.observe(k, k, exact=kth)
         nonzero = vals != 0
         if bool(nonzero.all()):
-            return idx, vals
-        return idx[nonzero], vals[nonzero]
+            return idx, vals, taken
+        if taken is not None:
+            taken = taken.copy()
+            taken[taken] = nonzero
+        elif mode == "reuse" and found.complete:
+            taken = nonzero
+        return idx[nonzero], vals[nonzero], taken
 
     def _predict_cut(self, found: select.Accumulation, kth: float) -> None:
         """Next step's candidate cut, aiming at CUT_TARGET·k candidates: this step's k-th
@@ -487,7 +507,8 @@ class GradientReducer:
             step = min(max(math.log(kth / self._kth), -0.5), 0.5)
             self._growth = 0.5 * self._growth + 0.5 * step
         self._kth = kth
-        pred = kth * math.exp(self._growth) * CUT_TARGET ** (-1.0 / self._slope)
+        self._zcut = kth * math.exp(self._growth)  # next step's k-th value, predicted
+        pred = self._zcut * CUT_TARGET ** (-1.0 / self._slope)
         self._cut = pred if pred > 0 else None
 
     def _reduce(self, prep: _Prepared) -> Any:
@@ -506,6 +527,7 @@ class GradientReducer:
                 update = prep.update
                 self._update_nnz = None
         else:
+            zeroed = None
             if prep.mode == "exdyna":
                 found = prep.found
                 cand = (found.indices, found.values) if found.complete else None
@@ -514,14 +536,23 @@ class GradientReducer:
                 sel = result.indices
                 selected = int(result.info["selected"])
             else:
-                sel, sel_values = prep.selected
+                sel, sel_values, taken = prep.selected
                 x = SparseVector(sel, sel_values, self.n)
                 t0 = time.perf_counter()
                 result = self.algorithm.reduce(self.comm, x)
                 self._last.comm_s += time.perf_counter() - t0
                 selected = int(sel.shape[0])
-                if result.contributed is not None:
-                    sel = sel[result.contributed]
+                sent = result.contributed  # a mask over sel, or None: all of it
+                if sent is not None:
+                    sel = sel[sent]
+                if prep.zeroed is not None:  # which of the pass's hits leave acc
+                    cand = prep.zeroed[0]
+                    if taken is None:
+                        taken = get_array_module(cand).ones(cand.shape[0], dtype=bool)
+                    if sent is not None:
+                        taken = taken.copy()
+                        taken[taken] = sent
+                    zeroed = (*prep.zeroed, taken)
             update = prep.update  # zeroed by the pass, or the reused buffer
             old = None
             if prep.reused:
@@ -534,7 +565,7 @@ class GradientReducer:
             # factor masking); the update's old entries are zeroed, the result scattered
             _finish(
                 acc, velocity, sel, update, old, result.indices, result.values,
-                p if self.average and p > 1 else 1,
+                p if self.average and p > 1 else 1, zeroed,
             )  # fmt: skip
             self._last.record(result.nnz, selected)
             self._sparse_steps += 1
@@ -555,15 +586,25 @@ def _finish(
     indices: Any,
     values: Any,
     divisor: int,
+    zeroed: Any = None,
 ) -> None:
     """The step's O(k) end: ``acc[sent] = 0`` (and ``velocity[sent]``), ``update[old] =
-    0`` (old may be None), then ``update[indices] = values / divisor``. One Numba loop on
-    the CPU (numpy's fancy indexing took several ms for k = 168K), numpy/CuPy otherwise."""
-    if isinstance(acc, np.ndarray) and acc.dtype != np.float16 and select.backend() == "numba":
+    0`` (old may be None), then ``update[indices] = values / divisor``. With ``zeroed``
+    (the pass's candidates: indices, values, the cut ``zc`` from which it zeroed them in
+    acc, and a mask of those sent, which ``sent`` lists) acc is fixed where that zeroing
+    was wrong instead.
+    One Numba loop on the CPU (numpy's fancy indexing took several ms for k = 168K),
+    numpy/CuPy otherwise."""
+    if _numba_host(acc):
         from .select._numba import finish_step
 
-        finish_step(acc, velocity, sent, update, old, indices, values, divisor)
+        finish_step(acc, velocity, sent, update, old, indices, values, divisor, zeroed)
         return
+    if zeroed is not None:
+        xp = get_array_module(acc)
+        cand, cval, zc, taken = zeroed
+        back = ~taken & (xp.abs(cval) >= cval.dtype.type(zc))
+        acc[cand[back]] = cval[back]
     acc[sent] = 0
     if velocity is not None:
         velocity[sent] = 0
@@ -572,11 +613,17 @@ def _finish(
     update[indices] = values / values.dtype.type(divisor) if divisor != 1 else values
 
 
+def _numba_host(a: Any) -> bool:
+    """Whether the Numba kernels serve this array (a host array they can do arithmetic on)."""
+    return isinstance(a, np.ndarray) and a.dtype != np.float16 and select.backend() == "numba"
+
+
 class _Prepared:
     """One step between its pass over the gradient and its collective."""
 
     __slots__ = (
         "acc", "found", "mode", "old_velocity", "res", "reused", "selected", "update", "velocity",
+        "zeroed",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -589,6 +636,7 @@ class _Prepared:
         self.selected: Any = None
         self.update: Any = None
         self.velocity: Any = None
+        self.zeroed: Any = None
 
 
 class _StepInfo:

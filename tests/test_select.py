@@ -646,6 +646,8 @@ def test_accumulate_matches_separate_passes(name, x, data, momentum, with_residu
     cut = data.draw(st.sampled_from([0.0, 0.5, 1.0, 3.0, math.inf]))
     cap = data.draw(st.one_of(st.none(), st.integers(0, n + 1)))
     alias_zero = data.draw(st.booleans())
+    zero_cut = data.draw(st.sampled_from([math.inf, 0.0, cut, 2.0, 5.0]))
+    buckets = data.draw(st.booleans())
     g = x.copy()
     with backend(name):
         out = dev(np.full(n, 7, dt), name)
@@ -658,8 +660,14 @@ def test_accumulate_matches_separate_passes(name, x, data, momentum, with_residu
         got = sel.accumulate(
             gd, rd if with_residual else None, out=out, cut=cut, lo=lo, hi=hi, cap=cap,
             velocity=ud if momentum else None, velocity_out=uo, momentum=momentum, zero=zero,
+            zero_cut=zero_cut, buckets=buckets,
         )  # fmt: skip
-    np.testing.assert_array_equal(host(out), want)
+    zeroed = np.zeros(n, bool)  # the entries returned with |value| >= zero_cut
+    if got.complete and zero_cut < math.inf:
+        zc = _common.round_threshold(zero_cut, dt)
+        idx = host(got.indices)
+        zeroed[idx[np.abs(host(got.values).astype(np.float64)) >= zc]] = True
+    np.testing.assert_array_equal(host(out), np.where(zeroed, dt.type(0), want))
     if momentum:
         np.testing.assert_array_equal(host(uo), src)
     assert not host(zero).any()
@@ -682,6 +690,42 @@ def test_accumulate_matches_separate_passes(name, x, data, momentum, with_residu
         np.testing.assert_array_equal(host(got.values), want[hits])
     else:
         assert got.hits > idx.shape[0]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@given(x=vectors(max_size=1000), data=st.data())
+def test_topk_hits_matches_topk_of_the_hits(name, x, data) -> None:
+    """topk_hits on an accumulate selection (its histogram of the hits kept or not, the
+    k-th value in any bin, ties across it) gives the top-k of the selected entries: their
+    indices, values and a mask over the selection, as topk would."""
+    n = x.shape[0]
+    assume(n > 0 and np.count_nonzero(np.abs(x) < np.inf) > 0)
+    x = np.where(np.isinf(x), 0, x).astype(x.dtype)  # no infinities: a step raises on them
+    a = np.abs(x.astype(np.float64))
+    cut = data.draw(st.sampled_from([0.0, float(np.median(a)), float(a.max()) / 3]))
+    with backend(name):
+        found = sel.accumulate(
+            dev(x, name), out=dev(np.empty(n, x.dtype), name), cut=cut,
+            buckets=data.draw(st.booleans()),
+        )  # fmt: skip
+        assume(found.hits > 0)
+        k = data.draw(st.integers(1, found.hits))
+        idx, vals, taken = sel.topk_hits(found, k)
+    hit_idx, hit_vals = host(found.indices), host(found.values)
+    pos = topk_oracle(hit_vals, k)
+    np.testing.assert_array_equal(host(idx), hit_idx[pos])
+    np.testing.assert_array_equal(host(vals), hit_vals[pos])
+    np.testing.assert_array_equal(np.flatnonzero(host(taken)), pos)
+
+
+def test_topk_hits_rejects_incomplete_selections() -> None:
+    x = np.arange(10, dtype=np.float32)
+    found = sel.accumulate(x, out=np.empty(10, np.float32), cut=1.0, cap=3)
+    with pytest.raises(ValueError, match="complete selection"):
+        sel.topk_hits(found, 2)
+    found = sel.accumulate(x, out=np.empty(10, np.float32), cut=8.0)
+    with pytest.raises(ValueError, match="at least k=3"):
+        sel.topk_hits(found, 3)
 
 
 def _at_offset(n: int, dt: np.dtype, offset: int) -> np.ndarray:

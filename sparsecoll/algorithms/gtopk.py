@@ -79,14 +79,20 @@ def merge_topk(a: tuple[Any, Any], b: tuple[Any, Any], k: int, n: int) -> tuple[
     return idx[pos], vals[pos]
 
 
-def _local_topk(x: SparseVector, k: int) -> tuple[Any, tuple[Any, Any]]:
+def _local_topk(x: SparseVector, k: int, copy: bool) -> tuple[Any, tuple[Any, Any]]:
+    """This rank's top-k: positions in x, and (indices, values) -- x's own arrays when x is
+    no larger than k and has no zeros (a training step's local top-k), unless ``copy``."""
+    if x.nnz <= k and bool((x.values != 0).all()):
+        pos = x.xp.arange(x.nnz)
+        return pos, (x.indices.copy(), x.values.copy()) if copy else (x.indices, x.values)
     pos = topk_positions(x.values, k)
     return pos, (x.indices[pos], x.values[pos])
 
 
 def _mask_over(x: SparseVector, pos: Any, alive: Any) -> Any:
-    xp = x.xp
-    mask = xp.zeros(x.nnz, dtype=bool)
+    if pos.shape[0] == x.nnz:  # ascending positions, all of x: alive is the mask
+        return alive
+    mask = x.xp.zeros(x.nnz, dtype=bool)
     mask[pos[alive]] = True
     return mask
 
@@ -115,7 +121,7 @@ class GTopk(Algorithm):
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
         k, n = self.k, x.n
         xp = x.xp
-        pos, cur = _local_topk(x, k)
+        pos, cur = _local_topk(x, k, copy=comm.size == 1)
         alive = xp.ones(pos.shape[0], dtype=bool)  # own local top-k entries still in `cur`
         fold = Fold.plan(comm.rank, comm.size)
         rounds = 0
@@ -196,7 +202,7 @@ def gtopk_tree(inputs: list[SparseVector], k: int) -> tuple[SparseVector, list[A
     """
     size = len(inputs)
     n = inputs[0].n
-    tops = [_local_topk(x, k) for x in inputs]
+    tops = [_local_topk(x, k, copy=True) for x in inputs]
     alive = [np.ones(t[0].shape[0], dtype=bool) for t in tops]
     # a group: (its current set, the ranks whose entries ride in it)
     pof2 = 1 << (size.bit_length() - 1)

@@ -19,6 +19,7 @@ largest; the result is every index with key > T plus the lowest-index ones with 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -255,14 +256,14 @@ def _accumulate_kernel(cp: Any, has_r: bool, has_u: bool) -> Any:
     return cp.ElementwiseKernel(", ".join(ins), ", ".join(outs), body, "sparsecoll_accumulate")
 
 
-def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype):
+def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut=math.inf, buckets=False):
     """The fused pass on the GPU: one elementwise kernel, then the selection's indices
-    (see ``sparsecoll.select.accumulate``)."""
+    (see ``sparsecoll.select.accumulate``; no histogram of the hits)."""
     cp = cupy_or_none()
     if g.dtype == np.float16:  # plain CuPy ufuncs: several passes, no half-precision kernel
         from . import _numpy
 
-        return _numpy.accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, xp=cp)
+        return _numpy.accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut, xp=cp)
     n = int(g.shape[0])
     dt = g.dtype.type
     sel = cp.empty(n, dtype=np.bool_)
@@ -275,5 +276,8 @@ def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype):
     if z is not None:
         z.fill(0)
     hits = int(idx.shape[0])
-    idx = (idx[:cap] + lo).astype(itype, copy=False)
-    return idx, acc[idx], hits, int(bad[0])
+    idx = (idx[: cap if hits <= cap else 0] + lo).astype(itype, copy=False)
+    vals = acc[idx]
+    if zero_cut < math.inf:
+        acc[idx[cp.abs(vals) >= dt(zero_cut)]] = 0
+    return idx, vals, hits, int(bad[0]), None

@@ -29,6 +29,7 @@ __all__ = [
     "threshold",
     "threshold_sparse",
     "topk",
+    "topk_hits",
     "topk_sparse",
     "use_backend",
     "warmup",
@@ -200,13 +201,16 @@ class Accumulation(NamedTuple):
     ``indices``/``values``: the entries of ``out[lo:hi]`` with ``|out| >= cut``, indices
     ascending (global positions), at most ``cap`` of them; ``hits``: how many there were in
     all (``hits > len(indices)`` means the room ran out and the selection is incomplete);
-    ``nonfinite``: how many entries of ``out`` are NaN or infinite.
+    ``nonfinite``: how many entries of ``out`` are NaN or infinite; ``buckets``: what
+    :func:`topk_hits` ranks by (a histogram of the hits, when the backend keeps one).
+    An incomplete selection returns no entries.
     """
 
     indices: Any
     values: Any
     hits: int
     nonfinite: int
+    buckets: Any = None
 
     @property
     def complete(self) -> bool:
@@ -226,6 +230,8 @@ def accumulate(
     velocity_out: Any = None,
     momentum: float = 0.0,
     zero: Any = None,
+    zero_cut: float = math.inf,
+    buckets: bool = False,
 ) -> Accumulation:
     """Error feedback and selection in one pass: ``out = grad + residual`` (or ``grad``
     when residual is None), and the entries of ``out[lo:hi]`` with ``|out| >= cut``.
@@ -236,7 +242,13 @@ def accumulate(
     once and writes each output once (the Numba kernel and the CuPy kernel; float16 on the
     CPU takes several numpy passes). ``zero`` (optional, same kind) is set to 0 in the same
     pass, e.g. the buffer a sparse update is scattered into afterwards; it may be ``grad``
-    (each element is read before it is zeroed). NaN and infinities are not raised on but counted in
+    (each element is read before it is zeroed). The selected entries with ``|out| >=
+    zero_cut`` are 0 in ``out`` (their values are returned): what a caller that sends them
+    would zero afterwards, saved a scattered write; nothing is zeroed when the selection
+    is incomplete.
+    ``buckets`` asks the backend for a histogram of the hits that :func:`topk_hits` uses
+    (the Numba backend keeps one; the others ignore it).
+    NaN and infinities are not raised on but counted in
     ``nonfinite``: a collective caller agrees on them first (every other function of this
     module raises on NaN).
 
@@ -271,8 +283,30 @@ def accumulate(
     t = _check_t(cut, arr.dtype) if cut != math.inf else math.inf
     if t == 0.0:  # zeros are never selected: the smallest positive value instead
         t = float(np.finfo(arr.dtype).smallest_subnormal)
+    zc = _check_t(zero_cut, arr.dtype) if zero_cut != math.inf else math.inf
     res = mod.accumulate(
         arr, residual, velocity, velocity_out, float(momentum), out, zero, t, lo, hi, cap,
-        index_dtype(n),
+        index_dtype(n), zc, bool(buckets),
     )  # fmt: skip
     return Accumulation(*res)
+
+
+def topk_hits(found: Accumulation, k: int) -> tuple[Any, Any, Any]:
+    """The k entries of largest magnitude among a complete :func:`accumulate` selection:
+    ``(indices, values, taken)``, indices ascending, ties to the lower index (as
+    :func:`topk`), ``taken`` a boolean mask over the selection's entries marking them.
+    With the pass's histogram (``buckets=True`` on the Numba backend) only the bin that
+    holds the k-th value is ranked; otherwise :func:`topk` runs on the values."""
+    count = int(found.indices.shape[0])
+    if not found.complete or not 0 <= k <= count:
+        raise ValueError(f"need a complete selection of at least k={k} entries, got {count}")
+    if found.buckets is not None and k > 0 and isinstance(found.values, np.ndarray):
+        from . import _numba
+
+        got = _numba.topk_hits(found.indices, found.values, found.buckets, k)
+        if got is not None:
+            return got
+    pos, vals = topk(found.values, k)
+    taken = get_array_module(found.values).zeros(count, dtype=bool)
+    taken[pos] = True
+    return found.indices[pos], vals, taken

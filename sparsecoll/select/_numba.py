@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import os
 import types
-from typing import Any
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
@@ -152,6 +152,39 @@ def _kernels(**flags: Any) -> Any:
     return lambda fn: _Kernel(fn, **flags)
 
 
+KEY_LANES = 8  # keys per vector step of the scatter
+
+
+@intrinsic
+def _key_lanes(typingctx, b, i, mask, lo, inf_key):  # pragma: no cover - compiled
+    """KEY_LANES keys from b[i], as one vector: bit j set for ``lo <= b[i+j] & mask``
+    (NaN keys included) and bit KEY_LANES + j for a NaN key (``> inf_key``)."""
+    sig = nbtypes.uint32(b, nbtypes.intp, b.dtype, b.dtype, b.dtype)
+
+    def codegen(context, builder, signature, args):
+        ba, idx, mv, lov, infv = args
+        ity = context.get_value_type(signature.args[0].dtype)
+        vty = ir.VectorType(ity, KEY_LANES)
+        i32 = ir.IntType(32)
+        data = context.make_array(signature.args[0])(context, builder, ba).data
+        ptr = builder.bitcast(builder.gep(data, [idx]), vty.as_pointer())
+
+        def splat(x):
+            v = builder.insert_element(ir.Constant(vty, ir.Undefined), x, i32(0))
+            lanes = ir.Constant(ir.VectorType(i32, KEY_LANES), [0] * KEY_LANES)
+            return builder.shuffle_vector(v, v, lanes)
+
+        keys = builder.and_(builder.load(ptr, align=1), splat(mv))
+        ge = builder.icmp_unsigned(">=", keys, splat(lov))
+        nan = builder.icmp_unsigned(">", keys, splat(infv))
+        bits = ir.IntType(KEY_LANES)
+        lo_bits = builder.zext(builder.bitcast(ge, bits), i32)
+        hi_bits = builder.zext(builder.bitcast(nan, bits), i32)
+        return builder.or_(lo_bits, builder.shl(hi_bits, i32(KEY_LANES)))
+
+    return sig, codegen
+
+
 # -- kernels ------------------------------------------------------------------------------
 # Kernels loop over a slice of each chunk (``bc = b[lo:hi]``, index from 0): with a loop
 # range(lo, hi) Numba cannot prove the index non-negative, keeps the wraparound check,
@@ -179,8 +212,10 @@ def _scatter(
 ):  # pragma: no cover
     # Chunk c writes the index and bits of each key in [lo, inf_key] to out[starts[c]:]
     # while caps[c] slots last, and counts on when they run out: counts[c] = all its
-    # hits, nans[c] = its NaN keys. Blocks of BLOCK keys are first tested by a vectorized
-    # count and skipped when empty, so the scalar, branchy loop sees a few percent of x.
+    # hits, nans[c] = its NaN keys. Vector code tests KEY_LANES keys at a time into a bit
+    # mask, eight masks make a 64-bit word, and only a word's set bits are visited (as in
+    # the fused pass: a branch per block of keys, taken at random, cost 5x the memory
+    # traffic).
     for c in prange(bounds.shape[0] - 1):
         s = bounds[c]
         bc = b[s : bounds[c + 1]]
@@ -188,23 +223,36 @@ def _scatter(
         end = p + caps[c]
         bad = 0
         m = bc.shape[0]
-        for base in range(0, m, BLOCK):
-            blk = bc[base : min(base + BLOCK, m)]
-            hit = 0
-            for j in range(blk.shape[0]):
-                hit += (blk[j] & mask) >= lo
-            if hit == 0:
-                continue
-            for j in range(blk.shape[0]):
-                key = blk[j] & mask
-                if key >= lo:
-                    if key > inf_key:
-                        bad += 1
-                    else:
-                        if p < end:
-                            out_idx[p] = s + base + j
-                            out_bits[p] = blk[j]
-                        p += 1
+        m64 = m // 64 * 64
+        for b0 in range(0, m64, 64):
+            word = np.uint64(0)
+            nan = np.uint64(0)
+            for q in range(64 // KEY_LANES):
+                t = q * KEY_LANES
+                bits = _key_lanes(bc, b0 + t, mask, lo, inf_key)
+                word |= np.uint64(bits & np.uint32(255)) << np.uint64(t)
+                nan |= np.uint64(bits >> np.uint32(KEY_LANES)) << np.uint64(t)
+            if nan:
+                while nan:
+                    bad += 1
+                    nan &= nan - np.uint64(1)
+            while word:
+                j = _ctz(word)
+                word &= word - np.uint64(1)
+                if p < end:
+                    out_idx[p] = s + b0 + j
+                    out_bits[p] = bc[b0 + j]
+                p += 1
+        for i in range(m64, m):
+            key = bc[i] & mask
+            if key >= lo:
+                if key > inf_key:
+                    bad += 1
+                else:
+                    if p < end:
+                        out_idx[p] = s + i
+                        out_bits[p] = bc[i]
+                    p += 1
         counts[c] = p - starts[c]
         nans[c] = bad
 
@@ -243,13 +291,13 @@ def _count_gt_eq(b, mask, kth, bounds, gt, eq):  # pragma: no cover
 
 @_kernels()
 def _scatter_gt_eq(
-    b, mask, kth, bounds, offsets, quota, src, use_src, out_idx, out_bits
+    b, mask, kth, bounds, offsets, quota, src, use_src, out_idx, out_bits, taken
 ):  # pragma: no cover
     # Keys above kth, and the first quota[c] keys equal to kth in chunk c (lowest index
     # first); empty blocks skipped as in _scatter. Within a block every key is written at
     # p and p advances when it is taken: no branch on the key (on candidates, about half
     # of them taken, that branch mispredicted half the time). ``end`` keeps a chunk's
-    # writes inside its own slots.
+    # writes inside its own slots. ``taken`` (None or zeros) gets 1 where a key is taken.
     for c in prange(bounds.shape[0] - 1):
         s = bounds[c]
         bc = b[s : bounds[c + 1]]
@@ -268,11 +316,14 @@ def _scatter_gt_eq(
                 key = blk[j] & mask
                 tie = (key == kth) & (q > 0)
                 q -= tie
+                take = (key > kth) | tie
+                i = s + base + j
                 if p < end:
-                    i = s + base + j
                     out_idx[p] = src[i] if use_src else i
                     out_bits[p] = blk[j]
-                p += (key > kth) | tie
+                if taken is not None:
+                    taken[i] = take
+                p += take
 
 
 # reassoc lets LLVM split the float64 sums into vector lanes instead of one serial
@@ -425,9 +476,16 @@ def _kth_key(b: np.ndarray, info: Any, k: int) -> int:
 
 
 def _select_rank(
-    b: np.ndarray, info: Any, kth: int, k: int, src: np.ndarray | None, itype: Any
+    b: np.ndarray,
+    info: Any,
+    kth: int,
+    k: int,
+    src: np.ndarray | None,
+    itype: Any,
+    taken: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The k entries of b: keys above kth, then keys equal to kth by ascending position."""
+    """The k entries of b: keys above kth, then keys equal to kth by ascending position
+    (marked in ``taken``, zeros of b's length, when given)."""
     bounds = _bounds(b.shape[0], CHUNKS_PER_THREAD)
     parts = bounds.shape[0] - 1
     gt = np.empty(parts, np.int64)
@@ -447,7 +505,7 @@ def _select_rank(
         src = np.empty(0, itype)
     _run(
         _scatter_gt_eq, b.shape[0], b, mask, kt, bounds, offsets, quota, src, use_src,
-        out_idx, out_bits,
+        out_idx, out_bits, taken,
     )  # fmt: skip
     return out_idx, out_bits
 
@@ -569,11 +627,15 @@ NT_ALIGN = 32  # bytes: where the pass's streaming (non-temporal) vector stores 
 
 
 @intrinsic
-def _fused_lanes(typingctx, g, r, u, uo, m, acc, z, i, cut, nt, zt, tmp, t):  # pragma: no cover
+def _fused_lanes(
+    typingctx, g, r, u, uo, m, acc, z, i, cut, nt, zt, zh, zc, tmp, t
+):  # pragma: no cover
     """LANES elements from i, as vectors: ``uo = m·u + g`` (with u), ``acc = (uo or g) +
     r`` (also into ``tmp[t:t + LANES]``, a scratch row in cache that the copy loop reads:
     acc itself may have bypassed the cache), ``z = 0`` (with z); returns a bit mask, bit j
-    for |acc[i+j]| >= cut and bit LANES + j for a non-finite acc[i+j]. Every load comes
+    for |acc[i+j]| >= cut and bit LANES + j for a non-finite acc[i+j]; with ``zh`` (zero
+    hits) acc gets 0 where bit j is set and |acc[i+j]| >= zc (tmp keeps the value). Every
+    load comes
     before any store, so ``acc`` may be ``r`` and ``z`` may be ``g``. With ``nt`` the stores
     to uo and acc are non-temporal (streaming, NT_ALIGN-aligned addresses required), and
     with ``zt`` those to z: a written line is not read first, so the pass moves a quarter
@@ -585,10 +647,12 @@ def _fused_lanes(typingctx, g, r, u, uo, m, acc, z, i, cut, nt, zt, tmp, t):  # 
     has_z = not isinstance(z, nbtypes.NoneType)
     flag_t = nbtypes.boolean
     idx_t = nbtypes.intp
-    sig = nbtypes.uint32(g, r, u, uo, m, acc, z, idx_t, cut, flag_t, flag_t, tmp, idx_t)
+    sig = nbtypes.uint32(
+        g, r, u, uo, m, acc, z, idx_t, cut, flag_t, flag_t, flag_t, cut, tmp, idx_t
+    )
 
     def codegen(context, builder, signature, args):
-        ga, ra, ua, uoa, mv, aa, za, idx, cv, ntf, ztf, ta, toff = args
+        ga, ra, ua, uoa, mv, aa, za, idx, cv, ntf, ztf, zhf, zcv, ta, toff = args
         ty = signature.args
         fty = context.get_value_type(ty[0].dtype)
         vty = ir.VectorType(fty, LANES)
@@ -600,7 +664,8 @@ def _fused_lanes(typingctx, g, r, u, uo, m, acc, z, i, cut, nt, zt, tmp, t):  # 
             return builder.bitcast(builder.gep(data, [at]), vty.as_pointer())
 
         def splat(x):
-            v = builder.insert_element(ir.Constant(vty, ir.Undefined), x, i32(0))
+            xty = ir.VectorType(x.type, LANES)
+            v = builder.insert_element(ir.Constant(xty, ir.Undefined), x, i32(0))
             lanes = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
             return builder.shuffle_vector(v, v, lanes)
 
@@ -612,8 +677,18 @@ def _fused_lanes(typingctx, g, r, u, uo, m, acc, z, i, cut, nt, zt, tmp, t):  # 
             gv = builder.fadd(builder.fmul(splat(mv), uv), gv)  # no contraction: as numpy
             stores.append((gv, ptr(uoa, ty[3])))
         av = builder.fadd(gv, rv)
-        stores.append((av, ptr(aa, ty[5])))
-        builder.store(av, ptr(ta, ty[11], toff), align=1)
+        width = 32 if isinstance(fty, ir.FloatType) else 64
+        fabs = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vty, [vty]), f"llvm.fabs.v{LANES}f{width}"
+        )
+        mag = builder.call(fabs, [av])
+        hit = builder.fcmp_ordered(">=", mag, splat(cv))
+        zero = ir.Constant(vty, None)
+        zap = builder.and_(
+            builder.and_(hit, splat(zhf)), builder.fcmp_ordered(">=", mag, splat(zcv))
+        )
+        stores.append((builder.select(zap, zero, av), ptr(aa, ty[5])))
+        builder.store(av, ptr(ta, ty[13], toff), align=1)
 
         def store(value, where, streaming):
             with builder.if_else(streaming) as (nt_store, plain):  # loop-invariant flags:
@@ -625,12 +700,7 @@ def _fused_lanes(typingctx, g, r, u, uo, m, acc, z, i, cut, nt, zt, tmp, t):  # 
         for value, where in stores:
             store(value, where, ntf)
         if has_z:
-            store(ir.Constant(vty, None), ptr(za, ty[6]), ztf)
-        width = 32 if isinstance(fty, ir.FloatType) else 64
-        fabs = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vty, [vty]), f"llvm.fabs.v{LANES}f{width}"
-        )
-        hit = builder.fcmp_ordered(">=", builder.call(fabs, [av]), splat(cv))
+            store(zero, ptr(za, ty[6]), ztf)
         diff = builder.fsub(av, av)  # NaN exactly where av is NaN or infinite
         bad = builder.fcmp_unordered("uno", diff, diff)
         bits = ir.IntType(LANES)
@@ -654,28 +724,40 @@ def _store_fence(typingctx):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def _take_hits(word, b0, span, lo, hi, tmp, out_idx, out_val, p, end):  # pragma: no cover
+def _take_hits(
+    word, b0, span, lo, hi, tmp, acc, zh, hist, c, hcut, hscale, out_idx, out_val, p, end
+):  # pragma: no cover
     # append the positions b0 + j of word's set bits (and their values, tmp[j]) that lie
-    # in [lo, hi)
-    if b0 >= hi or b0 + span <= lo:
+    # in [lo, hi); with zh, those outside get their values back in acc
+    if not zh and (b0 >= hi or b0 + span <= lo):
         return p
     inside = lo <= b0 and b0 + span <= hi
     while word:
         j = _ctz(word)
         word &= word - np.uint64(1)
         i = b0 + j
+        v = tmp[j]
         if inside or (lo <= i and i < hi):
+            # (written out here: a helper function taking the arrays cost 80 ns a hit)
             if p < end:
                 out_idx[p] = i
-                out_val[p] = tmp[j]
+                out_val[p] = v
+                if hist is not None:
+                    f = (abs(np.float64(v)) - hcut) * hscale
+                    hist[c, int(f) if f < BUCKETS - 1 else BUCKETS - 1] += 1
+            elif zh:  # not recorded: its value back
+                acc[i] = v
             p += 1
+        elif zh:
+            acc[i] = v
     return p
 
 
 @njit(inline="always")
 def _fused_scalar(
-    g, r, u, uo, m, acc, z, cut, lo, hi, s, e, out_idx, out_val, p, end
-):  # pragma: no cover
+    g, r, u, uo, m, acc, z, cut, zh, zc, hist, c, hcut, hscale, lo, hi, s, e, tmp, out_idx,
+    out_val, p, end,
+):  # pragma: no cover  # fmt: skip
     # elements s..e-1 one by one (a chunk's ends); returns (p, non-finite seen)
     flag = np.uint32(0)
     for i in range(s, e):
@@ -685,22 +767,24 @@ def _fused_scalar(
             v = m * u[i] + g[i]
             uo[i] = v
             a = v + r[i]
-        acc[i] = a
+        hit = abs(a) >= cut
+        acc[i] = 0 if zh and hit and abs(a) >= zc else a
         if z is not None:
             z[i] = 0
         flag |= np.uint32((a - a) != 0)
-        if abs(a) >= cut and lo <= i and i < hi:
-            if p < end:
-                out_idx[p] = i
-                out_val[p] = a
-            p += 1
+        if hit:
+            tmp[0] = a
+            p = _take_hits(
+                np.uint64(1), i, 1, lo, hi, tmp, acc, zh, hist, c, hcut, hscale, out_idx,
+                out_val, p, end,
+            )  # fmt: skip
     return p, flag
 
 
 @_kernels()
 def _accumulate(
-    g, r, u, uo, m, acc, z, cut, lo, hi, nt, zt, base, bounds, starts, caps, out_idx, out_val,
-    counts, bad,
+    g, r, u, uo, m, acc, z, cut, lo, hi, nt, zt, zh, zc, hist, hcut, hscale, base, bounds,
+    starts, caps, out_idx, out_val, counts, bad,
 ):  # pragma: no cover - compiled  # fmt: skip
     # One pass over chunk c: uo = m·u + g (momentum, when u is not None), acc = (uo or g)
     # + r, z = 0 (when z is not None), and the index and value of each acc[i] with
@@ -722,37 +806,48 @@ def _accumulate(
             head = min(e - s, ((NT_ALIGN - (base + s * size) % NT_ALIGN) % NT_ALIGN) // size)
         p = starts[c]
         end = p + caps[c]
+        tmp = np.empty(64, acc.dtype)
         p, flag = _fused_scalar(
-            g, r, u, uo, m, acc, z, cut, lo, hi, s, s + head, out_idx, out_val, p, end
-        )
+            g, r, u, uo, m, acc, z, cut, zh, zc, hist, c, hcut, hscale, lo, hi, s, s + head, tmp,
+            out_idx, out_val, p, end,
+        )  # fmt: skip
         s1 = s + head
         e64 = s1 + (e - s1) // 64 * 64
         e8 = s1 + (e - s1) // LANES * LANES
-        tmp = np.empty(64, acc.dtype)
         for b0 in range(s1, e64, 64):
             word = np.uint64(0)
             for q in range(64 // LANES):
                 t = q * LANES
-                mask = _fused_lanes(g, r, u, uo, m, acc, z, b0 + t, cut, nt, zt, tmp, t)
+                mask = _fused_lanes(g, r, u, uo, m, acc, z, b0 + t, cut, nt, zt, zh, zc, tmp, t)
                 word |= np.uint64(mask & np.uint32(255)) << np.uint64(t)
                 flag |= mask >> np.uint32(LANES)
             if word:
-                p = _take_hits(word, b0, 64, lo, hi, tmp, out_idx, out_val, p, end)
+                p = _take_hits(
+                    word, b0, 64, lo, hi, tmp, acc, zh, hist, c, hcut, hscale, out_idx,
+                    out_val, p, end,
+                )  # fmt: skip
         for b0 in range(e64, e8, LANES):
-            mask = _fused_lanes(g, r, u, uo, m, acc, z, b0, cut, nt, zt, tmp, 0)
+            mask = _fused_lanes(g, r, u, uo, m, acc, z, b0, cut, nt, zt, zh, zc, tmp, 0)
             flag |= mask >> np.uint32(LANES)
             word = np.uint64(mask & np.uint32(255))
             if word:
-                p = _take_hits(word, b0, LANES, lo, hi, tmp, out_idx, out_val, p, end)
+                p = _take_hits(
+                    word, b0, LANES, lo, hi, tmp, acc, zh, hist, c, hcut, hscale, out_idx,
+                    out_val, p, end,
+                )  # fmt: skip
         p, tail = _fused_scalar(
-            g, r, u, uo, m, acc, z, cut, lo, hi, e8, e, out_idx, out_val, p, end
-        )
+            g, r, u, uo, m, acc, z, cut, zh, zc, hist, c, hcut, hscale, lo, hi, e8, e, tmp,
+            out_idx, out_val, p, end,
+        )  # fmt: skip
         if nt:
             _store_fence()
         nbad = 0
         if flag | tail:
             for i in range(s, e):
                 nbad += (acc[i] - acc[i]) != 0
+            if zh:  # infinite hits recorded were zeroed in acc (inf >= zc)
+                for q in range(starts[c], min(p, end)):
+                    nbad += (out_val[q] - out_val[q]) != 0
         counts[c] = p - starts[c]
         bad[c] = nbad
 
@@ -767,13 +862,18 @@ def _streaming_ok(acc: np.ndarray, *others: Any) -> tuple[bool, int]:
     return ok, base
 
 
-def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype):
+BUCKETS = 4096  # histogram bins of the pass's hits: [cut, 2·cut) in BUCKETS - 1 equal
+# steps, the last bin everything above
+
+
+def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut=math.inf, buckets=False):
     """The fused pass (see ``sparsecoll.select.accumulate``); float16 goes to numpy (Numba
-    has no float16 arithmetic)."""
+    has no float16 arithmetic). With ``buckets``, the recorded hits' histogram over
+    ``|value|`` (``Buckets``) comes back too, for :func:`topk_hits`."""
     if g.dtype == np.float16:
         from . import _numpy
 
-        return _numpy.accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype)
+        return _numpy.accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut)
     n = g.shape[0]
     dt = g.dtype.type
     # one chunk on one thread: its hits come back as a slice, with no concatenation
@@ -794,32 +894,115 @@ def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype):
     nt, base = _streaming_ok(acc, uo)
     # a zero buffer that is g is stored to plainly (its lines were just read into cache)
     zt = nt and z is not None and _streaming_ok(acc, z)[0] and not np.may_share_memory(z, g)
+    zh = zero_cut < math.inf
+    hist, hcut, hscale = None, 0.0, 0.0
+    if buckets and 0 < cut < math.inf:
+        hist = np.zeros((parts, BUCKETS), np.int64)
+        hcut = float(dt(cut))  # the value the kernel compares with
+        hscale = (BUCKETS - 1) / hcut
     _run(
         _accumulate, n, g, r, u, uo, dt(m), acc, z, dt(cut), np.int64(lo), np.int64(hi),
-        nt, zt, np.int64(base), bounds, starts, room, out_idx, out_val, counts, bad,
+        nt, zt, zh, dt(zero_cut if zh else 0), hist, hcut, hscale, np.int64(base), bounds, starts,
+        room,
+        out_idx, out_val, counts, bad,
     )  # fmt: skip
     hits = int(counts.sum())
-    if hits > cap:  # more than asked for (the chunks' rooms add up to more than cap)
-        return out_idx[:0], out_val[:0], hits, int(bad.sum())
-    if parts == 1 or np.all(counts <= room):
-        if parts == 1:
-            got = min(int(counts[0]), int(room[0]))
-            return out_idx[:got], out_val[:got], hits, int(bad.sum())
-        cut_ = [slice(a, a + h) for a, h in zip(starts.tolist(), counts.tolist())]
-        return (
-            np.concatenate([out_idx[c] for c in cut_]),
-            np.concatenate([out_val[c] for c in cut_]),
-            hits,
-            int(bad.sum()),
-        )
-    return out_idx[:0], out_val[:0], hits, int(bad.sum())  # some chunk overflowed its room
+    nbad = int(bad.sum())
+    kept = np.minimum(counts, room)
+    if hits > cap or np.any(counts > room):  # the room ran out: nothing is selected
+        if zh:  # the recorded hits get their values back
+            for a, h in zip(starts.tolist(), kept.tolist()):
+                acc[out_idx[a : a + h]] = out_val[a : a + h]
+        return out_idx[:0], out_val[:0], hits, nbad, None
+    found = None if hist is None else Buckets(hist.sum(axis=0), hcut, hscale)
+    if parts == 1:
+        return out_idx[:hits], out_val[:hits], hits, nbad, found
+    pieces = [slice(a, a + h) for a, h in zip(starts.tolist(), counts.tolist())]
+    return (
+        np.concatenate([out_idx[c] for c in pieces]),
+        np.concatenate([out_val[c] for c in pieces]),
+        hits,
+        nbad,
+        found,
+    )
+
+
+class Buckets(NamedTuple):
+    """A histogram of a pass's hits over |value|: ``counts[b]`` hits with
+    ``int((|v| - cut)·scale) == b`` (the last bin: all from there up)."""
+
+    counts: np.ndarray
+    cut: float
+    scale: float
 
 
 @njit(cache=True, nogil=True)
-def _finish_step(acc, vel, sent, update, old, idx, vals, divisor):  # pragma: no cover
-    for i in range(sent.shape[0]):
-        acc[sent[i]] = 0
-        if vel is not None:  # resolved at compile time (vel typed None or an array)
+def _bucket_keys(vals, bits, mask, cut, scale, want, out):  # pragma: no cover - compiled
+    # the keys of the values in bucket ``want`` (as _keep_hit bins them), in out[:count]
+    top = BUCKETS - 1
+    q = 0
+    for i in range(vals.shape[0]):
+        f = (abs(np.float64(vals[i])) - cut) * scale
+        if (int(f) if f < top else top) == want:
+            out[q] = bits[i] & mask
+            q += 1
+    return q
+
+
+def topk_hits(idx: np.ndarray, vals: np.ndarray, found: Buckets, k: int):
+    """The top-k of a pass's hits (1 <= k <= len(vals), no NaN): their global indices,
+    ascending, their values, and a mask over the hits marking them. The pass's histogram
+    names the bin holding the k-th largest |value|; only that bin's keys are ranked, then
+    one scatter takes the k. None when the k-th lies in the open top bin (the cut was far
+    below it)."""
+    counts = found.counts
+    above = np.cumsum(counts[::-1])[::-1]  # above[b]: hits in bins b and up
+    want = int(np.searchsorted(-above, -k, side="right")) - 1  # last bin with above >= k
+    if want >= BUCKETS - 1:
+        return None
+    b, info = _keys(vals)
+    keys = np.empty(int(counts[want]), info.utype)
+    got = _bucket_keys(vals, b, _u(info, info.mask), found.cut, found.scale, want, keys)
+    assert got == keys.shape[0]
+    keys[::-1].sort()  # descending
+    need = k - int(above[want + 1])  # taken from this bin
+    kth = keys[need - 1]
+    taken = np.zeros(b.shape[0], np.bool_)
+    if _parallel(b.shape[0]):
+        out_idx, out_bits = _select_rank(b, info, int(kth), k, idx, idx.dtype, taken)
+        return out_idx, out_bits.view(vals.dtype), taken
+    gt = int(above[want + 1]) + int(np.count_nonzero(keys > kth))
+    out_idx = np.empty(k, idx.dtype)
+    out_bits = np.empty(k, info.utype)
+    bounds = np.array([0, b.shape[0]], np.int64)
+    offsets = np.array([0, k], np.int64)
+    quota = np.array([k - gt], np.int64)
+    _scatter_gt_eq.serial(
+        b, _u(info, info.mask), kth, bounds, offsets, quota, idx, True, out_idx, out_bits, taken
+    )
+    return out_idx, out_bits.view(vals.dtype), taken
+
+
+@njit(cache=True, nogil=True)
+def _finish_step(
+    acc, vel, sent, update, old, idx, vals, divisor, cand, cval, zc, want
+):  # pragma: no cover - compiled
+    if cand is None:  # resolved at compile time (typed None or an array), as vel
+        for i in range(sent.shape[0]):
+            acc[sent[i]] = 0
+    else:  # acc is 0 at the candidates with |value| >= zc: make it 0 where want says
+        # (sent). The candidates zeroed wrongly are listed first without a branch on the
+        # data, then only those are written: a branch per candidate mispredicted often.
+        fix = np.empty(cand.shape[0], np.int64)
+        p = 0
+        for q in range(cand.shape[0]):
+            fix[p] = q
+            p += want[q] != (abs(cval[q]) >= zc)
+        for f in range(p):
+            q = fix[f]
+            acc[cand[q]] = 0 if want[q] else cval[q]
+    if vel is not None:
+        for i in range(sent.shape[0]):
             vel[sent[i]] = 0
     if old is not None:
         for i in range(old.shape[0]):
@@ -832,10 +1015,12 @@ def _finish_step(acc, vel, sent, update, old, idx, vals, divisor):  # pragma: no
             update[idx[j]] = vals[j] / divisor
 
 
-def finish_step(acc, vel, sent, update, old, idx, vals, divisor: int) -> None:
+def finish_step(acc, vel, sent, update, old, idx, vals, divisor: int, zeroed=None) -> None:
     """A training step's O(k) fix-ups (see ``sparsecoll.training._finish``)."""
     dt = acc.dtype.type
-    _finish_step(acc, vel, sent, update, old, idx, vals.astype(acc.dtype, copy=False), dt(divisor))
+    cand, cval, zc, want = (None, None, 0.0, None) if zeroed is None else zeroed
+    vals = vals.astype(acc.dtype, copy=False)
+    _finish_step(acc, vel, sent, update, old, idx, vals, dt(divisor), cand, cval, dt(zc), want)
 
 
 @njit(cache=True, nogil=True)

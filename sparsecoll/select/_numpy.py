@@ -64,11 +64,15 @@ def moments(x: np.ndarray) -> tuple[float, float]:
     return mean, math.sqrt(var)
 
 
-def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, xp=np):
+def accumulate(
+    g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut=math.inf, buckets=False, xp=np
+):
     """The fused pass, stated plainly (several passes of ``xp``, numpy or CuPy):
     ``uo = m*u + g`` (when u is given), ``acc = (uo or g) + r`` (r may be None), then the
-    entries of ``acc[lo:hi]`` with ``|acc| >= cut`` (at most cap of them; ``hits`` counts
-    all), the non-finite count, and ``z`` (when given) zeroed."""
+    entries of ``acc[lo:hi]`` with ``|acc| >= cut`` (none when there are more than cap;
+    ``hits`` counts all; those with ``|acc| >= zero_cut`` then zeroed in acc), the
+    non-finite count, and ``z``
+    (when given) zeroed. No histogram of the hits (``buckets`` is ignored)."""
     src = g
     with np.errstate(over="ignore", invalid="ignore"):  # non-finite results are counted
         if u is not None:
@@ -85,5 +89,9 @@ def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, xp=np):
     part = acc[lo:hi]
     idx = xp.flatnonzero(xp.abs(part) >= part.dtype.type(cut))
     hits = int(idx.shape[0])
-    idx = idx[:cap]
-    return (idx + lo).astype(itype), part[idx], hits, bad
+    if hits > cap:
+        idx = idx[:0]
+    vals = part[idx]
+    if zero_cut < math.inf:
+        part[idx[xp.abs(vals) >= vals.dtype.type(zero_cut)]] = 0
+    return (idx + lo).astype(itype), vals, hits, bad, None
