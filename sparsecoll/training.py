@@ -543,6 +543,8 @@ class GradientReducer:
                 self._last.comm_s += time.perf_counter() - t0
                 selected = int(sel.shape[0])
                 sent = result.contributed  # a mask over sel, or None: all of it
+                if sent is not None and bool(sent.all()):
+                    sent = None
                 if sent is not None:
                     sel = sel[sent]
                 if prep.zeroed is not None:  # which of the pass's hits leave acc

@@ -14,6 +14,7 @@ from sparsecoll.algorithms._window import (
     pick_edge,
     window_edges,
 )
+from sparsecoll.select._numba import EDGE_BINS
 
 
 def test_edges_ascend_around_the_threshold():
@@ -37,6 +38,26 @@ def test_edge_counts_match_direct_comparisons(mags, t, dtype):
     for j in range(edges.shape[0]):
         assert ge[j] == np.count_nonzero(m >= edges[j])
         assert np.array_equal(h > j, m >= edges[j])
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    t=st.floats(1e-3, 1e3),
+    dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+)
+def test_edge_totals_of_many_magnitudes(seed, t, dtype):
+    """Past EDGE_BINS magnitudes the count places each one with linear bins: still exact
+    at the edges themselves, one ulp either side, 0, inf and far outside the window."""
+    rng = np.random.default_rng(seed)
+    edges = window_edges(t, dtype)
+    m = int(rng.integers(EDGE_BINS, 3 * EDGE_BINS))
+    mags = np.abs(rng.standard_normal(m) * t).astype(dtype)
+    at = edges[rng.integers(0, edges.shape[0], m // 4)]
+    near = [at, np.nextafter(at, dtype(0)), np.nextafter(at, dtype(np.inf))]
+    mags[: 3 * at.shape[0]] = np.concatenate(near)
+    mags[-3:] = [0, np.inf, edges[-1] * 4]
+    ge = edge_totals(rng.permutation(mags), edges)
+    assert np.array_equal(ge, [np.count_nonzero(mags >= e) for e in edges])
 
 
 @given(total=st.lists(st.integers(0, 50), min_size=65, max_size=65), k=st.integers(1, 60))
