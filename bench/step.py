@@ -20,7 +20,9 @@ Gradients: a stream of Gaussian vectors with a linear scale profile
 from __future__ import annotations
 
 import argparse
+import cProfile
 import csv
+import pstats
 import sys
 import time
 
@@ -55,7 +57,9 @@ def add_time(n: int, reps: int) -> tuple[float, float]:
     return float(np.median(wall[1:])), float(np.median(cpu[1:]))
 
 
-def run(comm, name: str, args: argparse.Namespace, grads: list[np.ndarray]) -> list[dict]:
+def run(
+    comm, name: str, args: argparse.Namespace, grads: list[np.ndarray], profiler=None
+) -> list[dict]:
     from sparsecoll import GradientReducer
 
     reuse = args.update == "reuse"
@@ -70,12 +74,17 @@ def run(comm, name: str, args: argparse.Namespace, grads: list[np.ndarray]) -> l
             np.copyto(update, g)  # outside the timed region
             g = update
         comm.barrier()
+        timed = it >= args.warmup and profiler is not None
+        if timed:
+            profiler.enable()
         t, u = time.perf_counter(), time.process_time()
         if reuse:
             red.step(g)
         else:
             red.step(g, out=update)
         elapsed, cpu = time.perf_counter() - t, time.process_time() - u
+        if timed:
+            profiler.disable()
         st = red.stats()
         mine = [elapsed, st["time_collective_s"], cpu]
         worst = comm.allreduce_floats(mine, "max")
@@ -148,6 +157,16 @@ def plot(rows: list[dict], summary: dict[str, dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def print_profile(name: str, prof: cProfile.Profile, top: int, steps: int) -> None:
+    """The ``top`` functions by time of their own (ms per step), as cProfile measured it."""
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]  # type: ignore[attr-defined]
+    print(f"# {name}: cProfile of the timed steps, ms per step (own time, with callees), calls")
+    for (path, line, func), (_, calls, own, total, _) in rows:
+        where = f"{path.rsplit('/', 1)[-1]}:{line}({func})"
+        print(f"#   {own / steps * 1e3:8.2f} {total / steps * 1e3:8.2f} {calls:6d}  {where}")
+
+
 def main(argv: list[str] | None = None) -> None:
     from sparsecoll import Communicator, __version__, select
     from sparsecoll.benchmarks.cli import parse_size
@@ -169,6 +188,14 @@ def main(argv: list[str] | None = None) -> None:
         "buffer (step(g, out=g), as the DDP hooks do), or the reducer's reused buffer "
         "(reuse_update=True: O(k) writes)",
     )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the table, rank 0's cProfile of the timed steps: the N functions with the "
+        "most time of their own, per algorithm, per step",
+    )
     ap.add_argument("--csv", help="write every step's row here")
     ap.add_argument("--plot", help="write a PNG here (matplotlib)")
     args = ap.parse_args(argv)
@@ -179,8 +206,10 @@ def main(argv: list[str] | None = None) -> None:
     floor = tuple(float(v) for v in comm.allreduce_floats(add_time(args.size, 9), "max"))
     rows, summary = [], {}
     names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    profiles = {}
     for name in names:
-        mine = run(comm, name, args, grads)
+        profiles[name] = cProfile.Profile() if args.profile and comm.rank == 0 else None
+        mine = run(comm, name, args, grads, profiles[name])
         rows += mine
         dense = summary["dense"]["median_ms"] / 1e3 if "dense" in summary else None
         summary[name] = summarize(mine, floor, dense)
@@ -214,6 +243,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{s['vs_dense']:>9.2f}{s['bytes']:>12,}"
             f"{dens:>20}"
         )
+    for name, prof in profiles.items():
+        if prof is not None:
+            print_profile(name, prof, args.profile, args.iterations)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=COLUMNS)
