@@ -8,7 +8,9 @@ Public functions (one dispatch for numpy, CuPy, and torch tensors, which come ba
     kth_largest_abs(x, k)  -> float: the k-th largest |x| (1 <= k <= n)
     moments(x)             -> (mean, std) of x, in float64
     accumulate(g, r, out=, cut=) -> Accumulation: out = g + r and the entries of out with
-                              |out| >= cut, in one pass (error feedback fused with selection)
+                              |out| >= cut, in one pass (error feedback fused with selection;
+                              zero_cut= zeroes the likely-sent ones in out, buckets= bins them)
+    topk_hits(found, k)    -> (indices, values, taken): the top-k of an Accumulation's entries
     topk_sparse(v, k), threshold_sparse(v, t): the same on a SparseVector's values
     ExactThreshold, ReuseThreshold, SamplingThreshold, GaussianThreshold: estimators that
         turn a requested k (or density) into a threshold and report the achieved count.
