@@ -7,8 +7,9 @@ the same code serves float16, float32 and float64 and compares |x| exactly.
   gets that share of the output (plus a margin) and one parallel pass scatters indices and
   values into it, counting NaNs on the way; the chunks' pieces are then concatenated. A
   chunk that overflows its room still counts its hits, and a second pass scatters again
-  into exactly sized room (the count / prefix-scan / scatter scheme). Empty blocks of 32
-  keys are skipped after a vectorized test, so the branchy copy loop sees a few percent of x.
+  into exactly sized room (the count / prefix-scan / scatter scheme). Keys are tested 8 at a
+  time into bit masks (LLVM vector code), and the copy loop visits only a 64-key word's set
+  bits.
 * top-k: the sample also gives a key that probably has a little more than k keys at or
   above it; one such scatter collects those candidates in index order and checks there are
   at least k (and at most n/2). The exact k-th largest key is then found by radix select
