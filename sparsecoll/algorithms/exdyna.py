@@ -64,8 +64,7 @@ RULES = ("window", "authors")
 COOLDOWN = 16  # calls between re-derives while k stays outside the window
 # The window edge from which a caller's candidates (reduce_dense) are counted: thr·e^-0.064.
 # Below it the counts come from a second read of the data, only when the pick needs them
-# (the k-th value fell more than ~6% in a call). In bench/step.py's stream at P = 1 this
-# halved the candidates (3.1-5.0k against 7.1-8.2k from edge 0).
+# (the k-th value fell more than ~6% in a call), far fewer candidates than from edge 0.
 CANDIDATE_EDGE = 16
 
 

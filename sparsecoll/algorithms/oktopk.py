@@ -71,10 +71,10 @@ from .._array import get_array_module, to_host
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from ._merge import merge_two
+from ._merge import isin_sorted, merge_two
 from ._window import bracket_edge, edge_totals, window_edges
 from .base import Algorithm, allclose_sparse, pack_pairs, range_bounds, unpack_pairs
-from .gtopk import check_k, isin_sorted, topk_positions
+from .gtopk import check_k, topk_positions
 
 __all__ = ["OkTopk", "balanced_boundaries", "index_samples", "sample_segments"]
 

@@ -233,10 +233,9 @@ def _scatter(
                 bits = _key_lanes(bc, b0 + t, mask, lo, inf_key)
                 word |= np.uint64(bits & np.uint32(255)) << np.uint64(t)
                 nan |= np.uint64(bits >> np.uint32(KEY_LANES)) << np.uint64(t)
-            if nan:
-                while nan:
-                    bad += 1
-                    nan &= nan - np.uint64(1)
+            while nan:
+                bad += 1
+                nan &= nan - np.uint64(1)
             while word:
                 j = _ctz(word)
                 word &= word - np.uint64(1)
@@ -295,10 +294,11 @@ def _scatter_gt_eq(
     b, mask, kth, bounds, offsets, quota, src, use_src, out_idx, out_bits, taken
 ):  # pragma: no cover
     # Keys above kth, and the first quota[c] keys equal to kth in chunk c (lowest index
-    # first); empty blocks skipped as in _scatter. Within a block every key is written at
-    # p and p advances when it is taken: no branch on the key (on candidates, about half
-    # of them taken, that branch mispredicted half the time). ``end`` keeps a chunk's
-    # writes inside its own slots. ``taken`` (None or zeros) gets 1 where a key is taken.
+    # first); blocks of BLOCK keys with none at or above kth are skipped after a vectorized
+    # count. Within a block every key is written at p and p advances when it is taken: no
+    # branch on the key (on candidates, about half of them taken, that branch mispredicted
+    # half the time). ``end`` keeps a chunk's writes inside its own slots. ``taken`` (None
+    # or zeros) gets 1 where a key is taken.
     for c in prange(bounds.shape[0] - 1):
         s = bounds[c]
         bc = b[s : bounds[c + 1]]
@@ -724,6 +724,17 @@ def _store_fence(typingctx):  # pragma: no cover - compiled
     return nbtypes.void(), codegen
 
 
+BUCKETS = 4096  # histogram bins of the pass's hits: [cut, 2·cut) in BUCKETS - 1 equal
+# steps, the last bin everything above
+
+
+@njit(inline="always")
+def _bin(v, cut, scale):  # pragma: no cover - compiled
+    # the histogram bin of a hit v (|v| >= cut): the pass and topk_hits must agree exactly
+    f = (abs(np.float64(v)) - cut) * scale
+    return int(f) if f < BUCKETS - 1 else BUCKETS - 1
+
+
 @njit(inline="always")
 def _take_hits(
     word, b0, span, lo, hi, tmp, acc, zh, hist, c, hcut, hscale, out_idx, out_val, p, end
@@ -744,8 +755,7 @@ def _take_hits(
                 out_idx[p] = i
                 out_val[p] = v
                 if hist is not None:
-                    f = (abs(np.float64(v)) - hcut) * hscale
-                    hist[c, int(f) if f < BUCKETS - 1 else BUCKETS - 1] += 1
+                    hist[c, _bin(v, hcut, hscale)] += 1
             elif zh:  # not recorded: its value back
                 acc[i] = v
             p += 1
@@ -863,10 +873,6 @@ def _streaming_ok(acc: np.ndarray, *others: Any) -> tuple[bool, int]:
     return ok, base
 
 
-BUCKETS = 4096  # histogram bins of the pass's hits: [cut, 2·cut) in BUCKETS - 1 equal
-# steps, the last bin everything above
-
-
 def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut=math.inf, buckets=False):
     """The fused pass (see ``sparsecoll.select.accumulate``); float16 goes to numpy (Numba
     has no float16 arithmetic). With ``buckets``, the recorded hits' histogram over
@@ -903,9 +909,8 @@ def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut=math.in
         hscale = (BUCKETS - 1) / hcut
     _run(
         _accumulate, n, g, r, u, uo, dt(m), acc, z, dt(cut), np.int64(lo), np.int64(hi),
-        nt, zt, zh, dt(zero_cut if zh else 0), hist, hcut, hscale, np.int64(base), bounds, starts,
-        room,
-        out_idx, out_val, counts, bad,
+        nt, zt, zh, dt(zero_cut if zh else 0), hist, hcut, hscale, np.int64(base), bounds,
+        starts, room, out_idx, out_val, counts, bad,
     )  # fmt: skip
     hits = int(counts.sum())
     nbad = int(bad.sum())
@@ -939,12 +944,10 @@ class Buckets(NamedTuple):
 
 @njit(cache=True, nogil=True)
 def _bucket_keys(vals, bits, mask, cut, scale, want, out):  # pragma: no cover - compiled
-    # the keys of the values in bucket ``want`` (as _keep_hit bins them), in out[:count]
-    top = BUCKETS - 1
+    # the keys of the values in bucket ``want`` (as the pass binned them), in out[:count]
     q = 0
     for i in range(vals.shape[0]):
-        f = (abs(np.float64(vals[i])) - cut) * scale
-        if (int(f) if f < top else top) == want:
+        if _bin(vals[i], cut, scale) == want:
             out[q] = bits[i] & mask
             q += 1
     return q
