@@ -51,3 +51,31 @@ def test_torch_cpu_tensors_round_trip(self_comm):
     out = sparsecoll.allreduce(self_comm, vals, idx, n=4)
     assert isinstance(out.values, torch.Tensor)
     assert out.indices.tolist() == [3] and out.values.tolist() == [3.0]
+
+
+def test_polling_wait_schedule(monkeypatch):
+    """The polling wait: a short spin, then sleeps of a fraction of the time waited so far,
+    within [POLL_MIN, POLL_MAX]; it returns the test's first true value (on a fake clock)."""
+    from sparsecoll import comm as C
+
+    clock = {"t": 100.0}
+    sleeps: list[tuple[float, float]] = []  # (waited before the sleep, its length)
+    monkeypatch.setattr(C.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(C, "_yield", lambda: clock.update(t=clock["t"] + 1e-6))
+
+    def sleep(s):
+        sleeps.append((clock["t"] - 100.0, s))
+        clock["t"] += s
+
+    monkeypatch.setattr(C.time, "sleep", sleep)
+    done_at = 2.0  # seconds of fake time until the "request" completes
+    assert C._poll(lambda: clock["t"] - 100.0 >= done_at and "flag") == "flag"
+    waited = clock["t"] - 100.0
+    assert done_at <= waited <= done_at * (1 + C.POLL_FRACTION) + C.POLL_MAX
+    assert sleeps and sleeps[0][0] >= C.POLL_SPIN  # no sleep during the spin
+    for before, s in sleeps:
+        assert C.POLL_MIN <= s <= C.POLL_MAX
+        assert s == C.POLL_MIN or s == C.POLL_MAX or s == pytest.approx(before * C.POLL_FRACTION)
+    assert sleeps[-1][1] == C.POLL_MAX  # a long wait tests about once per POLL_MAX
+    assert len(sleeps) < 2 * done_at / C.POLL_MAX + 200
+    assert C._poll(lambda: 7) == 7  # done at once: no sleep
