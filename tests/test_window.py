@@ -75,3 +75,29 @@ def test_pick_edge_nearest_k_and_misses():
     assert pick_edge(total, 10, 0.5) == (4, False)  # the middle of the tied best
     assert pick_edge(total, 40, 0.5) == (0, True)
     assert pick_edge(total + 5, 3, 0.5) == (7, True)
+
+
+@given(
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 3000),
+    st.floats(0.0, 1.0),
+    st.sampled_from([np.float16, np.float32, np.float64]),
+    st.integers(0, 4000),
+)
+def test_derive_takes_the_largest_nonzero_magnitudes(seed, m, nonzero, dtype, take):
+    """exdyna's re-derive input: the take largest nonzero |values| (as a sorted multiset,
+    what a partition of |part| gives), on dense, mostly-zero and tied parts; a NaN is kept
+    out as before (the window's pass reports it)."""
+    from sparsecoll.algorithms.exdyna import _top_magnitudes
+
+    rng = np.random.default_rng(seed)
+    part = np.where(rng.random(m) < nonzero, rng.integers(-3, 4, m) * rng.random(m), 0)
+    part = part.astype(dtype)
+    take = min(take, m)
+    mags = np.abs(part).astype(np.float64)
+    want = np.sort(mags)[m - take :]
+    assert np.array_equal(np.sort(_top_magnitudes(part, take)), want[want > 0])
+    if m:
+        part[rng.integers(m)] = np.nan
+        got = _top_magnitudes(part, take)
+        assert not np.isnan(got).any() and got.shape[0] <= take
