@@ -56,6 +56,11 @@ __all__ = ["GradientReducer"]
 STATE_VERSION = 1
 CUT_TARGET = 2.0  # candidates the exact top-k's predicted cut aims at, in multiples of k
 CAP_FACTOR = 4  # candidates kept at most, in multiples of k (more: the prediction missed)
+# the cut after a step with fewer than k nonzeros (the smallest positive float64: rounded up
+# to the data's dtype, |x| >= it holds exactly for the nonzeros), so that the pass collects
+# every nonzero and the next step needs no exact top-k while that lasts (an embedding's
+# gradient: a few rows per step)
+EVERY_NONZERO = math.ulp(0.0)
 # local selection policies for the algorithms that take a local top-k (not dense, not exdyna)
 SELECTIONS = {
     "exact": None,  # select.topk every step
@@ -423,6 +428,7 @@ class GradientReducer:
             prep.mode = "estimator"
         # the candidates leave acc in the pass (from the predicted k-th value up, for an
         # exact top-k); _finish gives back those not sent
+        every_nonzero = prep.mode == "topk" and cut <= EVERY_NONZERO
         zero_cut = math.inf
         if prep.mode in ("topk", "reuse") and _numba_host(g):
             zero_cut = cut if prep.mode == "reuse" else max(cut, self._zcut)
@@ -450,17 +456,21 @@ class GradientReducer:
             )
         if zero_cut < math.inf and found.complete:
             prep.zeroed = (found.indices, found.values, zero_cut)
-            if prep.mode == "topk" and found.hits < self.k:  # a miss: acc made whole again
+            if prep.mode == "topk" and found.hits < self.k and not every_nonzero:
+                # a miss: acc made whole again
                 acc[found.indices] = found.values
                 prep.zeroed = None
         if prep.mode in ("topk", "reuse", "estimator"):
-            prep.selected = self._select(acc, found, prep.mode)
+            prep.selected = self._select(acc, found, prep.mode, every_nonzero)
         return prep
 
-    def _select(self, acc: Any, found: select.Accumulation, mode: str) -> tuple[Any, Any, Any]:
+    def _select(
+        self, acc: Any, found: select.Accumulation, mode: str, every_nonzero: bool = False
+    ) -> tuple[Any, Any, Any]:
         """This rank's selected indices of ``acc``, their values (exact zeros dropped: they
         carry nothing), and which of the pass's hits they are (a mask; None: all of them,
-        or the selection did not come from the hits)."""
+        or the selection did not come from the hits). ``every_nonzero``: the pass's cut
+        made every nonzero of ``acc`` a hit."""
         k = self.k
         taken = None  # which of the pass's hits were selected (None: all or none of them)
         if mode == "estimator":
@@ -475,9 +485,12 @@ class GradientReducer:
         else:
             if found.complete and found.hits >= k:  # the top-k is among the candidates
                 idx, vals, taken = select.topk_hits(found, k)
+            elif found.complete and every_nonzero:  # fewer than k nonzeros: all of them
+                idx, vals = found.indices, found.values
             else:
                 idx, vals = select.topk(acc, k)
-            kth = float(get_array_module(vals).abs(vals).min()) if k else 0.0
+            xp = get_array_module(vals)
+            kth = float(xp.abs(vals).min()) if k and vals.shape[0] == k else 0.0
             self._predict_cut(found, kth)
             if self._selector is not None:  # a due ReuseThreshold: this was its exact step
                 self._selector.observe(k, k, exact=kth)
@@ -509,7 +522,7 @@ class GradientReducer:
         self._kth = kth
         self._zcut = kth * math.exp(self._growth)  # next step's k-th value, predicted
         pred = self._zcut * CUT_TARGET ** (-1.0 / self._slope)
-        self._cut = pred if pred > 0 else None
+        self._cut = pred if pred > 0 else EVERY_NONZERO if self.k else None
 
     def _reduce(self, prep: _Prepared) -> Any:
         p = self.comm.size

@@ -79,3 +79,29 @@ def test_polling_wait_schedule(monkeypatch):
     assert sleeps[-1][1] == C.POLL_MAX  # a long wait tests about once per POLL_MAX
     assert len(sleeps) < 2 * done_at / C.POLL_MAX + 200
     assert C._poll(lambda: 7) == 7  # done at once: no sleep
+
+
+@pytest.mark.parametrize("algorithm", ["allgather", "gtopk", "oktopk"])
+def test_fewer_nonzeros_than_k_needs_no_exact_topk(self_comm, monkeypatch, algorithm):
+    """A gradient with fewer than k nonzeros (an embedding's: a few rows per step) sends all
+    of them; after the first such step the pass collects every nonzero, so the reducer
+    runs no exact top-k over the whole vector until the nonzeros outgrow k."""
+    from sparsecoll import select
+    from sparsecoll.training import GradientReducer
+
+    n, d = 4000, 40  # 100 rows of 40; k = 400: 2 rows per step leave 80 nonzeros
+    red = GradientReducer(self_comm, n, algorithm, 0.1, error_feedback=False)
+    calls = []
+    real = select.topk
+    monkeypatch.setattr(select, "topk", lambda x, k: calls.append(k) or real(x, k))
+    rng = np.random.default_rng(0)
+    for step in range(6):
+        g = np.zeros(n, np.float32)
+        for row in rng.choice(100, 2, replace=False):
+            g[row * d : (row + 1) * d] = rng.standard_normal(d)
+        assert np.array_equal(red.step(g), g)  # P = 1, no error feedback: all nonzeros
+        assert len(calls) == 1, step  # the first step's only
+    g = rng.standard_normal(n).astype(np.float32)  # now more than k nonzeros: the top k
+    u = red.step(g)
+    keep = np.argsort(-np.abs(g), kind="stable")[: red.k]
+    assert np.array_equal(np.flatnonzero(u), np.sort(keep)) and np.array_equal(u[keep], g[keep])

@@ -20,7 +20,7 @@ from sparsecoll.training import GradientReducer
 from .cases import assert_all
 
 ALGORITHMS = sparsecoll.available_algorithms()
-GRAD_KINDS = ("gauss", "heavy", "many_zeros", "one_rank_zero", "growing", "ties")
+GRAD_KINDS = ("gauss", "heavy", "many_zeros", "rows", "one_rank_zero", "growing", "ties")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,10 @@ class Stream:
             g = rng.standard_t(2, n)
         elif self.kind == "many_zeros":
             g = rng.standard_normal(n) * (rng.random(n) < 0.05)
+        elif self.kind == "rows":  # an embedding's gradient: a few of 20 blocks per step
+            rows = np.zeros(20)
+            rows[rng.integers(0, 20, 2)] = 1
+            g = rng.standard_normal(n) * np.repeat(rows, -(-n // 20))[:n]
         elif self.kind == "one_rank_zero":
             g = np.zeros(n) if rank == 0 else rng.standard_normal(n)
         elif self.kind == "growing":
