@@ -8,7 +8,8 @@ measured two ways: ``comm_s``, the time some bucket's communication was in fligh
 hook's call to its future's completion, union over buckets), and ``wait_s``, the time
 backward spent on it (inside the hooks, plus DDP's wait for the futures after the last hook
 returned); the summary adds "exposed" = median step − the ``compute`` method's median step.
-Methods:
+``buckets_ms`` lists each bucket's span (its hook's call - its future's completion, in ms
+from the start of backward), rank 0's. Methods:
 
   compute        no communication at all (a hook that returns the local bucket): the compute
                  time of a step, to which the others are compared; not evaluated
@@ -72,6 +73,7 @@ FIELDS = (
     "eval_loss",
     "lr",
     "bytes_sent",
+    "buckets_ms",
 )
 TOKEN = re.compile(r"[A-Za-z_][A-Za-z_0-9]*|\d+|\n[\s]*|[^\sA-Za-z_0-9]")
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "lib2to3"}
@@ -309,6 +311,10 @@ def train(args, torch, comm: Communicator, ids, method: str, target: float | Non
             "eval_loss": "",
             "lr": sched.get_last_lr()[0],
             "bytes_sent": sparse.stats()["bytes_sent_last"] if sparse else "",
+            # each bucket: its hook's call - its future's completion, from backward's start
+            "buckets_ms": " ".join(
+                f"{(a - t1) * 1e3:.1f}-{(c - t1) * 1e3:.1f}" for a, _, c in timed.spans
+            ),
         }
         rows.append(row)
         if method == "compute" or (step % args.eval_every and step != steps):
