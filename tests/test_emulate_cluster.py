@@ -70,6 +70,18 @@ def test_qdisc_caps_rate_both_ways() -> None:
     assert "delay" not in cl._qdisc("veth", 0.0)
 
 
+def test_tbf_burst_is_short_and_packets_fit() -> None:
+    """tbf's bucket holds about 1 ms of traffic (a slow link idle for a while must not send
+    tens of ms of traffic at full speed), and packets fit in it (tbf drops bigger ones)."""
+    for rate, bps in (("30mbit", 30e6), ("1gbit", 1e9), ("10gbit", 10e9)):
+        cl = emu.Cluster(2, rate, "0", "10.77.0.0/24")
+        cl.netem = False
+        args = cl._qdisc("eth0", 0.0)
+        burst = int(args[args.index("burst") + 1])
+        assert burst == cl.burst <= max(8 << 10, bps / 8 * 1e-3)
+        assert 1514 < cl.gso_max_size <= burst // 2
+
+
 def test_launcher_runs_the_proxy_inside_the_named_namespace(tmp_path: Path) -> None:
     """hydra calls ``SCRIPT -x HOST "PROXY" ARGS...``; the script must run
     ``ip netns exec HOST sh -c "PROXY ARGS..."`` (checked with a fake ``ip``)."""
