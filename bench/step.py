@@ -9,12 +9,15 @@ achieved density per step (result nnz / k), the step time over one ``np.add(a, b
 two n-arrays (the memory floor of the pass) and the speed-up over the dense allreduce step.
 
 Gradients: a stream of Gaussian vectors with a linear scale profile
-(``N(0, 1)·linspace(0.2, 2, n)``, fresh each step), stationary or decaying 10% per step.
+(``N(0, 1)·linspace(0.2, 2, n)``, fresh each step), stationary or decaying 10% per step; or,
+with ``--rows R``, an embedding's gradient: R random rows of 256 entries nonzero per rank
+(fewer than k nonzeros in all when R·256·P < density·n).
 
     mpiexec -n 4 python bench/step.py -m 16M                  # every algorithm, 1%
     SPARSECOLL_NUM_THREADS=1 python bench/step.py -m 16M      # P = 1, one thread
     SPARSECOLL_NUM_THREADS=1 python bench/step.py -m 16M --update reuse   # O(k) update
     mpiexec -n 4 python bench/step.py -m 1M --stream decay -i 40 --csv out.csv --plot out.png
+    mpiexec -n 4 python bench/step.py -m 8M --rows 64      # a 32768 x 256 embedding's gradient
 """
 
 from __future__ import annotations
@@ -35,10 +38,21 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def gradients(n: int, rank: int, count: int, seed: int) -> list[np.ndarray]:
+def gradients(
+    n: int, rank: int, count: int, seed: int, rows: int = 0, width: int = 256
+) -> list[np.ndarray]:
     """``count`` gradients of the stationary stream for this rank (cycled by the timing
-    loop: drawing a fresh 16M-vector costs more than a step)."""
+    loop: drawing a fresh 16M-vector costs more than a step). ``rows``: an embedding's
+    gradient instead, ``rows`` random rows of ``width`` entries nonzero (N(0, 1)), the rest 0."""
     rng = np.random.default_rng([seed, rank])
+    if rows:
+        out = []
+        for _ in range(count):
+            g = np.zeros(n, np.float32)
+            for r in rng.integers(0, max(n // width, 1), rows):
+                g[r * width : (r + 1) * width] = rng.standard_normal(width, dtype=np.float32)
+            out.append(g)
+        return out
     scale = np.linspace(0.2, 2.0, n, dtype=np.float32)
     return [rng.standard_normal(n, dtype=np.float32) * scale for _ in range(count)]
 
@@ -181,6 +195,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--grads", type=int, default=4, help="distinct gradients cycled")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--rows",
+        type=int,
+        default=0,
+        help="an embedding's gradient: this many random rows of --width entries per rank "
+        "per step are nonzero, the rest 0 (default: the dense stream)",
+    )
+    ap.add_argument("--width", type=int, default=256, help="row width for --rows")
+    ap.add_argument(
         "--update",
         choices=("out", "inplace", "reuse"),
         default="out",
@@ -202,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     args.size = parse_size(args.size)
     comm = Communicator()
     select.warmup(parallel=True)
-    grads = gradients(args.size, comm.rank, args.grads, args.seed)
+    grads = gradients(args.size, comm.rank, args.grads, args.seed, args.rows, args.width)
     floor = tuple(float(v) for v in comm.allreduce_floats(add_time(args.size, 9), "max"))
     rows, summary = [], {}
     names = [a.strip() for a in args.algorithms.split(",") if a.strip()]

@@ -29,3 +29,22 @@ def test_step_benchmark_runs(tmp_path) -> None:
             assert r["nnz"] == r["k"]  # exactly k kept (oktopk: window or exact calls)
     header = [ln for ln in proc.stdout.splitlines() if ln.startswith("algorithm")]
     assert len(header) == 1 and "x add" in header[0]
+
+
+@pytest.mark.mpi
+def test_step_benchmark_embedding_rows(tmp_path) -> None:
+    """--rows: fewer than k nonzeros per step in all (3 ranks x 2 rows of 256 < 1% of 256K),
+    so every selecting algorithm keeps fewer than k (what stays in a residual adds some)."""
+    out = tmp_path / "rows.csv"
+    args = ["-m", "256K", "--rows", "2", "-i", "3", "-x", "1", "--csv", str(out)]
+    proc = run_mpi(
+        3,
+        [str(ROOT / "bench" / "step.py"), *args, "--algorithms", "allgather,oktopk,exdyna"],
+        timeout=600,
+        env={"SPARSECOLL_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 9
+    for r in rows:
+        assert 0 < int(r["nnz"]) < int(r["k"]) == round(0.01 * 256 * 1024), r
