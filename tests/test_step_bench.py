@@ -48,3 +48,13 @@ def test_step_benchmark_embedding_rows(tmp_path) -> None:
     assert len(rows) == 9
     for r in rows:
         assert 0 < int(r["nnz"]) < int(r["k"]) == round(0.01 * 256 * 1024), r
+
+
+@pytest.mark.mpi
+def test_async_step_benchmark_runs() -> None:
+    """bench/async_step.py: blocking and nonblocking steps, with and without compute."""
+    args = ["-n", "20000", "--buckets", "3", "--compute", "1", "-i", "2", "-x", "1"]
+    proc = run_mpi(3, [str(ROOT / "bench" / "async_step.py"), *args], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    modes = [ln.split()[0] for ln in proc.stdout.splitlines() if ln[:1].isalpha()]
+    assert modes[1:] == ["blocking", "async", "blocking+compute", "async+compute"], proc.stdout
