@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
             t = time.perf_counter()
             if mode.startswith("blocking"):
                 for red, g in zip(reducers[mode], grads):
-                    if args.compute:
+                    if mode.endswith("compute"):
                         a @ a
                     red.step(g)
             else:
