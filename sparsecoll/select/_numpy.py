@@ -71,8 +71,8 @@ def accumulate(
     ``uo = m*u + g`` (when u is given), ``acc = (uo or g) + r`` (r may be None), then the
     entries of ``acc[lo:hi]`` with ``|acc| >= cut`` (none when there are more than cap;
     ``hits`` counts all; those with ``|acc| >= zero_cut`` then zeroed in acc), the
-    non-finite count, and ``z``
-    (when given) zeroed. No histogram of the hits (``buckets`` is ignored)."""
+    non-finite count, and ``z`` (when given) zeroed. No histogram of the hits (``buckets``
+    is ignored)."""
     src = g
     with np.errstate(over="ignore", invalid="ignore"):  # non-finite results are counted
         if u is not None:
