@@ -131,8 +131,8 @@ PR_SET_TIMERSLACK = 29
 def _fine_timer_slack() -> None:
     """Let this thread's short sleeps be short (Linux, once per thread).
 
-    Linux lets a sleep overrun by the thread's timer slack, 50 µs by default: a 20 µs sleep
-    took about 100 µs on the development VM. A slack of 1 ns brings it to the timer's own
+    Linux lets a sleep overrun by the thread's timer slack, 50 µs by default, which is more
+    than the shortest sleeps asked for. A slack of 1 ns leaves only the timer's own
     overhead. Other systems keep their defaults.
     """
     if getattr(_thread_state, "slack", False):

@@ -81,8 +81,8 @@ def _above(x: Any, t: float) -> tuple[Any, Any] | None:
 def _top_magnitudes(part: Any, take: int) -> Any:
     """The ``take`` largest nonzero |values| of ``part`` (fewer if it has fewer), float64.
 
-    By the selection kernels (np.partition took 250 ms on a 2M-entry part with 1% nonzeros,
-    e.g. an embedding's gradient, against 15 ms on a dense one). With a NaN in ``part`` the
+    By the selection kernels: np.partition is slow on a part that is mostly zeros (many
+    ties; e.g. an embedding's gradient, docs/benchmarks.md). With a NaN in ``part`` the
     kernels raise; then a partition keeps the NaN, and the window's pass, which every rank
     makes next, reports it on every rank (raising here would leave the others hanging).
     """
