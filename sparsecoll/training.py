@@ -172,6 +172,8 @@ class GradientReducer:
         self._spare_velocity: Any = None
         self._update: Any = None  # the reused update buffer (reuse_update)
         self._update_nnz: Any = None  # its nonzero positions; None: unknown, zero it all
+        # where the pass leaves its hits (select.accumulate's workspace), reused every step
+        self._workspace: dict[str, Any] = {}
         self._cut: float | None = None  # predicted candidate cut of the exact local top-k
         self._kth = 0.0  # the last exact top-k's k-th largest |value|
         self._growth = 0.0  # its smoothed log growth per step
@@ -405,8 +407,10 @@ class GradientReducer:
             prep.update, prep.reused = self._update, True
         elif dense:
             prep.update = dest
-        else:  # the update is scattered into zeros: zeroed in the same pass
+        else:  # the update is scattered into zeros: zeroed in the same pass, or (Numba)
+            # written whole after the collective, each line once (prep.late_zero)
             prep.update = dest if dest is not None else xp.empty(self.n, g.dtype)
+            prep.late_zero = _numba_host(g)
         cut, lo, hi = math.inf, 0, self.n
         if dense:
             prep.mode = "dense"
@@ -444,9 +448,10 @@ class GradientReducer:
             velocity=prep.old_velocity,
             velocity_out=prep.velocity,
             momentum=self.momentum,
-            zero=None if dense or prep.reused else prep.update,
+            zero=None if dense or prep.reused or prep.late_zero else prep.update,
             zero_cut=zero_cut,
             buckets=prep.mode == "topk",
+            workspace=self._workspace,
         )
         found = prep.found
         if found.nonfinite:
@@ -575,12 +580,14 @@ class GradientReducer:
                     update[...] = 0
                 else:
                     old = self._update_nnz
-                self._update_nnz = result.indices
+                nnz = result.indices  # kept for the next step: not in the pass's workspace
+                shared = any(np.may_share_memory(nnz, a) for a in self._workspace.values())
+                self._update_nnz = nnz.copy() if shared else nnz
             # what reached the update leaves the residual (and the velocity: momentum
             # factor masking); the update's old entries are zeroed, the result scattered
             _finish(
                 acc, velocity, sel, update, old, result.indices, result.values,
-                p if self.average and p > 1 else 1, zeroed,
+                p if self.average and p > 1 else 1, zeroed, prep.late_zero,
             )  # fmt: skip
             self._last.record(result.nnz, selected)
             self._sparse_steps += 1
@@ -602,18 +609,19 @@ def _finish(
     values: Any,
     divisor: int,
     zeroed: Any = None,
+    late_zero: bool = False,
 ) -> None:
     """The step's O(k) end: ``acc[sent] = 0`` (and ``velocity[sent]``), ``update[old] =
     0`` (old may be None), then ``update[indices] = values / divisor``. With ``zeroed``
     (the pass's candidates: indices, values, the cut ``zc`` from which it zeroed them in
     acc, and a mask of those sent, which ``sent`` lists) acc is fixed where that zeroing
-    was wrong instead.
+    was wrong instead. ``late_zero``: the update was not zeroed; it is written whole.
     One Numba loop on the CPU (numpy's fancy indexing took several ms for k = 168K),
     numpy/CuPy otherwise."""
     if _numba_host(acc):
         from .select._numba import finish_step
 
-        finish_step(acc, velocity, sent, update, old, indices, values, divisor, zeroed)
+        finish_step(acc, velocity, sent, update, old, indices, values, divisor, zeroed, late_zero)
         return
     if zeroed is not None:
         xp = get_array_module(acc)
@@ -625,6 +633,8 @@ def _finish(
         velocity[sent] = 0
     if old is not None:
         update[old] = 0
+    if late_zero:
+        update[...] = 0
     update[indices] = values / values.dtype.type(divisor) if divisor != 1 else values
 
 
@@ -637,12 +647,13 @@ class _Prepared:
     """One step between its pass over the gradient and its collective."""
 
     __slots__ = (
-        "acc", "found", "mode", "old_velocity", "res", "reused", "selected", "update", "velocity",
-        "zeroed",
+        "acc", "found", "late_zero", "mode", "old_velocity", "res", "reused", "selected",
+        "update", "velocity", "zeroed",
     )  # fmt: skip
 
     def __init__(self) -> None:
         self.reused = False
+        self.late_zero = False
         self.acc: Any = None
         self.res: Any = None
         self.old_velocity: Any = None

@@ -760,18 +760,12 @@ def test_accumulate_streaming_stores_at_any_alignment(dt, offsets, momentum) -> 
         zero = g if alias else _at_offset(n, dt, z_off)
         if not alias:
             zero[...] = 1
-        saved = _numba.MIN_CHUNK, _numba.PARALLEL_MIN, _numba._threads
-        _numba.MIN_CHUNK, _numba.PARALLEL_MIN = 333, 1
-        _numba._threads = min(2, numba.config.NUMBA_NUM_THREADS)
-        try:
-            with sel.use_backend("numba"):
-                got = sel.accumulate(
-                    g, r, out=acc, cut=2.5, lo=700, hi=4100,
-                    velocity=u0.copy() if momentum else None,
-                    velocity_out=uo if momentum else None, momentum=momentum, zero=zero,
-                )  # fmt: skip
-        finally:
-            _numba.MIN_CHUNK, _numba.PARALLEL_MIN, _numba._threads = saved
+        with _small_chunks(), sel.use_backend("numba"):
+            got = sel.accumulate(
+                g, r, out=acc, cut=2.5, lo=700, hi=4100,
+                velocity=u0.copy() if momentum else None,
+                velocity_out=uo if momentum else None, momentum=momentum, zero=zero,
+            )  # fmt: skip
         np.testing.assert_array_equal(acc, want)
         if momentum:
             np.testing.assert_array_equal(uo, src)
@@ -779,6 +773,68 @@ def test_accumulate_streaming_stores_at_any_alignment(dt, offsets, momentum) -> 
         assert got.nonfinite == 0 and got.complete
         np.testing.assert_array_equal(got.indices, hits)
         np.testing.assert_array_equal(got.values, want[hits])
+
+
+@contextlib.contextmanager
+def _small_chunks() -> Iterator[None]:
+    """The Numba kernels' chunked parallel paths on small arrays (2 threads where Numba has
+    them)."""
+    saved = _numba.MIN_CHUNK, _numba.PARALLEL_MIN, _numba._threads
+    _numba.MIN_CHUNK, _numba.PARALLEL_MIN = 333, 1
+    _numba._threads = min(2, numba.config.NUMBA_NUM_THREADS)
+    try:
+        yield
+    finally:
+        _numba.MIN_CHUNK, _numba.PARALLEL_MIN, _numba._threads = saved
+
+
+@given(
+    n=st.integers(0, 3000),
+    data=st.data(),
+    dt=st.sampled_from([np.float32, np.float64]),
+    offset=st.integers(0, 7),
+    divisor=st.sampled_from([1, 3]),
+    chunked=st.booleans(),
+)
+def test_write_dense_is_zeros_and_the_scattered_values(n, data, dt, offset, divisor, chunked):
+    """write_dense (a step's update, written whole after the collective) equals zeroing
+    then ``update[idx] = vals / divisor``: at any alignment (streaming stores from the first
+    aligned element), across chunk edges, for no indices, every index, the first and last,
+    and indices out of order (the fallback)."""
+    dt = np.dtype(dt)
+    mask = data.draw(arrays(np.bool_, n))
+    idx = np.flatnonzero(mask).astype(index_dtype(max(n, 1)))
+    if data.draw(st.booleans()) and idx.shape[0] > 1:
+        idx = idx[::-1].copy()
+    vals = np.random.default_rng(n).standard_normal(idx.shape[0]).astype(dt) * 7
+    update = _at_offset(n, dt, offset)
+    update[...] = np.nan
+    want = np.zeros(n, dt)
+    want[idx] = vals / dt.type(divisor) if divisor != 1 else vals
+    with _small_chunks() if chunked else contextlib.nullcontext():
+        _numba.write_dense(update, idx, vals, divisor)
+    np.testing.assert_array_equal(update, want)
+
+
+def test_accumulate_workspace_keeps_its_memory() -> None:
+    """With a workspace the pass's hits land in the same memory every call (no fresh pages
+    to fault in), the results the same as without; a larger need gets a larger array."""
+    rng = np.random.default_rng(5)
+    work: dict = {}
+    first = None
+    for t, size in enumerate([4000, 4000, 9000]):
+        g = rng.standard_normal(size).astype(np.float32)
+        plain = sel.accumulate(g, out=np.empty(size, np.float32), cut=1.0)
+        got = sel.accumulate(g, out=np.empty(size, np.float32), cut=1.0, workspace=work)
+        np.testing.assert_array_equal(got.indices, plain.indices)
+        np.testing.assert_array_equal(got.values, plain.values)
+        if sel.backend() != "numba":
+            continue
+        assert np.shares_memory(got.indices, work["indices"])
+        if t == 1:
+            assert np.shares_memory(got.values, first)
+        first = work["values"]
+        assert work["indices"].shape[0] >= size
 
 
 def test_accumulate_rejects_mismatched_buffers() -> None:

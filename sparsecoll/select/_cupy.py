@@ -256,9 +256,12 @@ def _accumulate_kernel(cp: Any, has_r: bool, has_u: bool) -> Any:
     return cp.ElementwiseKernel(", ".join(ins), ", ".join(outs), body, "sparsecoll_accumulate")
 
 
-def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut=math.inf, buckets=False):
+def accumulate(
+    g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut=math.inf, buckets=False,
+    workspace=None,
+):  # fmt: skip
     """The fused pass on the GPU: one elementwise kernel, then the selection's indices
-    (see ``sparsecoll.select.accumulate``; no histogram of the hits)."""
+    (see ``sparsecoll.select.accumulate``; no histogram of the hits, no workspace)."""
     cp = cupy_or_none()
     if g.dtype == np.float16:  # plain CuPy ufuncs: several passes, no half-precision kernel
         from . import _numpy

@@ -232,6 +232,7 @@ def accumulate(
     zero: Any = None,
     zero_cut: float = math.inf,
     buckets: bool = False,
+    workspace: dict | None = None,
 ) -> Accumulation:
     """Error feedback and selection in one pass: ``out = grad + residual`` (or ``grad``
     when residual is None), and the entries of ``out[lo:hi]`` with ``|out| >= cut``.
@@ -247,7 +248,10 @@ def accumulate(
     would zero afterwards, saved a scattered write; nothing is zeroed when the selection
     is incomplete.
     ``buckets`` asks the backend for a histogram of the hits that :func:`topk_hits` uses
-    (the Numba backend keeps one; the others ignore it).
+    (the Numba backend keeps one; the others ignore it). ``workspace``: a dict the caller
+    keeps between calls, where the Numba backend keeps the arrays it returns the hits in;
+    they are then valid only until the next call with the same workspace (copy what must
+    outlive it).
     NaN and infinities are not raised on but counted in
     ``nonfinite``: a collective caller agrees on them first (every other function of this
     module raises on NaN).
@@ -286,7 +290,7 @@ def accumulate(
     zc = _check_t(zero_cut, arr.dtype) if zero_cut != math.inf else math.inf
     res = mod.accumulate(
         arr, residual, velocity, velocity_out, float(momentum), out, zero, t, lo, hi, cap,
-        index_dtype(n), zc, bool(buckets),
+        index_dtype(n), zc, bool(buckets), workspace,
     )  # fmt: skip
     return Accumulation(*res)
 

@@ -863,6 +863,19 @@ def _accumulate(
         bad[c] = nbad
 
 
+def _scratch(workspace: dict | None, name: str, size: int, dtype: Any) -> np.ndarray:
+    """An empty array of ``size`` elements: ``workspace[name]`` (or its start) when that is
+    large enough, else a new one, kept there. Reusing the memory of the last step saves the
+    page faults that fresh memory costs (one per 4 KiB written: several hundred a step for
+    2k hits, as long as the pass itself at times), which malloc may or may not avoid."""
+    if workspace is None:
+        return np.empty(size, dtype)
+    a = workspace.get(name)
+    if a is None or a.dtype != dtype or a.shape[0] < size:
+        a = workspace[name] = np.empty(size, dtype)
+    return a[:size]
+
+
 def _streaming_ok(acc: np.ndarray, *others: Any) -> tuple[bool, int]:
     """Whether the pass may use streaming stores (every written array at the same address
     offset mod NT_ALIGN as acc, element-aligned), and acc's offset."""
@@ -873,10 +886,14 @@ def _streaming_ok(acc: np.ndarray, *others: Any) -> tuple[bool, int]:
     return ok, base
 
 
-def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut=math.inf, buckets=False):
+def accumulate(
+    g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut=math.inf, buckets=False,
+    workspace=None,
+):  # fmt: skip
     """The fused pass (see ``sparsecoll.select.accumulate``); float16 goes to numpy (Numba
     has no float16 arithmetic). With ``buckets``, the recorded hits' histogram over
-    ``|value|`` (``Buckets``) comes back too, for :func:`topk_hits`."""
+    ``|value|`` (``Buckets``) comes back too, for :func:`topk_hits`. ``workspace``: a dict
+    whose arrays hold the hits (kept there for the next call)."""
     if g.dtype == np.float16:
         from . import _numpy
 
@@ -892,8 +909,8 @@ def accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut=math.in
     room = np.minimum(overlap, cap)
     starts = np.zeros(parts, np.int64)
     np.cumsum(room[:-1], out=starts[1:])
-    out_idx = np.empty(int(room.sum()), itype)
-    out_val = np.empty(out_idx.shape[0], g.dtype)
+    out_idx = _scratch(workspace, "indices", int(room.sum()), itype)
+    out_val = _scratch(workspace, "values", out_idx.shape[0], g.dtype)
     counts = np.empty(parts, np.int64)
     bad = np.empty(parts, np.int64)
     if r is None:  # the kernel always adds a residual: a zero one (pages never written)
@@ -1034,12 +1051,120 @@ def _finish_step(
             update[idx[j]] = vals[j] / divisor
 
 
-def finish_step(acc, vel, sent, update, old, idx, vals, divisor: int, zeroed=None) -> None:
-    """A training step's O(k) fix-ups (see ``sparsecoll.training._finish``)."""
+def finish_step(
+    acc, vel, sent, update, old, idx, vals, divisor: int, zeroed=None, dense=False
+) -> None:
+    """A training step's O(k) fix-ups (see ``sparsecoll.training._finish``); with ``dense``
+    the update is written whole (it was not zeroed: :func:`write_dense`)."""
     dt = acc.dtype.type
     cand, cval, zc, want = (None, None, 0.0, None) if zeroed is None else zeroed
     vals = vals.astype(acc.dtype, copy=False)
-    _finish_step(acc, vel, sent, update, old, idx, vals, dt(divisor), cand, cval, dt(zc), want)
+    scatter = idx[:0] if dense else idx
+    _finish_step(acc, vel, sent, update, old, scatter, vals, dt(divisor), cand, cval, dt(zc), want)
+    if dense:
+        write_dense(update, idx, vals, divisor)
+
+
+SEGMENT = 4096  # elements of the update built in cache, then stored in one run
+
+
+@intrinsic
+def _copy_lanes(typingctx, dst, i, src, t, nt):  # pragma: no cover - compiled
+    """``dst[i:i + LANES] = src[t:t + LANES]`` as one vector; with ``nt`` a streaming store
+    (``dst``'s address at i NT_ALIGN-aligned)."""
+    sig = nbtypes.void(dst, nbtypes.intp, src, nbtypes.intp, nbtypes.boolean)
+
+    def codegen(context, builder, signature, args):
+        da, di, sa, si, ntf = args
+        ty = signature.args
+        vty = ir.VectorType(context.get_value_type(ty[0].dtype), LANES)
+
+        def ptr(value, aty, at):
+            data = context.make_array(aty)(context, builder, value).data
+            return builder.bitcast(builder.gep(data, [at]), vty.as_pointer())
+
+        v = builder.load(ptr(sa, ty[2], si), align=1)
+        where = ptr(da, ty[0], di)
+        flag = builder.module.add_metadata([ir.IntType(32)(1)])
+        with builder.if_else(ntf) as (nt_store, plain):
+            with nt_store:
+                builder.store(v, where, align=NT_ALIGN).set_metadata("nontemporal", flag)
+            with plain:
+                builder.store(v, where, align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_kernels()
+def _write_dense(update, idx, vals, divisor, bounds, first, base, nt):  # pragma: no cover
+    # update[bounds[c]:bounds[c + 1]] = 0 except update[idx[j]] = vals[j] / divisor for the
+    # idx[first[c]:first[c + 1]] (ascending) in that range: SEGMENT elements at a time are
+    # built in a zeroed scratch row in cache (the values scattered in, then zeroed again)
+    # and stored in one vector run, streaming with nt from the first NT_ALIGN-aligned
+    # element. Each line of the update is written once and never read; zeroing it and
+    # scattering k values into it afterwards read ~k random lines back from memory.
+    size = update.itemsize
+    for c in prange(bounds.shape[0] - 1):
+        s = bounds[c]
+        e = bounds[c + 1]
+        j = first[c]
+        stop = first[c + 1]
+        head = 0
+        if nt:
+            head = min(e - s, ((NT_ALIGN - (base + s * size) % NT_ALIGN) % NT_ALIGN) // size)
+        for i in range(s, s + head):
+            update[i] = 0
+        while j < stop and idx[j] < s + head:
+            update[idx[j]] = vals[j] if divisor == 1 else vals[j] / divisor
+            j += 1
+        tmp = np.zeros(SEGMENT, update.dtype)
+        for a in range(s + head, e, SEGMENT):
+            b = min(a + SEGMENT, e)
+            j0 = j
+            while j < stop and idx[j] < b:
+                tmp[idx[j] - a] = vals[j] if divisor == 1 else vals[j] / divisor
+                j += 1
+            whole = (b - a) // LANES * LANES
+            for t in range(0, whole, LANES):
+                _copy_lanes(update, a + t, tmp, t, nt)
+            for t in range(whole, b - a):
+                update[a + t] = tmp[t]
+            for q in range(j0, j):
+                tmp[idx[q] - a] = 0
+        if nt:
+            _store_fence()
+
+
+@njit(cache=True, nogil=True)
+def _ascending(x):  # pragma: no cover - compiled
+    # strictly ascending (a numpy comparison allocates k booleans: page faults every step);
+    # counted without a branch, so that it vectorizes
+    bad = 0
+    for i in range(1, x.shape[0]):
+        bad += x[i] <= x[i - 1]
+    return bad == 0
+
+
+def write_dense(update: np.ndarray, idx: np.ndarray, vals: np.ndarray, divisor: int) -> None:
+    """``update[...] = 0; update[idx] = vals / divisor`` (``vals`` in update's dtype, divided
+    only when divisor != 1) for strictly ascending ``idx``, writing each element once: one
+    streaming pass instead of a zeroing pass and ~k random writes that read their lines
+    back. Unsorted ``idx`` fall back to exactly that."""
+    dt = update.dtype.type
+    if not _ascending(idx):
+        update[...] = 0
+        update[idx] = vals / dt(divisor) if divisor != 1 else vals
+        return
+    n = update.shape[0]
+    bounds = _bounds(n, CHUNKS_PER_THREAD if _parallel(n) else 1)
+    # where each chunk's indices start (bounds in idx's dtype: a wider key casts all of idx)
+    inner = bounds[1:-1].astype(idx.dtype)  # < n: fits
+    first = np.empty(bounds.shape[0], np.int64)
+    first[0], first[-1] = 0, idx.shape[0]
+    first[1:-1] = np.searchsorted(idx, inner)
+    nt, base = _streaming_ok(update)
+    _run(_write_dense, n, update, idx, vals, dt(divisor), bounds, first, np.int64(base), nt)
 
 
 @njit(cache=True, nogil=True)

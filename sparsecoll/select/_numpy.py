@@ -65,8 +65,9 @@ def moments(x: np.ndarray) -> tuple[float, float]:
 
 
 def accumulate(
-    g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut=math.inf, buckets=False, xp=np
-):
+    g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut=math.inf, buckets=False,
+    workspace=None, xp=np,
+):  # fmt: skip
     """The fused pass, stated plainly (several passes of ``xp``, numpy or CuPy):
     ``uo = m*u + g`` (when u is given), ``acc = (uo or g) + r`` (r may be None), then the
     entries of ``acc[lo:hi]`` with ``|acc| >= cut`` (none when there are more than cap;

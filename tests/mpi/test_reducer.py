@@ -356,17 +356,22 @@ def test_reset_equals_a_new_reducer(comm, algorithm):
     check_everywhere(comm, problems, [])
 
 
-@pytest.mark.parametrize("algorithm", ["allgather", "exdyna"])
-def test_out_buffer(comm, algorithm):
+@pytest.mark.parametrize(
+    ("algorithm", "selection"),
+    [("allgather", "exact"), ("exdyna", "exact"), ("allgather", "reuse"), ("oktopk", "reuse")],
+)
+def test_out_buffer(comm, algorithm, selection):
     """step(grad, out=buf) writes the update into buf (grad itself allowed) and returns it;
-    reuse_update=True returns one buffer, updated in O(k), equal to a fresh update."""
+    reuse_update=True returns one buffer, updated in O(k), equal to a fresh update (also
+    with the reuse selection, which sends the pass's hits as they are)."""
     n = 2000
-    red = GradientReducer(comm, n, algorithm, 0.02, warmup=1)
-    reuse = GradientReducer(comm, n, algorithm, 0.02, warmup=1, reuse_update=True)
-    twin = GradientReducer(comm, n, algorithm, 0.02, warmup=1)
+    opts = {} if algorithm == "exdyna" else {"selection": selection}
+    red = GradientReducer(comm, n, algorithm, 0.02, warmup=1, **opts)
+    reuse = GradientReducer(comm, n, algorithm, 0.02, warmup=1, reuse_update=True, **opts)
+    twin = GradientReducer(comm, n, algorithm, 0.02, warmup=1, **opts)
     problems = []
     first = None
-    for t in range(4):
+    for t in range(6):
         g = np.random.default_rng([t, comm.rank]).standard_normal(n)
         want = twin.step(g)
         buf = g.copy()
