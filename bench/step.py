@@ -5,7 +5,8 @@ and the collective, from a dense gradient to the dense update (``step(grad, out=
 the update buffer reused as a training loop does). Per algorithm it reports the median step
 time (max over ranks per step, as OSU does) split into local work and communication (the
 reducer times its collective call; local = step − collective), bytes sent per rank, the
-achieved density per step (result nnz / k), the step time over one ``np.add(a, b, out=c)`` of
+achieved density per step (result nnz / k), the minor page faults of a step (fresh memory
+that a step touches costs one per 4 KiB), the step time over one ``np.add(a, b, out=c)`` of
 two n-arrays (the memory floor of the pass) and the speed-up over the dense allreduce step.
 
 Gradients: a stream of Gaussian vectors with a linear scale profile
@@ -26,6 +27,7 @@ import argparse
 import cProfile
 import csv
 import pstats
+import resource
 import sys
 import time
 
@@ -34,7 +36,7 @@ import numpy as np
 ALGORITHMS = ("dense", "allgather", "gtopk", "oktopk", "exdyna")
 COLUMNS = (
     "algorithm", "P", "n", "step", "time_s", "cpu_s", "local_s", "comm_s", "nnz", "k",
-    "bytes_sent",
+    "bytes_sent", "faults",
 )  # fmt: skip
 
 
@@ -91,16 +93,18 @@ def run(
         timed = it >= args.warmup and profiler is not None
         if timed:
             profiler.enable()
+        f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t, u = time.perf_counter(), time.process_time()
         if reuse:
             red.step(g)
         else:
             red.step(g, out=update)
         elapsed, cpu = time.perf_counter() - t, time.process_time() - u
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f
         if timed:
             profiler.disable()
         st = red.stats()
-        mine = [elapsed, st["time_collective_s"], cpu]
+        mine = [elapsed, st["time_collective_s"], cpu, faults]
         worst = comm.allreduce_floats(mine, "max")
         if it >= args.warmup:
             rows.append(
@@ -116,6 +120,7 @@ def run(
                     "nnz": round(st["achieved_density"] * args.size),
                     "k": red.k,
                     "bytes_sent": st["bytes_sent"],
+                    "faults": int(worst[3]),
                 }
             )
     return rows
@@ -136,6 +141,7 @@ def summarize(rows: list[dict], floor: tuple[float, float], dense: float | None)
         "x_add_cpu": cpu / floor[1],
         "vs_dense": (dense / med) if dense else float("nan"),
         "bytes": int(np.median([r["bytes_sent"] for r in rows])),
+        "faults": int(np.median([r["faults"] for r in rows])),
         "dens_min": float(ratio.min()),
         "dens_mean": float(ratio.mean()),
         "dens_max": float(ratio.max()),
@@ -249,11 +255,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("# times: median over steps of the max over ranks; x add: step / np.add;")
     print("# cpu: process CPU time of the step (robust to other load on a shared machine);")
-    print("# vs dense: dense step / step; density: result nnz / k (min mean max)")
+    print("# vs dense: dense step / step; density: result nnz / k (min mean max);")
+    print("# faults: minor page faults in a step (median over steps of the max over ranks)")
     head = (
         f"{'algorithm':<10}{'median ms':>10}{'min ms':>9}{'local ms':>10}{'comm ms':>9}"
         f"{'x add':>7}{'cpu ms':>8}{'x add cpu':>10}{'vs dense':>9}{'bytes/rank':>12}"
-        f"{'density':>20}"
+        f"{'density':>20}{'faults':>8}"
     )
     print(head)
     for name, s in summary.items():
@@ -263,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{name:<10}{s['median_ms']:>10.2f}{s['min_ms']:>9.2f}{s['local_ms']:>10.2f}"
             f"{s['comm_ms']:>9.2f}{s['x_add']:>7.2f}{s['cpu_ms']:>8.2f}{s['x_add_cpu']:>10.2f}"
             f"{s['vs_dense']:>9.2f}{s['bytes']:>12,}"
-            f"{dens:>20}"
+            f"{dens:>20}{s['faults']:>8,}"
         )
     for name, prof in profiles.items():
         if prof is not None:

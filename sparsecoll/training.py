@@ -18,12 +18,15 @@ How each kind of algorithm is driven:
   its own threshold, ``k = round(density·n)`` globally); every rank drops all selected entries.
 
 One pass over the gradient: :func:`sparsecoll.select.accumulate` reads the gradient and the
-residual (and the velocity) once, writes the accumulated vector once, zeroes the update's
-buffer and collects the entries above a cut known before the pass: exdyna's window edge,
-the reuse estimator's threshold, or, for an exact local top-k, a cut predicted from the last
-step's k-th largest value, so the top-k runs over those candidates only (when the prediction
-misses, over the accumulated vector: one more read). After the collective only O(k) work is
-left (the contributed entries leave the residual, the result is scattered into the update).
+residual (and the velocity) once, writes the accumulated vector once and collects the
+entries above a cut known before the pass: exdyna's window edge, the reuse estimator's
+threshold, or, for an exact local top-k, a cut predicted from the last step's k-th largest
+value, so the top-k runs over those candidates only (when the prediction misses, over the
+accumulated vector: one more read). After the collective only O(k) work is left (the
+contributed entries leave the residual) and the update is written: on the CPU in one
+streaming pass, zeros and the result together, each line once; elsewhere the pass zeroes
+the update's buffer and the result is scattered into it. The pass's candidates land in a
+workspace the reducer keeps (fresh memory every step cost a page fault per 4 KiB).
 The accumulated vector is written to a second buffer, not over the residual, so a step that
 fails on any rank (NaN or Inf in ``grad + residual``, bad input) leaves every rank's residual
 and velocity as they were.
@@ -394,7 +397,8 @@ class GradientReducer:
 
     def _prepare(self, g: Any, dest: Any) -> _Prepared:
         """One pass over ``g``: the accumulated vector (in the spare buffer), the new
-        velocity, the update buffer zeroed, and this step's selection or its candidates.
+        velocity, the update buffer zeroed (or marked to be written whole after the
+        collective), and this step's selection or its candidates.
         Nothing the reducer keeps is changed (the step may still fail on some rank)."""
         xp = get_array_module(g)
         prep = _Prepared()

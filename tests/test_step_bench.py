@@ -25,10 +25,11 @@ def test_step_benchmark_runs(tmp_path) -> None:
     for r in rows:
         assert r["P"] == "3" and r["n"] == str(64 * 1024)
         assert 0 <= float(r["local_s"]) <= float(r["time_s"])
+        assert int(r["faults"]) >= 0
         if r["algorithm"] in ("gtopk", "oktopk"):
             assert r["nnz"] == r["k"]  # exactly k kept (oktopk: window or exact calls)
     header = [ln for ln in proc.stdout.splitlines() if ln.startswith("algorithm")]
-    assert len(header) == 1 and "x add" in header[0]
+    assert len(header) == 1 and "x add" in header[0] and header[0].split()[-1] == "faults"
 
 
 @pytest.mark.mpi
