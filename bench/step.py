@@ -36,7 +36,7 @@ import numpy as np
 ALGORITHMS = ("dense", "allgather", "gtopk", "oktopk", "exdyna")
 COLUMNS = (
     "algorithm", "P", "n", "step", "time_s", "cpu_s", "local_s", "comm_s", "nnz", "k",
-    "bytes_sent", "faults",
+    "bytes_sent", "faults", "full_topk", "add_s", "add_cpu_s",
 )  # fmt: skip
 
 
@@ -59,29 +59,34 @@ def gradients(
     return [rng.standard_normal(n, dtype=np.float32) * scale for _ in range(count)]
 
 
-def add_time(n: int, reps: int) -> tuple[float, float]:
-    """Median wall and CPU time of one ``np.add(a, b, out=c)`` of two float32 n-arrays."""
-    a = np.ones(n, np.float32)
-    b = np.ones(n, np.float32)
-    c = np.empty(n, np.float32)
-    wall, cpu = [], []
-    for _ in range(reps + 1):
+class Adder:
+    """One ``np.add(a, b, out=c)`` of two float32 n-arrays, timed (wall and CPU seconds):
+    the reference a step is compared with, timed before every step so that both see the
+    same memory speed (on a shared VM it drifts by 10-20% within a minute)."""
+
+    def __init__(self, n: int) -> None:
+        self.a = np.ones(n, np.float32)
+        self.b = np.ones(n, np.float32)
+        self.c = np.empty(n, np.float32)
+        self.once()  # the first touch of c's pages
+
+    def once(self) -> tuple[float, float]:
         t, u = time.perf_counter(), time.process_time()
-        np.add(a, b, out=c)
-        wall.append(time.perf_counter() - t)
-        cpu.append(time.process_time() - u)
-    return float(np.median(wall[1:])), float(np.median(cpu[1:]))
+        np.add(self.a, self.b, out=self.c)
+        return time.perf_counter() - t, time.process_time() - u
 
 
 def run(
-    comm, name: str, args: argparse.Namespace, grads: list[np.ndarray], profiler=None
-) -> list[dict]:
+    comm, name: str, args: argparse.Namespace, grads: list[np.ndarray], adder: Adder,
+    profiler=None,
+) -> list[dict]:  # fmt: skip
     from sparsecoll import GradientReducer
 
     reuse = args.update == "reuse"
     red = GradientReducer(comm, args.size, name, args.density, reuse_update=reuse)
     update = np.empty(args.size, np.float32)
     rows = []
+    full = 0  # the reducer's count of exact top-k steps over all of acc, so far
     for it in range(args.warmup + args.iterations):
         g = grads[it % len(grads)]
         if args.stream == "decay":
@@ -89,6 +94,7 @@ def run(
         if args.update == "inplace":  # the gradient buffer becomes the update (DDP's hook)
             np.copyto(update, g)  # outside the timed region
             g = update
+        add_wall, add_cpu = adder.once()
         comm.barrier()
         timed = it >= args.warmup and profiler is not None
         if timed:
@@ -104,7 +110,9 @@ def run(
         if timed:
             profiler.disable()
         st = red.stats()
-        mine = [elapsed, st["time_collective_s"], cpu, faults]
+        mine = [elapsed, st["time_collective_s"], cpu, faults, st["full_topk_steps"] - full]
+        mine += [add_wall, add_cpu]
+        full = st["full_topk_steps"]
         worst = comm.allreduce_floats(mine, "max")
         if it >= args.warmup:
             rows.append(
@@ -121,18 +129,23 @@ def run(
                     "k": red.k,
                     "bytes_sent": st["bytes_sent"],
                     "faults": int(worst[3]),
+                    "full_topk": int(worst[4]),
+                    "add_s": float(worst[5]),
+                    "add_cpu_s": float(worst[6]),
                 }
             )
     return rows
 
 
-def summarize(rows: list[dict], floor: tuple[float, float], dense: float | None) -> dict:
+def summarize(rows: list[dict], dense: float | None) -> dict:
     t = np.array([r["time_s"] for r in rows])
+    floor = (np.median([r["add_s"] for r in rows]), np.median([r["add_cpu_s"] for r in rows]))
     cpu = float(np.median([r["cpu_s"] for r in rows]))
     ratio = np.array([r["nnz"] / r["k"] for r in rows]) if rows[0]["k"] else np.ones(1)
     med = float(np.median(t))
     return {
         "median_ms": med * 1e3,
+        "add_ms": float(floor[0]) * 1e3,
         "min_ms": float(t.min()) * 1e3,
         "local_ms": float(np.median([r["local_s"] for r in rows])) * 1e3,
         "comm_ms": float(np.median([r["comm_s"] for r in rows])) * 1e3,
@@ -142,6 +155,7 @@ def summarize(rows: list[dict], floor: tuple[float, float], dense: float | None)
         "vs_dense": (dense / med) if dense else float("nan"),
         "bytes": int(np.median([r["bytes_sent"] for r in rows])),
         "faults": int(np.median([r["faults"] for r in rows])),
+        "full_topk": sum(r["full_topk"] for r in rows),
         "dens_min": float(ratio.min()),
         "dens_mean": float(ratio.mean()),
         "dens_max": float(ratio.max()),
@@ -231,16 +245,16 @@ def main(argv: list[str] | None = None) -> None:
     comm = Communicator()
     select.warmup(parallel=True)
     grads = gradients(args.size, comm.rank, args.grads, args.seed, args.rows, args.width)
-    floor = tuple(float(v) for v in comm.allreduce_floats(add_time(args.size, 9), "max"))
+    adder = Adder(args.size)
     rows, summary = [], {}
     names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     profiles = {}
     for name in names:
         profiles[name] = cProfile.Profile() if args.profile and comm.rank == 0 else None
-        mine = run(comm, name, args, grads, profiles[name])
+        mine = run(comm, name, args, grads, adder, profiles[name])
         rows += mine
         dense = summary["dense"]["median_ms"] / 1e3 if "dense" in summary else None
-        summary[name] = summarize(mine, floor, dense)
+        summary[name] = summarize(mine, dense)
     if comm.rank:
         return
     print(f"# sparsecoll {__version__} training-step benchmark (GradientReducer.step)")
@@ -249,18 +263,23 @@ def main(argv: list[str] | None = None) -> None:
         f"stream {args.stream}, {args.iterations} steps after {args.warmup} warm-up, "
         f"selection threads {select.get_num_threads()}, update {args.update}"
     )
+    add = [r["add_s"] for r in rows]
+    add_cpu = [r["add_cpu_s"] for r in rows]
     print(
-        f"# np.add(a, b, out=c) of two n-arrays: {floor[0] * 1e3:.2f} ms, "
-        f"{floor[1] * 1e3:.2f} ms CPU (medians)"
+        f"# np.add(a, b, out=c) of two n-arrays, timed before every step: "
+        f"{np.median(add) * 1e3:.2f} ms, {np.median(add_cpu) * 1e3:.2f} ms CPU (medians; "
+        f"{np.min(add) * 1e3:.2f}-{np.max(add) * 1e3:.2f} ms)"
     )
-    print("# times: median over steps of the max over ranks; x add: step / np.add;")
+    print("# times: median over steps of the max over ranks; add ms: np.add before the steps;")
+    print("# x add: step / np.add (medians over the same steps);")
     print("# cpu: process CPU time of the step (robust to other load on a shared machine);")
     print("# vs dense: dense step / step; density: result nnz / k (min mean max);")
-    print("# faults: minor page faults in a step (median over steps of the max over ranks)")
+    print("# faults: minor page faults in a step (median over steps of the max over ranks);")
+    print("# full: timed steps whose exact top-k read all of acc (its predicted cut missed)")
     head = (
         f"{'algorithm':<10}{'median ms':>10}{'min ms':>9}{'local ms':>10}{'comm ms':>9}"
-        f"{'x add':>7}{'cpu ms':>8}{'x add cpu':>10}{'vs dense':>9}{'bytes/rank':>12}"
-        f"{'density':>20}{'faults':>8}"
+        f"{'add ms':>8}{'x add':>7}{'cpu ms':>8}{'x add cpu':>10}{'vs dense':>9}{'bytes/rank':>12}"
+        f"{'density':>20}{'faults':>8}{'full':>6}"
     )
     print(head)
     for name, s in summary.items():
@@ -268,9 +287,9 @@ def main(argv: list[str] | None = None) -> None:
         dens = "-" if name == "dense" else dens
         print(
             f"{name:<10}{s['median_ms']:>10.2f}{s['min_ms']:>9.2f}{s['local_ms']:>10.2f}"
-            f"{s['comm_ms']:>9.2f}{s['x_add']:>7.2f}{s['cpu_ms']:>8.2f}{s['x_add_cpu']:>10.2f}"
+            f"{s['comm_ms']:>9.2f}{s['add_ms']:>8.2f}{s['x_add']:>7.2f}{s['cpu_ms']:>8.2f}{s['x_add_cpu']:>10.2f}"
             f"{s['vs_dense']:>9.2f}{s['bytes']:>12,}"
-            f"{dens:>20}{s['faults']:>8,}"
+            f"{dens:>20}{s['faults']:>8,}{s['full_topk']:>6}"
         )
     for name, prof in profiles.items():
         if prof is not None:

@@ -57,7 +57,7 @@ from .sparse import VALUE_DTYPES, SparseVector
 __all__ = ["GradientReducer"]
 
 STATE_VERSION = 1
-CUT_TARGET = 2.0  # candidates the exact top-k's predicted cut aims at, in multiples of k
+CUT_TARGET = 1.6  # candidates the exact top-k's predicted cut aims at, in multiples of k
 CAP_FACTOR = 4  # candidates kept at most, in multiples of k (more: the prediction missed)
 # the cut after a step with fewer than k nonzeros (the smallest positive float64: rounded up
 # to the data's dtype, |x| >= it holds exactly for the nonzeros), so that the pass collects
@@ -189,6 +189,7 @@ class GradientReducer:
         self._last = _StepInfo()
         self._totals = CommStats()
         self._sparse_steps = 0
+        self._full_topk = 0  # exact top-k steps whose predicted cut missed (since built)
         self._density_sum = 0.0
 
     # -- public ---------------------------------------------------------------------------
@@ -277,7 +278,11 @@ class GradientReducer:
         ``dense_bytes`` is what one dense allreduce step moves per rank, for comparison.
         ``time_collective_s``: seconds the last step spent in collective calls (the input
         agreement and the algorithm's reduction, its own local merging included); the rest
-        of the step is local work (the pass, selection, fix-ups).
+        of the step is local work (the pass, selection, fix-ups). ``full_topk_steps``: how
+        many steps (since this reducer was built) took the exact local top-k over the whole
+        accumulated vector, one more read of it: the first sparse step, and any whose
+        candidates, collected in the pass above a cut predicted from the last step, held
+        fewer than k entries (or more than the pass had room for).
         """
         st, tot = self._last.stats, self._totals
         p = self.comm.size
@@ -300,6 +305,7 @@ class GradientReducer:
             "meta_bytes_sent_total": tot.meta_bytes_sent,
             "dense_bytes": 2 * (p - 1) * self.n * itemsize // p,
             "time_collective_s": self._last.comm_s,
+            "full_topk_steps": self._full_topk,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -496,8 +502,9 @@ class GradientReducer:
                 idx, vals, taken = select.topk_hits(found, k)
             elif found.complete and every_nonzero:  # fewer than k nonzeros: all of them
                 idx, vals = found.indices, found.values
-            else:
+            else:  # the predicted cut missed: a top-k over all of acc (one more read)
                 idx, vals = select.topk(acc, k)
+                self._full_topk += 1
             xp = get_array_module(vals)
             kth = float(xp.abs(vals).min()) if k and vals.shape[0] == k else 0.0
             self._predict_cut(found, kth)

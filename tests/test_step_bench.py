@@ -26,10 +26,13 @@ def test_step_benchmark_runs(tmp_path) -> None:
         assert r["P"] == "3" and r["n"] == str(64 * 1024)
         assert 0 <= float(r["local_s"]) <= float(r["time_s"])
         assert int(r["faults"]) >= 0
+        assert int(r["full_topk"]) in (0, 1)
+        assert float(r["add_s"]) > 0
         if r["algorithm"] in ("gtopk", "oktopk"):
             assert r["nnz"] == r["k"]  # exactly k kept (oktopk: window or exact calls)
     header = [ln for ln in proc.stdout.splitlines() if ln.startswith("algorithm")]
-    assert len(header) == 1 and "x add" in header[0] and header[0].split()[-1] == "faults"
+    assert len(header) == 1 and "x add" in header[0] and "add ms" in header[0]
+    assert header[0].split()[-2:] == ["faults", "full"]
 
 
 @pytest.mark.mpi

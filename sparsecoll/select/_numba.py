@@ -865,9 +865,9 @@ def _accumulate(
 
 def _scratch(workspace: dict | None, name: str, size: int, dtype: Any) -> np.ndarray:
     """An empty array of ``size`` elements: ``workspace[name]`` (or its start) when that is
-    large enough, else a new one, kept there. Reusing the memory of the last step saves the
-    page faults that fresh memory costs (one per 4 KiB written: several hundred a step for
-    2k hits, as long as the pass itself at times), which malloc may or may not avoid."""
+    large enough, else a new one, kept there. Reusing the last step's memory saves the page
+    faults of fresh memory (one per 4 KiB written: over a thousand a step at k = 168K, 2-3 ms
+    of a 10 ms step in docs/benchmarks.md), which malloc may or may not avoid by itself."""
     if workspace is None:
         return np.empty(size, dtype)
     a = workspace.get(name)

@@ -146,13 +146,13 @@ def test_error_feedback_loses_nothing(comm, algorithm, s):
                 problems.append(f"{algorithm} step {t} differs from the simulation")
         if not np.allclose(red.residual, residual[comm.rank], rtol=1e-12, atol=1e-12):
             problems.append("residual differs from the simulation")
-    elif (
-        s.steps > s.warmup
-        and np.count_nonzero(updates[-1]) > p * red.k
-        # gtopk/oktopk: <= P·k; exdyna: about k, but a threshold keeps every entry tied at it
-        and not (algorithm == "exdyna" and s.kind == "ties")
-    ):
-        problems.append("update denser than P·k")
+    elif s.steps > s.warmup and not (algorithm == "exdyna" and s.kind == "ties"):
+        # gtopk/oktopk: <= P·k. exdyna: about k (a window edge near k: within 5% once its
+        # threshold has settled, tests/mpi/test_exdyna.py), so at P = 1 a little over P·k,
+        # and a threshold keeps every entry tied at it
+        bound = p * red.k if algorithm != "exdyna" else max(p, 2) * red.k
+        if np.count_nonzero(updates[-1]) > bound:
+            problems.append(f"update denser than {bound} entries")
     check_everywhere(comm, problems, updates)
 
 
