@@ -110,9 +110,9 @@ def run(
         if timed:
             profiler.disable()
         st = red.stats()
-        mine = [elapsed, st["time_collective_s"], cpu, faults, st["full_topk_steps"] - full]
+        mine = [elapsed, st["time_collective_s"], cpu, faults, st.get("full_topk_steps", 0) - full]
         mine += [add_wall, add_cpu]
-        full = st["full_topk_steps"]
+        full = st.get("full_topk_steps", 0)  # (older versions: absent)
         worst = comm.allreduce_floats(mine, "max")
         if it >= args.warmup:
             rows.append(
