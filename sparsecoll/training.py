@@ -584,7 +584,7 @@ class GradientReducer:
                         taken = taken.copy()
                         taken[taken] = sent
                     zeroed = (*prep.zeroed, taken)
-            update = prep.update  # zeroed by the pass, or the reused buffer
+            update = prep.update  # zeroed by the pass, written whole at the end, or reused
             old = None
             if prep.reused:
                 if self._update_nnz is None:
