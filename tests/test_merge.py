@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparsecoll.algorithms._merge import gather, merge_two
+from sparsecoll.algorithms._merge import gather, merge_two, where_at_least
 from sparsecoll.sparse import coalesce
 
 
@@ -79,3 +79,22 @@ def test_gather_is_fancy_indexing(n, dtype, itype, seed):
     got = gather(x, idx)
     assert got.dtype == x.dtype
     np.testing.assert_array_equal(got, x[idx])
+
+
+@given(
+    x=st.lists(
+        st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, 1.5])),
+        max_size=300,
+    ),
+    dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+    t=st.sampled_from([0.0, 1.5, -1.0, np.inf]),
+    itype=st.sampled_from([np.int32, np.int64]),
+)
+def test_where_at_least_is_boolean_indexing(x, dtype, t, itype):
+    """where_at_least(x, t, payload) == payload[x >= t]: ties at t kept, NaN never, empty."""
+    with np.errstate(over="ignore"):
+        xs = np.array(x, dtype=np.float64).astype(dtype)
+    payload = np.arange(xs.shape[0], dtype=itype) * 3 + 1
+    got = where_at_least(xs, xs.dtype.type(t), payload)
+    np.testing.assert_array_equal(got, payload[xs >= xs.dtype.type(t)])
+    assert got.dtype == payload.dtype

@@ -53,7 +53,7 @@ from .._array import index_dtype, to_host
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from ._merge import gather
+from ._merge import gather, where_at_least
 from ._window import WINDOW_OFFSETS, edge_totals, pick_edge, window_edges
 from .base import Algorithm, allclose_sparse
 from .gtopk import check_k
@@ -414,7 +414,7 @@ class ExDyna(Algorithm):
             found = None
         j, missed = pick_edge(total[known:], self.k, tol)
         j += known
-        sel = cand[mags >= cast[j]]
+        sel = where_at_least(mags, cast[j], cand)
         side = 0 if not missed else (1 if j == e - 1 else -1)
         return sel, table[:, j].tolist(), float(cast[j]), side
 
