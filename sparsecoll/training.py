@@ -556,11 +556,14 @@ class GradientReducer:
                 update = prep.update
                 self._update_nnz = None
         else:
-            zeroed = None
+            zeroed, dropped = None, False
             if prep.mode == "exdyna":
                 found = prep.found
                 cand = (found.indices, found.values) if found.complete else None
-                result = self.algorithm.reduce_dense(self.comm, acc, candidates=cand)
+                # acc is the spare buffer: dropping the sent entries as they are read is
+                # safe even if the call fails (the residual is untouched)
+                result = self.algorithm.reduce_dense(self.comm, acc, candidates=cand, drop=True)
+                dropped = True
                 self._last.comm_s += time.perf_counter() - t0
                 sel = result.indices
                 selected = int(result.info["selected"])
@@ -598,7 +601,7 @@ class GradientReducer:
             # factor masking); the update's old entries are zeroed, the result scattered
             _finish(
                 acc, velocity, sel, update, old, result.indices, result.values,
-                p if self.average and p > 1 else 1, zeroed, prep.late_zero,
+                p if self.average and p > 1 else 1, zeroed, prep.late_zero, dropped,
             )  # fmt: skip
             self._last.record(result.nnz, selected)
             self._sparse_steps += 1
@@ -621,25 +624,31 @@ def _finish(
     divisor: int,
     zeroed: Any = None,
     late_zero: bool = False,
+    dropped: bool = False,
 ) -> None:
     """The step's O(k) end: ``acc[sent] = 0`` (and ``velocity[sent]``), ``update[old] =
     0`` (old may be None), then ``update[indices] = values / divisor``. With ``zeroed``
     (the pass's candidates: indices, values, the cut ``zc`` from which it zeroed them in
     acc, and a mask of those sent, which ``sent`` lists) acc is fixed where that zeroing
     was wrong instead. ``late_zero``: the update was not zeroed; it is written whole.
+    ``dropped``: ``acc[sent]`` is 0 already (exdyna zeroed it as it read the values).
     One Numba loop on the CPU (numpy's fancy indexing took several ms for k = 168K),
     numpy/CuPy otherwise."""
     if _numba_host(acc):
         from .select._numba import finish_step
 
-        finish_step(acc, velocity, sent, update, old, indices, values, divisor, zeroed, late_zero)
+        finish_step(
+            acc, velocity, sent, update, old, indices, values, divisor, zeroed, late_zero,
+            dropped,
+        )  # fmt: skip
         return
     if zeroed is not None:
         xp = get_array_module(acc)
         cand, cval, zc, taken = zeroed
         back = ~taken & (xp.abs(cval) >= cval.dtype.type(zc))
         acc[cand[back]] = cval[back]
-    acc[sent] = 0
+    if not dropped:
+        acc[sent] = 0
     if velocity is not None:
         velocity[sent] = 0
     if old is not None:

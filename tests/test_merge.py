@@ -72,13 +72,20 @@ def test_misaligned_values_are_handled():
     seed=st.integers(0, 2**32 - 1),
 )
 def test_gather_is_fancy_indexing(n, dtype, itype, seed):
-    """gather(x, idx) == x[idx]: repeats, any order, the first and last entries, empty."""
+    """gather(x, idx) == x[idx]: repeats, any order, the first and last entries, empty; with
+    drop, the entries read become 0."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(n).astype(dtype)
     idx = rng.integers(0, n, rng.integers(0, 2 * n + 1)).astype(itype) if n else np.zeros(0, itype)
     got = gather(x, idx)
     assert got.dtype == x.dtype
     np.testing.assert_array_equal(got, x[idx])
+    # drop=True (unique indices): the same values, and x is 0 exactly there afterwards
+    unique = rng.permutation(n)[: rng.integers(0, n + 1)].astype(itype)
+    want, rest = x[unique], x.copy()
+    rest[unique] = 0
+    np.testing.assert_array_equal(gather(x, unique, drop=True), want)
+    np.testing.assert_array_equal(x, rest)
 
 
 @given(

@@ -278,7 +278,11 @@ class ExDyna(Algorithm):
         return _cut(dtype, float(window_edges(self.threshold, dtype)[CANDIDATE_EDGE]))
 
     def reduce_dense(
-        self, comm: Communicator, acc: Any, candidates: tuple[Any, Any] | None = None
+        self,
+        comm: Communicator,
+        acc: Any,
+        candidates: tuple[Any, Any] | None = None,
+        drop: bool = False,
     ) -> SparseVector:
         """Select from this rank's dense accumulated gradient ``acc`` and reduce.
 
@@ -289,7 +293,9 @@ class ExDyna(Algorithm):
         at or above :meth:`candidate_cut` (ascending, global indices), found by the caller;
         the call then reads only those, not the owned range (unless it must re-derive, or
         the window's pick needs counts below the candidates: then every rank reads its
-        range again, on the same call).
+        range again, on the same call). ``drop``: set ``acc`` to 0 at every index of the
+        result (what the caller's error feedback does next), in the loop that reads the
+        values there; ``acc`` is then changed even when the call raises after that loop.
         """
         n = int(acc.shape[0])
         self.prepare(comm, n)
@@ -307,7 +313,7 @@ class ExDyna(Algorithm):
             found = ((idx - lo).astype(np.int64), xp.abs(vals), low)
         part = acc[lo:hi]
         return self._run(
-            comm, n, part, to_index, lambda idx: gather(acc, idx), acc.dtype, xp, found
+            comm, n, part, to_index, lambda idx: gather(acc, idx, drop), acc.dtype, xp, found
         )
 
     # -- the call ---------------------------------------------------------------------------

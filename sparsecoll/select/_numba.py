@@ -1021,9 +1021,11 @@ def _take_top(bits, src, mask, kth, quota, out_idx, out_bits, taken):  # pragma:
 
 @njit(cache=True, nogil=True)
 def _finish_step(
-    acc, vel, sent, update, old, idx, vals, divisor, cand, cval, zc, want
+    acc, vel, sent, update, old, idx, vals, divisor, cand, cval, zc, want, dropped
 ):  # pragma: no cover - compiled
-    if cand is None:  # resolved at compile time (typed None or an array), as vel
+    if dropped:  # acc[sent] is 0 already
+        pass
+    elif cand is None:  # resolved at compile time (typed None or an array), as vel
         for i in range(sent.shape[0]):
             acc[sent[i]] = 0
     else:  # acc is 0 at the candidates with |value| >= zc: make it 0 where want says
@@ -1052,15 +1054,20 @@ def _finish_step(
 
 
 def finish_step(
-    acc, vel, sent, update, old, idx, vals, divisor: int, zeroed=None, dense=False
-) -> None:
+    acc, vel, sent, update, old, idx, vals, divisor: int, zeroed=None, dense=False,
+    dropped=False,
+) -> None:  # fmt: skip
     """A training step's O(k) fix-ups (see ``sparsecoll.training._finish``); with ``dense``
-    the update is written whole (it was not zeroed: :func:`write_dense`)."""
+    the update is written whole (it was not zeroed: :func:`write_dense`); with ``dropped``
+    ``acc[sent]`` is 0 already."""
     dt = acc.dtype.type
     cand, cval, zc, want = (None, None, 0.0, None) if zeroed is None else zeroed
     vals = vals.astype(acc.dtype, copy=False)
     scatter = idx[:0] if dense else idx
-    _finish_step(acc, vel, sent, update, old, scatter, vals, dt(divisor), cand, cval, dt(zc), want)
+    _finish_step(
+        acc, vel, sent, update, old, scatter, vals, dt(divisor), cand, cval, dt(zc), want,
+        bool(dropped),
+    )  # fmt: skip
     if dense:
         write_dense(update, idx, vals, divisor)
 
