@@ -105,3 +105,29 @@ def test_fewer_nonzeros_than_k_needs_no_exact_topk(self_comm, monkeypatch, algor
     u = red.step(g)
     keep = np.argsort(-np.abs(g), kind="stable")[: red.k]
     assert np.array_equal(np.flatnonzero(u), np.sort(keep)) and np.array_equal(u[keep], g[keep])
+
+
+def test_reused_update_survives_an_algorithm_returning_its_input(self_comm):
+    """reuse_update keeps the last result's indices for the next step's O(k) zeroing. A
+    registered algorithm may return its input as is (at P = 1 the sum is the input), and
+    with the reuse selection the input's indices are the pass's hits, in the workspace that
+    the next pass overwrites: the reducer keeps a copy, so the updates equal fresh ones."""
+    from sparsecoll import Algorithm, GradientReducer, register_algorithm
+    from sparsecoll.registry import _REGISTRY
+
+    class Identity(Algorithm):
+        name = "test-identity"
+
+        def reduce(self, comm, x):
+            return x
+
+    register_algorithm(Identity)
+    try:
+        kw = dict(selection="reuse", selection_options={"interval": 3})
+        reuse = GradientReducer(self_comm, 3000, "test-identity", 0.02, reuse_update=True, **kw)
+        fresh = GradientReducer(self_comm, 3000, "test-identity", 0.02, **kw)
+        for t in range(6):
+            g = np.random.default_rng(t).standard_normal(3000)
+            np.testing.assert_array_equal(reuse.step(g), fresh.step(g), err_msg=f"step {t}")
+    finally:
+        _REGISTRY.pop("test-identity", None)
