@@ -96,13 +96,10 @@ def _gather_kernel() -> Any:
 
     @numba.njit(cache=True, nogil=True)
     def gather(x, idx, out, drop):  # pragma: no cover - compiled
-        if drop:
-            for j in range(idx.shape[0]):
-                out[j] = x[idx[j]]
+        for j in range(idx.shape[0]):  # (drop is the same for every j: a predictable branch)
+            out[j] = x[idx[j]]
+            if drop:
                 x[idx[j]] = 0
-        else:
-            for j in range(idx.shape[0]):
-                out[j] = x[idx[j]]
 
     return gather
 
@@ -137,7 +134,7 @@ def _at_least_kernels() -> Any:
     @numba.njit(cache=True, nogil=True)
     def take(x, t, payload, out):  # pragma: no cover - compiled
         # every payload entry is written at p, and p advances where x >= t: no branch on
-        # the data (about half the entries are taken, at random)
+        # the data (which entries are taken is data-dependent, a branch mispredicts)
         p = 0
         for i in range(x.shape[0]):
             out[p] = payload[i]
