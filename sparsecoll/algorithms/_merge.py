@@ -145,8 +145,8 @@ def _at_least_kernels() -> Any:
 
 def where_at_least(x: Any, t: Any, payload: Any) -> Any:
     """``payload[x >= t]`` (x and payload of one length, t a scalar of x's dtype; NaN never
-    selected): a branch-free Numba loop on the host (for 570K entries, 30% of them
-    taken: 0.35 ms against 2.1 ms for numpy's boolean indexing), the boolean index on a GPU."""
+    selected): a branch-free Numba loop on the host (numpy's boolean indexing was most of
+    exdyna's window selection time, docs/benchmarks.md), the boolean index on a GPU."""
     if get_array_module(x) is not np or x.dtype == np.float16:
         return payload[x >= t]
     count, take = _at_least_kernels()
