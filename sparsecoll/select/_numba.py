@@ -1218,57 +1218,56 @@ def _count_at_edges(x, edges, out):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def _edges_below(x, edges, first, near, lo, scale, hist, per_bin):  # pragma: no cover
+def _edges_below(x, lo, scale, top, edge_in, first, counts, hist):  # pragma: no cover
     # hist[j]: elements of x with exactly j edges <= them (NaN: none). A linear bin of
-    # [edges[0], edges[-1]] places each element: in a bin with no edge at or near it, all
-    # its elements have first[b] edges below them (counted per bin: consecutive elements
-    # rarely share a counter, so no chain of increments to one place); in a bin ``near``
-    # an edge, a step or two along the edges from first[b] settles it exactly.
-    e = edges.shape[0]
-    top = first.shape[0] - 1
+    # [edges[0], edges[-1]] places each element (below: bin 0, above: bin top); every
+    # element of bin b has first[b] edges below it, plus one if it is >= edge_in[b] (the
+    # one edge that may lie in or next to the bin; inf if none). No branch on the data:
+    # a walk along the edges where a bin holds one mispredicted at ~5 ns an element.
     for i in range(x.shape[0]):
         v = x[i]
-        if v != v:
-            continue
         f = (np.float64(v) - lo) * scale
-        b = 0 if not f > 0.0 else (int(f) if f < top else top)
-        if near[b]:
-            j = first[b]
-            while j < e and edges[j] <= v:
-                j += 1
-            while j > 0 and edges[j - 1] > v:
-                j -= 1
-            hist[j] += 1
-        else:
-            per_bin[b] += 1
+        f = f if f > 0.0 else 0.0  # (NaN: bin 0, where no edge is <= it)
+        f = f if f < top else np.float64(top)
+        b = int(f)
+        counts[2 * b + (v >= edge_in[b])] += 1
     for b in range(top + 1):
-        hist[first[b]] += per_bin[b]
+        hist[first[b]] += counts[2 * b]
+        hist[first[b] + 1] += counts[2 * b + 1]
 
 
-EDGE_BINS = 4096  # linear bins that place an element among the edges (count_at_edges)
+EDGE_BINS = 1024  # linear bins that place an element among the edges (count_at_edges)
 
 
 def count_at_edges(x: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """``[#(x >= e) for e in edges]`` (int64) for ascending edges, exactly as compared in
-    x's dtype: one pass over x (a pass per edge below EDGE_BINS elements)."""
+    x's dtype: one pass over x (a pass per edge below EDGE_BINS elements, or when edges
+    lie too close together for the bins to tell them apart)."""
     if x.dtype == np.float16:  # exact in float32: every float16 is a float32
         x, edges = x.astype(np.float32), edges.astype(np.float32)
     x = np.ascontiguousarray(x)
     edges = np.ascontiguousarray(edges, dtype=x.dtype)
-    out = np.empty(edges.shape[0], np.int64)
+    e = edges.shape[0]
+    out = np.empty(e, np.int64)
     lo, hi = float(edges[0]), float(edges[-1])
-    if x.shape[0] < EDGE_BINS or not (math.isfinite(lo) and math.isfinite(hi) and hi > lo):
-        _count_at_edges(x, edges, out)
-        return out
-    scale = EDGE_BINS / (hi - lo)
-    starts = lo + np.arange(EDGE_BINS + 2) / scale  # bin b: [starts[b], starts[b + 1])
-    e64 = edges.astype(np.float64)
-    first = np.searchsorted(e64, starts[:-1], side="right").astype(np.int64)
-    slack = 1e-3 / scale  # far beyond any rounding of the bin arithmetic
-    near = np.searchsorted(e64, starts[1:] + slack, side="right") > np.searchsorted(
-        e64, starts[:-1] - slack, side="left"
-    )
-    hist = np.zeros(edges.shape[0] + 1, np.int64)
-    _edges_below(x, edges, first, near, lo, scale, hist, np.zeros(EDGE_BINS + 1, np.int64))
-    np.cumsum(hist[:0:-1], out=out[::-1])
+    if x.shape[0] >= EDGE_BINS and math.isfinite(lo) and math.isfinite(hi) and hi > lo:
+        scale = EDGE_BINS / (hi - lo)
+        starts = lo + np.arange(EDGE_BINS + 1) / scale  # bin b: [starts[b], starts[b + 1])
+        slack = 1e-3 / scale  # far beyond any rounding of the bin arithmetic
+        e64 = edges.astype(np.float64)
+        # edges surely below every element of the bin, and those possibly below one
+        first = np.searchsorted(e64, starts - slack, side="left")
+        first[0] = 0  # bin 0 also holds everything below lo
+        ends = np.append(starts[1:] + slack, np.inf)  # the top bin holds everything above
+        last = np.searchsorted(e64, ends, side="right")
+        if np.all(last - first <= 1):
+            edge_in = np.full(EDGE_BINS + 1, np.inf, dtype=x.dtype)
+            one = last > first
+            edge_in[one] = edges[first[one]]
+            hist = np.zeros(e + 2, np.int64)
+            counts = np.zeros(2 * (EDGE_BINS + 1), np.int64)
+            _edges_below(x, lo, scale, EDGE_BINS, edge_in, first, counts, hist)
+            np.cumsum(hist[e:0:-1], out=out[::-1])
+            return out
+    _count_at_edges(x, edges, out)
     return out
