@@ -446,6 +446,9 @@ class GradientReducer:
         zero_cut = math.inf
         if prep.mode in ("topk", "reuse") and _numba_host(g):
             zero_cut = cut if prep.mode == "reuse" else max(cut, self._zcut)
+        elif prep.mode == "exdyna" and _numba_host(g) and cut < math.inf:
+            zc = self.algorithm.zero_cut(g.dtype)  # exdyna gives back what it does not take
+            zero_cut = math.inf if zc is None else max(cut, zc)
         prep.found = select.accumulate(
             g,
             prep.res if self.error_feedback else None,
@@ -560,9 +563,12 @@ class GradientReducer:
             if prep.mode == "exdyna":
                 found = prep.found
                 cand = (found.indices, found.values) if found.complete else None
-                # acc is the spare buffer: dropping the sent entries as they are read is
-                # safe even if the call fails (the residual is untouched)
-                result = self.algorithm.reduce_dense(self.comm, acc, candidates=cand, drop=True)
+                zc = None if prep.zeroed is None else prep.zeroed[2]
+                # acc is the spare buffer: dropping the sent entries as they are read (or
+                # in the pass: zc) is safe even if the call fails (the residual is untouched)
+                result = self.algorithm.reduce_dense(
+                    self.comm, acc, candidates=cand, drop=True, zeroed=zc
+                )
                 dropped = True
                 self._last.comm_s += time.perf_counter() - t0
                 sel = result.indices

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparsecoll.algorithms._merge import gather, merge_two, where_at_least
+from sparsecoll.algorithms._merge import gather, merge_two, take_at_least
 from sparsecoll.sparse import coalesce
 
 
@@ -90,18 +90,40 @@ def test_gather_is_fancy_indexing(n, dtype, itype, seed):
 
 @given(
     x=st.lists(
-        st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, 1.5])),
+        st.one_of(
+            st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, 1.5, -1.5])
+        ),
         max_size=300,
     ),
     dtype=st.sampled_from([np.float16, np.float32, np.float64]),
-    t=st.sampled_from([0.0, 1.5, -1.0, np.inf]),
+    t=st.sampled_from([0.0, 1.5, np.inf, np.nan]),
+    zc=st.sampled_from([None, 0.5, 1.5, 3.0, np.inf]),
     itype=st.sampled_from([np.int32, np.int64]),
+    seed=st.integers(0, 2**32 - 1),
 )
-def test_where_at_least_is_boolean_indexing(x, dtype, t, itype):
-    """where_at_least(x, t, payload) == payload[x >= t]: ties at t kept, NaN never, empty."""
+def test_take_at_least_is_boolean_indexing(x, dtype, t, zc, itype, seed):
+    """take_at_least == boolean indexing at |x| >= t (ties at t kept, NaN never, empty);
+    with part, the entries a pass zeroed from zc are settled: part is 0 exactly where kept
+    and holds its values elsewhere, whatever the two cuts are."""
+    rng = np.random.default_rng(seed)
     with np.errstate(over="ignore"):
         xs = np.array(x, dtype=np.float64).astype(dtype)
-    payload = np.arange(xs.shape[0], dtype=itype) * 3 + 1
-    got = where_at_least(xs, xs.dtype.type(t), payload)
-    np.testing.assert_array_equal(got, payload[xs >= xs.dtype.type(t)])
-    assert got.dtype == payload.dtype
+    lo = int(rng.integers(0, 50))
+    span = xs.shape[0] + int(rng.integers(0, 100))
+    where = np.sort(rng.choice(span, xs.shape[0], replace=False))
+    idx = (where + lo).astype(itype)
+    t = xs.dtype.type(t)
+    keep = np.abs(xs) >= t
+    whole = np.zeros(span, dtype)
+    whole[where] = xs
+    part = whole.copy()
+    if zc is not None:
+        part[where[np.abs(xs) >= xs.dtype.type(zc)]] = 0  # what the pass left
+    pos, vals = take_at_least(xs, t, idx, lo, part if zc is not None else None, zc)
+    np.testing.assert_array_equal(pos, where[keep])
+    np.testing.assert_array_equal(vals, xs[keep])
+    assert pos.dtype == np.int64 and vals.dtype == xs.dtype
+    if zc is not None:
+        want = whole.copy()
+        want[where[keep]] = 0
+        np.testing.assert_array_equal(part, want)

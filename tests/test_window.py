@@ -60,6 +60,8 @@ def test_edge_totals_of_many_magnitudes(seed, t, dtype):
     mags[-4:] = [0, np.inf, edges[-1] * 4, np.nan]
     ge = edge_totals(rng.permutation(mags), edges)
     assert np.array_equal(ge, [np.count_nonzero(mags >= e) for e in edges])
+    signs = np.where(rng.random(m) < 0.5, -1, 1).astype(dtype)
+    assert np.array_equal(edge_totals(mags * signs, edges), ge)  # counts of |x|
 
 
 @given(total=st.lists(st.integers(0, 50), min_size=65, max_size=65), k=st.integers(1, 60))

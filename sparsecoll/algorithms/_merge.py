@@ -17,7 +17,7 @@ import numpy as np
 from .._array import get_array_module
 from ..sparse import coalesce
 
-__all__ = ["accumulate_dtype", "gather", "isin_sorted", "merge_two", "where_at_least"]
+__all__ = ["accumulate_dtype", "gather", "isin_sorted", "merge_two", "take_at_least"]
 
 
 def accumulate_dtype(dtype: Any) -> np.dtype:
@@ -121,41 +121,75 @@ def gather(x: Any, idx: Any, drop: bool = False) -> Any:
 
 
 @functools.cache
-def _at_least_kernels() -> Any:
+def _take_kernel() -> Any:
     import numba
 
     @numba.njit(cache=True, nogil=True)
-    def count(x, t):  # pragma: no cover - compiled
-        c = 0
-        for i in range(x.shape[0]):
-            c += x[i] >= t
-        return c
+    def counts(values, t, zc):  # pragma: no cover - compiled
+        m = 0
+        z = 0
+        for q in range(values.shape[0]):
+            v = abs(values[q])
+            m += v >= t
+            z += v >= zc
+        return m, z
 
     @numba.njit(cache=True, nogil=True)
-    def take(x, t, payload, out):  # pragma: no cover - compiled
-        # every payload entry is written at p, and p advances where x >= t: no branch on
-        # the data (which entries are taken is data-dependent, a branch mispredicts)
+    def take(values, t, zc, idx, lo, part, out_pos, out_val, fix):  # pragma: no cover
+        # every candidate is written at p, which advances when it is taken (no branch on
+        # the data: which are taken is random); with part, those between the two cuts are
+        # listed the same way, then written (a branch per candidate mispredicted, and each
+        # stalled a scattered write)
         p = 0
-        for i in range(x.shape[0]):
-            out[p] = payload[i]
-            p += x[i] >= t
+        f = 0
+        for q in range(values.shape[0]):
+            v = abs(values[q])
+            sel = v >= t
+            out_pos[p] = idx[q] - lo
+            out_val[p] = values[q]
+            p += sel
+            if part is not None:  # resolved at compile time
+                fix[f] = q
+                f += sel != (v >= zc)
+        if part is not None:
+            for i in range(f):
+                q = fix[i]
+                part[idx[q] - lo] = 0 if abs(values[q]) >= t else values[q]
 
-    return count, take
+    return counts, take
 
 
-def where_at_least(x: Any, t: Any, payload: Any) -> Any:
-    """``payload[x >= t]`` (x and payload of one length, t a scalar of x's dtype; NaN never
-    selected): a branch-free Numba loop on the host (numpy's boolean indexing was most of
-    exdyna's window selection time, docs/benchmarks.md), the boolean index on a GPU."""
-    if get_array_module(x) is not np or x.dtype == np.float16:
-        return payload[x >= t]
-    count, take = _at_least_kernels()
-    x = np.ascontiguousarray(x)
-    t = x.dtype.type(t)
-    m = int(count(x, t))
-    out = np.empty(m + 1, payload.dtype)  # the slot past the last taken one is written too
-    take(x, t, np.ascontiguousarray(payload), out)
-    return out[:m]
+def take_at_least(
+    values: Any, t: Any, idx: Any, lo: int = 0, part: Any = None, zc: Any = None
+) -> tuple[Any, Any]:
+    """``(idx[keep] - lo, values[keep])`` where ``keep = |values| >= t`` (t a scalar of
+    values' dtype; NaN is never kept), as int64 positions.
+
+    ``part`` and ``zc``: ``values`` are those of ``part`` at positions ``idx - lo``, and
+    ``part`` holds 0 where ``|values| >= zc`` instead (a pass took them out): ``part`` is
+    then fixed to hold 0 exactly where kept. Only the entries between the two cuts are
+    written, the value given back or the 0 set. A branch-free Numba loop on the host
+    (numpy's boolean indexing was most of exdyna's window selection time,
+    docs/benchmarks.md), boolean indexing on a GPU.
+    """
+    xp = get_array_module(values)
+    t = values.dtype.type(t)
+    zc = values.dtype.type(np.inf if zc is None else zc)
+    if xp is not np or values.dtype == np.float16:
+        mags = xp.abs(values)
+        keep = mags >= t
+        if part is not None:
+            fix = keep != (mags >= zc)
+            part[idx[fix] - lo] = xp.where(keep[fix], 0, values[fix]).astype(part.dtype)
+        return (idx[keep] - lo).astype(np.int64), values[keep]
+    counts, take = _take_kernel()
+    values, idx = np.ascontiguousarray(values), np.ascontiguousarray(idx)
+    m, z = counts(values, t, zc)
+    out_pos = np.empty(m + 1, np.int64)  # the slot past the last one is written too
+    out_val = np.empty(m + 1, values.dtype)
+    fix = np.empty(abs(m - z) + 1 if part is not None else 1, np.int64)
+    take(values, t, zc, idx, np.int64(lo), part, out_pos, out_val, fix)
+    return out_pos[:m], out_val[:m]
 
 
 def isin_sorted(a: Any, b: Any) -> Any:

@@ -46,14 +46,14 @@ def edge_counts(mags: Any, edges: np.ndarray) -> tuple[Any, np.ndarray]:
     return h, np.ascontiguousarray(np.cumsum(hist[::-1])[::-1][1:])
 
 
-def edge_totals(mags: Any, edges: np.ndarray) -> np.ndarray:
-    """``ge[j]`` = #(mags >= edges[j]) (host int64): :func:`edge_counts` without the
-    per-magnitude bucket (a vectorized count per edge on the CPU)."""
-    if isinstance(mags, np.ndarray) and backend() == "numba":
+def edge_totals(x: Any, edges: np.ndarray) -> np.ndarray:
+    """``ge[j]`` = #(|x| >= edges[j]) (host int64): :func:`edge_counts` of ``|x|`` without
+    the per-magnitude bucket (one Numba pass on the CPU)."""
+    if isinstance(x, np.ndarray) and backend() == "numba":
         from ..select._numba import count_at_edges
 
-        return count_at_edges(mags, edges)
-    return edge_counts(mags, edges)[1]
+        return count_at_edges(x, edges)
+    return edge_counts(get_array_module(x).abs(x), edges)[1]
 
 
 def pick_edge(total: np.ndarray, k: int, tol: float) -> tuple[int, bool]:

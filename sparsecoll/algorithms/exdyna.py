@@ -53,7 +53,7 @@ from .._array import index_dtype, to_host
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from ._merge import gather, where_at_least
+from ._merge import gather, take_at_least
 from ._window import WINDOW_OFFSETS, edge_totals, pick_edge, window_edges
 from .base import Algorithm, allclose_sparse
 from .gtopk import check_k
@@ -68,14 +68,41 @@ COOLDOWN = 16  # calls between re-derives while k stays outside the window
 CANDIDATE_EDGE = 16
 
 
-def _above(x: Any, t: float) -> tuple[Any, Any] | None:
-    """``(positions, |values|)`` of the entries with |x| >= t (t > 0: zeros are never
-    selected), or None when x holds a NaN (the caller shares that verdict collectively)."""
+def _above(x: Any, t: float) -> _Found | None:
+    """The entries with |x| >= t (t > 0: zeros are never selected), or None when x holds
+    a NaN (the caller shares that verdict collectively)."""
     try:
         pos, vals = select.threshold(x, t)
     except ValueError:
         return None
-    return pos, _xp(vals).abs(vals)
+    return _Found(vals, pos)
+
+
+class _Found:
+    """Entries of the owned range from window edge ``low`` up: their ``values`` and
+    indices ``idx`` (position in the range + ``lo``). From a caller's pass
+    (:meth:`ExDyna.reduce_dense`) with ``zc``, that pass left ``part`` 0 at those with
+    |value| >= zc (their values are here only), until :meth:`restore` gives them back or
+    :meth:`take` settles them."""
+
+    def __init__(self, values, idx, lo=0, low=0, part=None, zc=None) -> None:
+        self.values, self.idx, self.lo, self.low = values, idx, lo, low
+        self.part, self.zc = part, zc
+        self.taken = None  # the values at the positions :meth:`take` returned (with zc)
+
+    def restore(self) -> None:
+        """Make ``part`` whole again (before it is read: a re-derive or a recount)."""
+        if self.zc is not None:  # nothing is >= NaN: every zeroed candidate goes back
+            take_at_least(self.values, np.nan, self.idx, self.lo, self.part, self.zc)
+            self.zc = None
+
+    def take(self, t: Any) -> Any:
+        """The positions in the range with |value| >= t; with zc also their values
+        (``taken``), and ``part`` then holds 0 exactly there among the candidates."""
+        part = None if self.zc is None else self.part
+        pos, vals = take_at_least(self.values, t, self.idx, self.lo, part, self.zc)
+        self.taken = None if part is None else vals
+        return pos
 
 
 def _top_magnitudes(part: Any, take: int) -> Any:
@@ -205,6 +232,7 @@ class ExDyna(Algorithm):
         self.block_size = 0
         self.bounds: np.ndarray | None = None  # P + 1 block boundaries
         self.threshold: float | None = None
+        self.growth = 0.0  # the threshold's smoothed log-change per call (for zero_cut)
         self.rederives = 0
         self._cooldown = 0
         self._cooldown_side = 0  # the miss that started the cooldown: +1 too many, -1 too few
@@ -277,12 +305,28 @@ class ExDyna(Algorithm):
             return _cut(dtype, self.threshold)
         return _cut(dtype, float(window_edges(self.threshold, dtype)[CANDIDATE_EDGE]))
 
+    def zero_cut(self, dtype: Any) -> float | None:
+        """Where the next call's selection is expected to start (None when it will derive
+        a threshold): the current threshold, moved by its smoothed change per call and
+        kept inside the window, as ``dtype`` holds it. A caller whose pass collects the
+        candidates can also take those at or above it out of ``acc`` in that pass
+        (``reduce_dense(zeroed=...)``), sparing the scattered zeroing that ``drop`` does;
+        the nearer the selection's actual cut, the fewer entries are given back."""
+        if self.threshold is None:
+            return None
+        if self.rule == "authors":
+            return _cut(dtype, self.threshold)
+        ahead = self.threshold * math.exp(self.growth)
+        window = window_edges(self.threshold, dtype)
+        return _cut(dtype, min(max(ahead, float(window[CANDIDATE_EDGE])), float(window[-1])))
+
     def reduce_dense(
         self,
         comm: Communicator,
         acc: Any,
         candidates: tuple[Any, Any] | None = None,
         drop: bool = False,
+        zeroed: float | None = None,
     ) -> SparseVector:
         """Select from this rank's dense accumulated gradient ``acc`` and reduce.
 
@@ -296,6 +340,13 @@ class ExDyna(Algorithm):
         range again, on the same call). ``drop``: set ``acc`` to 0 at every index of the
         result (what the caller's error feedback does next), in the loop that reads the
         values there; ``acc`` is then changed even when the call raises after that loop.
+        ``zeroed`` (with ``candidates`` and ``drop``): the caller's pass has already set
+        ``acc`` to 0 at the candidates with |value| >= zeroed (a cut at or above
+        :meth:`candidate_cut`, e.g. :meth:`zero_cut`): their values are the candidates'.
+        The call gives back those it does not select, zeroes those it selects below the
+        cut, and takes the values of this rank's own range from the candidates: no
+        scattered read or write of ``acc`` in the owned range. ``acc`` is whole again if
+        the call must read its range itself.
         """
         n = int(acc.shape[0])
         self.prepare(comm, n)
@@ -306,15 +357,27 @@ class ExDyna(Algorithm):
         def to_index(pos: Any) -> Any:
             return xp.add(pos, lo, dtype=itype)  # one pass: no int64 temporary
 
+        if zeroed is not None and (candidates is None or not drop):
+            raise ValueError("zeroed needs the candidates and drop=True")
         found = None
+        part = acc[lo:hi]
         if candidates is not None:
             idx, vals = candidates
             low = CANDIDATE_EDGE if self.rule == "window" else 0
-            found = ((idx - lo).astype(np.int64), xp.abs(vals), low)
-        part = acc[lo:hi]
-        return self._run(
-            comm, n, part, to_index, lambda idx: gather(acc, idx, drop), acc.dtype, xp, found
-        )
+            found = _Found(vals, idx, lo, low, part, zeroed)
+
+        def values_at(idx: Any) -> Any:
+            if found is None or found.taken is None:
+                return gather(acc, idx, drop)
+            # this rank's own range is a run of idx, its values the candidates' (taken)
+            a, b = (int(c) for c in xp.searchsorted(idx, xp.asarray([lo, hi], idx.dtype)))
+            out = xp.empty(idx.shape[0], acc.dtype)
+            out[:a] = gather(acc, idx[:a], drop)
+            out[a:b] = found.taken
+            out[b:] = gather(acc, idx[b:], drop)
+            return out
+
+        return self._run(comm, n, part, to_index, values_at, acc.dtype, xp, found)
 
     # -- the call ---------------------------------------------------------------------------
     def _run(self, comm, n, part, to_index, gather, dtype, xp, found=None) -> SparseVector:
@@ -347,10 +410,13 @@ class ExDyna(Algorithm):
         self, comm: Communicator, n: int, part: Any, found: Any = None
     ) -> tuple[Any, list[int], float, bool]:
         """Positions selected in ``part``, every rank's count, the threshold used.
-        ``found``: ``(positions, |values|, low)`` of part's entries at or above
-        :meth:`candidate_cut` (window edge ``low``), when the caller has them."""
+        ``found``: part's entries at or above :meth:`candidate_cut` (a :class:`_Found`),
+        when the caller has them."""
         rederived = False
+        before = self.threshold
         if self.threshold is None:
+            if found is not None:
+                found.restore()
             found = None
             self.threshold = self._derive(comm, n, part)
             rederived = True
@@ -363,22 +429,24 @@ class ExDyna(Algorithm):
             if self.rule == "authors":
                 t = _cut(part.dtype, self.threshold)
                 found = _above(part, t) if found is None else found
-                counts = comm.allgather_ints(-1 if found is None else int(found[0].shape[0]))
+                counts = comm.allgather_ints(-1 if found is None else int(found.idx.shape[0]))
                 _agree_no_nan(np.asarray(counts).reshape(-1, 1))
-                pos = found[0]
+                pos = found.take(t)
                 self.threshold = authors_rule(self.threshold, sum(counts), self.k)
                 self.rederives += rederived
                 return pos, counts, t, rederived
-            pos, counts, used, side = self._window(comm, part, found)
+            found, counts, used, side = self._window(comm, part, found)
             missed = side != 0
             # a cooldown holds off re-deriving only for misses like the one that started it
             # (fewer than k nonzeros in all keeps missing low); a miss the other way (the
             # data grew past k) re-derives at once
             if not missed or rederived or (self._cooldown and side == self._cooldown_side):
                 break
+            found.restore()
             found = None  # the candidates were for the old threshold
             self.threshold = self._derive(comm, n, part)
             rederived = True
+        pos = found.take(used)
         if missed and rederived:
             # k is outside the window even right after a re-derive (e.g. fewer than k
             # nonzeros in all): follow the window instead of re-deriving every call
@@ -386,43 +454,44 @@ class ExDyna(Algorithm):
             self._cooldown_side = side
         self.rederives += rederived
         self.threshold = used if 0 < used < math.inf else None
+        if rederived or not before or self.threshold is None:
+            self.growth = 0.0
+        else:
+            step = min(max(math.log(self.threshold / before), -0.2), 0.2)
+            self.growth = 0.5 * self.growth + 0.5 * step
         return pos, counts, used, rederived
 
     def _window(
-        self, comm: Communicator, part: Any, found: Any = None
-    ) -> tuple[Any, list[int], float, int]:
-        """The selection at the window edge nearest k: positions, every rank's count, the
-        edge, and how k was missed: 0 inside the window, +1 too many even at the top edge,
-        -1 too few even at the bottom one. ``found`` (candidates from window edge ``low``
-        up): when the pick could lie below ``low``, every rank counts its whole part and
-        the counts are exchanged again, so the pick is the same as from all edges."""
+        self, comm: Communicator, part: Any, found: _Found | None = None
+    ) -> tuple[_Found, list[int], float, int]:
+        """The window edge nearest k: the candidates it selects from, every rank's count
+        at it, the edge, and how k was missed: 0 inside the window, +1 too many even at the
+        top edge, -1 too few even at the bottom one. ``found`` (candidates from window edge
+        ``found.low`` up): when the pick could lie below it, every rank counts its whole
+        part and the counts are exchanged again, so the pick is the same as from all edges."""
         cast = window_edges(self.threshold, part.dtype)  # counts == selections in that dtype
         e, tol = cast.shape[0], 0.05 * self.k
-        low = 0
-        if found is not None:
-            found, low = found[:2], found[2]
         while True:
             # zeros are never selected, even where a tiny edge rounds to 0 in the data's dtype
             if found is None:
-                found, low = _above(part, _cut(part.dtype, float(cast[0]))), 0
+                found = _above(part, _cut(part.dtype, float(cast[0])))
             row = np.full(e + 1, -1, dtype=np.int64)  # the counts, then the lowest edge known
             if found is not None:
-                cand, mags = found
                 row[:e] = 0
-                row[low:e] = edge_totals(mags, cast[low:])
-                row[e] = low
+                row[found.low : e] = edge_totals(found.values, cast[found.low :])
+                row[e] = found.low
             table = np.asarray(comm.allgather_ints(row)).reshape(comm.size, -1)
             _agree_no_nan(table)
             known = int(table[:, e].max())
             total = table[:, :e].sum(axis=0)
             if known == 0 or not _below_needed(total[known:], self.k, tol):
                 break
+            found.restore()
             found = None
         j, missed = pick_edge(total[known:], self.k, tol)
         j += known
-        sel = where_at_least(mags, cast[j], cand)
         side = 0 if not missed else (1 if j == e - 1 else -1)
-        return sel, table[:, j].tolist(), float(cast[j]), side
+        return found, table[:, j].tolist(), float(cast[j]), side
 
     def _derive(self, comm: Communicator, n: int, part: Any) -> float | None:
         """A threshold near the global k-th largest |value| (collective; O(k) volume).

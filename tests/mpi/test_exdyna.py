@@ -80,6 +80,7 @@ def test_disjoint_selections_and_exact_sums(comm, run):
     sparse_alg = ExDyna(k=run.k, rule=run.rule)
     dense_alg = ExDyna(k=run.k, rule=run.rule)
     cand_alg = ExDyna(k=run.k, rule=run.rule)  # dense, with the caller's candidates
+    zero_alg = ExDyna(k=run.k, rule=run.rule)  # and with those the caller took out of acc
     sparse_alg.prepare(comm, run.n)
     problems = []
     digests = []
@@ -95,9 +96,17 @@ def test_disjoint_selections_and_exact_sums(comm, run):
         out = sparsecoll.allreduce(comm, x[cand], cand, n=run.n, algorithm=sparse_alg)
         out_dense = dense_alg.reduce_dense(comm, x)
         out_cand = cand_alg.reduce_dense(comm, x, candidates=owned_candidates(cand_alg, comm, x))
+        acc, cand, zc = pass_zeroed(zero_alg, comm, x)
+        out_zero = zero_alg.reduce_dense(comm, acc, candidates=cand, drop=True, zeroed=zc)
         digests += [digest(out), digest(out_dense)]
         if digest(out_cand) != digest(out_dense) or out_cand.info != out_dense.info:
             problems.append(f"step {t}: the caller's candidates change the result")
+        if digest(out_zero) != digest(out_dense) or out_zero.info != out_dense.info:
+            problems.append(f"step {t}: candidates taken out of acc change the result")
+        dropped = x.copy()
+        dropped[np.asarray(out_zero.indices)] = 0
+        if not np.array_equal(acc, dropped):
+            problems.append(f"step {t}: acc is not x without the result's entries")
         if not np.array_equal(out.indices, out_dense.indices) or not np.array_equal(
             out.values, out_dense.values
         ):
@@ -141,6 +150,19 @@ def owned_candidates(alg: ExDyna, comm, x: np.ndarray):
     return idx, x[idx]
 
 
+def pass_zeroed(alg: ExDyna, comm, x: np.ndarray):
+    """What the reducer's pass hands reduce_dense: ``(acc, candidates, zc)``, acc a copy of
+    x without the candidates at or above zero_cut (zc None and acc = x when there is no
+    threshold yet)."""
+    acc, cand, zc = x.copy(), owned_candidates(alg, comm, x), alg.zero_cut(x.dtype)
+    if cand is None or zc is None:
+        return acc, cand, None
+    idx, vals = cand
+    zc = max(zc, alg.candidate_cut(x.dtype))
+    acc[idx[np.abs(vals) >= zc]] = 0
+    return acc, cand, zc
+
+
 @pytest.mark.parametrize("kind", ["shrinking", "ties"])
 def test_candidates_from_a_falling_threshold(comm, kind, monkeypatch):
     """The k-th value falling 10% a call (below the caller's candidates), or data made of
@@ -152,7 +174,7 @@ def test_candidates_from_a_falling_threshold(comm, kind, monkeypatch):
     above = exdyna._above
     monkeypatch.setattr(exdyna, "_above", lambda x, t: reads.append(t) or above(x, t))
     n, k = 6000, 60
-    plain, given_ = ExDyna(k=k), ExDyna(k=k)
+    plain, given_, zeroing = ExDyna(k=k), ExDyna(k=k), ExDyna(k=k)
     same = True
     for t in range(8):
         rng = np.random.default_rng([5, comm.rank, t])
@@ -165,6 +187,12 @@ def test_candidates_from_a_falling_threshold(comm, kind, monkeypatch):
         got = given_.reduce_dense(comm, x, candidates=owned_candidates(given_, comm, x))
         same &= digest(got) == digest(want) and got.info == want.info
         reread = len(reads) > before
+        acc, cand, zc = pass_zeroed(zeroing, comm, x)  # a reread gives acc back first
+        got = zeroing.reduce_dense(comm, acc, candidates=cand, drop=True, zeroed=zc)
+        same &= digest(got) == digest(want) and got.info == want.info
+        dropped = x.copy()
+        dropped[np.asarray(got.indices)] = 0
+        same &= bool(np.array_equal(acc, dropped))
     assert_all(comm, same, "the caller's candidates changed the result")
     assert_all(comm, reread, "the last call did not read its range again")
 
