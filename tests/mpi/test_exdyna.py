@@ -96,8 +96,8 @@ def test_disjoint_selections_and_exact_sums(comm, run):
         out = sparsecoll.allreduce(comm, x[cand], cand, n=run.n, algorithm=sparse_alg)
         out_dense = dense_alg.reduce_dense(comm, x)
         out_cand = cand_alg.reduce_dense(comm, x, candidates=owned_candidates(cand_alg, comm, x))
-        acc, cand, zc = pass_zeroed(zero_alg, comm, x)
-        out_zero = zero_alg.reduce_dense(comm, acc, candidates=cand, drop=True, zeroed=zc)
+        acc, found, zc = pass_zeroed(zero_alg, comm, x)
+        out_zero = zero_alg.reduce_dense(comm, acc, candidates=found, drop=True, zeroed=zc)
         digests += [digest(out), digest(out_dense)]
         if digest(out_cand) != digest(out_dense) or out_cand.info != out_dense.info:
             problems.append(f"step {t}: the caller's candidates change the result")
