@@ -10,13 +10,18 @@ that a step touches costs one per 4 KiB), the step time over one ``np.add(a, b, 
 two n-arrays (the memory floor of the pass) and the speed-up over the dense allreduce step.
 
 Gradients: a stream of Gaussian vectors with a linear scale profile
-(``N(0, 1)·linspace(0.2, 2, n)``, fresh each step), stationary or decaying 10% per step; or,
-with ``--rows R``, an embedding's gradient: R random rows of 256 entries nonzero per rank
-(fewer than k nonzeros in all when R·256·P < density·n).
+(``N(0, 1)·linspace(0.2, 2, n)``): ``--grads`` of them cycled (drawing a fresh 16M-vector
+costs more than a step), stationary or decaying 10% per step; ``--stream fresh``, a new one
+every step (one of ``--grads`` N(0, 1) vectors shifted by a random offset, then scaled: no
+index sees the same value twice, so with a long ``--warmup`` the residual settles as in a
+training run instead of growing with the cycle); or, with ``--rows R``, an embedding's
+gradient: R random rows of 256 entries nonzero per rank (fewer than k nonzeros in all when
+R·256·P < density·n).
 
     mpiexec -n 4 python bench/step.py -m 16M                  # every algorithm, 1%
     SPARSECOLL_NUM_THREADS=1 python bench/step.py -m 16M      # P = 1, one thread
     SPARSECOLL_NUM_THREADS=1 python bench/step.py -m 16M --update reuse   # O(k) update
+    SPARSECOLL_NUM_THREADS=1 python bench/step.py -m 16M --stream fresh -x 200   # settled
     mpiexec -n 4 python bench/step.py -m 1M --stream decay -i 40 --csv out.csv --plot out.png
     mpiexec -n 4 python bench/step.py -m 8M --rows 64      # a 32768 x 256 embedding's gradient
 """
@@ -41,11 +46,12 @@ COLUMNS = (
 
 
 def gradients(
-    n: int, rank: int, count: int, seed: int, rows: int = 0, width: int = 256
+    n: int, rank: int, count: int, seed: int, rows: int = 0, width: int = 256, scaled=True
 ) -> list[np.ndarray]:
     """``count`` gradients of the stationary stream for this rank (cycled by the timing
     loop: drawing a fresh 16M-vector costs more than a step). ``rows``: an embedding's
-    gradient instead, ``rows`` random rows of ``width`` entries nonzero (N(0, 1)), the rest 0."""
+    gradient instead, ``rows`` random rows of ``width`` entries nonzero (N(0, 1)), the rest 0.
+    ``scaled=False``: N(0, 1) without the scale profile (:class:`Fresh` scales them)."""
     rng = np.random.default_rng([seed, rank])
     if rows:
         out = []
@@ -55,8 +61,27 @@ def gradients(
                 g[r * width : (r + 1) * width] = rng.standard_normal(width, dtype=np.float32)
             out.append(g)
         return out
-    scale = np.linspace(0.2, 2.0, n, dtype=np.float32)
+    scale = np.linspace(0.2, 2.0, n, dtype=np.float32) if scaled else np.float32(1)
     return [rng.standard_normal(n, dtype=np.float32) * scale for _ in range(count)]
+
+
+class Fresh:
+    """A new gradient every step: one of the N(0, 1) ``bases`` circularly shifted by a
+    random offset (the same for step ``it`` in every run), times the scale profile (two
+    passes, outside the timed region)."""
+
+    def __init__(self, bases: list[np.ndarray], rank: int, seed: int) -> None:
+        n = bases[0].shape[0]
+        self.bases, self.buf = bases, np.empty(n, np.float32)
+        self.scale = np.linspace(0.2, 2.0, n, dtype=np.float32)
+        self.seed = [seed, rank]
+
+    def step(self, it: int) -> np.ndarray:
+        base, n = self.bases[it % len(self.bases)], self.buf.shape[0]
+        s = int(np.random.default_rng([*self.seed, it]).integers(0, n))
+        np.multiply(base[s:], self.scale[: n - s], out=self.buf[: n - s])
+        np.multiply(base[:s], self.scale[n - s :], out=self.buf[n - s :])
+        return self.buf
 
 
 class Adder:
@@ -77,7 +102,7 @@ class Adder:
 
 
 def run(
-    comm, name: str, args: argparse.Namespace, grads: list[np.ndarray], adder: Adder,
+    comm, name: str, args: argparse.Namespace, grads: list[np.ndarray] | Fresh, adder: Adder,
     profiler=None,
 ) -> list[dict]:  # fmt: skip
     from sparsecoll import GradientReducer
@@ -88,7 +113,7 @@ def run(
     rows = []
     full = 0  # the reducer's count of exact top-k steps over all of acc, so far
     for it in range(args.warmup + args.iterations):
-        g = grads[it % len(grads)]
+        g = grads.step(it) if isinstance(grads, Fresh) else grads[it % len(grads)]
         if args.stream == "decay":
             g = g * np.float32(0.9 ** (it % 60))  # outside the timed region
         if args.update == "inplace":  # the gradient buffer becomes the update (DDP's hook)
@@ -211,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
     ap.add_argument("-i", "--iterations", type=int, default=20)
     ap.add_argument("-x", "--warmup", type=int, default=5, help="untimed steps first")
-    ap.add_argument("--stream", choices=("stationary", "decay"), default="stationary")
+    ap.add_argument("--stream", choices=("stationary", "decay", "fresh"), default="stationary")
     ap.add_argument("--grads", type=int, default=4, help="distinct gradients cycled")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -244,7 +269,12 @@ def main(argv: list[str] | None = None) -> None:
     args.size = parse_size(args.size)
     comm = Communicator()
     select.warmup(parallel=True)
-    grads = gradients(args.size, comm.rank, args.grads, args.seed, args.rows, args.width)
+    fresh = args.stream == "fresh" and not args.rows
+    grads = gradients(
+        args.size, comm.rank, args.grads, args.seed, args.rows, args.width, scaled=not fresh
+    )
+    if fresh:
+        grads = Fresh(grads, comm.rank, args.seed)
     adder = Adder(args.size)
     rows, summary = [], {}
     names = [a.strip() for a in args.algorithms.split(",") if a.strip()]

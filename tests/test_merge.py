@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparsecoll.algorithms._merge import gather, merge_two, take_at_least
+from sparsecoll.algorithms._merge import gather, keep_bucket, merge_two, take_at_least
 from sparsecoll.sparse import coalesce
 
 
@@ -127,3 +127,29 @@ def test_take_at_least_is_boolean_indexing(x, dtype, t, zc, itype, seed):
         want = whole.copy()
         want[where[keep]] = 0
         np.testing.assert_array_equal(part, want)
+
+
+@given(
+    x=st.lists(
+        st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([1.0, -1.5])),
+        max_size=300,
+    ),
+    dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+    cuts=st.sampled_from([(1.5, 1.0), (1.0, 1.0), (np.inf, 1.5), (2.0, 0.5)]),
+    share=st.floats(0, 1),
+)
+def test_keep_bucket_is_the_mask(x, dtype, cuts, share):
+    """keep_bucket: |x| >= hi, then the first ``quota`` in [lo, hi) in order (ties at both
+    cuts, NaN never), as masks would keep them."""
+    with np.errstate(over="ignore"):
+        xs = np.array(x, dtype=np.float64).astype(dtype)
+    idx = np.arange(xs.shape[0], dtype=np.int64) * 5 + 3
+    hi, lo = (xs.dtype.type(c) for c in cuts)
+    mags = np.abs(xs)
+    chosen = mags >= hi
+    bucket = np.flatnonzero((mags >= lo) & ~chosen)
+    quota = int(share * bucket.shape[0])
+    chosen[bucket[:quota]] = True
+    got_idx, got_val = keep_bucket(idx, xs, hi, lo, quota, int(chosen.sum()))
+    np.testing.assert_array_equal(got_idx, idx[chosen])
+    np.testing.assert_array_equal(got_val, xs[chosen])

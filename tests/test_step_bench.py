@@ -36,6 +36,25 @@ def test_step_benchmark_runs(tmp_path) -> None:
 
 
 @pytest.mark.mpi
+def test_step_benchmark_fresh_stream(tmp_path) -> None:
+    """--stream fresh: a new gradient every step (shifted, scaled bases), the same steps in
+    every algorithm's run; exactly k kept where the algorithm promises it."""
+    out = tmp_path / "fresh.csv"
+    args = ["-m", "64K", "--stream", "fresh", "--grads", "1", "-i", "3", "-x", "2"]
+    proc = run_mpi(
+        2,
+        [str(ROOT / "bench" / "step.py"), *args, "--algorithms", "gtopk,oktopk", "--csv", str(out)],
+        timeout=600,
+        env={"SPARSECOLL_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [r["algorithm"] for r in rows] == ["gtopk"] * 3 + ["oktopk"] * 3
+    assert all(r["nnz"] == r["k"] for r in rows)
+    assert "stream fresh" in proc.stdout
+
+
+@pytest.mark.mpi
 def test_step_benchmark_embedding_rows(tmp_path) -> None:
     """--rows: fewer than k nonzeros per step in all (3 ranks x 2 rows of 256 < 1% of 256K),
     so every selecting algorithm keeps fewer than k (what stays in a residual adds some)."""

@@ -17,7 +17,9 @@ import numpy as np
 from .._array import get_array_module
 from ..sparse import coalesce
 
-__all__ = ["accumulate_dtype", "gather", "isin_sorted", "merge_two", "take_at_least"]
+__all__ = [
+    "accumulate_dtype", "gather", "isin_sorted", "keep_bucket", "merge_two", "take_at_least",
+]  # fmt: skip
 
 
 def accumulate_dtype(dtype: Any) -> np.dtype:
@@ -190,6 +192,53 @@ def take_at_least(
     fix = np.empty(abs(m - z) + 1 if part is not None else 1, np.int64)
     take(values, t, zc, idx, np.int64(lo), part, out_pos, out_val, fix)
     return out_pos[:m], out_val[:m]
+
+
+@functools.cache
+def _keep_bucket_kernel() -> Any:
+    import numba
+
+    @numba.njit(cache=True, nogil=True)
+    def keep(idx, values, hi, lo, quota, out_idx, out_val):  # pragma: no cover - compiled
+        # every entry is written at p, which advances when it is kept: no branch on the
+        # data (which entries are kept is random)
+        p = 0
+        q = quota
+        for i in range(values.shape[0]):
+            v = abs(values[i])
+            above = v >= hi
+            tie = (v >= lo) & (not above) & (q > 0)
+            q -= tie
+            out_idx[p] = idx[i]
+            out_val[p] = values[i]
+            p += above | tie
+        return p
+
+    return keep
+
+
+def keep_bucket(idx: Any, values: Any, hi: Any, lo: Any, quota: int, count: int) -> tuple[Any, Any]:
+    """The entries (``idx``, ``values``) with |value| >= hi, and the first ``quota`` (in
+    order) with lo <= |value| < hi: ``count`` of them in all (the caller knows it). hi
+    and lo are scalars of values' dtype, lo <= hi. A branch-free Numba loop on the host,
+    masks on a GPU."""
+    xp = get_array_module(values)
+    if xp is not np or values.dtype == np.float16:
+        mags = xp.abs(values)
+        chosen = mags >= hi
+        if quota:
+            bucket = xp.flatnonzero((mags >= lo) & ~chosen)
+            chosen[bucket[:quota]] = True
+        return idx[chosen], values[chosen]
+    out_idx = np.empty(count + 1, idx.dtype)  # the slot past the last one is written too
+    out_val = np.empty(count + 1, values.dtype)
+    dt = values.dtype.type
+    got = _keep_bucket_kernel()(
+        np.ascontiguousarray(idx), np.ascontiguousarray(values), dt(hi), dt(lo), int(quota),
+        out_idx, out_val,
+    )  # fmt: skip
+    assert got == count, (got, count)
+    return out_idx[:count], out_val[:count]
 
 
 def isin_sorted(a: Any, b: Any) -> Any:

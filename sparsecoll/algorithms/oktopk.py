@@ -71,7 +71,7 @@ from .._array import get_array_module, to_host
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from ._merge import isin_sorted, merge_two
+from ._merge import isin_sorted, keep_bucket, merge_two
 from ._window import bracket_edge, edge_totals, window_edges
 from .base import Algorithm, allclose_sparse, pack_pairs, range_bounds, unpack_pairs
 from .gtopk import check_k, topk_positions
@@ -256,11 +256,12 @@ class OkTopk(Algorithm):
         recompute = self.step % self.tau == 0 or self.threshold <= 0.0
         missed = False
         window = None
+        kept = None  # (indices, values) kept in this rank's region
         if not recompute and self.rule == "window" and self.k > 0:
-            picked = self._select_window(comm, region[1])
+            picked = self._select_window(comm, *region)
             missed = recompute = picked is None
             if picked is not None:
-                keep, kept_counts, window = picked
+                kept, kept_counts, window = picked
                 threshold = self.threshold = window[0]
         elif not recompute:
             threshold = self.threshold
@@ -272,8 +273,10 @@ class OkTopk(Algorithm):
             self.threshold = threshold
             self.streak = 0
             self.window_misses += missed
+        if kept is None:
+            kept = (region[0][keep], region[1][keep])
         total = int(sum(kept_counts))
-        idx, vals = self._balance_gather(comm, region[0][keep], region[1][keep], kept_counts, n)
+        idx, vals = self._balance_gather(comm, *kept, kept_counts, n)
         out = SparseVector(idx, vals, n)
         out.contributed = isin_sorted(x.indices, idx)
         out.local = x
@@ -334,24 +337,22 @@ class OkTopk(Algorithm):
         return acc_idx, acc_val.astype(vtype, copy=False)
 
     def _select_window(
-        self, comm: Communicator, vals: Any
-    ) -> tuple[Any, list[int], tuple[float, float]] | None:
+        self, comm: Communicator, idx: Any, vals: Any
+    ) -> tuple[tuple[Any, Any], list[int], tuple[float, float]] | None:
         """Step 4 on a reuse call with ``rule="window"``: k entries, cut at the edges around
         the last threshold that bracket the global k-th largest |value| (one allgather of E
         counts per rank, no other message).
 
         Keeps every |value| >= ``hi`` and, of those in ``[lo, hi)``, the lowest indices up
-        to k in all. Returns the kept positions in this rank's region, every rank's kept
-        count and ``(lo, hi)``; None (on every rank: they all see the same counts) when k
-        lies outside the window.
+        to k in all. Returns the kept (indices, values) of this rank's region ``(idx,
+        vals)``, every rank's kept count and ``(lo, hi)``; None (on every rank: they all see
+        the same counts) when k lies outside the window.
         """
-        xp = get_array_module(vals)
         # compare in the values' dtype (counts == selections); an edge that rounds to 0
         # must not select zeros
         tiny = np.finfo(vals.dtype).smallest_subnormal
         edges = np.maximum(window_edges(self.threshold, vals.dtype), tiny)
-        mags = xp.abs(vals)
-        table = comm.allgather_ints(edge_totals(mags, edges))
+        table = comm.allgather_ints(edge_totals(vals, edges))
         j = bracket_edge(table.sum(axis=0), self.k)
         if j is None:
             return None
@@ -367,14 +368,12 @@ class OkTopk(Algorithm):
         before = np.concatenate(([0], np.cumsum(bucket[:-1])))
         taken = np.clip(need - before, 0, bucket)
         hi = float("inf") if top else float(edges[m])
-        chosen = mags >= edges[m]
-        if taken[comm.rank]:  # the bucket [edges[j], edges[m]); a mask keeps the union sorted
-            bucket_pos = xp.flatnonzero((mags >= edges[j]) & ~chosen)
-            chosen[bucket_pos[: int(taken[comm.rank])]] = True
-        keep = xp.flatnonzero(chosen)
         counts = (above + taken).tolist()
         assert sum(counts) == self.k, (counts, self.k)
-        return keep, counts, (float(edges[j]), hi)
+        # all from edges[m] up, and this rank's share of the bucket [edges[j], edges[m])
+        mine = int(taken[comm.rank])
+        kept = keep_bucket(idx, vals, edges[m], edges[j], mine, counts[comm.rank])
+        return kept, counts, (float(edges[j]), hi)
 
     def _select_exact(self, comm: Communicator, vals: Any) -> tuple[Any, list[int], float]:
         """Step 4 on a recompute call: the exact global top-k (ties by lower index).
