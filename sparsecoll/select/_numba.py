@@ -794,8 +794,8 @@ def _fused_scalar(
 
 @_kernels()
 def _accumulate(
-    g, r, u, uo, m, acc, z, cut, lo, hi, nt, zt, zh, zc, hist, hcut, hscale, base, bounds,
-    starts, caps, out_idx, out_val, counts, bad,
+    g, r, u, uo, m, acc, z, cut, far, lo, hi, nt, zt, zh, zc, hist, hcut, hscale, base,
+    bounds, starts, caps, out_idx, out_val, counts, bad,
 ):  # pragma: no cover - compiled  # fmt: skip
     # One pass over chunk c: uo = m·u + g (momentum, when u is not None), acc = (uo or g)
     # + r, z = 0 (when z is not None), and the index and value of each acc[i] with
@@ -807,7 +807,10 @@ def _accumulate(
     # few percent of the time, cost more than the memory traffic). Non-finite values only
     # raise a flag; the rare chunk that has one is counted again. With nt (streaming
     # stores) the elements before the first NT_ALIGN-aligned one (``base``: acc's address
-    # mod NT_ALIGN) go one by one, as do the last < 8; the last < 64 go by 8.
+    # mod NT_ALIGN) go one by one, as do the last < 8; the last < 64 go by 8. Blocks of
+    # 8 or 64 wholly outside [lo, hi) compare with ``far`` (inf) instead of cut: no hits
+    # there to visit and drop (nor, with zh, values zeroed to give back by scattered
+    # writes into lines just streamed out).
     size = acc.itemsize
     for c in prange(bounds.shape[0] - 1):
         s = bounds[c]
@@ -827,9 +830,10 @@ def _accumulate(
         e8 = s1 + (e - s1) // LANES * LANES
         for b0 in range(s1, e64, 64):
             word = np.uint64(0)
+            cb = cut if b0 < hi and b0 + 64 > lo else far
             for q in range(64 // LANES):
                 t = q * LANES
-                mask = _fused_lanes(g, r, u, uo, m, acc, z, b0 + t, cut, nt, zt, zh, zc, tmp, t)
+                mask = _fused_lanes(g, r, u, uo, m, acc, z, b0 + t, cb, nt, zt, zh, zc, tmp, t)
                 word |= np.uint64(mask & np.uint32(255)) << np.uint64(t)
                 flag |= mask >> np.uint32(LANES)
             if word:
@@ -838,7 +842,8 @@ def _accumulate(
                     out_val, p, end,
                 )  # fmt: skip
         for b0 in range(e64, e8, LANES):
-            mask = _fused_lanes(g, r, u, uo, m, acc, z, b0, cut, nt, zt, zh, zc, tmp, 0)
+            cb = cut if b0 < hi and b0 + LANES > lo else far
+            mask = _fused_lanes(g, r, u, uo, m, acc, z, b0, cb, nt, zt, zh, zc, tmp, 0)
             flag |= mask >> np.uint32(LANES)
             word = np.uint64(mask & np.uint32(255))
             if word:
@@ -925,9 +930,9 @@ def accumulate(
         hcut = float(dt(cut))  # the value the kernel compares with
         hscale = (BUCKETS - 1) / hcut
     _run(
-        _accumulate, n, g, r, u, uo, dt(m), acc, z, dt(cut), np.int64(lo), np.int64(hi),
-        nt, zt, zh, dt(zero_cut if zh else 0), hist, hcut, hscale, np.int64(base), bounds,
-        starts, room, out_idx, out_val, counts, bad,
+        _accumulate, n, g, r, u, uo, dt(m), acc, z, dt(cut), dt(math.inf), np.int64(lo),
+        np.int64(hi), nt, zt, zh, dt(zero_cut if zh else 0), hist, hcut, hscale,
+        np.int64(base), bounds, starts, room, out_idx, out_val, counts, bad,
     )  # fmt: skip
     hits = int(counts.sum())
     nbad = int(bad.sum())
