@@ -828,19 +828,28 @@ def _accumulate(
         s1 = s + head
         e64 = s1 + (e - s1) // 64 * 64
         e8 = s1 + (e - s1) // LANES * LANES
-        for b0 in range(s1, e64, 64):
-            word = np.uint64(0)
-            cb = cut if b0 < hi and b0 + 64 > lo else far
-            for q in range(64 // LANES):
-                t = q * LANES
-                mask = _fused_lanes(g, r, u, uo, m, acc, z, b0 + t, cb, nt, zt, zh, zc, tmp, t)
-                word |= np.uint64(mask & np.uint32(255)) << np.uint64(t)
-                flag |= mask >> np.uint32(LANES)
-            if word:
-                p = _take_hits(
-                    word, b0, 64, lo, hi, tmp, acc, zh, hist, c, hcut, hscale, out_idx,
-                    out_val, p, end,
-                )  # fmt: skip
+        # the 64-blocks from s1: [q1, q2) are those that overlap [lo, hi)
+        nb = (e64 - s1) // 64
+        q1 = min(max(0, -((s1 + 63 - lo) // 64)), nb)
+        q2 = min(max(q1, -((s1 - hi) // 64)), nb)
+        for seg in range(3):  # before, overlapping, after: a cut fixed in each loop
+            cb = cut if seg == 1 else far
+            first = s1 + 64 * (0 if seg == 0 else q1 if seg == 1 else q2)
+            last = s1 + 64 * (q1 if seg == 0 else q2 if seg == 1 else nb)
+            for b0 in range(first, last, 64):
+                word = np.uint64(0)
+                for q in range(64 // LANES):
+                    t = q * LANES
+                    mask = _fused_lanes(
+                        g, r, u, uo, m, acc, z, b0 + t, cb, nt, zt, zh, zc, tmp, t
+                    )  # fmt: skip
+                    word |= np.uint64(mask & np.uint32(255)) << np.uint64(t)
+                    flag |= mask >> np.uint32(LANES)
+                if word:
+                    p = _take_hits(
+                        word, b0, 64, lo, hi, tmp, acc, zh, hist, c, hcut, hscale, out_idx,
+                        out_val, p, end,
+                    )  # fmt: skip
         for b0 in range(e64, e8, LANES):
             cb = cut if b0 < hi and b0 + LANES > lo else far
             mask = _fused_lanes(g, r, u, uo, m, acc, z, b0, cb, nt, zt, zh, zc, tmp, 0)
