@@ -81,3 +81,20 @@ def test_async_step_benchmark_runs() -> None:
     assert proc.returncode == 0, proc.stdout[-4000:]
     modes = [ln.split()[0] for ln in proc.stdout.splitlines() if ln[:1].isalpha()]
     assert modes[1:] == ["blocking", "async", "blocking+compute", "async+compute"], proc.stdout
+
+
+def test_pass_hits_benchmark_runs() -> None:
+    """bench/pass_hits.py: the pass timed with and without hits, one line per case."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, SPARSECOLL_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "pass_hits.py"), "-m", "64K", "-i", "1"],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [ln.split() for ln in proc.stdout.splitlines() if ln and not ln.startswith("#")]
+    assert rows[0][0] == "case" and rows[1][:3] == ["no", "hits", "0"]
+    assert len(rows) == 8  # the header, no hits, three shares with and without the extras
