@@ -736,9 +736,7 @@ def _bin(v, cut, scale):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def _take_hits(
-    word, b0, span, lo, hi, tmp, acc, zh, hist, c, hcut, hscale, out_idx, out_val, p, end
-):  # pragma: no cover
+def _take_hits(word, b0, span, lo, hi, tmp, acc, zh, out_idx, out_val, p, end):  # pragma: no cover
     # append the positions b0 + j of word's set bits (and their values, tmp[j]) that lie
     # in [lo, hi); with zh, those outside get their values back in acc
     if not zh and (b0 >= hi or b0 + span <= lo):
@@ -754,8 +752,6 @@ def _take_hits(
             if p < end:
                 out_idx[p] = i
                 out_val[p] = v
-                if hist is not None:
-                    hist[c, _bin(v, hcut, hscale)] += 1
             elif zh:  # not recorded: its value back
                 acc[i] = v
             p += 1
@@ -766,9 +762,8 @@ def _take_hits(
 
 @njit(inline="always")
 def _fused_scalar(
-    g, r, u, uo, m, acc, z, cut, zh, zc, hist, c, hcut, hscale, lo, hi, s, e, tmp, out_idx,
-    out_val, p, end,
-):  # pragma: no cover  # fmt: skip
+    g, r, u, uo, m, acc, z, cut, zh, zc, lo, hi, s, e, tmp, out_idx, out_val, p, end
+):  # pragma: no cover
     # elements s..e-1 one by one (a chunk's ends); returns (p, non-finite seen)
     flag = np.uint32(0)
     for i in range(s, e):
@@ -785,17 +780,14 @@ def _fused_scalar(
         flag |= np.uint32((a - a) != 0)
         if hit:
             tmp[0] = a
-            p = _take_hits(
-                np.uint64(1), i, 1, lo, hi, tmp, acc, zh, hist, c, hcut, hscale, out_idx,
-                out_val, p, end,
-            )  # fmt: skip
+            p = _take_hits(np.uint64(1), i, 1, lo, hi, tmp, acc, zh, out_idx, out_val, p, end)
     return p, flag
 
 
 @_kernels()
 def _accumulate(
-    g, r, u, uo, m, acc, z, cut, far, lo, hi, nt, zt, zh, zc, hist, hcut, hscale, base,
-    bounds, starts, caps, out_idx, out_val, counts, bad,
+    g, r, u, uo, m, acc, z, cut, far, lo, hi, nt, zt, zh, zc, base, bounds, starts, caps,
+    out_idx, out_val, counts, bad,
 ):  # pragma: no cover - compiled  # fmt: skip
     # One pass over chunk c: uo = m·u + g (momentum, when u is not None), acc = (uo or g)
     # + r, z = 0 (when z is not None), and the index and value of each acc[i] with
@@ -822,7 +814,7 @@ def _accumulate(
         end = p + caps[c]
         tmp = np.empty(64, acc.dtype)
         p, flag = _fused_scalar(
-            g, r, u, uo, m, acc, z, cut, zh, zc, hist, c, hcut, hscale, lo, hi, s, s + head, tmp,
+            g, r, u, uo, m, acc, z, cut, zh, zc, lo, hi, s, s + head, tmp,
             out_idx, out_val, p, end,
         )  # fmt: skip
         s1 = s + head
@@ -847,7 +839,7 @@ def _accumulate(
                     flag |= mask >> np.uint32(LANES)
                 if word:
                     p = _take_hits(
-                        word, b0, 64, lo, hi, tmp, acc, zh, hist, c, hcut, hscale, out_idx,
+                        word, b0, 64, lo, hi, tmp, acc, zh, out_idx,
                         out_val, p, end,
                     )  # fmt: skip
         for b0 in range(e64, e8, LANES):
@@ -857,11 +849,11 @@ def _accumulate(
             word = np.uint64(mask & np.uint32(255))
             if word:
                 p = _take_hits(
-                    word, b0, LANES, lo, hi, tmp, acc, zh, hist, c, hcut, hscale, out_idx,
+                    word, b0, LANES, lo, hi, tmp, acc, zh, out_idx,
                     out_val, p, end,
                 )  # fmt: skip
         p, tail = _fused_scalar(
-            g, r, u, uo, m, acc, z, cut, zh, zc, hist, c, hcut, hscale, lo, hi, e8, e, tmp,
+            g, r, u, uo, m, acc, z, cut, zh, zc, lo, hi, e8, e, tmp,
             out_idx, out_val, p, end,
         )  # fmt: skip
         if nt:
@@ -933,15 +925,10 @@ def accumulate(
     # a zero buffer that is g is stored to plainly (its lines were just read into cache)
     zt = nt and z is not None and _streaming_ok(acc, z)[0] and not np.may_share_memory(z, g)
     zh = zero_cut < math.inf
-    hist, hcut, hscale = None, 0.0, 0.0
-    if buckets and 0 < cut < math.inf:
-        hist = np.zeros((parts, BUCKETS), np.int64)
-        hcut = float(dt(cut))  # the value the kernel compares with
-        hscale = (BUCKETS - 1) / hcut
     _run(
         _accumulate, n, g, r, u, uo, dt(m), acc, z, dt(cut), dt(math.inf), np.int64(lo),
-        np.int64(hi), nt, zt, zh, dt(zero_cut if zh else 0), hist, hcut, hscale,
-        np.int64(base), bounds, starts, room, out_idx, out_val, counts, bad,
+        np.int64(hi), nt, zt, zh, dt(zero_cut if zh else 0), np.int64(base), bounds,
+        starts, room, out_idx, out_val, counts, bad,
     )  # fmt: skip
     hits = int(counts.sum())
     nbad = int(bad.sum())
@@ -951,17 +938,28 @@ def accumulate(
             for a, h in zip(starts.tolist(), kept.tolist()):
                 acc[out_idx[a : a + h]] = out_val[a : a + h]
         return out_idx[:0], out_val[:0], hits, nbad, None
-    found = None if hist is None else Buckets(hist.sum(axis=0), hcut, hscale)
     if parts == 1:
-        return out_idx[:hits], out_val[:hits], hits, nbad, found
-    pieces = [slice(a, a + h) for a, h in zip(starts.tolist(), counts.tolist())]
-    return (
-        np.concatenate([out_idx[c] for c in pieces]),
-        np.concatenate([out_val[c] for c in pieces]),
-        hits,
-        nbad,
-        found,
-    )
+        idx, val = out_idx[:hits], out_val[:hits]
+    else:
+        pieces = [slice(a, a + h) for a, h in zip(starts.tolist(), counts.tolist())]
+        idx = np.concatenate([out_idx[c] for c in pieces])
+        val = np.concatenate([out_val[c] for c in pieces])
+    found = None
+    if buckets and 0 < cut < math.inf:
+        # counted after the pass, over the hits it wrote: a counter per hit inside the
+        # pass slowed it more (bench/pass_hits.py, docs/benchmarks.md)
+        hcut = float(dt(cut))  # the value the pass compared with
+        hscale = (BUCKETS - 1) / hcut
+        hist = np.zeros(BUCKETS, np.int64)
+        _bucket_counts(val, hcut, hscale, hist)
+        found = Buckets(hist, hcut, hscale)
+    return idx, val, hits, nbad, found
+
+
+@njit(cache=True, nogil=True)
+def _bucket_counts(vals, cut, scale, hist):  # pragma: no cover - compiled
+    for i in range(vals.shape[0]):
+        hist[_bin(vals[i], cut, scale)] += 1
 
 
 class Buckets(NamedTuple):
