@@ -847,3 +847,29 @@ def test_accumulate_rejects_mismatched_buffers() -> None:
         sel.accumulate(g, out=np.empty(10, np.float32), lo=5, hi=4)
     with pytest.raises(ValueError, match="velocity and velocity_out"):
         sel.accumulate(g, out=np.empty(10, np.float32), velocity=g)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_accumulate_int64_indices(dtype) -> None:
+    """The Numba pass with int64 indices (what n > 2**31 gets) on a small vector: the same
+    hits, values, zeroing and histogram as with int32."""
+    from sparsecoll.select import _numba
+
+    rng = np.random.default_rng(7)
+    n = 70_001  # blocks of 64 and a tail of each kind
+    g = rng.standard_normal(n).astype(dtype)
+    r = rng.standard_normal(n).astype(dtype)
+    acc = np.empty(n, dtype)
+    lo, hi = 1_000, 69_000
+    idx, vals, hits, nbad, found = _numba.accumulate(
+        g, r, None, None, 0.0, acc, None, 2.0, lo, hi, n, np.int64, 3.0, True, None
+    )
+    a = g + r
+    want = lo + np.flatnonzero(np.abs(a[lo:hi]) >= 2.0)
+    assert idx.dtype == np.int64 and hits == want.shape[0] and nbad == 0
+    np.testing.assert_array_equal(idx, want)
+    np.testing.assert_array_equal(vals, a[want])
+    zeroed = a.copy()
+    zeroed[want[np.abs(a[want]) >= 3.0]] = 0
+    np.testing.assert_array_equal(acc, zeroed)
+    assert int(found.counts.sum()) == hits
