@@ -364,7 +364,11 @@ def test_kernel_sources_compile_with_nvrtc():
     from sparsecoll.select import _cupy
 
     class Capture:
-        def ElementwiseKernel(self, *spec):
+        def __init__(self):
+            self.options = {}  # compiler options by kernel name
+
+        def ElementwiseKernel(self, *spec, options=()):
+            self.options[spec[3]] = list(options)
             return spec
 
     cap = Capture()
@@ -384,7 +388,9 @@ def test_kernel_sources_compile_with_nvrtc():
     for spec, utype, ttype in jobs:
         prog = nvrtc.createProgram(_kernel_source(spec, utype, ttype), "k.cu", [], [])
         try:
-            nvrtc.compileProgram(prog, ["--std=c++17", "-arch=compute_90"])
+            nvrtc.compileProgram(
+                prog, ["--std=c++17", "-arch=compute_90", *cap.options.get(spec[3], [])]
+            )
         except Exception:
             pytest.fail(f"{spec[3]} ({utype}, {ttype}):\n{nvrtc.getProgramLog(prog)}")
         assert len(nvrtc.getPTX(prog)) > 100

@@ -245,7 +245,7 @@ def _accumulate_kernel(cp: Any, has_r: bool, has_u: bool) -> Any:
     outs = ["T acc"] + (["T uo"] if has_u else []) + ["bool sel", "raw uint64 bad"]
     body = "T v = g;\n"
     if has_u:
-        body += "v = (T)(m * u) + g; uo = v;\n"
+        body += "v = m * u + g; uo = v;\n"
     if has_r:
         body += "v = v + r;\n"
     body += """
@@ -253,7 +253,11 @@ def _accumulate_kernel(cp: Any, has_r: bool, has_u: bool) -> Any:
         sel = abs(v) >= cut;
         if (!isfinite(v)) atomicAdd((unsigned long long*)&bad[0], 1ULL);
     """
-    return cp.ElementwiseKernel(", ".join(ins), ", ".join(outs), body, "sparsecoll_accumulate")
+    # --fmad=false: m*u + g rounded twice, as numpy and the CPU pass do (a fused
+    # multiply-add rounds once: 1 ulp off the CPU's result, seen on an H100)
+    return cp.ElementwiseKernel(
+        ", ".join(ins), ", ".join(outs), body, "sparsecoll_accumulate", options=("--fmad=false",)
+    )
 
 
 def accumulate(
