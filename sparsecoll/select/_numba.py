@@ -892,17 +892,31 @@ def _accumulate(
         bad[c] = nbad
 
 
-def _scratch(workspace: dict | None, name: str, size: int, dtype: Any) -> np.ndarray:
+PAGE = 4096  # bytes: the L1 data cache's set index lies within a page's offset
+
+
+def _scratch(
+    workspace: dict | None, name: str, size: int, dtype: Any, apart: np.ndarray | None = None
+) -> np.ndarray:
     """An empty array of ``size`` elements: ``workspace[name]`` (or its start) when that is
     large enough, else a new one, kept there. Reusing the last step's memory saves the page
     faults of fresh memory (one per 4 KiB written: over a thousand a step at k = 168K, 2-3 ms
-    of a 10 ms step in docs/benchmarks.md), which malloc may or may not avoid by itself."""
-    if workspace is None:
-        return np.empty(size, dtype)
-    a = workspace.get(name)
-    if a is None or a.dtype != dtype or a.shape[0] < size:
-        a = workspace[name] = np.empty(size, dtype)
-    return a[:size]
+    of a 10 ms step in docs/benchmarks.md), which malloc may or may not avoid by itself.
+    With ``apart``, the array starts half a page from it (address mod PAGE): the pass
+    writes both at the same running position, and two large arrays from malloc start at
+    the same page offset, so those writes met in one L1 set. In some processes (chosen by
+    where the arrays landed) that cost the pass 1.4x its time (bench/pass_hits.py)."""
+    pad = PAGE // np.dtype(dtype).itemsize if apart is not None else 0
+    a = workspace.get(name) if workspace is not None else None
+    if a is None or a.dtype != dtype or a.shape[0] < size + pad:
+        a = np.empty(size + pad, dtype)
+        if workspace is not None:
+            workspace[name] = a
+    if apart is None:
+        return a[:size]
+    want = (apart.ctypes.data + PAGE // 2 - a.ctypes.data) % PAGE
+    skip = want // a.itemsize  # (malloc's arrays start at a multiple of the itemsize)
+    return a[skip : skip + size]
 
 
 def _streaming_ok(acc: np.ndarray, *others: Any) -> tuple[bool, int]:
@@ -939,7 +953,7 @@ def accumulate(
     starts = np.zeros(parts, np.int64)
     np.cumsum(room[:-1], out=starts[1:])
     out_idx = _scratch(workspace, "indices", int(room.sum()), itype)
-    out_val = _scratch(workspace, "values", out_idx.shape[0], g.dtype)
+    out_val = _scratch(workspace, "values", out_idx.shape[0], g.dtype, apart=out_idx)
     counts = np.empty(parts, np.int64)
     bad = np.empty(parts, np.int64)
     if r is None:  # the kernel always adds a residual: a zero one (pages never written)
