@@ -873,3 +873,29 @@ def test_accumulate_int64_indices(dtype) -> None:
     zeroed[want[np.abs(a[want]) >= 3.0]] = 0
     np.testing.assert_array_equal(acc, zeroed)
     assert int(found.counts.sum()) == hits
+
+
+def test_accumulate_workspace_apart() -> None:
+    """The pass's hits go to the workspace: values half a page from indices (so their
+    writes at one running position never share an L1 set), reused across calls, and
+    the hits are right on every call, also after the workspace had to grow."""
+    from sparsecoll.select import _numba
+    from sparsecoll.select._numba import PAGE
+
+    rng = np.random.default_rng(11)
+    workspace: dict = {}
+    for n, cut in ((50_000, 2.0), (50_000, 1.0), (120_000, 1.5), (90_000, 2.5)):
+        g = rng.standard_normal(n).astype(np.float32)
+        r = rng.standard_normal(n).astype(np.float32)
+        acc = np.empty(n, np.float32)
+        idx, vals, hits, _, _ = _numba.accumulate(
+            g, r, None, None, 0.0, acc, None, cut, 0, n, n, np.int32, np.inf, False, workspace
+        )
+        a = g + r
+        want = np.flatnonzero(np.abs(a) >= np.float32(cut))
+        np.testing.assert_array_equal(idx, want)
+        np.testing.assert_array_equal(vals, a[want])
+        assert hits == want.shape[0]
+        assert (vals.ctypes.data - idx.ctypes.data) % PAGE == PAGE // 2
+        assert np.shares_memory(vals, workspace["values"])
+        assert np.shares_memory(idx, workspace["indices"])
