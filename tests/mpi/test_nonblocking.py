@@ -44,6 +44,35 @@ def test_iallreduce_equals_allreduce(comm, name):
         assert_all(comm, g.info["stats"] == w.info["stats"], f"{g.info} != {w.info}")
 
 
+@pytest.mark.parametrize("setting", ["0", "1"])
+def test_progress_poll_setting(comm, monkeypatch, setting):
+    """SPARSECOLL_PROGRESS_POLL=0: the progress thread waits in MPI's blocking calls
+    (read when an engine starts); results equal allreduce's either way."""
+    from mpi4py import MPI
+
+    from sparsecoll import Communicator
+
+    monkeypatch.setenv("SPARSECOLL_PROGRESS_POLL", setting)
+    mine = Communicator(MPI.COMM_WORLD.Dup())  # a fresh engine reads the setting
+    engine = mine.engine()
+    try:
+        assert_all(comm, engine.comm.poll == (setting == "1"), "the setting was not applied")
+        inputs = [_input(comm.rank, seed) for seed in range(3)]
+        for name in ("oktopk", "exdyna", "allgather"):
+            reqs = [
+                sparsecoll.iallreduce(mine, v, i, n=N, algorithm=name, **_opts(name))
+                for v, i in inputs
+            ]
+            want = [
+                sparsecoll.allreduce(comm, v, i, n=N, algorithm=name, **_opts(name))
+                for v, i in inputs
+            ]
+            got = [digest(r.wait()) for r in reqs]
+            assert_all(comm, got == [digest(w) for w in want], f"{name}: results differ")
+    finally:
+        engine.close()
+
+
 def test_mixed_blocking_and_nonblocking(comm):
     inputs = [_input(comm.rank, seed) for seed in range(4)]
     want = [digest(sparsecoll.allreduce(comm, v, i, n=N)) for v, i in inputs]
