@@ -905,7 +905,7 @@ def _scratch(
     With ``apart``, the array starts half a page from it (address mod PAGE): the pass
     writes both at the same running position, and two large arrays from malloc start at
     the same page offset, so those writes met in one L1 set. In some processes (chosen by
-    where the arrays landed) that cost the pass 1.4x its time (bench/pass_hits.py)."""
+    where the arrays landed) that cost the pass 1.4x its time (docs/benchmarks.md § 4)."""
     pad = PAGE // np.dtype(dtype).itemsize if apart is not None else 0
     a = workspace.get(name) if workspace is not None else None
     if a is None or a.dtype != dtype or a.shape[0] < size + pad:
