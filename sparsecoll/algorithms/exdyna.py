@@ -234,6 +234,7 @@ class ExDyna(Algorithm):
         self.threshold: float | None = None
         self.growth = 0.0  # the threshold's smoothed log-change per call (for zero_cut)
         self.rederives = 0
+        self.recounts = 0  # calls whose candidates did not reach low enough: a second read
         self._cooldown = 0
         self._cooldown_side = 0  # the miss that started the cooldown: +1 too many, -1 too few
 
@@ -303,7 +304,18 @@ class ExDyna(Algorithm):
             return None
         if self.rule == "authors":
             return _cut(dtype, self.threshold)
-        return _cut(dtype, float(window_edges(self.threshold, dtype)[CANDIDATE_EDGE]))
+        return _cut(dtype, float(window_edges(self.threshold, dtype)[self._candidate_edge()]))
+
+    def _candidate_edge(self) -> int:
+        """The window edge from which a caller's candidates start: CANDIDATE_EDGE, moved up
+        by the threshold's smoothed growth per call while it rises (the pick is expected
+        that much higher; a pick below the candidates costs a second read of the range, as
+        a fall of the threshold does)."""
+        if self.growth <= 0:
+            return CANDIDATE_EDGE
+        want = WINDOW_OFFSETS[CANDIDATE_EDGE] + self.growth
+        j = int(np.searchsorted(WINDOW_OFFSETS, want, side="right")) - 1
+        return min(max(j, CANDIDATE_EDGE), WINDOW_OFFSETS.shape[0] - 1)
 
     def zero_cut(self, dtype: Any) -> float | None:
         """Where the next call's selection is expected to start (None when it will derive
@@ -363,7 +375,7 @@ class ExDyna(Algorithm):
         part = acc[lo:hi]
         if candidates is not None:
             idx, vals = candidates
-            low = CANDIDATE_EDGE if self.rule == "window" else 0
+            low = self._candidate_edge() if self.rule == "window" else 0
             found = _Found(vals, idx, lo, low, part, zeroed)
 
         def values_at(idx: Any) -> Any:
@@ -488,6 +500,7 @@ class ExDyna(Algorithm):
                 break
             found.restore()
             found = None
+            self.recounts += 1
         j, missed = pick_edge(total[known:], self.k, tol)
         j += known
         side = 0 if not missed else (1 if j == e - 1 else -1)

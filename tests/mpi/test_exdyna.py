@@ -163,11 +163,14 @@ def pass_zeroed(alg: ExDyna, comm, x: np.ndarray):
     return acc, cand, zc
 
 
-@pytest.mark.parametrize("kind", ["shrinking", "ties"])
+@pytest.mark.parametrize("kind", ["shrinking", "ties", "growing", "slowing", "turning"])
 def test_candidates_from_a_falling_threshold(comm, kind, monkeypatch):
-    """The k-th value falling 10% a call (below the caller's candidates), or data made of
-    ties (where the pick's tie rule looks below them): reduce_dense with the caller's
-    candidates reads its range again and keeps exactly what it keeps without them."""
+    """The k-th value falling 10% a call (below the caller's candidates), data made of
+    ties (where the pick's tie rule looks below them), growing 15% a call (the candidates
+    start higher, with the threshold's growth), or going from that growth to 3% (the pick
+    between the raised candidates and the usual ones) or to a 15% fall: reduce_dense with
+    the caller's candidates keeps exactly what it keeps without them, reading its range
+    again where it must."""
     from sparsecoll.algorithms import exdyna
 
     reads = []
@@ -176,12 +179,20 @@ def test_candidates_from_a_falling_threshold(comm, kind, monkeypatch):
     n, k = 6000, 60
     plain, given_, zeroing = ExDyna(k=k), ExDyna(k=k), ExDyna(k=k)
     same = True
+    raised = False
     for t in range(8):
         rng = np.random.default_rng([5, comm.rank, t])
         if kind == "ties":
             x = rng.integers(-4, 5, n).astype(np.float32)
         else:
-            x = (rng.standard_normal(n) * 0.9**t).astype(np.float32)
+            scale = {
+                "shrinking": 0.9**t,
+                "growing": 1.15**t,
+                "slowing": 1.15 ** min(t, 4) * 1.03 ** max(t - 4, 0),
+                "turning": 1.15 ** min(t, 4) * 0.85 ** max(t - 4, 0),
+            }[kind]
+            x = (rng.standard_normal(n) * scale).astype(np.float32)
+        raised |= given_._candidate_edge() > exdyna.CANDIDATE_EDGE
         want = plain.reduce_dense(comm, x)
         before = len(reads)
         got = given_.reduce_dense(comm, x, candidates=owned_candidates(given_, comm, x))
@@ -194,7 +205,11 @@ def test_candidates_from_a_falling_threshold(comm, kind, monkeypatch):
         dropped[np.asarray(got.indices)] = 0
         same &= bool(np.array_equal(acc, dropped))
     assert_all(comm, same, "the caller's candidates changed the result")
-    assert_all(comm, reread, "the last call did not read its range again")
+    if kind in ("shrinking", "ties", "turning"):
+        assert_all(comm, reread, "the last call did not read its range again")
+    if kind in ("growing", "slowing", "turning"):
+        assert_all(comm, raised, "the candidates never started above CANDIDATE_EDGE")
+        assert_all(comm, (given_.recounts > 0) == (kind != "growing"), f"{given_.recounts=}")
 
 
 def stream(n: int, kind: str, rank: int, t: int) -> np.ndarray:
