@@ -65,6 +65,7 @@ COOLDOWN = 16  # calls between re-derives while k stays outside the window
 # The window edge from which a caller's candidates (reduce_dense) are counted: thr·e^-0.064.
 # Below it the counts come from a second read of the data, only when the pick needs them
 # (the k-th value fell more than ~6% in a call), far fewer candidates than from edge 0.
+# While the threshold rises, the candidates start higher by its growth (_candidate_edge).
 CANDIDATE_EDGE = 16
 
 
