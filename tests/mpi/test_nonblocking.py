@@ -47,7 +47,8 @@ def test_iallreduce_equals_allreduce(comm, name):
 @pytest.mark.parametrize("setting", ["0", "1"])
 def test_progress_poll_setting(comm, monkeypatch, setting):
     """SPARSECOLL_PROGRESS_POLL=0: the progress thread waits in MPI's blocking calls
-    (read when an engine starts); results equal allreduce's either way."""
+    (read when an engine starts); results equal allreduce's either way, and bad input on
+    one rank raises on every rank through wait()."""
     from mpi4py import MPI
 
     from sparsecoll import Communicator
@@ -69,6 +70,22 @@ def test_progress_poll_setting(comm, monkeypatch, setting):
             ]
             got = [digest(r.wait()) for r in reqs]
             assert_all(comm, got == [digest(w) for w in want], f"{name}: results differ")
+        # bad input on one rank raises the same error everywhere, and the engine goes on
+        bad = comm.size - 1
+        vals, idx = _input(comm.rank, 1)
+        if comm.rank == bad:
+            idx = idx.copy()
+            idx[3] = N + 5
+        try:
+            opts = _opts("oktopk")
+            sparsecoll.iallreduce(mine, vals, idx, n=N, algorithm="oktopk", **opts).wait()
+            err = None
+        except sparsecoll.CollectiveInputError as exc:
+            err = str(exc)
+        assert_all(comm, err is not None and f"rank {bad}" in err, err)
+        assert_all(comm, len(set(comm.allgather_object(err))) == 1)
+        out = sparsecoll.iallreduce(mine, *_input(comm.rank, 2), n=N).wait()
+        assert_all(comm, out.n == N)
     finally:
         engine.close()
 
