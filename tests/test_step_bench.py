@@ -98,3 +98,22 @@ def test_pass_hits_benchmark_runs() -> None:
     rows = [ln.split() for ln in proc.stdout.splitlines() if ln and not ln.startswith("#")]
     assert rows[0][0] == "case" and rows[1][:3] == ["no", "hits", "0"]
     assert len(rows) == 8  # the header, no hits, three shares with and without the extras
+
+
+def test_pass_processes_benchmark_runs() -> None:
+    """bench/pass_processes.py: one row per fresh process, then the count of slow ones."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, SPARSECOLL_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "pass_processes.py"), "-m", "64K",
+         "--processes", "2", "--rounds", "2"],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [ln.split() for ln in proc.stdout.splitlines() if ln and not ln.startswith("#")]
+    assert rows[0][0] == "process" and [r[0] for r in rows[1:]] == ["0", "1"]
+    assert all(float(x) > 0 for r in rows[1:] for x in r[1:])
+    assert "of 2 processes slow" in proc.stdout.splitlines()[-1]
