@@ -199,7 +199,7 @@ def _keep_bucket_kernel() -> Any:
     import numba
 
     @numba.njit(cache=True, nogil=True)
-    def keep(idx, values, hi, lo, quota, out_idx, out_val):  # pragma: no cover - compiled
+    def keep(idx, values, hi, lo, quota, out_idx, out_val, chosen):  # pragma: no cover
         # every entry is written at p, which advances when it is kept: no branch on the
         # data (which entries are kept is random)
         p = 0
@@ -211,17 +211,20 @@ def _keep_bucket_kernel() -> Any:
             q -= tie
             out_idx[p] = idx[i]
             out_val[p] = values[i]
+            chosen[i] = above | tie
             p += above | tie
         return p
 
     return keep
 
 
-def keep_bucket(idx: Any, values: Any, hi: Any, lo: Any, quota: int, count: int) -> tuple[Any, Any]:
+def keep_bucket(
+    idx: Any, values: Any, hi: Any, lo: Any, quota: int, count: int, mask: bool = False
+) -> tuple[Any, ...]:
     """The entries (``idx``, ``values``) with |value| >= hi, and the first ``quota`` (in
     order) with lo <= |value| < hi: ``count`` of them in all (the caller knows it). hi
-    and lo are scalars of values' dtype, lo <= hi. A branch-free Numba loop on the host,
-    masks on a GPU."""
+    and lo are scalars of values' dtype, lo <= hi. With ``mask``, a third array: which
+    entries were kept. A branch-free Numba loop on the host, masks on a GPU."""
     xp = get_array_module(values)
     if xp is not np or values.dtype == np.float16:
         mags = xp.abs(values)
@@ -229,16 +232,19 @@ def keep_bucket(idx: Any, values: Any, hi: Any, lo: Any, quota: int, count: int)
         if quota:
             bucket = xp.flatnonzero((mags >= lo) & ~chosen)
             chosen[bucket[:quota]] = True
-        return idx[chosen], values[chosen]
-    out_idx = np.empty(count + 1, idx.dtype)  # the slot past the last one is written too
-    out_val = np.empty(count + 1, values.dtype)
-    dt = values.dtype.type
-    got = _keep_bucket_kernel()(
-        np.ascontiguousarray(idx), np.ascontiguousarray(values), dt(hi), dt(lo), int(quota),
-        out_idx, out_val,
-    )  # fmt: skip
-    assert got == count, (got, count)
-    return out_idx[:count], out_val[:count]
+        kept = idx[chosen], values[chosen]
+    else:
+        out_idx = np.empty(count + 1, idx.dtype)  # the slot past the last one is written too
+        out_val = np.empty(count + 1, values.dtype)
+        chosen = np.empty(values.shape[0], dtype=bool)
+        dt = values.dtype.type
+        got = _keep_bucket_kernel()(
+            np.ascontiguousarray(idx), np.ascontiguousarray(values), dt(hi), dt(lo), int(quota),
+            out_idx, out_val, chosen,
+        )  # fmt: skip
+        assert got == count, (got, count)
+        kept = out_idx[:count], out_val[:count]
+    return (*kept, chosen) if mask else kept
 
 
 def isin_sorted(a: Any, b: Any) -> Any:

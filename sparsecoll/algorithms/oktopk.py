@@ -252,16 +252,17 @@ class OkTopk(Algorithm):
             self.boundaries = balanced_boundaries(rows, n, size)
             self._regions_from_data = bool(np.any(rows[:, 0] > 0))
         bounds = self.boundaries
-        region = self._split_reduce(comm, x, bounds)
+        region, own = self._split_reduce(comm, x, bounds)
         recompute = self.step % self.tau == 0 or self.threshold <= 0.0
         missed = False
         window = None
         kept = None  # (indices, values) kept in this rank's region
+        chosen = None  # which of the region's entries were kept (a mask)
         if not recompute and self.rule == "window" and self.k > 0:
             picked = self._select_window(comm, *region)
             missed = recompute = picked is None
             if picked is not None:
-                kept, kept_counts, window = picked
+                *kept, chosen, kept_counts, window = picked
                 threshold = self.threshold = window[0]
         elif not recompute:
             threshold = self.threshold
@@ -275,10 +276,13 @@ class OkTopk(Algorithm):
             self.window_misses += missed
         if kept is None:
             kept = (region[0][keep], region[1][keep])
+            if own is not None:
+                chosen = x.xp.zeros(region[0].shape[0], dtype=bool)
+                chosen[keep] = True
         total = int(sum(kept_counts))
         idx, vals = self._balance_gather(comm, *kept, kept_counts, n)
         out = SparseVector(idx, vals, n)
-        out.contributed = isin_sorted(x.indices, idx)
+        out.contributed = _contributed(x, idx, bounds, comm.rank, own, chosen)
         out.local = x
         out.info.update(
             k=self.k,
@@ -298,7 +302,10 @@ class OkTopk(Algorithm):
     def _split_reduce(
         self, comm: Communicator, x: SparseVector, bounds: np.ndarray
     ) -> tuple[Any, Any]:
-        """Step 3: send each region's entries to its owner; sum what arrives into own region."""
+        """Step 3: send each region's entries to its owner; sum what arrives into own region.
+
+        Returns the region's (indices, values) and, when no other rank sent into it (as
+        at P = 1), the slice of x it is (else None)."""
         xp, r, size = x.xp, comm.rank, comm.size
         cuts = to_host(x.xp.searchsorted(x.indices, xp.asarray(bounds), side="left"))
         cuts = [int(c) for c in cuts]
@@ -323,7 +330,7 @@ class OkTopk(Algorithm):
                     comm.isend(pack_pairs(x.indices[lo:hi], x.values[lo:hi]), dst, TAG_SPLIT)
                 )
         acc_idx = x.indices[cuts[r] : cuts[r + 1]]
-        acc_val = x.values[cuts[r] : cuts[r + 1]].astype(acc_type)
+        acc_val = x.values[cuts[r] : cuts[r + 1]].astype(acc_type, copy=False)
         for s in range(1, size):  # a fixed order: the sums do not depend on arrival times
             src = (r - s) % size
             if src not in recvs:
@@ -334,19 +341,21 @@ class OkTopk(Algorithm):
             # both runs are sorted and unique: one linear merge (acc + cv at equal indices)
             acc_idx, acc_val = merge_two(acc_idx, acc_val, ci, cv.astype(acc_type), x.n)
         Request.waitall(sends)
-        return acc_idx, acc_val.astype(vtype, copy=False)
+        own = None if recvs else (cuts[r], cuts[r + 1])
+        return (acc_idx, acc_val.astype(vtype, copy=False)), own
 
     def _select_window(
         self, comm: Communicator, idx: Any, vals: Any
-    ) -> tuple[tuple[Any, Any], list[int], tuple[float, float]] | None:
+    ) -> tuple[Any, Any, Any, list[int], tuple[float, float]] | None:
         """Step 4 on a reuse call with ``rule="window"``: k entries, cut at the edges around
         the last threshold that bracket the global k-th largest |value| (one allgather of E
         counts per rank, no other message).
 
         Keeps every |value| >= ``hi`` and, of those in ``[lo, hi)``, the lowest indices up
-        to k in all. Returns the kept (indices, values) of this rank's region ``(idx,
-        vals)``, every rank's kept count and ``(lo, hi)``; None (on every rank: they all see
-        the same counts) when k lies outside the window.
+        to k in all. Returns the kept indices and values of this rank's region ``(idx,
+        vals)``, which of its entries were kept (a mask), every rank's kept count and
+        ``(lo, hi)``; None (on every rank: they all see the same counts) when k lies
+        outside the window.
         """
         # compare in the values' dtype (counts == selections); an edge that rounds to 0
         # must not select zeros
@@ -372,8 +381,8 @@ class OkTopk(Algorithm):
         assert sum(counts) == self.k, (counts, self.k)
         # all from edges[m] up, and this rank's share of the bucket [edges[j], edges[m])
         mine = int(taken[comm.rank])
-        kept = keep_bucket(idx, vals, edges[m], edges[j], mine, counts[comm.rank])
-        return kept, counts, (float(edges[j]), hi)
+        kept = keep_bucket(idx, vals, edges[m], edges[j], mine, counts[comm.rank], mask=True)
+        return *kept, counts, (float(edges[j]), hi)
 
     def _select_exact(self, comm: Communicator, vals: Any) -> tuple[Any, list[int], float]:
         """Step 4 on a recompute call: the exact global top-k (ties by lower index).
@@ -479,6 +488,27 @@ class OkTopk(Algorithm):
         least_kept = np.abs(fv[at]).min(initial=np.inf)
         eps = float(np.finfo(result.values.dtype).eps)
         return bool(worst_dropped <= least_kept * (1 + 64 * eps * len(inputs)))
+
+
+def _contributed(
+    x: SparseVector, idx: Any, bounds: np.ndarray, rank: int, own: Any, chosen: Any
+) -> Any:
+    """Which of x's entries made the result ``idx`` (ascending). Where this rank's region is
+    a slice of x (``own``, no other rank sent into it) ``chosen`` says so already; the rest
+    is one walk over x's indices and the result's."""
+    if own is None:
+        return isin_sorted(x.indices, idx)
+    lo, hi = own
+    xp = x.xp
+    ends = to_host(xp.searchsorted(idx, xp.asarray(bounds[rank : rank + 2]), side="left"))
+    a, b = (0 if rank == 0 else int(ends[0])), int(ends[1])
+    if rank + 1 == bounds.shape[0] - 1:
+        b = idx.shape[0]
+    out = xp.empty(x.nnz, dtype=bool)
+    out[:lo] = isin_sorted(x.indices[:lo], idx[:a])
+    out[lo:hi] = chosen
+    out[hi:] = isin_sorted(x.indices[hi:], idx[b:])
+    return out
 
 
 def _at_least(vals: Any, threshold: float) -> Any:

@@ -1288,6 +1288,43 @@ def _edges_below(x, lo, scale, top, edge_in, first, counts, hist):  # pragma: no
 EDGE_BINS = 1024  # linear bins that place an element among the edges (count_at_edges)
 
 
+@njit(cache=True, nogil=True)
+def _binned_at_edges(x, edges, top, out):  # pragma: no cover - compiled
+    # count_at_edges through `top` linear bins of [edges[0], edges[-1]]: False (out
+    # untouched) when some bin may hold two edges
+    e = edges.shape[0]
+    lo, hi = np.float64(edges[0]), np.float64(edges[-1])
+    scale = top / (hi - lo)
+    slack = 1e-3 / scale  # far beyond any rounding of the bin arithmetic
+    # bin b is [lo + b / scale, lo + (b + 1) / scale) (the top bin: everything above).
+    # first[b]: edges surely below every element of bin b (bin 0 also holds everything
+    # below lo), and edge_in[b] the one edge that may lie in or next to it (inf if none)
+    first = np.empty(top + 1, np.int64)
+    edge_in = np.full(top + 1, np.inf, dtype=x.dtype)
+    f = 0
+    g = 0
+    for b in range(top + 1):
+        start = lo + b / scale
+        while f < e and np.float64(edges[f]) < start - slack:
+            f += 1
+        first[b] = 0 if b == 0 else f
+        end = lo + (b + 1) / scale + slack if b < top else np.inf
+        while g < e and np.float64(edges[g]) <= end:
+            g += 1
+        if g - first[b] > 1:
+            return False
+        if g > first[b]:
+            edge_in[b] = edges[first[b]]
+    counts = np.zeros(2 * (top + 1), np.int64)
+    hist = np.zeros(e + 2, np.int64)
+    _edges_below(x, lo, scale, top, edge_in, first, counts, hist)
+    c = 0
+    for j in range(e - 1, -1, -1):  # out[j] = hist[j + 1] + ... + hist[e]
+        c += hist[j + 1]
+        out[j] = c
+    return True
+
+
 def count_at_edges(x: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """``[#(|x| >= e) for e in edges]`` (int64) for ascending edges, exactly as compared in
     x's dtype: one pass over x (a pass per edge below EDGE_BINS elements, or when edges
@@ -1296,27 +1333,9 @@ def count_at_edges(x: np.ndarray, edges: np.ndarray) -> np.ndarray:
         x, edges = x.astype(np.float32), edges.astype(np.float32)
     x = np.ascontiguousarray(x)
     edges = np.ascontiguousarray(edges, dtype=x.dtype)
-    e = edges.shape[0]
-    out = np.empty(e, np.int64)
+    out = np.empty(edges.shape[0], np.int64)
     lo, hi = float(edges[0]), float(edges[-1])
-    if x.shape[0] >= EDGE_BINS and math.isfinite(lo) and math.isfinite(hi) and hi > lo:
-        scale = EDGE_BINS / (hi - lo)
-        starts = lo + np.arange(EDGE_BINS + 1) / scale  # bin b: [starts[b], starts[b + 1])
-        slack = 1e-3 / scale  # far beyond any rounding of the bin arithmetic
-        e64 = edges.astype(np.float64)
-        # edges surely below every element of the bin, and those possibly below one
-        first = np.searchsorted(e64, starts - slack, side="left")
-        first[0] = 0  # bin 0 also holds everything below lo
-        ends = np.append(starts[1:] + slack, np.inf)  # the top bin holds everything above
-        last = np.searchsorted(e64, ends, side="right")
-        if np.all(last - first <= 1):
-            edge_in = np.full(EDGE_BINS + 1, np.inf, dtype=x.dtype)
-            one = last > first
-            edge_in[one] = edges[first[one]]
-            hist = np.zeros(e + 2, np.int64)
-            counts = np.zeros(2 * (EDGE_BINS + 1), np.int64)
-            _edges_below(x, lo, scale, EDGE_BINS, edge_in, first, counts, hist)
-            np.cumsum(hist[e:0:-1], out=out[::-1])
-            return out
-    _count_at_edges(x, edges, out)
+    binned = x.shape[0] >= EDGE_BINS and math.isfinite(lo) and math.isfinite(hi) and hi > lo
+    if not (binned and _binned_at_edges(x, edges, EDGE_BINS, out)):
+        _count_at_edges(x, edges, out)
     return out

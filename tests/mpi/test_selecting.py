@@ -241,6 +241,29 @@ def test_oktopk_stream_reuses_state(comm, rule, adaptive, case, k, seed):
         assert_all(comm, all(s == state[0] for s in state), "state differs across ranks")
 
 
+@pytest.mark.parametrize("rule", ["window", "paper"])
+@given(seed=st.integers(0, 2**16), k=st.integers(1, 300))
+def test_oktopk_regions_of_one_rank(comm, rule, seed, k):
+    """Every rank's entries lie in a block of its own, equally many: each region then
+    holds one rank's entries only (the contributed mask comes from the selection itself,
+    not from a walk over the result), through recompute and reuse calls."""
+    n, size, per = 40_000, comm.size, 500
+    algo = sparsecoll.get_algorithm("oktopk", k=k, tau=3, tau_prime=3, rule=rule)
+    lo, hi = range_bounds(n, size)[comm.rank : comm.rank + 2]
+    for step in range(5):
+        inputs = []
+        for r in range(size):
+            rng = np.random.default_rng([seed, step, r])
+            b = range_bounds(n, size)
+            idx = np.sort(rng.choice(np.arange(b[r], b[r + 1]), per, replace=False))
+            vals = rng.integers(-99, 100, per).astype(np.float32)
+            inputs.append(sparsecoll.SparseVector(idx.astype(np.int32), vals, n))
+        x = inputs[comm.rank]
+        assert lo <= x.indices[0] and x.indices[-1] < hi
+        out = run(comm, algo, x, n)
+        verdict(comm, check_call(out, inputs, k, comm.rank), out)
+
+
 @given(
     seed=st.integers(0, 2**32 - 1),
     n=st.integers(50_000, 2**40),
