@@ -307,7 +307,7 @@ class OkTopk(Algorithm):
         Returns the region's (indices, values) and, when no other rank sent into it (as
         at P = 1), the slice of x it is (else None)."""
         xp, r, size = x.xp, comm.rank, comm.size
-        cuts = to_host(x.xp.searchsorted(x.indices, xp.asarray(bounds), side="left"))
+        cuts = to_host(xp.searchsorted(x.indices, _like_indices(bounds, x.indices), side="left"))
         cuts = [int(c) for c in cuts]
         cuts[0], cuts[-1] = 0, x.nnz
         sendcounts = [cuts[j + 1] - cuts[j] for j in range(size)]
@@ -490,6 +490,14 @@ class OkTopk(Algorithm):
         return bool(worst_dropped <= least_kept * (1 + 64 * eps * len(inputs)))
 
 
+def _like_indices(bounds: np.ndarray, indices: Any) -> Any:
+    """Region bounds as an array of the indices' kind and dtype where it holds them: a
+    search of int64 keys in int32 indices would convert the whole index array first."""
+    xp = get_array_module(indices)
+    dtype = indices.dtype if int(bounds.max()) <= np.iinfo(indices.dtype).max else bounds.dtype
+    return xp.asarray(bounds, dtype=dtype)
+
+
 def _contributed(
     x: SparseVector, idx: Any, bounds: np.ndarray, rank: int, own: Any, chosen: Any
 ) -> Any:
@@ -500,7 +508,7 @@ def _contributed(
         return isin_sorted(x.indices, idx)
     lo, hi = own
     xp = x.xp
-    ends = to_host(xp.searchsorted(idx, xp.asarray(bounds[rank : rank + 2]), side="left"))
+    ends = to_host(xp.searchsorted(idx, _like_indices(bounds[rank : rank + 2], idx), side="left"))
     a, b = (0 if rank == 0 else int(ends[0])), int(ends[1])
     if rank + 1 == bounds.shape[0] - 1:
         b = idx.shape[0]
