@@ -156,3 +156,16 @@ def test_keep_bucket_is_the_mask(x, dtype, cuts, share):
     *again, got_mask = keep_bucket(idx, xs, hi, lo, quota, int(chosen.sum()), mask=True)
     np.testing.assert_array_equal(got_mask, chosen)
     np.testing.assert_array_equal(again[0], idx[chosen])
+    # two runs of the bucket's positions: a wrapped run from the middle
+    if bucket.shape[0]:
+        start = bucket.shape[0] // 2
+        runs = (
+            (start, min(start + quota, bucket.shape[0])),
+            (0, max(start + quota - bucket.shape[0], 0)),
+        )
+        chosen = mags >= hi
+        chosen[bucket[(start + np.arange(quota)) % bucket.shape[0]]] = True
+        got = keep_bucket(idx, xs, hi, lo, runs, int(chosen.sum()), mask=True)
+        np.testing.assert_array_equal(got[0], idx[chosen])
+        np.testing.assert_array_equal(got[1], xs[chosen])
+        np.testing.assert_array_equal(got[2], chosen)

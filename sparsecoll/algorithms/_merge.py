@@ -199,16 +199,17 @@ def _keep_bucket_kernel() -> Any:
     import numba
 
     @numba.njit(cache=True, nogil=True)
-    def keep(idx, values, hi, lo, quota, out_idx, out_val, chosen):  # pragma: no cover
+    def keep(idx, values, hi, lo, a1, b1, a2, b2, out_idx, out_val, chosen):  # pragma: no cover
         # every entry is written at p, which advances when it is kept: no branch on the
-        # data (which entries are kept is random)
+        # data (which entries are kept is random); o counts the bucket's entries so far
         p = 0
-        q = quota
+        o = 0
         for i in range(values.shape[0]):
             v = abs(values[i])
             above = v >= hi
-            tie = (v >= lo) & (not above) & (q > 0)
-            q -= tie
+            inside = (v >= lo) & (not above)
+            tie = inside & (((o >= a1) & (o < b1)) | ((o >= a2) & (o < b2)))
+            o += inside
             out_idx[p] = idx[i]
             out_val[p] = values[i]
             chosen[i] = above | tie
@@ -218,20 +219,30 @@ def _keep_bucket_kernel() -> Any:
     return keep
 
 
+Runs = tuple[tuple[int, int], ...]
+
+
 def keep_bucket(
-    idx: Any, values: Any, hi: Any, lo: Any, quota: int, count: int, mask: bool = False
+    idx: Any, values: Any, hi: Any, lo: Any, runs: int | Runs, count: int, mask: bool = False
 ) -> tuple[Any, ...]:
-    """The entries (``idx``, ``values``) with |value| >= hi, and the first ``quota`` (in
-    order) with lo <= |value| < hi: ``count`` of them in all (the caller knows it). hi
-    and lo are scalars of values' dtype, lo <= hi. With ``mask``, a third array: which
-    entries were kept. A branch-free Numba loop on the host, masks on a GPU."""
+    """The entries (``idx``, ``values``) with |value| >= hi, and of those with lo <= |value|
+    < hi (the bucket) the ones whose position in the bucket (0, 1, ... in order) lies in
+    one of ``runs``, at most two half-open ``(start, stop)`` ranges (an int q: ``((0,
+    q),)``, the first q): ``count`` of them in all (the caller knows it). hi and lo are
+    scalars of values' dtype, lo <= hi. With ``mask``, a third array: which entries were
+    kept. A branch-free Numba loop on the host, masks on a GPU."""
+    if isinstance(runs, int):
+        runs = ((0, runs),)
+    if len(runs) > 2:
+        raise ValueError(f"keep_bucket: at most two runs, got {runs}")
+    (a1, b1), (a2, b2) = (*runs, (0, 0), (0, 0))[:2]
     xp = get_array_module(values)
     if xp is not np or values.dtype == np.float16:
         mags = xp.abs(values)
         chosen = mags >= hi
-        if quota:
-            bucket = xp.flatnonzero((mags >= lo) & ~chosen)
-            chosen[bucket[:quota]] = True
+        bucket = xp.flatnonzero((mags >= lo) & ~chosen)
+        for a, b in ((a1, b1), (a2, b2)):
+            chosen[bucket[max(a, 0) : max(b, 0)]] = True
         kept = idx[chosen], values[chosen]
     else:
         out_idx = np.empty(count + 1, idx.dtype)  # the slot past the last one is written too
@@ -239,8 +250,8 @@ def keep_bucket(
         chosen = np.empty(values.shape[0], dtype=bool)
         dt = values.dtype.type
         got = _keep_bucket_kernel()(
-            np.ascontiguousarray(idx), np.ascontiguousarray(values), dt(hi), dt(lo), int(quota),
-            out_idx, out_val, chosen,
+            np.ascontiguousarray(idx), np.ascontiguousarray(values), dt(hi), dt(lo),
+            int(a1), int(b1), int(a2), int(b2), out_idx, out_val, chosen,
         )  # fmt: skip
         assert got == count, (got, count)
         kept = out_idx[:count], out_val[:count]

@@ -258,6 +258,7 @@ class OkTopk(Algorithm):
         window = None
         kept = None  # (indices, values) kept in this rank's region
         chosen = None  # which of the region's entries were kept (a mask)
+        self._bucket_start = None
         if not recompute and self.rule == "window" and self.k > 0:
             picked = self._select_window(comm, *region)
             missed = recompute = picked is None
@@ -291,6 +292,7 @@ class OkTopk(Algorithm):
             next_threshold=self.threshold,
             recomputed=recompute,
             window=window,
+            bucket_start=self._bucket_start,
             window_missed=missed,
             repartitioned=repartition,
             boundaries=bounds.copy(),
@@ -371,17 +373,29 @@ class OkTopk(Algorithm):
         m = j if top else j + 1
         above = table[:, m]
         bucket = table[:, j] - above  # per rank, in [lo, hi)
-        # regions are in index order by rank: the bucket's lowest indices are the lowest
-        # ranks' lowest positions
+        # the bucket's entries in index order (regions are in index order by rank): the
+        # need of them from position start on, wrapping around, so no index range always
+        # loses the bucket (start moves with the call)
         need = self.k - int(above.sum())
+        total = int(bucket.sum())
+        start = bucket_start(self.step, total)
         before = np.concatenate(([0], np.cumsum(bucket[:-1])))
-        taken = np.clip(need - before, 0, bucket)
+        mine = int(before[comm.rank]), int(before[comm.rank] + bucket[comm.rank])
+        runs = [(start, min(start + need, total)), (0, max(start + need - total, 0))]
+        local = [(max(a, mine[0]) - mine[0], min(b, mine[1]) - mine[0]) for a, b in runs]
+        local = tuple((a, b) for a, b in local if b > a)
+        taken = np.array(
+            [
+                sum(max(0, min(b, e) - max(a, s)) for a, b in runs)
+                for s, e in zip(before, before + bucket)
+            ]
+        )
         hi = float("inf") if top else float(edges[m])
         counts = (above + taken).tolist()
         assert sum(counts) == self.k, (counts, self.k)
         # all from edges[m] up, and this rank's share of the bucket [edges[j], edges[m])
-        mine = int(taken[comm.rank])
-        kept = keep_bucket(idx, vals, edges[m], edges[j], mine, counts[comm.rank], mask=True)
+        kept = keep_bucket(idx, vals, edges[m], edges[j], local, counts[comm.rank], mask=True)
+        self._bucket_start = start
         return *kept, counts, (float(edges[j]), hi)
 
     def _select_exact(self, comm: Communicator, vals: Any) -> tuple[Any, list[int], float]:
@@ -488,6 +502,13 @@ class OkTopk(Algorithm):
         least_kept = np.abs(fv[at]).min(initial=np.inf)
         eps = float(np.finfo(result.values.dtype).eps)
         return bool(worst_dropped <= least_kept * (1 + 64 * eps * len(inputs)))
+
+
+def bucket_start(step: int, total: int) -> int:
+    """Where a window call's bucket of ``total`` entries starts being taken: the
+    fractional part of ``step·φ`` (golden ratio, in 64-bit fixed point) times ``total``, so
+    successive calls start far apart and every position comes round evenly."""
+    return ((step * 0x9E3779B97F4A7C15) & (2**64 - 1)) * total >> 64
 
 
 def _like_indices(bounds: np.ndarray, indices: Any) -> Any:

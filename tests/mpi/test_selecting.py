@@ -127,7 +127,8 @@ def run(comm, algo, x, n):
 def check_call(out, inputs, k, rank) -> str | None:
     """Why ``out`` breaks the contract (None when it does not): kept values are the exact
     sums; the kept set is the exact top-k on recompute calls, on window calls every |sum| >=
-    hi and the lowest indices in [lo, hi) up to k, and {|sum| >= threshold in force} on the
+    hi and, of those in [lo, hi) in index order, a run from ``bucket_start`` (wrapping
+    around) up to k, and {|sum| >= threshold in force} on the
     paper rule's reuse calls (integral inputs: every sum is exact, ties included)."""
     n = inputs[0].n
     info = out.info
@@ -143,7 +144,12 @@ def check_call(out, inputs, k, rank) -> str | None:
         lo, hi = info["window"]
         above = oi[np.abs(ov) >= hi]
         bucket = oi[(np.abs(ov) >= lo) & (np.abs(ov) < hi)]
-        want = np.sort(np.concatenate([above, bucket[: k - above.shape[0]]]))
+        # k - |above| of the bucket in index order, from bucket_start on, wrapping around
+        start, need = info["bucket_start"], k - above.shape[0]
+        if not 0 <= start < max(bucket.shape[0], 1) or not 0 <= need <= bucket.shape[0]:
+            return f"bucket_start {start}, {need} of {bucket.shape[0]}"
+        taken = bucket[(start + np.arange(need)) % max(bucket.shape[0], 1)]
+        want = np.sort(np.concatenate([above, taken]))
         if want.shape[0] != k or info["threshold"] != lo:
             return f"window {info['window']}: {want.shape[0]} entries, threshold"
     else:
