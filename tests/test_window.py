@@ -105,3 +105,16 @@ def test_derive_takes_the_largest_nonzero_magnitudes(seed, m, nonzero, dtype, ta
         part[rng.integers(m)] = np.nan
         got = _top_magnitudes(part, take)
         assert not np.isnan(got).any() and got.shape[0] <= take
+
+
+def test_bucket_start_moves_over_the_whole_bucket():
+    """oktopk's window calls start taking their bucket at bucket_start(step, size): always a
+    position of the bucket, and over `size` calls most positions come round (golden-ratio
+    steps, no stuck start)."""
+    from sparsecoll.algorithms.oktopk import bucket_start
+
+    assert bucket_start(7, 0) == 0
+    for size in (1, 2, 7, 41, 1000, 2**40):
+        starts = [bucket_start(step, size) for step in range(min(size, 2000))]
+        assert all(0 <= s < size for s in starts)
+        assert len(set(starts)) >= 0.7 * len(starts)

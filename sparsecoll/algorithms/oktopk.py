@@ -22,13 +22,15 @@ does, on every rank:
      over the region); the allgather of kept counts that step 5 needs anyway carries those E
      counts instead of one, so every rank knows every rank's count at every edge. Every rank
      finds the same two neighbouring edges ``lo < hi`` with at least k entries ≥ lo and
-     fewer than k ≥ hi, keeps its entries ≥ hi and, of those in ``[lo, hi)``, as many as
-     complete k, lowest indices first (the ranks' regions are in index order, so each rank
-     knows its share). ``lo`` is the next call's window centre. So a window call keeps
-     exactly k entries, and differs from the exact top-k only inside one bucket less than
-     1.5% wide in |value|, at no extra message. When k lies outside the window (fewer
-     than k nonzeros in all, a jump in scale) the call falls back to the exact recompute
-     above (``info["window_missed"]``);
+     fewer than k ≥ hi, keeps its entries ≥ hi and, of those in ``[lo, hi)`` (the bucket),
+     as many as complete k: a run of the bucket in index order from position
+     ``info["bucket_start"]`` on, wrapping around (the ranks' regions are in index order,
+     so each rank knows its share). The start moves with the call (:func:`bucket_start`),
+     so no index range always loses the bucket. ``lo`` is the next call's window centre.
+     So a window call keeps exactly k entries, and differs from the exact top-k only
+     inside one bucket less than 1.5% wide in |value|, at no extra message. When k lies
+     outside the window (fewer than k nonzeros in all, a jump in scale) the call falls
+     back to the exact recompute above (``info["window_missed"]``);
    - ``rule="paper"``: the threshold of the last call is used as is; after the call it is
      multiplied by ``nudge`` when more than ``band[1]·k`` entries were kept, divided by it
      when fewer than ``band[0]·k``. With ``adaptive=True`` the step doubles in the exponent
@@ -51,7 +53,8 @@ Latency: about 2P + 2 log P messages.
 Contract: on a recompute call (``info["recomputed"]``, scheduled or a window fallback) the
 kept indices are exactly the global top-k of the reduced vector, ties broken by the lower
 index, zeros excepted. On a window call (``info["window"] = (lo, hi)``) they are exactly k:
-every index whose reduced |value| is ≥ hi, and the lowest indices with lo ≤ |value| < hi
+every index whose reduced |value| is ≥ hi and, of those with lo ≤ |value| < hi in index
+order, the run from position ``info["bucket_start"]`` (wrapping around) that completes k
 (``info["threshold"]`` is lo). With ``rule="paper"`` a reuse call keeps every index whose
 reduced |value| is ≥ the threshold in force (``info["threshold"]``), zeros excepted. The
 values are the exact sums of every rank's contributions at those indices (each region is
@@ -203,6 +206,7 @@ class OkTopk(Algorithm):
         self.step = 0
         self.threshold = 0.0
         self.streak = 0  # consecutive reuse calls out of the band: + above, - below
+        self._bucket_start: int | None = None  # the last call's (info["bucket_start"])
         self.window_misses = 0  # window calls that fell back to the exact select
         self.boundaries: np.ndarray | None = None
         self._shape: tuple[int, int] | None = None
@@ -353,11 +357,11 @@ class OkTopk(Algorithm):
         the last threshold that bracket the global k-th largest |value| (one allgather of E
         counts per rank, no other message).
 
-        Keeps every |value| >= ``hi`` and, of those in ``[lo, hi)``, the lowest indices up
-        to k in all. Returns the kept indices and values of this rank's region ``(idx,
-        vals)``, which of its entries were kept (a mask), every rank's kept count and
-        ``(lo, hi)``; None (on every rank: they all see the same counts) when k lies
-        outside the window.
+        Keeps every |value| >= ``hi`` and, of those in ``[lo, hi)`` in index order, a run
+        from position :func:`bucket_start` on (wrapping around) up to k in all. Returns
+        the kept indices and values of this rank's region ``(idx, vals)``, which of its
+        entries were kept (a mask), every rank's kept count and ``(lo, hi)``; None (on
+        every rank: they all see the same counts) when k lies outside the window.
         """
         # compare in the values' dtype (counts == selections); an edge that rounds to 0
         # must not select zeros
