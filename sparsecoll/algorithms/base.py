@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .._array import aligned_view, index_dtype
+from .._array import aligned_view, get_array_module, index_dtype, to_host
 from ..comm import Communicator
 from ..sparse import SparseVector, coalesce
 
@@ -151,6 +151,19 @@ class Fold:
 def range_bounds(n: int, parts: int) -> np.ndarray:
     """``parts + 1`` boundaries splitting [0, n) into contiguous near-equal ranges (int64)."""
     return (np.arange(parts + 1, dtype=np.int64) * n) // parts if parts else np.zeros(1, np.int64)
+
+
+def region_cuts(indices: Any, bounds: np.ndarray) -> list[int]:
+    """Where each region starts and ends in the ascending ``indices``: ``len(bounds)``
+    positions, the first 0 and the last ``len(indices)`` (region 0 takes everything below
+    bounds[1], the last everything from bounds[-2] on). The bounds are searched in the
+    indices' dtype where it holds them: int64 keys in int32 indices would convert the
+    whole index array first."""
+    xp = get_array_module(indices)
+    dtype = indices.dtype if int(bounds.max()) <= np.iinfo(indices.dtype).max else bounds.dtype
+    cuts = [int(c) for c in to_host(xp.searchsorted(indices, xp.asarray(bounds, dtype=dtype)))]
+    cuts[0], cuts[-1] = 0, int(indices.shape[0])
+    return cuts
 
 
 def sparse_is_cheaper(nnz: int, length: int, itype: Any, vtype: Any) -> bool:

@@ -49,12 +49,12 @@ from typing import Any
 
 import numpy as np
 
-from .._array import index_dtype, to_host, to_module
+from .._array import index_dtype
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import accumulate_dtype, merge_two
-from .base import Algorithm, range_bounds, sparse_is_cheaper
+from .base import Algorithm, range_bounds, region_cuts, sparse_is_cheaper
 
 __all__ = ["DSA", "bruck_counts", "chunk_bytes"]
 
@@ -94,7 +94,7 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
     xp = x.xp
     itype, vtype = index_dtype(n), x.dtype
     acc_t = accumulate_dtype(vtype)
-    cut = to_host(xp.searchsorted(x.indices, to_module(bounds, xp)))
+    cut = region_cuts(x.indices, bounds)
     sendcounts = np.diff(cut)
     recvcounts = comm.alltoall_ints(sendcounts)
     lengths = np.diff(bounds)

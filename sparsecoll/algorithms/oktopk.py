@@ -76,7 +76,14 @@ from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import isin_sorted, keep_bucket, merge_two
 from ._window import bracket_edge, edge_totals, window_edges
-from .base import Algorithm, allclose_sparse, pack_pairs, range_bounds, unpack_pairs
+from .base import (
+    Algorithm,
+    allclose_sparse,
+    pack_pairs,
+    range_bounds,
+    region_cuts,
+    unpack_pairs,
+)  # fmt: skip
 from .gtopk import check_k, topk_positions
 
 __all__ = ["OkTopk", "balanced_boundaries", "index_samples", "sample_segments"]
@@ -206,7 +213,6 @@ class OkTopk(Algorithm):
         self.step = 0
         self.threshold = 0.0
         self.streak = 0  # consecutive reuse calls out of the band: + above, - below
-        self._bucket_start: int | None = None  # the last call's (info["bucket_start"])
         self.window_misses = 0  # window calls that fell back to the exact select
         self.boundaries: np.ndarray | None = None
         self._shape: tuple[int, int] | None = None
@@ -262,12 +268,12 @@ class OkTopk(Algorithm):
         window = None
         kept = None  # (indices, values) kept in this rank's region
         chosen = None  # which of the region's entries were kept (a mask)
-        self._bucket_start = None
+        start = None  # where a window call began taking its bucket
         if not recompute and self.rule == "window" and self.k > 0:
             picked = self._select_window(comm, *region)
             missed = recompute = picked is None
             if picked is not None:
-                *kept, chosen, kept_counts, window = picked
+                *kept, chosen, kept_counts, window, start = picked
                 threshold = self.threshold = window[0]
         elif not recompute:
             threshold = self.threshold
@@ -296,7 +302,7 @@ class OkTopk(Algorithm):
             next_threshold=self.threshold,
             recomputed=recompute,
             window=window,
-            bucket_start=self._bucket_start,
+            bucket_start=start,
             window_missed=missed,
             repartitioned=repartition,
             boundaries=bounds.copy(),
@@ -313,9 +319,7 @@ class OkTopk(Algorithm):
         Returns the region's (indices, values) and, when no other rank sent into it (as
         at P = 1), the slice of x it is (else None)."""
         xp, r, size = x.xp, comm.rank, comm.size
-        cuts = to_host(xp.searchsorted(x.indices, _like_indices(bounds, x.indices), side="left"))
-        cuts = [int(c) for c in cuts]
-        cuts[0], cuts[-1] = 0, x.nnz
+        cuts = region_cuts(x.indices, bounds)
         sendcounts = [cuts[j + 1] - cuts[j] for j in range(size)]
         recvcounts = comm.alltoall_ints(sendcounts) if size > 1 else sendcounts
         acc_type = np.float64 if x.dtype == np.float16 else x.dtype
@@ -352,7 +356,7 @@ class OkTopk(Algorithm):
 
     def _select_window(
         self, comm: Communicator, idx: Any, vals: Any
-    ) -> tuple[Any, Any, Any, list[int], tuple[float, float]] | None:
+    ) -> tuple[Any, Any, Any, list[int], tuple[float, float], int] | None:
         """Step 4 on a reuse call with ``rule="window"``: k entries, cut at the edges around
         the last threshold that bracket the global k-th largest |value| (one allgather of E
         counts per rank, no other message).
@@ -360,8 +364,9 @@ class OkTopk(Algorithm):
         Keeps every |value| >= ``hi`` and, of those in ``[lo, hi)`` in index order, a run
         from position :func:`bucket_start` on (wrapping around) up to k in all. Returns
         the kept indices and values of this rank's region ``(idx, vals)``, which of its
-        entries were kept (a mask), every rank's kept count and ``(lo, hi)``; None (on
-        every rank: they all see the same counts) when k lies outside the window.
+        entries were kept (a mask), every rank's kept count, ``(lo, hi)`` and the bucket's
+        start; None (on every rank: they all see the same counts) when k lies outside the
+        window.
         """
         # compare in the values' dtype (counts == selections); an edge that rounds to 0
         # must not select zeros
@@ -384,23 +389,20 @@ class OkTopk(Algorithm):
         total = int(bucket.sum())
         start = bucket_start(self.step, total)
         before = np.concatenate(([0], np.cumsum(bucket[:-1])))
-        mine = int(before[comm.rank]), int(before[comm.rank] + bucket[comm.rank])
         runs = [(start, min(start + need, total)), (0, max(start + need - total, 0))]
-        local = [(max(a, mine[0]) - mine[0], min(b, mine[1]) - mine[0]) for a, b in runs]
-        local = tuple((a, b) for a, b in local if b > a)
-        taken = np.array(
-            [
-                sum(max(0, min(b, e) - max(a, s)) for a, b in runs)
-                for s, e in zip(before, before + bucket)
-            ]
-        )
+        # each rank's part of the runs, as positions in its own share of the bucket
+        shares = [
+            tuple((max(a, s) - s, min(b, e) - s) for a, b in runs if min(b, e) > max(a, s))
+            for s, e in zip(before.tolist(), (before + bucket).tolist())
+        ]
+        taken = np.array([sum(b - a for a, b in share) for share in shares], dtype=np.int64)
         hi = float("inf") if top else float(edges[m])
         counts = (above + taken).tolist()
         assert sum(counts) == self.k, (counts, self.k)
         # all from edges[m] up, and this rank's share of the bucket [edges[j], edges[m])
-        kept = keep_bucket(idx, vals, edges[m], edges[j], local, counts[comm.rank], mask=True)
-        self._bucket_start = start
-        return *kept, counts, (float(edges[j]), hi)
+        mine = shares[comm.rank]
+        kept = keep_bucket(idx, vals, edges[m], edges[j], mine, counts[comm.rank], mask=True)
+        return *kept, counts, (float(edges[j]), hi), start
 
     def _select_exact(self, comm: Communicator, vals: Any) -> tuple[Any, list[int], float]:
         """Step 4 on a recompute call: the exact global top-k (ties by lower index).
@@ -515,14 +517,6 @@ def bucket_start(step: int, total: int) -> int:
     return ((step * 0x9E3779B97F4A7C15) & (2**64 - 1)) * total >> 64
 
 
-def _like_indices(bounds: np.ndarray, indices: Any) -> Any:
-    """Region bounds as an array of the indices' kind and dtype where it holds them: a
-    search of int64 keys in int32 indices would convert the whole index array first."""
-    xp = get_array_module(indices)
-    dtype = indices.dtype if int(bounds.max()) <= np.iinfo(indices.dtype).max else bounds.dtype
-    return xp.asarray(bounds, dtype=dtype)
-
-
 def _contributed(
     x: SparseVector, idx: Any, bounds: np.ndarray, rank: int, own: Any, chosen: Any
 ) -> Any:
@@ -532,12 +526,8 @@ def _contributed(
     if own is None:
         return isin_sorted(x.indices, idx)
     lo, hi = own
-    xp = x.xp
-    ends = to_host(xp.searchsorted(idx, _like_indices(bounds[rank : rank + 2], idx), side="left"))
-    a, b = (0 if rank == 0 else int(ends[0])), int(ends[1])
-    if rank + 1 == bounds.shape[0] - 1:
-        b = idx.shape[0]
-    out = xp.empty(x.nnz, dtype=bool)
+    a, b = region_cuts(idx, bounds)[rank : rank + 2]  # the result's part in this region
+    out = x.xp.empty(x.nnz, dtype=bool)
     out[:lo] = isin_sorted(x.indices[:lo], idx[:a])
     out[lo:hi] = chosen
     out[hi:] = isin_sorted(x.indices[hi:], idx[b:])
