@@ -200,20 +200,22 @@ def _keep_bucket_kernel() -> Any:
 
     @numba.njit(cache=True, nogil=True)
     def keep(idx, values, hi, lo, a1, b1, a2, b2, out_idx, out_val, chosen):  # pragma: no cover
-        # every entry is written at p, which advances when it is kept: no branch on the
-        # data (which entries are kept is random); o counts the bucket's entries so far
+        # every entry is written at p, which advances when it is kept: no branch on
+        # whether it is kept (random). The bucket is a thin slice of the magnitudes, so the
+        # one branch, on entering it, is rarely taken and well predicted (a branch-free
+        # test of the runs for every entry took twice as long); o counts the bucket so far
         p = 0
         o = 0
         for i in range(values.shape[0]):
             v = abs(values[i])
-            above = v >= hi
-            inside = (v >= lo) & (not above)
-            tie = inside & (((o >= a1) & (o < b1)) | ((o >= a2) & (o < b2)))
-            o += inside
+            keep = v >= hi
+            if v >= lo and not keep:
+                keep = (a1 <= o < b1) or (a2 <= o < b2)
+                o += 1
             out_idx[p] = idx[i]
             out_val[p] = values[i]
-            chosen[i] = above | tie
-            p += above | tie
+            chosen[i] = keep
+            p += keep
         return p
 
     return keep

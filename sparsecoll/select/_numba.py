@@ -1051,16 +1051,18 @@ def topk_hits(idx: np.ndarray, vals: np.ndarray, found: Buckets, k: int):
 
 @njit(cache=True, nogil=True)
 def _take_top(bits, src, mask, kth, quota, out_idx, out_bits, taken):  # pragma: no cover
-    # keys above kth and the first ``quota`` equal to it, in order, without a branch on the
-    # key (about half the candidates are taken, at random): every key is written at p and
-    # p advances when it is taken. 2.7x faster than _scatter_gt_eq's blocks on candidates.
+    # keys above kth and the first ``quota`` equal to it, in order, without a branch on
+    # whether a key is taken (about half the candidates are, at random): every key is
+    # written at p and p advances when it is taken. 2.7x faster than _scatter_gt_eq's
+    # blocks on candidates. Ties with kth are rare: a branch, predicted not taken.
     p = 0
     q = quota
     for i in range(bits.shape[0]):
         key = bits[i] & mask
-        tie = (key == kth) & (q > 0)
-        q -= tie
-        take = (key > kth) | tie
+        take = key > kth
+        if key == kth:
+            take = q > 0
+            q -= take
         out_idx[p] = src[i]
         out_bits[p] = bits[i]
         taken[i] = take
