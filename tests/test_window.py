@@ -118,3 +118,46 @@ def test_bucket_start_moves_over_the_whole_bucket():
         starts = [bucket_start(step, size) for step in range(min(size, 2000))]
         assert all(0 <= s < size for s in starts)
         assert len(set(starts)) >= 0.7 * len(starts)
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    k=st.integers(1, 3000),
+    low=st.floats(-0.3, 0.2),
+    spread=st.floats(0.01, 0.6),
+    dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+    special=st.sampled_from(["none", "zero", "nan", "inf", "edges"]),
+    step=st.integers(0, 10**6),
+)
+def test_oktopk_window_of_one_rank_keeping_all(seed, k, low, spread, dtype, special, step):
+    """With one rank whose region holds exactly k entries (P = 1 after a local top-k),
+    oktopk's window call takes the short way (no count at every edge, no keep pass); it
+    must give what the counts give: the same fallback, kept entries, mask, counts, edges
+    and bucket start."""
+    from mpi4py import MPI
+
+    import sparsecoll
+
+    rng = np.random.default_rng(seed)
+    alg = sparsecoll.get_algorithm("oktopk", k=k)
+    alg.threshold, alg.step = float(rng.uniform(0.5, 2.0)), step
+    edges = np.maximum(window_edges(alg.threshold, dtype), np.finfo(dtype).smallest_subnormal)
+    # magnitudes from around the window's lowest edge (below it: a fallback) up
+    mags = alg.threshold * np.exp(rng.uniform(low, low + spread, k))
+    vals = (mags * rng.choice([-1.0, 1.0], k)).astype(dtype)
+    at = rng.integers(0, k, size=max(1, k // 50))
+    if special == "edges":  # entries exactly at edges (ties with the comparisons)
+        vals[at] = rng.choice(edges, at.shape[0])
+    elif special != "none":
+        vals[at] = {"zero": 0.0, "nan": np.nan, "inf": np.inf}[special]
+    idx = np.sort(rng.choice(10 * k, k, replace=False)).astype(np.int32)
+    comm = sparsecoll.Communicator(MPI.COMM_SELF)
+    short = alg._window_keeping_all(idx, vals, edges)
+    counted = alg._window_counted(comm, idx, vals, edges)
+    assert (short is None) == (counted is None)
+    if short is None:
+        return
+    for a, b in zip(short[:3], counted[:3]):
+        assert np.array_equal(a, b)
+    assert not np.shares_memory(short[0], idx) and not np.shares_memory(short[1], vals)
+    assert short[3:] == counted[3:]

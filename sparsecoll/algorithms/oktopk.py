@@ -372,6 +372,14 @@ class OkTopk(Algorithm):
         # must not select zeros
         tiny = np.finfo(vals.dtype).smallest_subnormal
         edges = np.maximum(window_edges(self.threshold, vals.dtype), tiny)
+        if comm.size == 1 and vals.shape[0] == self.k:
+            return self._window_keeping_all(idx, vals, edges)
+        return self._window_counted(comm, idx, vals, edges)
+
+    def _window_counted(
+        self, comm: Communicator, idx: Any, vals: Any, edges: np.ndarray
+    ) -> tuple[Any, Any, Any, list[int], tuple[float, float], int] | None:
+        """:meth:`_select_window` from every rank's count at every edge."""
         table = comm.allgather_ints(edge_totals(vals, edges))
         j = bracket_edge(table.sum(axis=0), self.k)
         if j is None:
@@ -403,6 +411,30 @@ class OkTopk(Algorithm):
         mine = shares[comm.rank]
         kept = keep_bucket(idx, vals, edges[m], edges[j], mine, counts[comm.rank], mask=True)
         return *kept, counts, (float(edges[j]), hi), start
+
+    def _window_keeping_all(
+        self, idx: Any, vals: Any, edges: np.ndarray
+    ) -> tuple[Any, Any, Any, list[int], tuple[float, float], int] | None:
+        """:meth:`_select_window` where one rank's region holds exactly k entries (as at
+        P = 1 after the caller's local top-k): the same answer without a count at every
+        edge or a keep pass. Whatever the window gives, all k entries are kept; the edges
+        are those the counts would give: j, the highest edge at or below the smallest
+        |value| (every entry is >= it, the smallest is below the next), and the bucket
+        [edges[j], edges[j + 1]) is taken whole, from where :func:`bucket_start` puts it."""
+        xp = get_array_module(vals)
+        mags = xp.abs(vals)
+        # compared in vals' dtype, as the counts are; NaN (never counted) fails here too
+        least = np.array(float(mags.min()), dtype=vals.dtype)
+        if not least >= edges[0]:  # fewer than k entries >= the lowest edge
+            return None
+        j = int(np.searchsorted(edges, least, side="right")) - 1
+        top = j + 1 == edges.shape[0]
+        hi = float("inf") if top else float(edges[j + 1])
+        bucket = 0 if top else self.k - int(xp.count_nonzero(mags >= edges[j + 1]))
+        start = bucket_start(self.step, bucket)
+        # the result must not share memory with the caller's input (as the keep's copy)
+        chosen = xp.ones(vals.shape[0], dtype=bool)
+        return idx.copy(), vals.copy(), chosen, [self.k], (float(edges[j]), hi), start
 
     def _select_exact(self, comm: Communicator, vals: Any) -> tuple[Any, list[int], float]:
         """Step 4 on a recompute call: the exact global top-k (ties by lower index).
