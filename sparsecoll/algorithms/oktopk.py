@@ -30,7 +30,10 @@ does, on every rank:
      So a window call keeps exactly k entries, and differs from the exact top-k only
      inside one bucket less than 1.5% wide in |value|, at no extra message. When k lies
      outside the window (fewer than k nonzeros in all, a jump in scale) the call falls
-     back to the exact recompute above (``info["window_missed"]``);
+     back to the exact recompute above (``info["window_missed"]``). A single rank whose
+     region holds exactly k entries (P = 1 after the caller's local top-k) keeps them all
+     whatever the window gives, so it places the edges from its smallest |value| and skips
+     the counts and the keep;
    - ``rule="paper"``: the threshold of the last call is used as is; after the call it is
      multiplied by ``nudge`` when more than ``band[1]·k`` entries were kept, divided by it
      when fewer than ``band[0]·k``. With ``adaptive=True`` the step doubles in the exponent
