@@ -150,10 +150,10 @@ def test_keep_bucket_is_the_mask(x, dtype, cuts, share):
     bucket = np.flatnonzero((mags >= lo) & ~chosen)
     quota = int(share * bucket.shape[0])
     chosen[bucket[:quota]] = True
-    got_idx, got_val = keep_bucket(idx, xs, hi, lo, quota, int(chosen.sum()))
+    got_idx, got_val = keep_bucket(idx, xs, hi, lo, ((0, quota),), int(chosen.sum()))
     np.testing.assert_array_equal(got_idx, idx[chosen])
     np.testing.assert_array_equal(got_val, xs[chosen])
-    *again, got_mask = keep_bucket(idx, xs, hi, lo, quota, int(chosen.sum()), mask=True)
+    *again, got_mask = keep_bucket(idx, xs, hi, lo, ((0, quota),), int(chosen.sum()), mask=True)
     np.testing.assert_array_equal(got_mask, chosen)
     np.testing.assert_array_equal(again[0], idx[chosen])
     # two runs of the bucket's positions: a wrapped run from the middle

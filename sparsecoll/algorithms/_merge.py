@@ -225,16 +225,14 @@ Runs = tuple[tuple[int, int], ...]
 
 
 def keep_bucket(
-    idx: Any, values: Any, hi: Any, lo: Any, runs: int | Runs, count: int, mask: bool = False
+    idx: Any, values: Any, hi: Any, lo: Any, runs: Runs, count: int, mask: bool = False
 ) -> tuple[Any, ...]:
     """The entries (``idx``, ``values``) with |value| >= hi, and of those with lo <= |value|
     < hi (the bucket) the ones whose position in the bucket (0, 1, ... in order) lies in
-    one of ``runs``, at most two half-open ``(start, stop)`` ranges (an int q: ``((0,
-    q),)``, the first q): ``count`` of them in all (the caller knows it). hi and lo are
-    scalars of values' dtype, lo <= hi. With ``mask``, a third array: which entries were
-    kept. A branch-free Numba loop on the host, masks on a GPU."""
-    if isinstance(runs, int):
-        runs = ((0, runs),)
+    one of ``runs``, at most two half-open ``(start, stop)`` ranges: ``count`` of them in
+    all (the caller knows it). hi and lo are scalars of values' dtype, lo <= hi. With
+    ``mask``, a third array: which entries were kept. A Numba loop on the host, masks on a
+    GPU."""
     if len(runs) > 2:
         raise ValueError(f"keep_bucket: at most two runs, got {runs}")
     (a1, b1), (a2, b2) = (*runs, (0, 0), (0, 0))[:2]
