@@ -62,11 +62,16 @@ __all__ = ["WINDOW_OFFSETS", "ExDyna", "authors_rule", "rebalance"]
 
 RULES = ("window", "authors")
 COOLDOWN = 16  # calls between re-derives while k stays outside the window
-# The window edge from which a caller's candidates (reduce_dense) are counted: thr·e^-0.064.
-# Below it the counts come from a second read of the data, only when the pick needs them
-# (the k-th value fell more than ~6% in a call), far fewer candidates than from edge 0.
-# While the threshold rises, the candidates start higher by its growth (_candidate_edge).
+# The window edge from which a caller's candidates (reduce_dense) are counted: the
+# threshold's expected log-change (its smoothed growth) less a margin, MARGIN plus three
+# times its smoothed deviation from that growth (the swing). Below that edge the counts come
+# from a second read of the data, only when the pick needs them. After a re-derive the swing
+# starts at SWING0: the candidates start at edge 16 (thr·e^-0.064, about 2k candidates on
+# Gaussian data at 1%); on a settled stream (the same pick call after call) they start at
+# e^-0.012, about 1.1k (_candidate_edge).
 CANDIDATE_EDGE = 16
+MARGIN = 0.012
+SWING0 = (-float(WINDOW_OFFSETS[CANDIDATE_EDGE]) - MARGIN) / 3
 
 
 def _above(x: Any, t: float) -> _Found | None:
@@ -81,14 +86,15 @@ def _above(x: Any, t: float) -> _Found | None:
 
 class _Found:
     """Entries of the owned range from window edge ``low`` up: their ``values`` and
-    indices ``idx`` (position in the range + ``lo``). From a caller's pass
+    indices ``idx`` (position in the range + ``lo``; ``given``: the caller's global
+    indices, else positions in the range and lo = 0). From a caller's pass
     (:meth:`ExDyna.reduce_dense`) with ``zc``, that pass left ``part`` 0 at those with
     |value| >= zc (their values are here only), until :meth:`restore` gives them back or
     :meth:`take` settles them."""
 
-    def __init__(self, values, idx, lo=0, low=0, part=None, zc=None) -> None:
+    def __init__(self, values, idx, lo=0, low=0, part=None, zc=None, given=False) -> None:
         self.values, self.idx, self.lo, self.low = values, idx, lo, low
-        self.part, self.zc = part, zc
+        self.part, self.zc, self.given = part, zc, given
         self.taken = None  # the values at the positions :meth:`take` returned (with zc)
 
     def restore(self) -> None:
@@ -97,13 +103,14 @@ class _Found:
             take_at_least(self.values, np.nan, self.idx, self.lo, self.part, self.zc)
             self.zc = None
 
-    def take(self, t: Any) -> Any:
-        """The positions in the range with |value| >= t; with zc also their values
-        (``taken``), and ``part`` then holds 0 exactly there among the candidates."""
+    def take(self, t: Any, to_index: Any) -> Any:
+        """The global indices with |value| >= t (``to_index`` maps positions in the range
+        to them); with zc also their values (``taken``), and ``part`` then holds 0
+        exactly there among the candidates."""
         part = None if self.zc is None else self.part
-        pos, vals = take_at_least(self.values, t, self.idx, self.lo, part, self.zc)
+        idx, vals = take_at_least(self.values, t, self.idx, self.lo, part, self.zc, False)
         self.taken = None if part is None else vals
-        return pos
+        return idx if self.given else to_index(idx)
 
 
 def _top_magnitudes(part: Any, take: int) -> Any:
@@ -234,6 +241,8 @@ class ExDyna(Algorithm):
         self.bounds: np.ndarray | None = None  # P + 1 block boundaries
         self.threshold: float | None = None
         self.growth = 0.0  # the threshold's smoothed log-change per call (for zero_cut)
+        self.swing = SWING0  # its smoothed deviation from that (for _candidate_edge)
+        self.trend_calls = 0  # calls that growth has followed since it was last reset
         self.rederives = 0
         self.recounts = 0  # calls whose candidates did not reach low enough: a second read
         self._cooldown = 0
@@ -308,15 +317,13 @@ class ExDyna(Algorithm):
         return _cut(dtype, float(window_edges(self.threshold, dtype)[self._candidate_edge()]))
 
     def _candidate_edge(self) -> int:
-        """The window edge from which a caller's candidates start: CANDIDATE_EDGE, moved up
-        by the threshold's smoothed growth per call while it rises (the pick is expected
-        that much higher; a pick below the candidates costs a second read of the range, as
-        a fall of the threshold does)."""
-        if self.growth <= 0:
-            return CANDIDATE_EDGE
-        want = WINDOW_OFFSETS[CANDIDATE_EDGE] + self.growth
+        """The window edge from which a caller's candidates start: the one at or below the
+        threshold's expected log-change (its smoothed growth) less MARGIN and three times
+        its smoothed swing. A pick below the candidates costs a second read of the range;
+        candidates far below it cost their count and take, about 1.5 ns each."""
+        want = self.growth - MARGIN - 3 * self.swing + 1e-12  # (edge 16 after a re-derive)
         j = int(np.searchsorted(WINDOW_OFFSETS, want, side="right")) - 1
-        return min(max(j, CANDIDATE_EDGE), WINDOW_OFFSETS.shape[0] - 1)
+        return min(max(j, 0), WINDOW_OFFSETS.shape[0] - 1)
 
     def zero_cut(self, dtype: Any) -> float | None:
         """Where the next call's selection is expected to start (None when it will derive
@@ -331,7 +338,8 @@ class ExDyna(Algorithm):
             return _cut(dtype, self.threshold)
         ahead = self.threshold * math.exp(self.growth)
         window = window_edges(self.threshold, dtype)
-        return _cut(dtype, min(max(ahead, float(window[CANDIDATE_EDGE])), float(window[-1])))
+        low = float(window[self._candidate_edge()])
+        return _cut(dtype, min(max(ahead, low), float(window[-1])))
 
     def reduce_dense(
         self,
@@ -376,14 +384,17 @@ class ExDyna(Algorithm):
         part = acc[lo:hi]
         if candidates is not None:
             idx, vals = candidates
+            idx = idx.astype(itype, copy=False)  # (every rank sends the same index dtype)
             low = self._candidate_edge() if self.rule == "window" else 0
-            found = _Found(vals, idx, lo, low, part, zeroed)
+            found = _Found(vals, idx, lo, low, part, zeroed, given=True)
 
         def values_at(idx: Any) -> Any:
             if found is None or found.taken is None:
                 return gather(acc, idx, drop)
             # this rank's own range is a run of idx, its values the candidates' (taken)
             a, b = (int(c) for c in xp.searchsorted(idx, xp.asarray([lo, hi], idx.dtype)))
+            if a == 0 and b == idx.shape[0]:
+                return found.taken
             out = xp.empty(idx.shape[0], acc.dtype)
             out[:a] = gather(acc, idx[:a], drop)
             out[a:b] = found.taken
@@ -400,14 +411,16 @@ class ExDyna(Algorithm):
             out = SparseVector.empty(n, dtype, xp)
             out.info.update(threshold=math.inf, counts=[0] * p, selected=0, rederived=False)
             return out
-        pos, counts, used, rederived = self._select(comm, n, part, found)
-        mine = to_index(pos)
+        mine, counts, used, rederived = self._select(comm, n, part, to_index, found)
         gathered, _ = comm.allgatherv(mine, counts)
         # rank r's chunk is partition (step + r) mod P: put the chunks in partition order
         offs = np.concatenate(([0], np.cumsum(counts)))
         owner = [(q - self.step) % p for q in range(p)]
         chunks = [gathered[offs[r] : offs[r + 1]] for r in owner if counts[r]]
-        idx = xp.concatenate(chunks) if chunks else xp.zeros(0, index_dtype(n))
+        if len(chunks) == 1:
+            idx = chunks[0]
+        else:
+            idx = xp.concatenate(chunks) if chunks else xp.zeros(0, index_dtype(n))
         sums = comm.allreduce(gather(idx)) if idx.shape[0] else xp.zeros(0, dtype)
         part_counts = [int(counts[r]) for r in owner]
         if self.rebalance and p > 1:
@@ -415,16 +428,16 @@ class ExDyna(Algorithm):
         self.step += 1
         out = SparseVector(idx, sums, n)
         out.info.update(
-            threshold=used, counts=part_counts, selected=int(pos.shape[0]), rederived=rederived
+            threshold=used, counts=part_counts, selected=int(mine.shape[0]), rederived=rederived
         )
         return out
 
     def _select(
-        self, comm: Communicator, n: int, part: Any, found: Any = None
+        self, comm: Communicator, n: int, part: Any, to_index: Any, found: Any = None
     ) -> tuple[Any, list[int], float, bool]:
-        """Positions selected in ``part``, every rank's count, the threshold used.
-        ``found``: part's entries at or above :meth:`candidate_cut` (a :class:`_Found`),
-        when the caller has them."""
+        """The global indices selected in ``part`` (``to_index`` maps positions in it to
+        them), every rank's count, the threshold used. ``found``: part's entries at or
+        above :meth:`candidate_cut` (a :class:`_Found`), when the caller has them."""
         rederived = False
         before = self.threshold
         if self.threshold is None:
@@ -438,16 +451,16 @@ class ExDyna(Algorithm):
             if self.threshold is None:  # every partition is all zeros (known on every rank)
                 self.rederives += rederived
                 empty = _xp(part).zeros(0, dtype=np.int64)
-                return empty, [0] * comm.size, math.inf, rederived
+                return to_index(empty), [0] * comm.size, math.inf, rederived
             if self.rule == "authors":
                 t = _cut(part.dtype, self.threshold)
                 found = _above(part, t) if found is None else found
                 counts = comm.allgather_ints(-1 if found is None else int(found.idx.shape[0]))
                 _agree_no_nan(np.asarray(counts).reshape(-1, 1))
-                pos = found.take(t)
+                mine = found.take(t, to_index)
                 self.threshold = authors_rule(self.threshold, sum(counts), self.k)
                 self.rederives += rederived
-                return pos, counts, t, rederived
+                return mine, counts, t, rederived
             found, counts, used, side = self._window(comm, part, found)
             missed = side != 0
             # a cooldown holds off re-deriving only for misses like the one that started it
@@ -459,7 +472,7 @@ class ExDyna(Algorithm):
             found = None  # the candidates were for the old threshold
             self.threshold = self._derive(comm, n, part)
             rederived = True
-        pos = found.take(used)
+        mine = found.take(used, to_index)
         if missed and rederived:
             # k is outside the window even right after a re-derive (e.g. fewer than k
             # nonzeros in all): follow the window instead of re-deriving every call
@@ -468,11 +481,14 @@ class ExDyna(Algorithm):
         self.rederives += rederived
         self.threshold = used if 0 < used < math.inf else None
         if rederived or not before or self.threshold is None:
-            self.growth = 0.0
+            self.growth, self.swing, self.trend_calls = 0.0, SWING0, 0
         else:
             step = min(max(math.log(self.threshold / before), -0.2), 0.2)
+            if self.trend_calls:  # (the first change after a reset is no deviation)
+                self.swing = 0.5 * self.swing + 0.5 * abs(step - self.growth)
             self.growth = 0.5 * self.growth + 0.5 * step
-        return pos, counts, used, rederived
+            self.trend_calls += 1
+        return mine, counts, used, rederived
 
     def _window(
         self, comm: Communicator, part: Any, found: _Found | None = None

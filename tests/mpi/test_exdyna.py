@@ -163,14 +163,15 @@ def pass_zeroed(alg: ExDyna, comm, x: np.ndarray):
     return acc, cand, zc
 
 
-@pytest.mark.parametrize("kind", ["shrinking", "ties", "growing", "slowing", "turning"])
+@pytest.mark.parametrize("kind", ["shrinking", "ties", "growing", "slowing", "turning", "repeated"])
 def test_candidates_from_a_falling_threshold(comm, kind, monkeypatch):
     """The k-th value falling 10% a call (below the caller's candidates), data made of
     ties (where the pick's tie rule looks below them), growing 15% a call (the candidates
     start higher, with the threshold's growth), or going from that growth to 3% (the pick
-    between the raised candidates and the usual ones) or to a 15% fall: reduce_dense with
-    the caller's candidates keeps exactly what it keeps without them, reading its range
-    again where it must."""
+    between the raised candidates and the usual ones) or to a 15% fall, or the same data
+    every call (the pick does not move: the candidates start just MARGIN below it):
+    reduce_dense with the caller's candidates keeps exactly what it keeps without them,
+    reading its range again where it must."""
     from sparsecoll.algorithms import exdyna
 
     reads = []
@@ -179,11 +180,13 @@ def test_candidates_from_a_falling_threshold(comm, kind, monkeypatch):
     n, k = 6000, 60
     plain, given_, zeroing = ExDyna(k=k), ExDyna(k=k), ExDyna(k=k)
     same = True
-    raised = False
+    raised = reread = False
     for t in range(8):
         rng = np.random.default_rng([5, comm.rank, t])
         if kind == "ties":
             x = rng.integers(-4, 5, n).astype(np.float32)
+        elif kind == "repeated":  # the same on every rank: every call's union is x
+            x = np.random.default_rng(5).standard_normal(n).astype(np.float32)
         else:
             scale = {
                 "shrinking": 0.9**t,
@@ -197,7 +200,7 @@ def test_candidates_from_a_falling_threshold(comm, kind, monkeypatch):
         before = len(reads)
         got = given_.reduce_dense(comm, x, candidates=owned_candidates(given_, comm, x))
         same &= digest(got) == digest(want) and got.info == want.info
-        reread = len(reads) > before
+        reread |= len(reads) > before
         acc, cand, zc = pass_zeroed(zeroing, comm, x)  # a reread gives acc back first
         got = zeroing.reduce_dense(comm, acc, candidates=cand, drop=True, zeroed=zc)
         same &= digest(got) == digest(want) and got.info == want.info
@@ -206,10 +209,14 @@ def test_candidates_from_a_falling_threshold(comm, kind, monkeypatch):
         same &= bool(np.array_equal(acc, dropped))
     assert_all(comm, same, "the caller's candidates changed the result")
     if kind in ("shrinking", "ties", "turning"):
-        assert_all(comm, reread, "the last call did not read its range again")
+        assert_all(comm, reread, "no call read its range again")
     if kind in ("growing", "slowing", "turning"):
         assert_all(comm, raised, "the candidates never started above CANDIDATE_EDGE")
-        assert_all(comm, (given_.recounts > 0) == (kind != "growing"), f"{given_.recounts=}")
+    if kind in ("growing", "turning", "repeated"):  # (slowing: as the swing allows)
+        assert_all(comm, (given_.recounts > 0) == (kind == "turning"), f"{given_.recounts=}")
+    if kind == "repeated":
+        start = float(exdyna.WINDOW_OFFSETS[given_._candidate_edge()])
+        assert_all(comm, -exdyna.MARGIN - 0.004 <= start <= -exdyna.MARGIN, f"{start=}")
 
 
 def stream(n: int, kind: str, rank: int, t: int) -> np.ndarray:
