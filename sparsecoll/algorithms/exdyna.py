@@ -412,16 +412,16 @@ class ExDyna(Algorithm):
             out.info.update(threshold=math.inf, counts=[0] * p, selected=0, rederived=False)
             return out
         mine, counts, used, rederived = self._select(comm, n, part, to_index, found)
-        gathered, _ = comm.allgatherv(mine, counts)
-        # rank r's chunk is partition (step + r) mod P: put the chunks in partition order
-        offs = np.concatenate(([0], np.cumsum(counts)))
         owner = [(q - self.step) % p for q in range(p)]
-        chunks = [gathered[offs[r] : offs[r + 1]] for r in owner if counts[r]]
-        if len(chunks) == 1:
-            idx = chunks[0]
+        if p == 1:  # the gather and the sum are identities: no copies of the k entries
+            idx, sums = mine, gather(mine)
         else:
+            gathered, _ = comm.allgatherv(mine, counts)
+            # rank r's chunk is partition (step + r) mod P: put the chunks in partition order
+            offs = np.concatenate(([0], np.cumsum(counts)))
+            chunks = [gathered[offs[r] : offs[r + 1]] for r in owner if counts[r]]
             idx = xp.concatenate(chunks) if chunks else xp.zeros(0, index_dtype(n))
-        sums = comm.allreduce(gather(idx)) if idx.shape[0] else xp.zeros(0, dtype)
+            sums = comm.allreduce(gather(idx)) if idx.shape[0] else xp.zeros(0, dtype)
         part_counts = [int(counts[r]) for r in owner]
         if self.rebalance and p > 1:
             self.bounds = rebalance(self.bounds, np.asarray(part_counts), self.tolerance)
