@@ -100,13 +100,12 @@ def test_gather_is_fancy_indexing(n, dtype, itype, seed):
     zc=st.sampled_from([None, 0.5, 1.5, 3.0, np.inf]),
     itype=st.sampled_from([np.int32, np.int64]),
     seed=st.integers(0, 2**32 - 1),
-    positions=st.booleans(),
 )
-def test_take_at_least_is_boolean_indexing(x, dtype, t, zc, itype, seed, positions):
+def test_take_at_least_is_boolean_indexing(x, dtype, t, zc, itype, seed):
     """take_at_least == boolean indexing at |x| >= t (ties at t kept, NaN never, empty),
-    as int64 positions or (positions=False) the indices themselves in their dtype; with
-    part, the entries a pass zeroed from zc are settled: part is 0 exactly where kept and
-    holds its values elsewhere, whatever the two cuts are."""
+    the indices in their dtype; with part, the entries a pass zeroed from zc are settled:
+    part is 0 exactly where kept and holds its values elsewhere, whatever the two cuts
+    are."""
     rng = np.random.default_rng(seed)
     with np.errstate(over="ignore"):
         xs = np.array(x, dtype=np.float64).astype(dtype)
@@ -121,10 +120,10 @@ def test_take_at_least_is_boolean_indexing(x, dtype, t, zc, itype, seed, positio
     part = whole.copy()
     if zc is not None:
         part[where[np.abs(xs) >= xs.dtype.type(zc)]] = 0  # what the pass left
-    pos, vals = take_at_least(xs, t, idx, lo, part if zc is not None else None, zc, positions)
-    np.testing.assert_array_equal(pos, where[keep] if positions else idx[keep])
+    got, vals = take_at_least(xs, t, idx, lo, part if zc is not None else None, zc)
+    np.testing.assert_array_equal(got, idx[keep])
     np.testing.assert_array_equal(vals, xs[keep])
-    assert pos.dtype == (np.int64 if positions else itype) and vals.dtype == xs.dtype
+    assert got.dtype == itype and vals.dtype == xs.dtype
     if zc is not None:
         want = whole.copy()
         want[where[keep]] = 0

@@ -137,7 +137,7 @@ def _take_kernel() -> Any:
         return m, z
 
     @numba.njit(cache=True, nogil=True)
-    def take(values, t, zc, idx, lo, shift, part, out_pos, out_val, fix):  # pragma: no cover
+    def take(values, t, zc, idx, lo, part, out_idx, out_val, fix):  # pragma: no cover
         # every candidate is written at p, which advances when it is taken (no branch on
         # the data: which are taken is random); with part, those between the two cuts are
         # listed the same way, then written (a branch per candidate mispredicted, and each
@@ -147,7 +147,7 @@ def _take_kernel() -> Any:
         for q in range(values.shape[0]):
             v = abs(values[q])
             sel = v >= t
-            out_pos[p] = idx[q] - shift
+            out_idx[p] = idx[q]
             out_val[p] = values[q]
             p += sel
             if part is not None:  # resolved at compile time
@@ -162,17 +162,10 @@ def _take_kernel() -> Any:
 
 
 def take_at_least(
-    values: Any,
-    t: Any,
-    idx: Any,
-    lo: int = 0,
-    part: Any = None,
-    zc: Any = None,
-    positions: bool = True,
+    values: Any, t: Any, idx: Any, lo: int = 0, part: Any = None, zc: Any = None
 ) -> tuple[Any, Any]:
-    """``(idx[keep] - lo, values[keep])`` where ``keep = |values| >= t`` (t a scalar of
-    values' dtype; NaN is never kept), as int64 positions; with ``positions=False``
-    ``idx[keep]`` itself, in idx's dtype.
+    """``(idx[keep], values[keep])`` where ``keep = |values| >= t`` (t a scalar of values'
+    dtype; NaN is never kept), the indices in idx's dtype.
 
     ``part`` and ``zc``: ``values`` are those of ``part`` at positions ``idx - lo``, and
     ``part`` holds 0 where ``|values| >= zc`` instead (a pass took them out): ``part`` is
@@ -184,24 +177,21 @@ def take_at_least(
     xp = get_array_module(values)
     t = values.dtype.type(t)
     zc = values.dtype.type(np.inf if zc is None else zc)
-    shift = lo if positions else 0
     if xp is not np or values.dtype == np.float16:
         mags = xp.abs(values)
         keep = mags >= t
         if part is not None:
             fix = keep != (mags >= zc)
             part[idx[fix] - lo] = xp.where(keep[fix], 0, values[fix]).astype(part.dtype)
-        kept = idx[keep]
-        return ((kept - lo).astype(np.int64) if positions else kept), values[keep]
+        return idx[keep], values[keep]
     counts, take = _take_kernel()
     values, idx = np.ascontiguousarray(values), np.ascontiguousarray(idx)
     m, z = counts(values, t, zc)
-    # the slot past the last one is written too
-    out_pos = np.empty(m + 1, np.int64 if positions else idx.dtype)
+    out_idx = np.empty(m + 1, idx.dtype)  # the slot past the last one is written too
     out_val = np.empty(m + 1, values.dtype)
     fix = np.empty(abs(m - z) + 1 if part is not None else 1, np.int64)
-    take(values, t, zc, idx, np.int64(lo), np.int64(shift), part, out_pos, out_val, fix)
-    return out_pos[:m], out_val[:m]
+    take(values, t, zc, idx, np.int64(lo), part, out_idx, out_val, fix)
+    return out_idx[:m], out_val[:m]
 
 
 @functools.cache

@@ -108,7 +108,7 @@ class _Found:
         to them); with zc also their values (``taken``), and ``part`` then holds 0
         exactly there among the candidates."""
         part = None if self.zc is None else self.part
-        idx, vals = take_at_least(self.values, t, self.idx, self.lo, part, self.zc, False)
+        idx, vals = take_at_least(self.values, t, self.idx, self.lo, part, self.zc)
         self.taken = None if part is None else vals
         return idx if self.given else to_index(idx)
 
