@@ -4,21 +4,25 @@ Profiles: ``dev`` (default, more examples, a fresh random draw each run, so loca
 exploring) and ``ci`` (fewer, chosen when CI is set, derandomized: CI checks a fixed, known
 set of examples rather than a new draw each time); pick one explicitly with
 SPARSECOLL_HYPOTHESIS=dev|ci. Inside mpiexec every rank must draw the same examples, so the
-profile is derandomized there too, without a database or deadline.
+profile is derandomized there too, without a database or deadline; there
+SPARSECOLL_HYPOTHESIS_SEED=S draws another fixed set instead (the same seed on every rank,
+as ``--hypothesis-seed=S`` would), so local runs can explore the collectives' inputs too.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 IN_MPIEXEC = os.environ.get("SPARSECOLL_IN_MPIEXEC") == "1"
+SEED = os.environ.get("SPARSECOLL_HYPOTHESIS_SEED", "").strip() or None
 
 _common = dict(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    derandomize=IN_MPIEXEC,
+    derandomize=IN_MPIEXEC and SEED is None,
     database=None if IN_MPIEXEC else settings.default.database,
     print_blob=not IN_MPIEXEC,
 )
@@ -32,6 +36,13 @@ settings.load_profile(
 
 # tests/mpi/ runs only inside mpiexec, launched by tests/test_mpi.py.
 collect_ignore = [] if IN_MPIEXEC else ["mpi"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """SPARSECOLL_HYPOTHESIS_SEED: the seed hypothesis's own plugin then applies."""
+    if SEED is not None and config.getoption("hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = SEED
 
 
 def pytest_sessionstart(session):
