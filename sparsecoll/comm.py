@@ -294,6 +294,35 @@ def _routed(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _check_out(buf: Any, out: Any) -> None:
+    """``out`` must be able to take ``buf``'s sum: same array module, shape, dtype, and
+    contiguous."""
+    if out is None:
+        return
+    if (
+        get_array_module(out) is not get_array_module(buf)
+        or out.shape != buf.shape
+        or out.dtype != buf.dtype
+        or not out.flags.c_contiguous
+    ):
+        raise ValueError(
+            f"out must be a contiguous {type(buf).__name__} of shape {buf.shape} and dtype "
+            f"{buf.dtype}, got {type(out).__name__} {getattr(out, 'shape', '?')} "
+            f"{getattr(out, 'dtype', '?')}"
+        )
+
+
+def _in_dtype(total: Any, orig: Any, out: Any) -> Any:
+    """An allreduce's result in the caller's dtype: ``total`` itself, or (float16 summed
+    in float32) cast into ``out`` or a new array."""
+    if total.dtype == orig:
+        return total
+    if out is None:
+        return total.astype(orig)
+    out[...] = total
+    return out
+
+
 def _nonblocking(name: str) -> str:
     """MPI's nonblocking variant of a blocking call: Allgatherv -> Iallgatherv."""
     return "I" + name[0].lower() + name[1:]
@@ -639,33 +668,40 @@ class Communicator:
         self.stats.messages_recv += sum(1 for j, c in enumerate(rb) if c and j != me)
 
     @_routed
-    def allreduce(self, buf: Any) -> Any:
-        """Sum a dense float array over all ranks (MPI_Allreduce); returns a new array.
+    def allreduce(self, buf: Any, out: Any = None) -> Any:
+        """Sum a dense float array over all ranks (MPI_Allreduce) into ``out`` (default: a
+        new array) and return it.
 
-        float16 is summed in float32 (MPI has no portable half type); the bytes counted
-        are the float32 bytes actually moved.
+        ``out`` (contiguous, ``buf``'s shape and dtype) may be ``buf`` itself: the sum then
+        overwrites it in place (MPI_IN_PLACE), with no copy of the input. float16 is summed
+        in float32 (MPI has no portable half type); the bytes counted are the float32
+        bytes actually moved.
         """
         MPI = _mpi()
         orig = buf.dtype
         xp = get_array_module(buf)
-        work = xp.ascontiguousarray(buf.astype(np.float32) if orig == np.float16 else buf)
-        out = xp.empty_like(work)
-        if self.size == 1:
-            out[...] = work
-        else:
+        _check_out(buf, out)
+        half = orig == np.float16
+        inplace = out is buf or half  # half: its float32 copy is summed in place
+        work = buf.astype(np.float32) if half else buf if inplace else xp.ascontiguousarray(buf)
+        dest = work if inplace else xp.empty_like(work) if out is None else out
+        if self.size > 1:
             mpitype = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}
             count = int(work.size)
-            rview, finish = self._recv_view(out)
-            self._complete(
-                "Allreduce",
-                [self._send_view(work), count, mpitype[work.dtype]],
-                [rview, count, mpitype[work.dtype]],
-                MPI.SUM,
-            )
+            rview, finish = self._recv_view(dest)
+            if not inplace:
+                send = [self._send_view(work), count, mpitype[work.dtype]]
+            else:
+                send = MPI.IN_PLACE
+                if finish and rview.shape[0]:  # staged through the host: stage the input
+                    dest.reshape(-1).view(np.uint8).get(out=rview)
+            self._complete("Allreduce", send, [rview, count, mpitype[work.dtype]], MPI.SUM)
             if finish:
                 finish()
             self._count_allreduce(work.nbytes)
-        return out.astype(orig) if orig == np.float16 else out
+        elif not inplace:
+            dest[...] = work
+        return _in_dtype(dest, orig, out)
 
     def _count_allreduce(self, nbytes: int) -> None:
         moved = 2 * (self.size - 1) * nbytes // self.size

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ._array import cupy_or_none, is_device_array, nccl_or_none
-from .comm import Communicator
+from .comm import Communicator, _check_out, _in_dtype
 
 __all__ = ["NCCLCommunicator", "nccl_available"]
 
@@ -155,20 +155,22 @@ class NCCLCommunicator(Communicator):
         self._count_alltoallv(sb, rb)
         return out, recvcounts
 
-    def allreduce(self, buf: Any) -> Any:
+    def allreduce(self, buf: Any, out: Any = None) -> Any:
         if not is_device_array(buf):
-            return super().allreduce(buf)
+            return super().allreduce(buf, out)
         cp, nccl, nc = cupy_or_none(), self._nccl, self._live()
+        _check_out(buf, out)
         orig = buf.dtype
-        work = cp.ascontiguousarray(buf.astype(np.float32) if orig == np.float16 else buf)
-        out = cp.empty_like(work)
+        half = orig == np.float16
+        work = cp.ascontiguousarray(buf.astype(np.float32) if half else buf)
+        # NCCL sums in place when both pointers are the same (out is buf: contiguous)
+        dest = work if out is buf or half else cp.empty_like(work) if out is None else out
         dtype = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64}
         if work.size:
             stream = self._stream()
-            nc.allReduce(
-                work.data.ptr, out.data.ptr, work.size, dtype[work.dtype], nccl.NCCL_SUM, stream.ptr
-            )
+            kind = dtype[work.dtype]
+            nc.allReduce(work.data.ptr, dest.data.ptr, work.size, kind, nccl.NCCL_SUM, stream.ptr)
             stream.synchronize()
         if self.size > 1:
             self._count_allreduce(work.nbytes)
-        return out.astype(orig) if orig == np.float16 else out
+        return _in_dtype(dest, orig, out)

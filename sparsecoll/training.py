@@ -548,15 +548,13 @@ class GradientReducer:
         acc, velocity = prep.acc, prep.velocity
         t0 = time.perf_counter()
         if prep.mode == "dense":
-            update = self.comm.allreduce(acc)
+            update = self.comm.allreduce(acc, out=prep.update)  # (None: a new array)
             self._last.comm_s += time.perf_counter() - t0
             acc[...] = 0
             self._last.record(self.n, self.n)
             if self.average and p > 1:
                 update /= p
             if prep.update is not None:
-                prep.update[...] = update
-                update = prep.update
                 self._update_nnz = None
         else:
             zeroed, dropped = None, False

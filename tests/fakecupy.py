@@ -394,9 +394,10 @@ class _FakeNccl(types.ModuleType):
                 from mpi4py import MPI
 
                 fake.calls.append("allReduce")
-                self.mpi.Allreduce(
-                    fake._arr(sptr, count, dtype), fake._arr(rptr, count, dtype), MPI.SUM
-                )
+                recv = fake._arr(rptr, count, dtype)
+                # NCCL sums in place when both pointers are the same; MPI needs IN_PLACE
+                send = MPI.IN_PLACE if sptr == rptr else fake._arr(sptr, count, dtype)
+                self.mpi.Allreduce(send, recv, MPI.SUM)
 
             def broadcast(self, sptr, rptr, count, dtype, root, stream):
                 fake._op(self, "broadcast", sptr, rptr, count, dtype, root)

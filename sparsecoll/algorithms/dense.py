@@ -20,4 +20,5 @@ class Dense(Algorithm):
     densifies = True
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
-        return SparseVector.from_dense(comm.allreduce(x.to_dense()))
+        dense = x.to_dense()  # a new array: summed in place
+        return SparseVector.from_dense(comm.allreduce(dense, out=dense))

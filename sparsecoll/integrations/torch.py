@@ -217,10 +217,10 @@ def _reduce_bucket(state: SparseHookState, buf: Any, red: GradientReducer | None
     if red is None:
         arr, _ = as_array(buf, "bucket")
         with state.comm.measure() as st:
-            total = state.comm.allreduce(arr)
+            state.comm.allreduce(arr, out=arr)  # the bucket's sum overwrites it
         for f in ("bytes_sent", "bytes_recv", "messages_sent", "meta_bytes_sent"):
             setattr(state._dense_stats, f, getattr(state._dense_stats, f) + getattr(st, f))
-        arr[...] = total / state.comm.size
+        arr /= state.comm.size
     else:
         red.step(buf, out=buf)  # the update overwrites the gradient in place
 

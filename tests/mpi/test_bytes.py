@@ -51,3 +51,38 @@ def test_dense_references_send_2_p_minus_1_over_p_n(comm, name, dtype):
     assert_all(comm, got == want, f"{name} sent {got}, expected {want}")
     if P & (P - 1) == 0:  # power of two: the textbook 2(P-1)/P n
         assert_all(comm, got == 2 * (P - 1) * n * item // P)
+
+
+@pytest.mark.parametrize("poll", [False, True], ids=["blocking", "polling"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_dense_allreduce_into_out_and_in_place(comm, dtype, poll):
+    """``Communicator.allreduce``: a new array, into ``out``, or in place (``out=buf``,
+    MPI_IN_PLACE); the same sum and the same bytes every way; a bad ``out`` raises."""
+    c = sparsecoll.Communicator(comm, poll=poll)
+    P, n = comm.size, 1000
+    # small integers: every sum is exact in every dtype, whatever the order
+    mine = lambda: ((np.arange(n) * (comm.rank + 1)) % 7).astype(dtype)  # noqa: E731
+    want = sum(((np.arange(n) * (r + 1)) % 7) for r in range(P)).astype(dtype)
+    moved = 2 * (P - 1) * n * np.dtype(np.float32 if dtype == np.float16 else dtype).itemsize // P
+
+    buf = mine()
+    with c.measure() as st:
+        got = c.allreduce(buf)
+    ok = got is not buf and got.dtype == dtype and (got == want).all() and (buf == mine()).all()
+    assert_all(comm, ok and st.bytes_sent == moved, f"new array: {got[:5]}, {st.bytes_sent}")
+
+    buf, out = mine(), np.full(n, -1, dtype)
+    with c.measure() as st:
+        got = c.allreduce(buf, out=out)
+    ok = got is out and (out == want).all() and (buf == mine()).all()
+    assert_all(comm, ok and st.bytes_sent == moved, f"into out: {got[:5]}, {st.bytes_sent}")
+
+    buf = mine()
+    with c.measure() as st:
+        got = c.allreduce(buf, out=buf)
+    ok = got is buf and (buf == want).all()
+    assert_all(comm, ok and st.bytes_sent == moved, f"in place: {got[:5]}, {st.bytes_sent}")
+
+    for bad in (np.zeros(n + 1, dtype), np.zeros(n, np.int64), np.zeros(2 * n, dtype)[::2]):
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            c.allreduce(mine(), out=bad)

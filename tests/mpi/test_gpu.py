@@ -186,7 +186,16 @@ def test_communicator_device_primitives(comm, xp, aware):
         out = c.allreduce(xp.asarray(np.arange(5, dtype=dt) * (r + 1)))
         if out.dtype != dt or not isinstance(out, xp.ndarray):
             problems.append(f"allreduce {dt} type")
-        check(f"allreduce {np.dtype(dt)}", out, (np.arange(5) * P * (P + 1) // 2).astype(dt))
+        want = (np.arange(5) * P * (P + 1) // 2).astype(dt)
+        check(f"allreduce {np.dtype(dt)}", out, want)
+        buf, into = xp.asarray(np.arange(5, dtype=dt) * (r + 1)), xp.zeros(5, dtype=dt)
+        if c.allreduce(buf, out=into) is not into:
+            problems.append(f"allreduce out= {dt} returned another array")
+        check(f"allreduce out= {np.dtype(dt)}", into, want)
+        check(f"allreduce out= {np.dtype(dt)} input", buf, np.arange(5, dtype=dt) * (r + 1))
+        if c.allreduce(buf, out=buf) is not buf:
+            problems.append(f"allreduce in place {dt} returned another array")
+        check(f"allreduce in place {np.dtype(dt)}", buf, want)
     if xp is fakecupy.module and P > 1:
         staged = len(xp.pinned_allocations) > pinned_before
         if staged == aware:
