@@ -29,7 +29,7 @@ from .. import __version__
 from .._array import cupy_or_none
 from ..comm import Communicator, mpi_library_version
 from .cli import sizes_arg
-from .problems import OVERLAPS, make_problem
+from .problems import OVERLAP_HELP, OVERLAPS, make_problem
 
 __all__ = ["main"]
 
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=("table", "csv", "json"), default="table")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.topk comparison")
     p.add_argument("--comm", choices=("mpi", "nccl"), default="mpi")
-    p.add_argument("--overlap", choices=OVERLAPS, default="random")
+    p.add_argument("--overlap", choices=OVERLAPS, default="random", help=OVERLAP_HELP)
     p.add_argument("--algorithm", action="append", help="allreduce: only these (repeatable)")
     p.add_argument("--max-dense", type=int, default=2**28, help="skip densifying algorithms above")
     args = p.parse_args(argv)

@@ -29,7 +29,7 @@ from .cli import (
     parse_algorithms,
     size_arg,
 )
-from .problems import OVERLAPS, make_problem
+from .problems import OVERLAP_HELP, OVERLAPS, make_problem
 
 __all__ = [
     "Timing",
@@ -60,11 +60,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="dense length n, in elements (default 4M)",
     )
-    p.add_argument("--density", type=float, default=0.01, help="nonzeros per rank / n")
-    p.add_argument("--overlap", choices=OVERLAPS, default="random")
-    p.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float32")
-    p.add_argument("-i", "--iterations", type=int, default=10, help="timed calls")
-    p.add_argument("-x", "--warmup", type=int, default=2, help="untimed calls first")
+    p.add_argument(
+        "--density", type=float, default=0.01, help="nonzeros per rank / n (default 0.01)"
+    )
+    p.add_argument(
+        "--overlap",
+        choices=OVERLAPS,
+        default="random",
+        help=OVERLAP_HELP,
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float16", "float32", "float64"),
+        default="float32",
+        help="(default float32)",
+    )
+    p.add_argument("-i", "--iterations", type=int, default=10, help="timed calls (default 10)")
+    p.add_argument("-x", "--warmup", type=int, default=2, help="untimed calls first (default 2)")
     p.add_argument(
         "--algorithm",
         action="append",

@@ -42,7 +42,7 @@ from .cli import (
     sizes_arg,
 )
 from .main import gather_inputs, time_algorithm, verify_all
-from .problems import OVERLAPS, make_problem
+from .problems import OVERLAP_HELP, OVERLAPS, make_problem
 
 __all__ = [
     "FIELDS",
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="algorithms to run (repeatable, comma lists, 'all'; default all)",
     )
     p.add_argument("--density", type=float, default=0.01, help="nonzeros per rank / n")
-    p.add_argument("--overlap", choices=OVERLAPS, default="random")
+    p.add_argument("--overlap", choices=OVERLAPS, default="random", help=OVERLAP_HELP)
     p.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float32")
     p.add_argument("--format", choices=("text", "csv", "json"), default="text")
     p.add_argument(

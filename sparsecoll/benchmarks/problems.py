@@ -13,9 +13,13 @@ import numpy as np
 
 from .._array import index_dtype
 
-__all__ = ["OVERLAPS", "make_problem"]
+__all__ = ["OVERLAPS", "OVERLAP_HELP", "make_problem"]
 
 OVERLAPS = ("random", "same", "disjoint", "skewed")
+OVERLAP_HELP = (  # for argparse (%% is a literal %)
+    "how the ranks' indices relate: random (independent draws), same, disjoint (a slice "
+    "each), skewed (90%% in the first 10%% of n); default random"
+)
 
 
 def _distinct(rng: np.random.Generator, lo: int, hi: int, k: int) -> np.ndarray:
