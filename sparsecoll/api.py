@@ -87,8 +87,9 @@ def allreduce(
         error = exc
     sig = _signature(algo, vals, n) if error is None else None
     collective_check(c, error, sig, ("n", "values dtype", "algorithm"))
-    with device_scope(vals):  # device inputs: work and return on their own GPU
-        x = coalesce(idx, vals, int(n))
+    # IEEE sums, as MPI_SUM's: inf + (-inf) is NaN and an overflow inf, without a warning
+    with device_scope(vals), np.errstate(over="ignore", invalid="ignore"):
+        x = coalesce(idx, vals, int(n))  # (device inputs: work and return on their own GPU)
         with c.measure() as stats:
             out = algo.reduce(c, x)
     out.info["stats"] = stats

@@ -14,9 +14,12 @@ Indices travel as int32/int64 (``index_dtype(n)``), never inside float buffers.
 Contract: the result equals the same merge tree computed sequentially on the gathered inputs
 (:func:`gtopk_tree`), identically on every rank. It is at most k entries, no repeated index,
 sorted; entries whose value is exactly zero are never kept (they carry nothing). Ties in
-|value| are broken by the lower index. It is the exact global top-k when no entry is dropped in
-a subtree (for instance disjoint inputs with at most k nonzeros in all); otherwise it is
-approximate by design: a contribution dropped in one subtree is never recovered.
+|value| are broken by the lower index. A sum of +inf and -inf met in a merge is NaN, as in
+the dense sum, and ranks above every number (so it reaches the result on every rank instead
+of stopping the merge on one: NaN inputs are refused up front). It is the exact global
+top-k when no entry is dropped in a subtree (for instance disjoint inputs with at most k
+nonzeros in all); otherwise it is approximate by design: a contribution dropped in one
+subtree is never recovered.
 
 Error feedback: ``result.contributed`` marks the entries of this rank's input whose value is
 in the result. It is tracked per round (an entry is alive while its index survives every merge
@@ -75,7 +78,15 @@ def merge_topk(a: tuple[Any, Any], b: tuple[Any, Any], k: int, n: int) -> tuple[
     so both partners of a round get the same bits.
     """
     idx, vals = merge_two(a[0], a[1], b[0], b[1], n)
-    pos = topk_positions(vals, k)
+    xp = get_array_module(vals)
+    nan = xp.isnan(vals)
+    if not bool(nan.any()):
+        pos = topk_positions(vals, k)
+    else:  # inf + (-inf) met here: the sum is NaN, as the dense sum's is; ranked first
+        pos = xp.flatnonzero(nan)[:k]
+        rest = xp.flatnonzero(~nan)
+        if pos.shape[0] < k and rest.shape[0]:
+            pos = xp.sort(xp.concatenate([pos, rest[topk_positions(vals[rest], k - pos.shape[0])]]))
     return idx[pos], vals[pos]
 
 

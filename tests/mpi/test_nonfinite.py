@@ -1,0 +1,99 @@
+"""Infinities in the input: +inf and -inf from different ranks meet at an index, where the
+dense sum is NaN (IEEE, as MPI_SUM gives). NaN *inputs* are refused by the selecting
+algorithms (tests/mpi/test_errors.py); a NaN made inside the reduction must neither stop it
+on some ranks (a hang: gtopk's merge once raised on the merging pair only) nor be dropped.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import sparsecoll
+from sparsecoll import SparseVector
+from sparsecoll._array import index_dtype
+from sparsecoll.algorithms.gtopk import gtopk_tree
+from sparsecoll.registry import algorithm_class
+
+from .cases import assert_all, assert_identical
+
+ALGORITHMS = sparsecoll.available_algorithms()
+
+
+def rank_input(seed: int, n: int, dtype: str, hot: int, rank: int, size: int) -> SparseVector:
+    """Small nonzero integers (exact sums in every dtype) at random indices, and an
+    infinity at each of the ``hot`` lowest indices: its sign drawn per (index, rank), and
+    at index 0 alternating with the rank, so that both signs meet there when P > 1."""
+    rng = np.random.default_rng([seed, rank])
+    idx = np.unique(np.concatenate([np.arange(hot), rng.integers(hot, n, size=n // 8 + 1)]))
+    vals = rng.integers(1, 9, size=idx.shape[0]) * rng.choice([-1, 1], size=idx.shape[0])
+    vals = vals.astype(dtype)
+    signs = np.random.default_rng([seed, rank, 1]).choice([-1, 1], size=hot)
+    signs[0] = 1 if rank % 2 else -1
+    vals[:hot] = signs * np.inf
+    return SparseVector(idx.astype(index_dtype(n)), vals, n)
+
+
+def dense_sum(inputs: list[SparseVector], n: int) -> np.ndarray:
+    total = np.zeros(n, np.float64)
+    with np.errstate(invalid="ignore"):
+        for x in inputs:
+            total[x.indices.astype(np.int64)] += x.values.astype(np.float64)
+    return total
+
+
+def same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool(np.array_equal(a, b, equal_nan=True))
+
+
+def first_difference(idx, got, want) -> str:
+    j = np.flatnonzero(~((got == want) | (np.isnan(got) & np.isnan(want))))
+    return f"at index {idx[j[0]]}: {got[j[0]]} vs {want[j[0]]}" if j.shape[0] else "order"
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.sampled_from([8, 200, 5000]),
+    dtype=st.sampled_from(["float16", "float32", "float64"]),
+    hot=st.integers(1, 6),
+    k=st.integers(1, 40),
+)
+def test_infinities_meeting_at_an_index(comm, name, seed, n, dtype, hot, k):
+    """Every rank completes with the same result, without a warning: exact algorithms hold
+    the dense sum (NaN where +inf met -inf, ±inf where only one sign did); gtopk equals its
+    sequential tree; oktopk's and exdyna's kept values are the dense sum's."""
+    cls = algorithm_class(name)
+    inputs = [rank_input(seed, n, dtype, hot, r, comm.size) for r in range(comm.size)]
+    x = inputs[comm.rank]
+    opts = {} if cls.exact else cls.default_options(n, k)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = sparsecoll.allreduce(comm, x.values, x.indices, n=n, algorithm=name, **opts)
+    noise = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert_all(comm, not noise, f"{name} warned: {noise}")
+    assert_identical(comm, out)
+    got_idx = np.asarray(out.indices).astype(np.int64)
+    got = np.asarray(out.values).astype(np.float64)
+    total = dense_sum(inputs, n)
+    if cls.exact:  # (a sum that cancels to 0 may be kept, as an explicit zero)
+        dense = np.zeros(n)
+        dense[got_idx] = got
+        ok = bool(np.all(np.diff(got_idx) > 0)) and same(dense, total)
+        why = first_difference(np.arange(n), dense, total)
+    elif name == "gtopk":
+        want, _ = gtopk_tree(inputs, k)
+        ok = same(got_idx, want.indices.astype(np.int64)) and same(
+            got, want.values.astype(np.float64)
+        )
+        why = f"{got_idx} {got} vs tree {want.indices} {want.values}"
+    else:
+        ok = same(got, total[got_idx])
+        why = f"kept {got_idx[:8]} {got[:8]}, sums there {total[got_idx][:8]}"
+    if comm.size > 1 and (cls.exact or name == "gtopk"):  # (gtopk: index 0 ranks first)
+        ok = ok and 0 in got_idx and bool(np.isnan(got[got_idx == 0]).all())
+    assert_all(comm, ok, f"{name}: {why}")
