@@ -126,7 +126,8 @@ def coalesce(indices: Any, values: Any, n: int) -> SparseVector:
         return SparseVector(xp.zeros(0, itype), xp.zeros(0, values.dtype), n)
     idx = indices.astype(itype, copy=False)
     if m == 1 or bool(xp.all(idx[1:] > idx[:-1])):
-        return SparseVector(idx, values, n)
+        # strided input (x[::2]) is copied: buffers go to MPI as contiguous bytes
+        return SparseVector(xp.ascontiguousarray(idx), xp.ascontiguousarray(values), n)
     order = stable_argsort(idx, n)
     idx = idx[order]
     vals = values[order]
