@@ -96,6 +96,8 @@ def check_local(indices: Any, values: Any, n: Any) -> None:
         raise TypeError(f"n must be an integer, got {type(n).__name__}")
     if n < 0:
         raise ValueError(f"n must be non-negative, got {n}")
+    if n > np.iinfo(np.int64).max:
+        raise ValueError(f"n must be below 2**63 (indices are int64 at most), got {n}")
     if getattr(values, "ndim", None) != 1:
         raise ValueError(f"values must be 1-D, got shape {getattr(values, 'shape', None)}")
     if getattr(indices, "ndim", None) != 1:

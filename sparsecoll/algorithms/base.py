@@ -149,8 +149,12 @@ class Fold:
 
 
 def range_bounds(n: int, parts: int) -> np.ndarray:
-    """``parts + 1`` boundaries splitting [0, n) into contiguous near-equal ranges (int64)."""
-    return (np.arange(parts + 1, dtype=np.int64) * n) // parts if parts else np.zeros(1, np.int64)
+    """``parts + 1`` boundaries splitting [0, n) into contiguous near-equal ranges (int64).
+
+    Computed in Python integers: ``i * n`` overflows int64 for n above 2**63 / parts."""
+    if not parts:
+        return np.zeros(1, np.int64)
+    return np.array([i * n // parts for i in range(parts + 1)], dtype=np.int64)
 
 
 def region_cuts(indices: Any, bounds: np.ndarray) -> list[int]:

@@ -39,6 +39,8 @@ def _spoil(what: str, vals, idx, n):
         vals = vals.astype(np.int32)
     elif what == "two_d":
         vals = vals.reshape(4, 5)
+    elif what == "n_beyond_int64":
+        n = 2**63
     return vals, idx, n
 
 
@@ -52,6 +54,7 @@ CASES = {
     "float_indices": (TypeError, "indices must be integers", False),
     "int_values": (TypeError, "values must be float", False),
     "two_d": (ValueError, "1-D", False),
+    "n_beyond_int64": (ValueError, "n must be below 2**63", False),
 }
 
 

@@ -51,3 +51,25 @@ def test_strided_and_readonly_inputs(comm, name, layout, case):
         np.asarray(got.values), np.asarray(want.values)
     )
     assert_all(comm, same, f"{name} {layout}: {got.nnz} entries vs {want.nnz}")
+
+
+@pytest.mark.parametrize("name", sparsecoll.available_algorithms())
+@pytest.mark.parametrize("n", [2**62 + 1, 2**63 - 1])
+def test_n_up_to_int64_max(comm, name, n):
+    """The largest lengths int64 indices allow: n * P overflows int64, so the ranges' bounds
+    must not be computed as n * i (dsa once allocated a negative length)."""
+    cls = algorithm_class(name)
+    if cls.densifies:
+        return
+    opts = {} if cls.exact else cls.default_options(n, 4)
+    idx = np.array([0, n - 1 - comm.rank, n - 1], np.int64)
+    vals = np.array([1.0, 2.0, 4.0], np.float32)
+    out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=name, **opts)
+    got = dict(zip(np.asarray(out.indices).tolist(), np.asarray(out.values).tolist()))
+    p = comm.size
+    want = {0: p, n - 1: 4 * p + 2}  # (rank 0 repeats n - 1)
+    want.update({n - 1 - r: 2.0 for r in range(1, p)})
+    ok = out.n == n and all(got.get(i, v) == v for i, v in want.items())
+    if cls.exact:
+        ok = ok and got == want
+    assert_all(comm, ok, f"{name} n={n}: {got} vs {want}")
