@@ -100,9 +100,10 @@ def test_gtopk_zeros_never_kept_and_no_duplicates(comm):
     vals = np.zeros(n, np.float32)
     vals[comm.rank % n] = 1.0
     out = sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=n, algorithm="gtopk", k=10)
-    want = sorted({r % n for r in range(comm.size)})
+    want = sorted({r % n for r in range(comm.size)})[:10]  # equal values: lower indices
     assert_all(comm, out.indices.tolist() == want, f"got {out.indices.tolist()}")
-    assert_all(comm, int(out.contributed.sum()) == 1, "own nonzero not marked")
+    mine = int(comm.rank % n in want)
+    assert_all(comm, int(out.contributed.sum()) == mine, "own nonzero marked wrongly")
 
 
 def test_gtopk_bad_options_raise_everywhere(comm):
