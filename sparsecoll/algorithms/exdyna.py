@@ -55,7 +55,7 @@ from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import gather, take_at_least
 from ._window import WINDOW_OFFSETS, edge_totals, pick_edge, window_edges
-from .base import Algorithm, allclose_sparse
+from .base import Algorithm, allclose_sparse, range_bounds
 from .gtopk import check_k
 
 __all__ = ["WINDOW_OFFSETS", "ExDyna", "authors_rule", "rebalance"]
@@ -267,7 +267,7 @@ class ExDyna(Algorithm):
                 bs = -(-bs // 32) * 32
             nblocks = -(-n // bs)
             self.n, self.size, self.block_size = n, p, bs
-            self.bounds = (np.arange(p + 1, dtype=np.int64) * nblocks) // p
+            self.bounds = range_bounds(nblocks, p)
         elif n != self.n or comm.size != self.size:
             raise ValueError(
                 f"exdyna was set up for n={self.n} on {self.size} ranks, got n={n} on "
@@ -421,7 +421,9 @@ class ExDyna(Algorithm):
             offs = np.concatenate(([0], np.cumsum(counts)))
             chunks = [gathered[offs[r] : offs[r + 1]] for r in owner if counts[r]]
             idx = xp.concatenate(chunks) if chunks else xp.zeros(0, index_dtype(n))
-            sums = comm.allreduce(gather(idx)) if idx.shape[0] else xp.zeros(0, dtype)
+            sums = gather(idx) if idx.shape[0] else xp.zeros(0, dtype)
+            if idx.shape[0]:  # (the same on every rank) gather's new array, summed in place
+                comm.allreduce(sums, out=sums)
         part_counts = [int(counts[r]) for r in owner]
         if self.rebalance and p > 1:
             self.bounds = rebalance(self.bounds, np.asarray(part_counts), self.tolerance)
