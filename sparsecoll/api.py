@@ -82,10 +82,10 @@ def allreduce(
         if not algo.exact and bool(get_array_module(vals).isnan(vals).any()):
             # selection cannot rank NaN; agreeing here keeps a lone rank from raising alone
             raise ValueError("values contain NaN (a selecting algorithm cannot rank them)")
+        sig = _signature(algo, vals, n)
         error = None
     except (TypeError, ValueError) as exc:
-        error = exc
-    sig = _signature(algo, vals, n) if error is None else None
+        error, sig = exc, None
     collective_check(c, error, sig, ("n", "values dtype", "algorithm"))
     # IEEE sums, as MPI_SUM's: inf + (-inf) is NaN and an overflow inf, without a warning
     with device_scope(vals), np.errstate(over="ignore", invalid="ignore"):
@@ -149,7 +149,13 @@ def collective_check(
     """
     if signature is not None and len(signature) > SIGNATURE_LEN:
         raise ValueError(f"at most {SIGNATURE_LEN} signature values, got {len(signature)}")
-    sig = [0] * SIGNATURE_LEN if signature is None else list(signature)
+    if error is None and signature is not None:
+        for i, s in enumerate(signature):
+            if not -(2**63) < int(s) < 2**63:  # (a lone OverflowError would desynchronise)
+                what = names[i] if i < len(names) else "an algorithm option"
+                error = CollectiveInputError(f"{what} does not fit in int64: {s}")
+                break
+    sig = [0] * SIGNATURE_LEN if signature is None or error else list(signature)
     sig += [0] * (SIGNATURE_LEN - len(sig))
     # one MAX-allreduce: error flag, -(first bad rank), then +/- each signature value
     vec = [1 if error else 0, -(comm.rank if error else comm.size)]

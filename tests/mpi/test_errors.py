@@ -113,3 +113,66 @@ def test_nan_on_one_rank_raises_everywhere_for_selecting(comm, name):
     cls = algorithm_class(name)
     with pytest.raises(sparsecoll.CollectiveInputError, match=f"NaN.* on rank {comm.size - 1}"):
         sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=name, **cls.default_options(N, 20))
+
+
+class _HugeSignature(sparsecoll.Algorithm):
+    """An exact algorithm whose signature, on one rank, does not fit in int64."""
+
+    name = "huge-signature"
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def signature(self) -> list[int]:
+        return [self.value]
+
+    def reduce(self, comm, x):
+        return algorithm_class("allgather")().reduce(comm, x)
+
+
+def _lone_option(what: str, rank: int, bad: int):
+    """(algorithm, options) for ``rank``: ``bad`` gets the spoiled one."""
+    spoil = rank == bad
+    if what == "unknown_name":
+        return ("no-such-thing" if spoil else "allgather"), {}
+    if what == "custom_signature":
+        return _HugeSignature(2**64 if spoil else 1), {}
+    name, option = what.split(":")
+    opts = dict(algorithm_class(name).default_options(N, 20))
+    if spoil:
+        opts[option] = 2**70
+    return name, opts
+
+
+LONE = {
+    # what: (error type, text expected in the message)
+    "unknown_name": (sparsecoll.UnknownAlgorithmError, "unknown algorithm 'no-such-thing'"),
+    "custom_signature": (ValueError, "does not fit in int64"),
+    "gtopk:k": (ValueError, "k must be below 2**63"),
+    "oktopk:k": (ValueError, "k must be below 2**63"),
+    "exdyna:k": (ValueError, "k must be below 2**63"),
+    "oktopk:tau": (ValueError, "does not fit in int64"),
+    "exdyna:blocks": (ValueError, "does not fit in int64"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(LONE))
+def test_bad_option_on_one_rank_raises_everywhere(comm, what):
+    """An option or algorithm only one rank gets wrong, including integers beyond int64
+    (agreed across ranks as int64: a lone OverflowError would leave the others waiting)."""
+    etype, text = LONE[what]
+    bad = comm.size - 1
+    algorithm, opts = _lone_option(what, comm.rank, bad)
+    vals, idx = _good(comm.rank)
+    try:
+        sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=algorithm, **opts)
+        got = None
+    except Exception as exc:
+        got = (exc, str(exc))
+    ok = got is not None and isinstance(got[0], etype)
+    assert_all(comm, ok, f"expected {etype.__name__}, got {got!r}")
+    msgs = comm.allgather_object(got[1])
+    assert_all(comm, len(set(msgs)) == 1, f"messages differ: {msgs}")
+    assert_all(comm, text in got[1] and f"rank {bad}" in got[1], f"message: {got[1]!r}")
+    out = sparsecoll.allreduce(comm, vals, idx, n=N, algorithm="allgather")
+    assert_all(comm, out.n == N)
