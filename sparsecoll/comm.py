@@ -343,6 +343,8 @@ class Communicator:
             comm = MPI.COMM_WORLD
         if isinstance(comm, Communicator):
             comm = comm.mpi_comm
+        if comm == MPI.COMM_NULL:  # e.g. Split with MPI.UNDEFINED: this rank is not a member
+            raise TypeError("comm is MPI.COMM_NULL: this rank is not in the communicator")
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(
                 f"comm must be an mpi4py Intracomm or a sparsecoll.Communicator, "

@@ -38,6 +38,15 @@ def test_rejects_non_communicator():
         sparsecoll.allreduce(object(), np.ones(1), np.zeros(1, np.int64), n=1)
 
 
+def test_rejects_comm_null_saying_so(self_comm):
+    from mpi4py import MPI
+
+    # what Split(MPI.UNDEFINED) hands the ranks left out
+    null = self_comm.Split(MPI.UNDEFINED, 0)
+    with pytest.raises(TypeError, match="COMM_NULL: this rank is not in the communicator"):
+        sparsecoll.allreduce(null, np.ones(1), np.zeros(1, np.int64), n=1)
+
+
 def test_options_with_instance_rejected(self_comm):
     algo = sparsecoll.get_algorithm("allgather")
     with pytest.raises(sparsecoll.CollectiveTypeError, match="options go to get_algorithm"):
