@@ -83,14 +83,32 @@ def as_array(x: Any, name: str) -> tuple[Any, Any]:
     device arrays (``__cuda_array_interface__`` or a CUDA DLPack device, e.g. torch CUDA
     tensors) through CuPy, without a copy and on the array's own device. Results of other
     device kinds come back as CuPy arrays on that device.
+
+    Raises:
+        TypeError: ``x`` cannot be viewed as an array (whatever the converter raised, e.g.
+            a BufferError for a torch "meta" tensor, so that callers agree on it across
+            ranks as the input error it is).
     """
+    try:
+        return _as_array(x, name)
+    except TypeError:
+        raise
+    except Exception as exc:
+        kind = type(x).__name__
+        raise TypeError(f"{name}: cannot view this {kind} as an array ({exc})") from exc
+
+
+def _as_array(x: Any, name: str) -> tuple[Any, Any]:
     mod_name = type(x).__module__.split(".")[0]
     wrap = identity
     if mod_name == "torch":
         wrap = _torch_wrap
         x = x.detach()
         if x.device.type == "cpu":
-            return np.asarray(x), wrap
+            try:
+                return np.asarray(x), wrap
+            except Exception as exc:  # e.g. bfloat16, which numpy has no type for
+                raise TypeError(f"{name}: numpy cannot take a {x.dtype} tensor ({exc})") from exc
     dl = _dlpack_device_type(x) if hasattr(x, "__dlpack_device__") else None
     if is_device_array(x) or dl in (_DL_CUDA, _DL_CUDA_MANAGED):
         cp = cupy_or_none()

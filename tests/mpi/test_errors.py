@@ -176,3 +176,43 @@ def test_bad_option_on_one_rank_raises_everywhere(comm, what):
     assert_all(comm, text in got[1] and f"rank {bad}" in got[1], f"message: {got[1]!r}")
     out = sparsecoll.allreduce(comm, vals, idx, n=N, algorithm="allgather")
     assert_all(comm, out.n == N)
+
+
+class _Unviewable:
+    """An array-like whose conversion fails with neither TypeError nor ValueError."""
+
+    def __array__(self, dtype=None, copy=None):
+        raise RuntimeError("this buffer is gone")
+
+
+def _unviewable(what: str):
+    if what == "array_raises":
+        return _Unviewable()
+    torch = pytest.importorskip("torch")
+    if what == "torch_meta":
+        return torch.ones(20, device="meta")
+    if what == "torch_neg_view":
+        return torch.ones(20)._neg_view()
+    return torch.ones(20, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("what", ["array_raises", "torch_meta", "torch_neg_view", "torch_bf16"])
+def test_unviewable_values_on_one_rank_raise_everywhere(comm, what):
+    """Whatever the conversion to an array raises on one rank (a BufferError for a torch
+    meta tensor, a RuntimeError for a negative view) becomes the same TypeError on every
+    rank, instead of a lone exception that leaves the others waiting."""
+    bad = comm.size - 1
+    vals, idx = _good(comm.rank)
+    spoiled = _unviewable(what) if comm.rank == bad else vals
+    try:
+        sparsecoll.allreduce(comm, spoiled, idx, n=N, algorithm="allgather")
+        got = None
+    except Exception as exc:
+        got = (exc, str(exc))
+    ok = got is not None and isinstance(got[0], sparsecoll.CollectiveTypeError)
+    assert_all(comm, ok, f"expected CollectiveTypeError, got {got!r}")
+    msgs = comm.allgather_object(got[1])
+    assert_all(comm, len(set(msgs)) == 1, f"messages differ: {msgs}")
+    assert_all(comm, got[1].startswith("values") and f"rank {bad}" in got[1], got[1])
+    out = sparsecoll.allreduce(comm, vals, idx, n=N, algorithm="allgather")
+    assert_all(comm, out.n == N)
