@@ -143,6 +143,8 @@ class Engine:
         self._started = 0.0
         self._last = ""
         self._reported = False
+        self._free = False  # free the duplicates when the thread ends (the user's comm was)
+        self._ended = False  # the thread has left its loop
         self._watchdog: threading.Thread | None = None
         self._thread = threading.Thread(
             target=self._loop, name=f"sparsecoll-progress-{comm.rank}", daemon=True
@@ -200,10 +202,15 @@ class Engine:
             return 0.0
         return time.clock_gettime(time.pthread_getcpuclockid(ident))
 
-    def close(self, wait: bool = True) -> None:
-        """Accept no more calls; the thread ends after the queued ones (joined if ``wait``)."""
+    def close(self, wait: bool = True, free: bool = False) -> None:
+        """Accept no more calls; the thread ends after the queued ones (joined if ``wait``).
+
+        ``free``: the thread then frees the engine's two duplicate communicators (when the
+        user's communicator is freed: each engine holds two MPI context ids, of which MPI has
+        only a few thousand)."""
         with self._cond:
             self._closed = True
+            self._free = self._free or free
             self._cond.notify_all()
         if wait and not self.is_worker_thread():
             self._thread.join()
@@ -215,7 +222,9 @@ class Engine:
                 while not self._queue and not self._closed:
                     self._cond.wait()
                 if not self._queue:
-                    return
+                    self._ended = True
+                    free, watchdog = self._free, self._watchdog
+                    break
                 req, fn, owner = self._queue.popleft()
                 self._current, self._started = req, time.monotonic()
             before = self.comm.stats.copy()
@@ -231,19 +240,24 @@ class Engine:
                 self._last = req.label
                 self._completed += 1
                 self._cond.notify_all()
+        if free:  # every rank frees the user's communicator, so every rank gets here
+            if watchdog is not None:
+                watchdog.join()  # it stops once _ended is set
+            self.comm.mpi_comm.Free()
+            self._alarm.mpi_comm.Free()
 
     # -- watchdog ---------------------------------------------------------------------------
     def _start_watchdog(self) -> None:
         with self._cond:
-            if self._watchdog is not None:
+            if self._watchdog is not None or self._ended:
                 return
             self._watchdog = threading.Thread(
                 target=self._watch, name=f"sparsecoll-watchdog-{self.comm.rank}", daemon=True
             )
-        self._watchdog.start()
+            self._watchdog.start()  # under the lock: the thread's end may join it
 
     def _watch(self) -> None:
-        while self._thread.is_alive():
+        while self._thread.is_alive() and not self._ended:
             time.sleep(WATCH_PERIOD)
             timeout = get_timeout()
             with self._cond:
@@ -299,13 +313,24 @@ def shutdown() -> None:
     Pending requests are completed (every rank submitted them, so their collectives
     match); a call that cannot complete hangs here unless the watchdog is on. When the
     program dies of an uncaught exception, nothing is waited for: the other ranks may never
-    reach the pending calls, and the launcher ends the job on the non-zero exit.
+    reach the pending calls. If calls are still pending then, the job is aborted
+    (MPI_Abort): the exit would otherwise hang, this rank in MPI_Finalize (which waits for
+    every other rank) and the others in their pending calls, which need this one.
     """
     with _registry_lock:
         engines = list(_engines)
     for engine in engines:
         engine.close(wait=False)
     if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
+        pending = [e for e in engines if e.pending()]
+        if pending:
+            e = pending[0]
+            _stderr(
+                f"sparsecoll: rank {e.comm.rank} of {e.comm.size}: uncaught exception with "
+                f"{sum(x.pending() for x in pending)} nonblocking call(s) pending ({e.state()}); "
+                f"aborting the job"
+            )
+            e._alarm.abort(1)
         return
     for engine in engines:
         engine.close(wait=True)

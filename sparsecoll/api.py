@@ -54,10 +54,12 @@ def allreduce(
         message names the offending rank.
 
     With the watchdog on (:func:`sparsecoll.set_timeout`), the call runs through the
-    progress engine (``iallreduce(...).wait()``), so that a hang ends in a diagnostic.
+    progress engine (``iallreduce(...).wait()``), so that a hang ends in a diagnostic
+    (except on an NCCLCommunicator, which has no progress engine: it runs as usual).
     """
     c = Communicator.wrap(comm)
-    if get_timeout() and not c.on_progress_thread():
+    # (a Communicator subclass, NCCLCommunicator, has no progress engine: not watched)
+    if get_timeout() and type(c) is Communicator and not c.on_progress_thread():
         return iallreduce(c, values, indices, n=n, algorithm=algorithm, **options).wait()
     algo: Any = None
     vals: Any = None

@@ -275,9 +275,11 @@ def _engine_keyval() -> int:
 
 
 def _engine_deleted(comm: Any, keyval: int, engine: Any) -> None:
-    # the user's communicator is being freed: let the thread finish its queue and end
-    # (no waiting here, inside MPI_Comm_free)
-    engine.close(wait=False)
+    # the user's communicator is being freed: let the thread finish its queue, free the
+    # engine's duplicates and end (no waiting here, inside MPI_Comm_free). COMM_WORLD and
+    # COMM_SELF are "freed" inside MPI_Finalize, where nothing may be freed any more.
+    MPI = _mpi()
+    engine.close(wait=False, free=comm != MPI.COMM_WORLD and comm != MPI.COMM_SELF)
 
 
 def _routed(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -310,6 +312,23 @@ def _check_out(buf: Any, out: Any) -> None:
             f"{buf.dtype}, got {type(out).__name__} {getattr(out, 'shape', '?')} "
             f"{getattr(out, 'dtype', '?')}"
         )
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    """Whether arrays ``a`` and ``b`` (of one module) may share memory."""
+    xp = get_array_module(a)
+    may_share = getattr(xp, "may_share_memory", None)
+    return bool(may_share(a, b)) if may_share is not None else False
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` (same shape and dtype, ``b`` C-contiguous) are the same memory."""
+
+    def address(x: Any) -> int:
+        face = x.__cuda_array_interface__ if is_device_array(x) else x.__array_interface__
+        return int(face["data"][0])
+
+    return bool(a.flags.c_contiguous) and address(a) == address(b)
 
 
 def _in_dtype(total: Any, orig: Any, out: Any) -> Any:
@@ -356,6 +375,7 @@ class Communicator:
         self.stats = CommStats()
         self.last_stats = CommStats()  # what the last sparsecoll.allreduce moved
         self._cuda_aware: bool | None = None
+        self._engine: Any = None  # the progress engine, once found (see _attached_engine)
         self.poll = os.environ.get("SPARSECOLL_POLL") == "1" if poll is None else bool(poll)
 
     @classmethod
@@ -402,12 +422,16 @@ class Communicator:
         poll = os.environ.get("SPARSECOLL_PROGRESS_POLL", "1").strip() != "0"
         engine = Engine(Communicator(work, poll=poll), Communicator(alarm, poll=True))
         self.mpi_comm.Set_attr(_engine_keyval(), engine)
+        self._engine = engine
         return engine
 
     def _attached_engine(self) -> Any:
-        if _ENGINE_KEYVAL is None:  # no engine anywhere yet
-            return None
-        return self.mpi_comm.Get_attr(_ENGINE_KEYVAL)
+        # kept once found: the calls queued before the user frees the MPI communicator
+        # (whose handle becomes MPI_COMM_NULL) still run, on the engine's duplicate
+        if self._engine is not None or _ENGINE_KEYVAL is None:  # (None: no engine anywhere)
+            return self._engine
+        self._engine = self.mpi_comm.Get_attr(_ENGINE_KEYVAL)
+        return self._engine
 
     def on_progress_thread(self) -> bool:
         """Whether the caller is this communicator's progress thread."""
@@ -674,16 +698,20 @@ class Communicator:
         """Sum a dense float array over all ranks (MPI_Allreduce) into ``out`` (default: a
         new array) and return it.
 
-        ``out`` (contiguous, ``buf``'s shape and dtype) may be ``buf`` itself: the sum then
-        overwrites it in place (MPI_IN_PLACE), with no copy of the input. float16 is summed
-        in float32 (MPI has no portable half type); the bytes counted are the float32
-        bytes actually moved.
+        ``out`` (contiguous, ``buf``'s shape and dtype) may be ``buf`` itself (or another
+        view of the same memory): the sum then overwrites it in place (MPI_IN_PLACE), with
+        no copy of the input; an ``out`` that overlaps ``buf`` otherwise gets the sum of a
+        copy of ``buf``. float16 is summed in float32 (MPI has no portable half type); the
+        bytes counted are the float32 bytes actually moved.
         """
         MPI = _mpi()
         orig = buf.dtype
         xp = get_array_module(buf)
         _check_out(buf, out)
         half = orig == np.float16
+        if out is not None and out is not buf and not half and _overlap(buf, out):
+            # MPI forbids aliased send and receive buffers (MPICH raises, or aborts the job)
+            buf = out if _same_memory(buf, out) else buf.copy()
         inplace = out is buf or half  # half: its float32 copy is summed in place
         work = buf.astype(np.float32) if half else buf if inplace else xp.ascontiguousarray(buf)
         dest = work if inplace else xp.empty_like(work) if out is None else out

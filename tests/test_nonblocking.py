@@ -42,6 +42,22 @@ def test_watchdog_aborts_with_a_diagnostic():
 
 
 @pytest.mark.mpi
+def test_uncaught_exception_with_requests_pending_ends_the_job():
+    """One rank dies of an uncaught exception with requests pending, the others exit
+    normally: without the abort the job hung (that rank in MPI_Finalize, waiting for the
+    others; they at exit, in the pending calls, which need it)."""
+    from .mpirun import run_mpi
+
+    start = time.monotonic()
+    proc = run_mpi(3, [__file__, "raise"], timeout=120)
+    out = proc.stdout
+    assert proc.returncode != 0, out[-6000:]
+    assert "RuntimeError: rank 1 fails" in out, out[-6000:]
+    assert "sparsecoll: rank 1 of 3: uncaught exception with" in out, out[-6000:]
+    assert time.monotonic() - start < 100
+
+
+@pytest.mark.mpi
 def test_thread_level_is_checked():
     from .mpirun import run_mpi
 
@@ -78,6 +94,18 @@ def _pending() -> None:
     print(f"rank {comm.rank} exits, {sum(not r.done() for r in reqs)} pending", flush=True)
 
 
+def _raise() -> None:
+    import sparsecoll
+
+    comm = sparsecoll.Communicator()
+    vals, idx = _inputs(comm.rank)
+    sparsecoll.iallreduce(comm, vals, idx, n=10**5).wait()
+    for _ in range(4):
+        sparsecoll.iallreduce(comm, vals, idx, n=10**5)
+    if comm.rank == 1:
+        raise RuntimeError("rank 1 fails")
+
+
 def _skip() -> None:
     import sparsecoll
 
@@ -107,4 +135,4 @@ def _serialized() -> None:
 
 
 if __name__ == "__main__":
-    {"pending": _pending, "skip": _skip, "serialized": _serialized}[sys.argv[1]]()
+    {"pending": _pending, "skip": _skip, "serialized": _serialized, "raise": _raise}[sys.argv[1]]()

@@ -123,6 +123,24 @@ def _worker() -> None:
             st = state.stats()
             if not st["bytes_sent_last"] < st["dense_bytes_per_iteration"]:
                 problems.append(f"{name}: sent {st['bytes_sent_last']} bytes, dense sends less")
+        # a reduction error (NaN on rank 0) reaches backward() on every rank with its type
+        # and message (a future completed by set_exception gave "Unable to cast ... to
+        # Tensor"); last: DDP is not usable after a failed backward
+        for hook in (sparse_allreduce_hook, async_sparse_allreduce_hook):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+            ddp = DistributedDataParallel(model)
+            ddp.register_comm_hook(SparseHookState(comm, "allgather", density=0.1), hook)
+            x = torch.randn(8, 8)
+            ddp(x).pow(2).mean().backward()  # the warm-up iteration (dense)
+            loss = ddp(x).pow(2).mean() * (float("nan") if rank == 0 else 1.0)
+            try:
+                loss.backward()
+                got = "no error"
+            except Exception as exc:
+                got = f"{type(exc).__name__}: {exc}"
+            if "CollectiveInputError" not in got or "grad holds NaN or Inf" not in got:
+                problems.append(f"{hook.__name__}: a NaN gradient gave {got[:300]!r}")
         every = comm.allgather(problems)
         bad = [f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps]
         if bad:

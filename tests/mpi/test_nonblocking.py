@@ -186,3 +186,55 @@ def test_wait_timeout_while_other_ranks_are_late(comm):
         req = sparsecoll.iallreduce(comm, vals, idx, n=N)
     out = req.wait()
     assert_all(comm, digest(out) == digest(sparsecoll.allreduce(comm, vals, idx, n=N)))
+
+
+def test_freeing_the_communicator_with_requests_pending(comm):
+    """MPI_Comm_free with requests pending: they still complete (on the engine's duplicate),
+    and the engine then frees its two duplicates, so communicators used for nonblocking calls
+    and freed do not use up MPI's context ids (MPICH has 2048: ~1000 such cycles failed)."""
+    from mpi4py import MPI
+
+    inputs = [_input(comm.rank, seed) for seed in range(3)]
+    want = [digest(sparsecoll.allreduce(comm, v, i, n=N)) for v, i in inputs]
+    mine = comm.mpi_comm.Dup()
+    engine = sparsecoll.Communicator(mine).engine()
+    reqs = [sparsecoll.iallreduce(mine, v, i, n=N) for v, i in inputs]
+    mine.Free()
+    got = []
+    for r in reqs:
+        try:
+            got.append(digest(r.wait(timeout=120)))
+        except Exception as exc:
+            got.append(f"{type(exc).__name__}: {exc}")
+    assert_all(comm, got == want, f"requests pending at MPI_Comm_free: {got}")
+    engine._thread.join(timeout=120)
+    assert_all(comm, not engine._thread.is_alive(), "the engine's thread did not end")
+    freed = engine.comm.mpi_comm == MPI.COMM_NULL and engine._alarm.mpi_comm == MPI.COMM_NULL
+    assert_all(comm, freed, "the engine's duplicates were not freed")
+    for _ in range(20):  # and again, each cycle leaving nothing behind
+        mine = comm.mpi_comm.Dup()
+        out = sparsecoll.iallreduce(mine, *inputs[0], n=N).wait(timeout=120)
+        mine.Free()
+    assert_all(comm, digest(out) == want[0])
+
+
+class _Subclass(sparsecoll.Communicator):
+    """A Communicator subclass, as NCCLCommunicator is (no progress engine)."""
+
+
+def test_watchdog_with_a_communicator_subclass(comm):
+    """With the watchdog on, blocking allreduce goes through the progress engine, which a
+    subclass (NCCLCommunicator) has not: it must run as without the watchdog, not raise
+    NotImplementedError."""
+    vals, idx = _input(comm.rank, 6)
+    want = digest(sparsecoll.allreduce(comm, vals, idx, n=N))
+    sub = _Subclass(comm.mpi_comm)
+    before = sparsecoll.get_timeout()
+    sparsecoll.set_timeout(600)
+    try:
+        got = digest(sparsecoll.allreduce(sub, vals, idx, n=N))
+    except NotImplementedError as exc:
+        got = str(exc)
+    finally:
+        sparsecoll.set_timeout(before)
+    assert_all(comm, got == want, f"allreduce on a subclass with the watchdog on: {got}")
