@@ -296,11 +296,17 @@ def _routed(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def _check_out(buf: Any, out: Any) -> None:
-    """``out`` must be able to take ``buf``'s sum: same array module, shape, dtype, and
-    contiguous."""
+def _check_out(buf: Any, out: Any) -> Any:
+    """Check an allreduce's arguments and return the ``buf`` to sum: ``buf`` must be float16,
+    float32 or float64 (at any size, though one rank needs no MPI type), and ``out`` able to
+    take its sum (same array module, shape, dtype, and contiguous). An ``out`` that is
+    another view of ``buf``'s memory turns the call into an in-place one (``out`` comes
+    back); one that partly overlaps it gets the sum of a copy (MPI and NCCL forbid aliased
+    buffers: MPICH raised "Invalid buffer pointer", or aborted the job)."""
+    if buf.dtype not in (np.float16, np.float32, np.float64):
+        raise TypeError(f"allreduce sums float16, float32 or float64 arrays, got {buf.dtype}")
     if out is None:
-        return
+        return buf
     if (
         get_array_module(out) is not get_array_module(buf)
         or out.shape != buf.shape
@@ -312,6 +318,9 @@ def _check_out(buf: Any, out: Any) -> None:
             f"{buf.dtype}, got {type(out).__name__} {getattr(out, 'shape', '?')} "
             f"{getattr(out, 'dtype', '?')}"
         )
+    if out is not buf and buf.dtype != np.float16 and _overlap(buf, out):
+        return out if _same_memory(buf, out) else buf.copy()
+    return buf
 
 
 def _overlap(a: Any, b: Any) -> bool:
@@ -707,11 +716,8 @@ class Communicator:
         MPI = _mpi()
         orig = buf.dtype
         xp = get_array_module(buf)
-        _check_out(buf, out)
+        buf = _check_out(buf, out)
         half = orig == np.float16
-        if out is not None and out is not buf and not half and _overlap(buf, out):
-            # MPI forbids aliased send and receive buffers (MPICH raises, or aborts the job)
-            buf = out if _same_memory(buf, out) else buf.copy()
         inplace = out is buf or half  # half: its float32 copy is summed in place
         work = buf.astype(np.float32) if half else buf if inplace else xp.ascontiguousarray(buf)
         dest = work if inplace else xp.empty_like(work) if out is None else out

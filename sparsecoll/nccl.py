@@ -159,7 +159,7 @@ class NCCLCommunicator(Communicator):
         if not is_device_array(buf):
             return super().allreduce(buf, out)
         cp, nccl, nc = cupy_or_none(), self._nccl, self._live()
-        _check_out(buf, out)
+        buf = _check_out(buf, out)
         orig = buf.dtype
         half = orig == np.float16
         work = cp.ascontiguousarray(buf.astype(np.float32) if half else buf)

@@ -86,6 +86,9 @@ def test_dense_allreduce_into_out_and_in_place(comm, dtype, poll):
     for bad in (np.zeros(n + 1, dtype), np.zeros(n, np.int64), np.zeros(2 * n, dtype)[::2]):
         with pytest.raises(ValueError, match="out must be a contiguous"):
             c.allreduce(mine(), out=bad)
+    for bad in (np.int32, np.int64, bool):  # at every size (MPI has no float16 either)
+        with pytest.raises(TypeError, match="float16, float32 or float64 arrays, got"):
+            c.allreduce(mine().astype(bad))
 
     # out another view of buf's memory (e.g. two .numpy() views of one tensor): in place;
     # partly overlapping buf: the sum of buf as it was (MPI forbids aliased buffers: MPICH
