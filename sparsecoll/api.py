@@ -20,6 +20,7 @@ from .sparse import VALUE_DTYPES, SparseVector, check_local, coalesce
 __all__ = ["allreduce", "collective_check", "iallreduce"]
 
 SIGNATURE_LEN = 8
+INT64_MAX = 2**63 - 1
 
 
 def allreduce(
@@ -82,10 +83,12 @@ def allreduce(
         if not algo.exact and bool(get_array_module(vals).isnan(vals).any()):
             # selection cannot rank NaN; agreeing here keeps a lone rank from raising alone
             raise ValueError("values contain NaN (a selecting algorithm cannot rank them)")
+        # inside the try: a signature that fails on one rank must not leave the others
+        # waiting in the check's allreduce
+        sig = _signature(algo, vals, n)
         error = None
-    except (TypeError, ValueError) as exc:
-        error = exc
-    sig = _signature(algo, vals, n) if error is None else None
+    except (TypeError, ValueError, OverflowError) as exc:
+        error, sig = exc, None
     collective_check(c, error, sig, ("n", "values dtype", "algorithm"))
     # IEEE sums, as MPI_SUM's: inf + (-inf) is NaN and an overflow inf, without a warning
     with device_scope(vals), np.errstate(over="ignore", invalid="ignore"):
@@ -132,7 +135,17 @@ def iallreduce(
 
 def _signature(algo: Any, vals: Any, n: Any) -> list[int]:
     dtype_code = VALUE_DTYPES.index(vals.dtype)
-    return [int(n), dtype_code, zlib.crc32(type(algo).__qualname__.encode()), *algo.signature()]
+    sig = [int(n), dtype_code, zlib.crc32(type(algo).__qualname__.encode()), *algo.signature()]
+    _check_int64(sig)
+    return sig
+
+
+def _check_int64(signature: list[int]) -> None:
+    """Raise ValueError (locally: the caller shares it) when a signature value cannot travel
+    in the check's int64 allreduce (negated, so |value| <= 2**63 - 1)."""
+    for v in signature:
+        if not -INT64_MAX <= int(v) <= INT64_MAX:
+            raise ValueError(f"algorithm option {int(v)} does not fit in int64 (|value| < 2**63)")
 
 
 def collective_check(
@@ -149,6 +162,11 @@ def collective_check(
     """
     if signature is not None and len(signature) > SIGNATURE_LEN:
         raise ValueError(f"at most {SIGNATURE_LEN} signature values, got {len(signature)}")
+    if error is None and signature is not None:
+        try:  # one rank's out-of-range value becomes its error, shared below (no lone raise)
+            _check_int64(signature)
+        except ValueError as exc:
+            error, signature = exc, None
     sig = [0] * SIGNATURE_LEN if signature is None else list(signature)
     sig += [0] * (SIGNATURE_LEN - len(sig))
     # one MAX-allreduce: error flag, -(first bad rank), then +/- each signature value

@@ -55,6 +55,8 @@ def check_k(name: str, k: Any) -> int:
         raise TypeError(f"k must be an integer, got {type(k).__name__}")
     if k < 0:
         raise ValueError(f"k must be non-negative, got {k}")
+    if k > 2**63 - 1:  # it travels as int64 in the collective option check
+        raise ValueError(f"k must be below 2**63, got {k}")
     return int(k)
 
 

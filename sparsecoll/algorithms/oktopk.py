@@ -280,7 +280,8 @@ class OkTopk(Algorithm):
                 threshold = self.threshold = window[0]
         elif not recompute:
             threshold = self.threshold
-            keep = _at_least(region[1], threshold)
+            # k = 0 keeps nothing: its threshold of inf would still keep infinite values
+            keep = _at_least(region[1], threshold) if self.k else x.xp.zeros(0, np.int64)
             kept_counts = comm.allgather_ints(int(keep.shape[0]))
             self.threshold = self.next_threshold(threshold, int(sum(kept_counts)))
         if recompute:

@@ -113,3 +113,24 @@ def test_nan_on_one_rank_raises_everywhere_for_selecting(comm, name):
     cls = algorithm_class(name)
     with pytest.raises(sparsecoll.CollectiveInputError, match=f"NaN.* on rank {comm.size - 1}"):
         sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=name, **cls.default_options(N, 20))
+
+
+@pytest.mark.parametrize(
+    ("name", "option"), [("gtopk", "k"), ("oktopk", "k"), ("oktopk", "tau"), ("exdyna", "blocks")]
+)
+def test_option_beyond_int64_on_one_rank_raises_everywhere(comm, name, option):
+    """An option that cannot travel in the int64 option check (here on the last rank only)
+    raises the same error on every rank instead of leaving the others in the check."""
+    vals, idx = _good(comm.rank)
+    opts = algorithm_class(name).default_options(N, 20)
+    bad = comm.size - 1
+    if comm.rank == bad:
+        opts[option] = 2**63
+    try:
+        sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=name, **opts)
+        got = None
+    except sparsecoll.CollectiveInputError as exc:
+        got = str(exc)
+    assert_all(comm, got is not None and f"rank {bad}" in got, f"got {got!r}")
+    msgs = comm.allgather_object(got)
+    assert_all(comm, len(set(msgs)) == 1, f"messages differ: {msgs}")
