@@ -266,7 +266,8 @@ class OkTopk(Algorithm):
             self._regions_from_data = bool(np.any(rows[:, 0] > 0))
         bounds = self.boundaries
         region, own = self._split_reduce(comm, x, bounds)
-        recompute = self.step % self.tau == 0 or self.threshold <= 0.0
+        # (a NaN threshold, from inf + -inf at the k-th place, is recomputed like 0)
+        recompute = self.step % self.tau == 0 or not self.threshold > 0.0
         missed = False
         window = None
         kept = None  # (indices, values) kept in this rank's region
