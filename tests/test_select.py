@@ -516,6 +516,32 @@ def test_reuse_threshold_nudges() -> None:
         sel.ReuseThreshold(10, interval=0)
 
 
+def test_reuse_threshold_after_fewer_than_k_nonzeros() -> None:
+    """An exact call on fewer than k nonzeros has a k-th largest |x| of 0: the reuse calls
+    select the nonzeros, not every entry (zeros included)."""
+    x = np.zeros(1000, np.float32)
+    x[:3] = [5, -4, 3]
+    est = sel.ReuseThreshold(10, interval=4)
+    assert est.select(x).count == 10  # the exact top-k: 3 nonzeros and 7 zeros
+    assert est.threshold > 0.0
+    for _ in range(3):
+        s = est.select(x)
+        assert s.method == "reuse" and s.indices.tolist() == [0, 1, 2]
+    est = sel.ReuseThreshold(10, interval=4)
+    est.observe(10, 10, exact=0.0)  # a global threshold of 0 from elsewhere: the same
+    assert est.threshold > 0.0
+
+
+def test_estimator_retries_validated() -> None:
+    for est_cls in (sel.SamplingThreshold, sel.GaussianThreshold):
+        with pytest.raises(ValueError, match="retries"):
+            est_cls(10, retries=-1)
+        with pytest.raises(ValueError, match="retries"):
+            est_cls(10, retries=1.5)
+    x = np.random.default_rng(5).standard_normal(20000).astype(np.float32)
+    assert sel.SamplingThreshold(10, retries=0).select(x).count >= 8
+
+
 def test_estimator_edges() -> None:
     x = np.random.default_rng(5).standard_normal(1000).astype(np.float32)
     for est_cls in (

@@ -44,6 +44,7 @@ count) and ``rederived``.
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Any
 
 import numpy as np
@@ -253,7 +254,10 @@ class ExDyna(Algorithm):
         return {"k": k}
 
     def signature(self) -> list[int]:
-        return [self.k, self.blocks or 0, self.step & 0x7FFFFFFF, RULES.index(self.rule)]
+        # rebalance and tolerance move the partition bounds: ranks that differ in them
+        # would own overlapping ranges (repeated indices) or leave gaps
+        knobs = zlib.crc32(repr((self.rule, self.rebalance, self.tolerance)).encode())
+        return [self.k, self.blocks or 0, self.step & 0x7FFFFFFF, knobs]
 
     # -- partitions -------------------------------------------------------------------------
     def prepare(self, comm: Communicator, n: int) -> None:

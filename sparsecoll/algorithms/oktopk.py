@@ -266,7 +266,8 @@ class OkTopk(Algorithm):
             self._regions_from_data = bool(np.any(rows[:, 0] > 0))
         bounds = self.boundaries
         region, own = self._split_reduce(comm, x, bounds)
-        recompute = self.step % self.tau == 0 or self.threshold <= 0.0
+        # (a NaN threshold, from inf + -inf at the k-th place, is recomputed like 0)
+        recompute = self.step % self.tau == 0 or not self.threshold > 0.0
         missed = False
         window = None
         kept = None  # (indices, values) kept in this rank's region
@@ -280,7 +281,8 @@ class OkTopk(Algorithm):
                 threshold = self.threshold = window[0]
         elif not recompute:
             threshold = self.threshold
-            keep = _at_least(region[1], threshold)
+            # k = 0 keeps nothing: its threshold of inf would still keep infinite values
+            keep = _at_least(region[1], threshold) if self.k else x.xp.zeros(0, np.int64)
             kept_counts = comm.allgather_ints(int(keep.shape[0]))
             self.threshold = self.next_threshold(threshold, int(sum(kept_counts)))
         if recompute:

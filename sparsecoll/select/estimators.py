@@ -145,6 +145,12 @@ class ThresholdEstimator(ABC):
         """Select from the numpy/CuPy array x of length n, about k entries."""
 
 
+def _check_retries(retries: Any) -> int:
+    if isinstance(retries, bool) or not isinstance(retries, (int, np.integer)) or retries < 0:
+        raise ValueError(f"retries must be a non-negative integer, got {retries!r}")
+    return int(retries)
+
+
 def _exact(x: Any, n: int, k: int, method: str, tries: int = 1) -> Selection:
     """The exact top-k, with the k-th largest |x| as its threshold."""
     idx, vals = topk(x, k)
@@ -215,7 +221,9 @@ class ReuseThreshold(ThresholdEstimator):
         else ``count`` (selected with the current threshold) drives the nudging."""
         self.step += 1
         if exact is not None:
-            self._t = float(exact)
+            # a k-th largest |x| of 0 (fewer than k nonzeros): reusing 0 would select every
+            # entry, zeros included; the smallest positive value selects the nonzeros
+            self._t = float(exact) if exact > 0.0 else math.ulp(0.0)
             self.recomputes += 1
             return
         if self._t is None:
@@ -271,7 +279,7 @@ class SamplingThreshold(ThresholdEstimator):
         self.sample = float(sample)
         self.min_sample = int(min_sample)
         self.lo, self.hi = float(band[0]), float(band[1])
-        self.retries = int(retries)
+        self.retries = _check_retries(retries)
         self.rng = np.random.default_rng(seed)
 
     def _draw(self, x: Any, n: int) -> Any:
@@ -356,7 +364,7 @@ class GaussianThreshold(ThresholdEstimator):
     ) -> None:
         super().__init__(k, density=density)
         self.lo, self.hi = float(band[0]), float(band[1])
-        self.retries = int(retries)
+        self.retries = _check_retries(retries)
 
     def _select(self, x: Any, n: int, k: int) -> Selection:
         if k == 0 or k == n:

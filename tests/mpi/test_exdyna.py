@@ -327,6 +327,18 @@ def test_state_mismatch_raises_on_every_rank(comm):
         sparsecoll.allreduce(comm, x[:40], idx[:40], n=40, algorithm=alg)
 
 
+@pytest.mark.parametrize("option", [{"rebalance": False}, {"tolerance": 0.2}])
+def test_rebalancing_options_mismatch_raises_on_every_rank(comm, option):
+    """rebalance and tolerance move the partitions: ranks built with different values would
+    own overlapping ranges (repeated indices in the result), so they are checked."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    alg = ExDyna(k=5, **(option if comm.rank == 0 else {}))
+    x = np.arange(1.0, 51.0)
+    with pytest.raises(CollectiveInputError, match="algorithm options"):
+        sparsecoll.allreduce(comm, x, np.arange(50), n=50, algorithm=alg)
+
+
 def test_options_are_validated():
     with pytest.raises(TypeError, match="needs k"):
         ExDyna()

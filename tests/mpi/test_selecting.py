@@ -365,6 +365,21 @@ def test_oktopk_k_zero_and_empty(comm):
     for _ in range(3):
         out = run(comm, algo, x, n)
         assert_all(comm, out.nnz == 0 and not out.contributed.any(), "k=0 kept something")
+    # infinite values: k = 0's threshold of inf must not keep them on reuse calls
+    inf = np.array([np.inf, -np.inf, 1.0], np.float32)
+    for rule in ("window", "paper"):
+        algo = sparsecoll.get_algorithm("oktopk", k=0, tau=4, rule=rule)
+        idx = np.array([0, 1, 2]) + comm.rank
+        for _ in range(3):
+            out = sparsecoll.allreduce(comm.mpi_comm, inf, idx, n=n, algorithm=algo)
+            assert_all(comm, out.nnz == 0 and not out.contributed.any(), f"k=0 kept {out.indices}")
+    # inf + -inf at the k-th place: a NaN threshold is recomputed, not reused (paper rule)
+    algo = sparsecoll.get_algorithm("oktopk", k=1, tau=8, rule="paper")
+    first = np.array([np.inf if comm.rank == 0 else -np.inf, 2.0, 3.0], np.float32)
+    for vals in (first, np.array([1.0, 2.0, 3.0], np.float32)):
+        out = sparsecoll.allreduce(comm.mpi_comm, vals, np.arange(3), n=n, algorithm=algo)
+    if comm.size > 1:  # (one rank: no -inf meets the inf)
+        assert_all(comm, out.info["recomputed"] and out.nnz == 1, f"kept {out.indices}")
     none = np.zeros(0, np.float32)
     algo = sparsecoll.get_algorithm("oktopk", k=4)
     for _ in range(2):
