@@ -557,7 +557,7 @@ class ExDyna(Algorithm):
         while True:
             mine = comm.rank in widen
             top = _top_magnitudes(part, min(nonzeros, takes[comm.rank])) if mine else None
-            got, counts = comm.allgatherv(top if mine else np.zeros(0))
+            got, counts = comm.allgatherv(top if mine else _xp(part).zeros(0, np.float64))
             got = to_host(got)  # (a NaN is caught by the threshold pass next)
             offs = np.concatenate(([0], np.cumsum(counts)))
             for r in widen:

@@ -119,6 +119,24 @@ def test_algorithm_on_device(comm, xp, name, case, aware):
     assert_identical(comm, sparsecoll.SparseVector(_host(dev.indices), _host(dev.values), dev.n))
 
 
+@pytest.mark.parametrize("aware", [False, True], ids=["staged", "cuda_aware"])
+def test_exdyna_widening_rederive_on_device(comm, xp, aware):
+    """exdyna's re-derive with a partition holding more than its share of the large values
+    (ranks widen: some send, some send nothing, in later rounds) gives the host's result."""
+    from sparsecoll.algorithms.exdyna import ExDyna
+
+    modes = _modes(xp, comm)
+    n, k = 4096, 64
+    rng = np.random.default_rng([17, comm.rank])
+    acc = rng.standard_normal(n) * np.where(np.arange(n) < n // 8, 1e3, 1.0)
+    c = Communicator(comm.mpi_comm)
+    c.cuda_aware = aware if aware in modes else modes[0]
+    dev = ExDyna(k=k).reduce_dense(c, xp.asarray(acc))
+    host = ExDyna(k=k).reduce_dense(c, acc)
+    why = _differs(dev, host)
+    assert_all(comm, why is None and host.nnz == k, f"cuda_aware={c.cuda_aware}: {why}")
+
+
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_device_moves_the_same_bytes_as_host(comm, xp, name):
     """Staging or not, device buffers change no byte or message that crosses between ranks.
