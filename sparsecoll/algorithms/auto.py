@@ -160,7 +160,10 @@ class Auto(Algorithm):
             alpha=alpha, beta=beta, gamma_sort=gamma_sort, gamma_merge=gamma_merge, delta=delta
         )
         for k, v in constants.items():
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            number = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(
+                v, (bool, np.bool_)
+            )
+            if not (number and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{k} must be a finite non-negative number, got {v!r}")
         self.model = CostModel(**{k: float(v) for k, v in constants.items()})
         self.theta: float | None = None  # learned overlap exponent, None before a first call
