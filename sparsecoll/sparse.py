@@ -54,7 +54,11 @@ class SparseVector:
 
     @classmethod
     def from_dense(cls, x: Any) -> SparseVector:
-        """The nonzeros of a dense 1-D array."""
+        """The nonzeros of a dense 1-D float16/32/64 array (numpy or CuPy)."""
+        if getattr(x, "ndim", None) != 1:
+            raise ValueError(f"x must be a 1-D array, got shape {getattr(x, 'shape', None)}")
+        if x.dtype not in VALUE_DTYPES:
+            raise TypeError(f"x must be float16, float32 or float64, got {x.dtype}")
         xp = get_array_module(x)
         n = int(x.shape[0])
         idx = xp.flatnonzero(x).astype(index_dtype(n), copy=False)

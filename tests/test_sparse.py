@@ -59,6 +59,10 @@ def test_from_dense_round_trip():
     assert v.indices.tolist() == [1, 3]
     assert np.array_equal(v.to_dense(), x)
     assert v.nnz == 2 and len(v) == 5
+    with pytest.raises(ValueError, match="1-D"):
+        SparseVector.from_dense(np.ones((2, 3), np.float32))  # (rows would come back)
+    with pytest.raises(TypeError, match="float16, float32 or float64"):
+        SparseVector.from_dense(np.arange(4))
 
 
 @pytest.mark.parametrize(
