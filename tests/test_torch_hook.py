@@ -125,7 +125,9 @@ def _worker() -> None:
                 problems.append(f"{name}: sent {st['bytes_sent_last']} bytes, dense sends less")
         # a reduction error (NaN on rank 0) reaches backward() on every rank with its type
         # and message (a future completed by set_exception gave "Unable to cast ... to
-        # Tensor"); last: DDP is not usable after a failed backward
+        # Tensor"), and training goes on (the batch skipped, as loss scaling does): the
+        # synchronous hook raised inside DDP's autograd hook, and the next forward failed
+        # DDP's internal assertion "!unmarked_param_indices.empty()"
         for hook in (sparse_allreduce_hook, async_sparse_allreduce_hook):
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
@@ -141,6 +143,15 @@ def _worker() -> None:
                 got = f"{type(exc).__name__}: {exc}"
             if "CollectiveInputError" not in got or "grad holds NaN or Inf" not in got:
                 problems.append(f"{hook.__name__}: a NaN gradient gave {got[:300]!r}")
+            try:
+                for _ in range(2):
+                    ddp.zero_grad()
+                    ddp(x).pow(2).mean().backward()
+                flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()
+                if not all(np.array_equal(o, flat) for o in comm.allgather(flat)):
+                    problems.append(f"{hook.__name__}: gradients differ after a skipped batch")
+            except Exception as exc:
+                problems.append(f"{hook.__name__}: after a NaN batch: {exc!r:.300}")
         every = comm.allgather(problems)
         bad = [f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps]
         if bad:

@@ -247,8 +247,15 @@ def sparse_allreduce_hook(state: SparseHookState, bucket):
     """
     torch = _torch()
     buf = bucket.buffer()
-    _reduce_bucket(state, buf, _bucket_reducer(state, bucket))
     fut = torch.futures.Future()
+    try:
+        _reduce_bucket(state, buf, _bucket_reducer(state, bucket))
+    except Exception as exc:
+        # raised inside the hook, the error leaves DDP's reducer mid-iteration (the next
+        # forward fails an internal assertion): like the asynchronous hook, hand it over in
+        # the future, so that it reaches backward() after every bucket came by
+        fut.set_exception(exc)
+        return fut.then(_value)
     fut.set_result(buf)
     return fut
 
