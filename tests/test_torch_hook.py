@@ -62,6 +62,88 @@ def _train(torch, ddp_cls, hook_state, hook, rank: int, steps: int = STEPS):
     return [p.detach().clone() for p in model.parameters()], losses
 
 
+def _resume_into_fresh_ddp(torch, ddp_cls, comm) -> list[str]:
+    """A hook state saved after 3 iterations and restored into a fresh DDP (a restarted job),
+    and a static graph (DDP rebuilds its buckets after the second iteration): per parameter,
+    error feedback loses nothing, Σ p.grad · P + residual == Σ gradients. One bucket holds
+    every parameter, in the reverse order after DDP's rebuild: the hook matched buckets by
+    size only, so a fresh DDP's first bucket took the saved residual in the wrong order, as
+    did the rebuilt bucket of a static graph (lr 0 and a fixed batch: the same gradient each
+    step)."""
+    import pickle
+    import warnings
+
+    import numpy as np
+
+    from sparsecoll.integrations.torch import SparseHookState, sparse_allreduce_hook
+
+    size, problems = comm.Get_size(), []
+    x = torch.randn(16, 7, generator=torch.Generator().manual_seed(comm.Get_rank()))
+
+    def build(state, static=False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3))
+        ddp = ddp_cls(model, static_graph=static)
+        order = {}  # bucket index -> its parameters' positions in the model, in bucket order
+
+        def hook(state, bucket):
+            pos = {id(p): i for i, p in enumerate(model.parameters())}
+            order[bucket.index()] = [pos[id(p)] for p in bucket.parameters()]
+            return sparse_allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(state, hook)
+        return model, ddp, order
+
+    def run(model, ddp, steps, acc):
+        for _ in range(steps):
+            ddp.zero_grad()
+            ddp(x).pow(2).mean().backward()
+            for a, p in zip(acc, model.parameters()):
+                a += p.grad.double().reshape(-1).numpy()
+
+    def lost(model, state, order, acc, steps):
+        torch.manual_seed(0)
+        plain = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3))
+        plain(x).pow(2).mean().backward()
+        params = list(model.parameters())
+        res = [np.zeros(p.numel()) for p in params]
+        for index, red in state.reducers.items():
+            r, off = np.asarray(red.residual, dtype=np.float64), 0
+            for i in order[index]:
+                res[i] += r[off : off + params[i].numel()]
+                off += params[i].numel()
+        worst = 0.0
+        for a, r, p in zip(acc, res, plain.parameters()):
+            grads = comm.allreduce(p.grad.double().reshape(-1).numpy()) * steps
+            worst = max(worst, float(np.abs(a * size + comm.allreduce(r) - grads).max()))
+        return worst
+
+    state = SparseHookState(comm, "allgather", density=0.1)
+    model, ddp, order = build(state)
+    acc = [np.zeros(p.numel()) for p in model.parameters()]
+    run(model, ddp, 3, acc)
+    saved = pickle.loads(pickle.dumps(state.state_dict()))
+    state = SparseHookState(comm, "allgather", density=0.1)
+    state.load_state_dict(saved)
+    model, ddp, order = build(state)
+    run(model, ddp, 3, acc)
+    if (err := lost(model, state, order, acc, 6)) > 1e-5:
+        problems.append(f"restored into a fresh DDP: a parameter's gradients are off by {err}")
+    for warmup in (1, 2):
+        state = SparseHookState(comm, "allgather", density=0.1, warmup=warmup)
+        model, ddp, order = build(state, static=True)
+        acc = [np.zeros(p.numel()) for p in model.parameters()]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run(model, ddp, 4, acc)
+        warned = any("changed" in str(w.message) for w in caught)
+        if warmup == 1 and not warned:
+            problems.append("static graph, warmup=1: the rebuilt bucket gave no warning")
+        if warmup == 2 and (warned or (err := lost(model, state, order, acc, 4)) > 1e-5):
+            problems.append(f"static graph, warmup=2: warned {warned}, gradients off by {err}")
+    return problems
+
+
 def _worker() -> None:
     from mpi4py import MPI
 
@@ -123,9 +205,13 @@ def _worker() -> None:
             st = state.stats()
             if not st["bytes_sent_last"] < st["dense_bytes_per_iteration"]:
                 problems.append(f"{name}: sent {st['bytes_sent_last']} bytes, dense sends less")
+        problems += _resume_into_fresh_ddp(torch, DistributedDataParallel, comm)
+
         # a reduction error (NaN on rank 0) reaches backward() on every rank with its type
         # and message (a future completed by set_exception gave "Unable to cast ... to
-        # Tensor"); last: DDP is not usable after a failed backward
+        # Tensor"), and training goes on (the batch skipped, as loss scaling does): the
+        # synchronous hook raised inside DDP's autograd hook, and the next forward failed
+        # DDP's internal assertion "!unmarked_param_indices.empty()"
         for hook in (sparse_allreduce_hook, async_sparse_allreduce_hook):
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
@@ -141,6 +227,15 @@ def _worker() -> None:
                 got = f"{type(exc).__name__}: {exc}"
             if "CollectiveInputError" not in got or "grad holds NaN or Inf" not in got:
                 problems.append(f"{hook.__name__}: a NaN gradient gave {got[:300]!r}")
+            try:
+                for _ in range(2):
+                    ddp.zero_grad()
+                    ddp(x).pow(2).mean().backward()
+                flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()
+                if not all(np.array_equal(o, flat) for o in comm.allgather(flat)):
+                    problems.append(f"{hook.__name__}: gradients differ after a skipped batch")
+            except Exception as exc:
+                problems.append(f"{hook.__name__}: after a NaN batch: {exc!r:.300}")
         every = comm.allgather(problems)
         bad = [f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps]
         if bad:

@@ -17,8 +17,9 @@ DDP needs a torch process group even when the hook does all the gradient traffic
 broadcasts the initial parameters and checks their shapes through it): gloo is enough.
 DDP rebuilds its buckets after the first iteration (in the order gradients became ready), so
 the hook reduces densely for ``warmup`` iterations (at least one) before it gives each bucket
-its own reducer (with its own residual); a bucket whose layout changes later gets a fresh
-reducer, with a warning, and the old residual is dropped.
+its own reducer (with its own residual); a bucket whose layout (size, or which parameters
+in which order) changes later gets a fresh reducer, with a warning, and the old residual is
+dropped (``static_graph=True``: DDP rebuilds after the second iteration, use ``warmup=2``).
 Torch is imported only when these functions are used.
 """
 
@@ -110,6 +111,8 @@ class SparseHookState:
         "_dense_stats",
         "_layouts",
         "_pending",
+        "_pending_layouts",
+        "_pending_until",
         "algorithm",
         "comm",
         "density",
@@ -142,28 +145,50 @@ class SparseHookState:
         self.options = options
         self.iteration = 0
         self.reducers: dict[int, GradientReducer] = {}
-        self._layouts: dict[int, tuple[int, str]] = {}
+        self._layouts: dict[int, tuple[Any, ...]] = {}
         self._pending: dict[int, dict[str, Any]] = {}
+        self._pending_layouts: dict[int, tuple[Any, ...]] = {}
+        self._pending_until = 0
         self._dense_stats = CommStats()
         # fail early, on every rank alike, on a bad algorithm name or option
         GradientReducer(self.comm, 1, algorithm, self.density, **options)
 
-    def reducer(self, index: int, numel: int, dtype: str) -> GradientReducer:
-        """The reducer of bucket ``index`` (built on first use, rebuilt if its layout changed)."""
-        layout = (numel, dtype)
+    def reducer(
+        self, index: int, numel: int, dtype: str, params: Any = ()
+    ) -> GradientReducer | None:
+        """The reducer of bucket ``index`` (built on first use, rebuilt if its layout changed:
+        its size, or which parameters it holds in which order); None while the bucket waits
+        for the layout of a restored state (the hook then reduces it densely)."""
+        shapes = tuple(tuple(p.shape) for p in params)
+        layout = (numel, dtype, shapes, tuple(id(p) for p in params))
         red = self.reducers.get(index)
         if red is not None and self._layouts[index] != layout:
+            old = self._layouts[index]
+            what = f"{old[0]} to {numel} elements" if old[0] != numel else "its parameters"
             warnings.warn(
-                f"DDP bucket {index} changed from {self._layouts[index]} to {layout} after "
-                f"the warm-up; its residual is dropped",
+                f"DDP bucket {index} changed ({what}, {dtype}) after the warm-up; its "
+                f"residual is dropped",
                 RuntimeWarning,
                 stacklevel=3,
             )
             red = None
         if red is None:
+            saved = self._pending.get(index)
+            if saved is not None:
+                want = self._pending_layouts.get(index, (saved["n"], dtype, shapes))
+                if saved["n"] != numel or want != (numel, dtype, shapes):
+                    if self.iteration < self._pending_until:
+                        return None  # (a fresh DDP's first buckets are not its last ones)
+                    warnings.warn(
+                        f"DDP bucket {index} does not match its restored state; the saved "
+                        f"residual is dropped",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                    saved = None
+                self._pending.pop(index)
             red = GradientReducer(self.comm, numel, self.algorithm, self.density, **self.options)
-            saved = self._pending.pop(index, None)
-            if saved is not None and saved["n"] == numel:
+            if saved is not None:
                 red.load_state_dict(saved)
             self.reducers[index] = red
             self._layouts[index] = layout
@@ -189,9 +214,19 @@ class SparseHookState:
         }
 
     def state_dict(self) -> dict[str, Any]:
+        # restored states no bucket has taken yet are saved again as they came
         return {
             "iteration": self.iteration,
-            "reducers": {i: r.state_dict() for i, r in self.reducers.items()},
+            "reducers": {
+                **self._pending,
+                **{i: r.state_dict() for i, r in self.reducers.items()},
+            },
+            # what each bucket held (size, dtype, parameter shapes in order): a restored
+            # residual goes only to a bucket laid out alike
+            "layouts": {
+                **{i: v for i, v in self._pending_layouts.items() if i in self._pending},
+                **{i: self._layouts[i][:3] for i in self.reducers},
+            },
         }
 
     def reset(self) -> None:
@@ -204,11 +239,17 @@ class SparseHookState:
         self._dense_stats = CommStats()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore; each bucket's reducer is rebuilt when the bucket next comes by."""
+        """Restore; each bucket's reducer is rebuilt when the bucket next comes by laid out
+        as when saved. Into a fresh DDP (a restarted job) that is after DDP's bucket rebuild
+        (after its first iteration; its second with ``static_graph=True``): until then a
+        bucket whose saved state does not match is reduced densely, nothing lost; a saved
+        state no bucket matches within 3 iterations is dropped with a RuntimeWarning."""
         self.iteration = int(state["iteration"])
         self.reducers.clear()
         self._layouts.clear()
         self._pending = dict(state["reducers"])
+        self._pending_layouts = dict(state.get("layouts", {}))
+        self._pending_until = self.iteration + 3
 
 
 def _reduce_bucket(state: SparseHookState, buf: Any, red: GradientReducer | None) -> None:
@@ -231,7 +272,7 @@ def _bucket_reducer(state: SparseHookState, bucket: Any) -> GradientReducer | No
     buf = bucket.buffer()
     red = None
     if state.iteration >= state.warmup:
-        red = state.reducer(bucket.index(), int(buf.numel()), str(buf.dtype))
+        red = state.reducer(bucket.index(), int(buf.numel()), str(buf.dtype), bucket.parameters())
     if bucket.is_last():
         state.iteration += 1
     return red
@@ -247,8 +288,15 @@ def sparse_allreduce_hook(state: SparseHookState, bucket):
     """
     torch = _torch()
     buf = bucket.buffer()
-    _reduce_bucket(state, buf, _bucket_reducer(state, bucket))
     fut = torch.futures.Future()
+    try:
+        _reduce_bucket(state, buf, _bucket_reducer(state, bucket))
+    except Exception as exc:
+        # raised inside the hook, the error leaves DDP's reducer mid-iteration (the next
+        # forward fails an internal assertion): like the asynchronous hook, hand it over in
+        # the future, so that it reaches backward() after every bucket came by
+        fut.set_exception(exc)
+        return fut.then(_value)
     fut.set_result(buf)
     return fut
 
