@@ -296,7 +296,7 @@ def _routed(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def _check_out(buf: Any, out: Any) -> Any:
+def _check_out(buf: Any, out: Any, op: str = "sum") -> Any:
     """Check an allreduce's arguments and return the ``buf`` to sum: ``buf`` must be float16,
     float32 or float64 (at any size, though one rank needs no MPI type), and ``out`` able to
     take its sum (same array module, shape, dtype, and contiguous). An ``out`` that is
@@ -305,6 +305,8 @@ def _check_out(buf: Any, out: Any) -> Any:
     buffers: MPICH raised "Invalid buffer pointer", or aborted the job)."""
     if buf.dtype not in (np.float16, np.float32, np.float64):
         raise TypeError(f"allreduce sums float16, float32 or float64 arrays, got {buf.dtype}")
+    if op not in ("sum", "mean"):
+        raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
     if out is None:
         return buf
     if (
@@ -703,9 +705,11 @@ class Communicator:
         self.stats.messages_recv += sum(1 for j, c in enumerate(rb) if c and j != me)
 
     @_routed
-    def allreduce(self, buf: Any, out: Any = None) -> Any:
+    def allreduce(self, buf: Any, out: Any = None, op: str = "sum") -> Any:
         """Sum a dense float array over all ranks (MPI_Allreduce) into ``out`` (default: a
-        new array) and return it.
+        new array) and return it; ``op="mean"`` divides the sum by the number of ranks, in
+        the precision it was summed in (float32 for float16: an average that fits in float16
+        does not overflow when the sum does not).
 
         ``out`` (contiguous, ``buf``'s shape and dtype) may be ``buf`` itself (or another
         view of the same memory): the sum then overwrites it in place (MPI_IN_PLACE), with
@@ -716,7 +720,7 @@ class Communicator:
         MPI = _mpi()
         orig = buf.dtype
         xp = get_array_module(buf)
-        buf = _check_out(buf, out)
+        buf = _check_out(buf, out, op)
         half = orig == np.float16
         inplace = out is buf or half  # half: its float32 copy is summed in place
         work = buf.astype(np.float32) if half else buf if inplace else xp.ascontiguousarray(buf)
@@ -737,6 +741,8 @@ class Communicator:
             self._count_allreduce(work.nbytes)
         elif not inplace:
             dest[...] = work
+        if op == "mean" and self.size > 1:
+            dest /= self.size
         return _in_dtype(dest, orig, out)
 
     def _count_allreduce(self, nbytes: int) -> None:

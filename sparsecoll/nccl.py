@@ -155,11 +155,11 @@ class NCCLCommunicator(Communicator):
         self._count_alltoallv(sb, rb)
         return out, recvcounts
 
-    def allreduce(self, buf: Any, out: Any = None) -> Any:
+    def allreduce(self, buf: Any, out: Any = None, op: str = "sum") -> Any:
         if not is_device_array(buf):
-            return super().allreduce(buf, out)
+            return super().allreduce(buf, out, op)
         cp, nccl, nc = cupy_or_none(), self._nccl, self._live()
-        buf = _check_out(buf, out)
+        buf = _check_out(buf, out, op)
         orig = buf.dtype
         half = orig == np.float16
         work = cp.ascontiguousarray(buf.astype(np.float32) if half else buf)
@@ -173,4 +173,6 @@ class NCCLCommunicator(Communicator):
             stream.synchronize()
         if self.size > 1:
             self._count_allreduce(work.nbytes)
+            if op == "mean":
+                dest /= self.size
         return _in_dtype(dest, orig, out)

@@ -548,12 +548,12 @@ class GradientReducer:
         acc, velocity = prep.acc, prep.velocity
         t0 = time.perf_counter()
         if prep.mode == "dense":
-            update = self.comm.allreduce(acc, out=prep.update)  # (None: a new array)
+            # (out None: a new array; the mean is taken in float32 for float16)
+            op = "mean" if self.average else "sum"
+            update = self.comm.allreduce(acc, out=prep.update, op=op)
             self._last.comm_s += time.perf_counter() - t0
             acc[...] = 0
             self._last.record(self.n, self.n)
-            if self.average and p > 1:
-                update /= p
             if prep.update is not None:
                 self._update_nnz = None
         else:

@@ -258,10 +258,11 @@ def _reduce_bucket(state: SparseHookState, buf: Any, red: GradientReducer | None
     if red is None:
         arr, _ = as_array(buf, "bucket")
         with state.comm.measure() as st:
-            state.comm.allreduce(arr, out=arr)  # the bucket's sum overwrites it
+            # the bucket's average overwrites it (float16: taken in float32, no overflow of
+            # a sum whose average fits)
+            state.comm.allreduce(arr, out=arr, op="mean")
         for f in ("bytes_sent", "bytes_recv", "messages_sent", "meta_bytes_sent"):
             setattr(state._dense_stats, f, getattr(state._dense_stats, f) + getattr(st, f))
-        arr /= state.comm.size
     else:
         red.step(buf, out=buf)  # the update overwrites the gradient in place
 

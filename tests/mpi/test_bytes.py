@@ -86,6 +86,9 @@ def test_dense_allreduce_into_out_and_in_place(comm, dtype, poll):
     for bad in (np.zeros(n + 1, dtype), np.zeros(n, np.int64), np.zeros(2 * n, dtype)[::2]):
         with pytest.raises(ValueError, match="out must be a contiguous"):
             c.allreduce(mine(), out=bad)
+    for bad in ("avg", "max"):
+        with pytest.raises(ValueError, match="op must be 'sum' or 'mean'"):
+            c.allreduce(mine(), op=bad)
     for bad in (np.int32, np.int64, bool):  # at every size (MPI has no float16 either)
         with pytest.raises(TypeError, match="float16, float32 or float64 arrays, got"):
             c.allreduce(mine().astype(bad))
@@ -103,3 +106,24 @@ def test_dense_allreduce_into_out_and_in_place(comm, dtype, poll):
     got = c.allreduce(base[:n], out=base[3:])
     ok = got.base is base and (base[3:] == want).all()
     assert_all(comm, ok, f"overlapping out: {got[:5]}")
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_dense_allreduce_mean(comm, dtype):
+    """``op="mean"``: the sum divided by P in the precision it was summed in, the same into
+    ``out``, in place or new. float16 sums in float32, so an average that fits in float16
+    does not overflow when the sum (60000 P) does."""
+    c = sparsecoll.Communicator(comm)
+    P, n = comm.size, 100
+    mine = np.full(n, 60000 if dtype == np.float16 else 3, dtype)
+    mine[1] = comm.rank + 1
+    wide = np.float32 if dtype == np.float16 else dtype
+    want = mine.astype(wide) * P
+    want[1] = P * (P + 1) // 2
+    want = (want / P).astype(dtype) if P > 1 else want.astype(dtype)
+    for how in ("new", "out", "in place"):
+        buf = mine.copy()
+        out = None if how == "new" else buf if how == "in place" else np.empty_like(buf)
+        got = c.allreduce(buf, out=out, op="mean")
+        ok = got.dtype == dtype and np.array_equal(got, want) and (out is None or got is out)
+        assert_all(comm, ok, f"{how}: {got[:3]}, want {want[:3]}")

@@ -253,6 +253,18 @@ def test_checkpoint_rejects_other_reducer(comm):
         GradientReducer(comm, 100, "dense", 0.1).load_state_dict(state)
 
 
+def test_dense_float16_average_does_not_overflow(comm):
+    """float16 gradients whose average fits in float16 but whose sum does not (60000 on
+    every rank): the dense steps (warm-up, or algorithm="dense") average them exactly."""
+    n = 64
+    grad = np.full(n, 60000, np.float16)
+    for algorithm, warmup in (("dense", 0), ("allgather", 1)):
+        red = GradientReducer(comm, n, algorithm, 0.25, warmup=warmup)
+        update = red.step(grad)
+        ok = update.dtype == np.float16 and bool(np.all(update == 60000))
+        assert_all(comm, ok, f"{algorithm}: {update[:4]}")
+
+
 @pytest.mark.parametrize("algorithm", ["dense", "allgather", "exdyna"])
 def test_stats_count_bytes(comm, algorithm):
     n, p = 4000, comm.size
