@@ -8,6 +8,7 @@ from .errors import (
     AlgorithmExistsError,
     CollectiveInputError,
     CollectiveTypeError,
+    NonFiniteError,
     SparseCollError,
     UnknownAlgorithmError,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "CommStats",
     "Communicator",
     "GradientReducer",
+    "NonFiniteError",
     "SparseCollError",
     "SparseRequest",
     "SparseVector",

@@ -6,6 +6,7 @@ __all__ = [
     "AlgorithmExistsError",
     "CollectiveInputError",
     "CollectiveTypeError",
+    "NonFiniteError",
     "SparseCollError",
     "UnknownAlgorithmError",
 ]
@@ -29,3 +30,8 @@ class CollectiveInputError(SparseCollError, ValueError):
 
 class CollectiveTypeError(SparseCollError, TypeError):
     """Input of the wrong type on some rank; raised on every rank of the communicator."""
+
+
+class NonFiniteError(CollectiveInputError):
+    """A gradient step met NaN or Inf (in ``grad + residual``) on some rank; raised on every
+    rank, with nothing changed (GradientReducer.step)."""

@@ -51,6 +51,7 @@ from ._array import as_array, get_array_module, identity, to_host, to_module
 from .algorithms.base import Algorithm
 from .api import collective_check
 from .comm import CommStats, Communicator
+from .errors import NonFiniteError
 from .registry import algorithm_class
 from .sparse import VALUE_DTYPES, SparseVector
 
@@ -468,7 +469,7 @@ class GradientReducer:
         )
         found = prep.found
         if found.nonfinite:
-            raise ValueError(
+            raise NonFiniteError(
                 f"grad holds NaN or Inf: {found.nonfinite} entries of grad + residual "
                 f"are not finite (the step is skipped, the residual kept)"
             )

@@ -225,7 +225,7 @@ def _worker() -> None:
                 got = "no error"
             except Exception as exc:
                 got = f"{type(exc).__name__}: {exc}"
-            if "CollectiveInputError" not in got or "grad holds NaN or Inf" not in got:
+            if "NonFiniteError" not in got or "grad holds NaN or Inf" not in got:
                 problems.append(f"{hook.__name__}: a NaN gradient gave {got[:300]!r}")
             try:
                 for _ in range(2):
@@ -236,6 +236,37 @@ def _worker() -> None:
                     problems.append(f"{hook.__name__}: gradients differ after a skipped batch")
             except Exception as exc:
                 problems.append(f"{hook.__name__}: after a NaN batch: {exc!r:.300}")
+
+            # nonfinite="nan": no error; the bucket comes back NaN on every rank, so that
+            # GradScaler skips the step and halves its scale; the next steps train
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+            ddp = DistributedDataParallel(model)
+            state = SparseHookState(comm, "allgather", density=0.1, nonfinite="nan")
+            ddp.register_comm_hook(state, hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+            scales, moved = [], []
+            try:
+                for step in range(4):
+                    opt.zero_grad()
+                    bad = step == 2 and rank == 0  # after the warm-up iteration
+                    loss = ddp(x).pow(2).mean() * (float("inf") if bad else 1.0)
+                    scaler.scale(loss).backward()
+                    before = [p.detach().clone() for p in model.parameters()]
+                    scaler.step(opt)
+                    scaler.update()
+                    scales.append(scaler.get_scale())
+                    moved.append(
+                        any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+                    )
+                red = next(iter(state.reducers.values()))
+                ok = scales == [1024.0, 1024.0, 512.0, 512.0] and moved == [1, 1, 0, 1]
+                ok = ok and red.steps == 2  # the skipped step changed no reducer
+                if not ok:
+                    problems.append(f"{hook.__name__} nan: scales {scales}, moved {moved}")
+            except Exception as exc:
+                problems.append(f"{hook.__name__} nonfinite='nan': {exc!r:.300}")
         every = comm.allgather(problems)
         bad = [f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps]
         if bad:

@@ -32,6 +32,7 @@ from typing import Any
 
 from .._array import as_array
 from ..comm import CommStats, Communicator
+from ..errors import NonFiniteError
 from ..training import GradientReducer
 
 __all__ = [
@@ -99,6 +100,12 @@ class SparseHookState:
         comm: an mpi4py Intracomm or a sparsecoll Communicator (default: COMM_WORLD).
         algorithm, density: as for :class:`~sparsecoll.training.GradientReducer`.
         warmup: iterations reduced densely first (>= 1: DDP's buckets change after the first).
+        nonfinite: what a bucket whose gradient holds NaN or Inf (on any rank) comes back as:
+            ``"raise"`` (default): ``backward()`` raises on every rank (a RuntimeError naming
+            the :class:`~sparsecoll.NonFiniteError`); ``"nan"``: the bucket is filled with
+            NaN on every rank and backward goes on, so that loss scaling
+            (``torch.amp.GradScaler``) skips the step and lowers its scale, as with DDP's
+            own hook. Either way that bucket's reducer keeps its residual.
         **options: more GradientReducer options (``error_feedback``, algorithm options).
 
     Every rank must build the same state. ``stats()`` sums the byte counts over buckets;
@@ -117,6 +124,7 @@ class SparseHookState:
         "comm",
         "density",
         "iteration",
+        "nonfinite",
         "options",
         "reducers",
         "warmup",
@@ -129,8 +137,11 @@ class SparseHookState:
         density: float = 0.01,
         *,
         warmup: int = 1,
+        nonfinite: str = "raise",
         **options: Any,
     ) -> None:
+        if nonfinite not in ("raise", "nan"):
+            raise ValueError(f"nonfinite must be 'raise' or 'nan', got {nonfinite!r}")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(
                 f"warmup must be an integer >= 1 (DDP rebuilds its buckets after the first "
@@ -142,6 +153,7 @@ class SparseHookState:
         self.algorithm = algorithm
         self.density = float(density)
         self.warmup = warmup
+        self.nonfinite = nonfinite
         self.options = options
         self.iteration = 0
         self.reducers: dict[int, GradientReducer] = {}
@@ -264,7 +276,12 @@ def _reduce_bucket(state: SparseHookState, buf: Any, red: GradientReducer | None
         for f in ("bytes_sent", "bytes_recv", "messages_sent", "meta_bytes_sent"):
             setattr(state._dense_stats, f, getattr(state._dense_stats, f) + getattr(st, f))
     else:
-        red.step(buf, out=buf)  # the update overwrites the gradient in place
+        try:
+            red.step(buf, out=buf)  # the update overwrites the gradient in place
+        except NonFiniteError:  # (raised on every rank alike: every rank fills alike)
+            if state.nonfinite != "nan":
+                raise
+            buf.fill_(float("nan"))
 
 
 def _bucket_reducer(state: SparseHookState, bucket: Any) -> GradientReducer | None:
