@@ -48,8 +48,10 @@ does, on every rank:
 Volume per rank, with local inputs of at most k entries and K ≈ k kept: step 3 sends the
 entries outside the own region (≈ k(P−1)/P) and receives about as many; step 5 moves only the
 excess of each rank over K/P, then the allgatherv moves K(P−1)/P. With K ≤ k (recompute
-calls) each direction stays below 6k(P−1)/P pairs: unconditionally for P ≤ 4, and for larger
-P while the regions are balanced; window calls keep K = k as well. Metadata: counts (P ints,
+calls) each direction stays below 6k(P−1)/P pairs, plus the allgatherv parts' alignment
+padding (under 10 bytes per other rank: it matters only for a k of a few entries):
+unconditionally for P ≤ 4, and for larger P while the regions are balanced; window calls keep
+K = k as well. Metadata: counts (P ints,
 E per rank on window calls), samples on repartition calls, histograms on recompute calls.
 Latency: about 2P + 2 log P messages.
 
