@@ -4,7 +4,10 @@ oktopk's balanced region boundaries."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -179,3 +182,24 @@ def test_boundaries_empty_and_tiny():
     assert bounds[-1] == 2**40
     assert 0 <= bounds[1] <= 2**40
     assert range_bounds(10, 1).tolist() == balanced_boundaries(np.array([one]), 10, 1).tolist()
+
+
+@pytest.mark.parametrize("width", [400, 3000])
+def test_boundaries_balance_indices_near_the_top_of_int64(width):
+    """Indices in a narrow range just below 2**63: float64 positions there are 1024 apart
+    (and the top ones round to 2**63.0, which has no int64: the cast gave INT64_MIN and
+    every region but the last came out empty); offsets from the lowest sample keep them."""
+    n, size = 2**63 - 1, 4
+    idxs = [
+        np.unique(n - 1 - np.random.default_rng([width, r]).integers(0, width, 200))
+        for r in range(size)
+    ]
+    rows = np.array([index_samples(i, sample_segments(size)) for i in idxs])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "invalid value encountered in cast"
+        bounds = balanced_boundaries(rows, n, size)
+    assert bounds[0] == 0 and bounds[-1] == n and np.all(np.diff(bounds) >= 0)
+    every = np.sort(np.concatenate(idxs))
+    counts = np.diff(np.searchsorted(every, bounds))
+    mean = every.shape[0] / size
+    assert np.all(np.abs(counts - mean) <= 0.1 * mean + 2 * size), counts

@@ -48,8 +48,10 @@ does, on every rank:
 Volume per rank, with local inputs of at most k entries and K ≈ k kept: step 3 sends the
 entries outside the own region (≈ k(P−1)/P) and receives about as many; step 5 moves only the
 excess of each rank over K/P, then the allgatherv moves K(P−1)/P. With K ≤ k (recompute
-calls) each direction stays below 6k(P−1)/P pairs: unconditionally for P ≤ 4, and for larger
-P while the regions are balanced; window calls keep K = k as well. Metadata: counts (P ints,
+calls) each direction stays below 6k(P−1)/P pairs, plus the allgatherv parts' alignment
+padding (under 10 bytes per other rank: it matters only for a k of a few entries):
+unconditionally for P ≤ 4, and for larger P while the regions are balanced; window calls keep
+K = k as well. Metadata: counts (P ints,
 E per rank on window calls), samples on repartition calls, histograms on recompute calls.
 Latency: about 2P + 2 log P messages.
 
@@ -144,15 +146,20 @@ def balanced_boundaries(samples: np.ndarray, n: int, parts: int) -> np.ndarray:
         np.concatenate(([0], (np.arange(1, segments, dtype=np.int64) * c) // segments, [c]))
         for c in live[:, 0]
     ]
-    xs = np.unique(live[:, 1:].astype(np.float64))
+    # in float64 as offsets from the lowest sample (exact while the sampled span is below
+    # 2**53, however large the indices: near 2**63 absolute positions are 1024 apart and
+    # round to 2**63.0, which has no int64), back to integers in Python ints
+    base = int(live[:, 1].min())
+    offsets = [(row[1:] - base).astype(np.float64) for row in live]
+    xs = np.unique(np.concatenate(offsets))
     cdf = np.zeros(xs.shape[0])
-    for row, cm in zip(live, cum):
-        cdf += np.interp(xs, row[1:].astype(np.float64), cm.astype(np.float64), 0.0, float(cm[-1]))
+    for off, cm in zip(offsets, cum):
+        cdf += np.interp(xs, off, cm.astype(np.float64), 0.0, float(cm[-1]))
     targets = np.arange(1, parts, dtype=np.float64) * total / parts
     inner = np.rint(np.interp(targets, cdf, xs))
     bounds = np.empty(parts + 1, dtype=np.int64)
     bounds[0], bounds[-1] = 0, n
-    bounds[1:-1] = np.clip(inner, 0, n).astype(np.int64)
+    bounds[1:-1] = [min(base + int(v), n) for v in inner.tolist()]
     return np.maximum.accumulate(bounds)
 
 
