@@ -709,7 +709,7 @@ class Communicator:
         """Sum a dense float array over all ranks (MPI_Allreduce) into ``out`` (default: a
         new array) and return it; ``op="mean"`` divides the sum by the number of ranks, in
         the precision it was summed in (float32 for float16: an average that fits in float16
-        does not overflow when the sum does not).
+        comes back even when the sum would overflow it).
 
         ``out`` (contiguous, ``buf``'s shape and dtype) may be ``buf`` itself (or another
         view of the same memory): the sum then overwrites it in place (MPI_IN_PLACE), with
