@@ -38,6 +38,7 @@ the algorithm's state, byte counters) can be saved with :meth:`state_dict` and r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -47,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from . import select
-from ._array import as_array, get_array_module, identity, to_host, to_module
+from ._array import as_array, device_scope, get_array_module, identity, to_host, to_module
 from .algorithms.base import Algorithm
 from .api import collective_check
 from .comm import CommStats, Communicator
@@ -227,9 +228,16 @@ class GradientReducer:
         engine = self.comm._attached_engine()
         if engine is not None and not engine.is_worker_thread():
             engine.drain()  # earlier step_async calls use (and change) the same state
+        with contextlib.ExitStack() as scope:
+            return self._step(grad, out, scope)
+
+    def _step(self, grad: Any, out: Any, scope: contextlib.ExitStack) -> Any:
         arr, wrap, dest, error, prepared = None, identity, None, None, None
         try:
             arr, wrap = as_array(grad, "grad")
+            # work on grad's GPU, whatever the current device (step_async's progress thread
+            # starts on device 0, as every new CUDA host thread does)
+            scope.enter_context(device_scope(arr))
             self._check_local(arr)
             if out is not None:
                 dest, _ = as_array(out, "out")

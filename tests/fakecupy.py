@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import os
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -44,16 +45,37 @@ def _unwrap(obj: Any) -> Any:
     return obj
 
 
-def _wrap(obj: Any) -> Any:
+def _wrap(obj: Any, dev: int | None = None) -> Any:
+    """Fake arrays for numpy results: new arrays land on the current device (as CuPy
+    allocates there), views given ``dev`` stay on their base's device."""
     if isinstance(obj, np.ndarray):
-        return ndarray(obj)
+        return ndarray(obj, dev)
     if isinstance(obj, np.generic):  # CuPy reductions give 0-d arrays, not scalars
-        return ndarray(np.asarray(obj))
+        return ndarray(np.asarray(obj), dev)
     if isinstance(obj, tuple):
-        return tuple(_wrap(o) for o in obj)
+        return tuple(_wrap(o, dev) for o in obj)
     if isinstance(obj, list):
-        return [_wrap(o) for o in obj]
+        return [_wrap(o, dev) for o in obj]
     return obj
+
+
+def _on_current_device(*objs: Any) -> None:
+    """Refuse fake arrays that live on another device than the thread's current one, as
+    CuPy's kernels do (``_check_peer_access`` in cupy/_core/_kernel.pyx: a ValueError
+    without peer access between the GPUs; with it, a PerformanceWarning and the kernel
+    reads the other GPU's memory from the current one, its outputs allocated there)."""
+    cur = _Device.current()
+    for obj in objs:
+        if isinstance(obj, ndarray):
+            if obj._dev != cur:
+                raise ValueError(
+                    f"The device where the array resides ({obj._dev}) is different from the "
+                    f"current device ({cur}). Peer access is unavailable between these devices."
+                )
+        elif isinstance(obj, (list, tuple)):
+            _on_current_device(*obj)
+        elif isinstance(obj, dict):
+            _on_current_device(*obj.values())
 
 
 class _Flags:
@@ -64,24 +86,38 @@ class _Flags:
 
 
 class _Device:
-    id = 0
-    shared = False  # True: every process reports the same GPU (as ranks sharing one GPU)
+    """A fake GPU. The current device is per host thread, as in CUDA: a new thread (e.g.
+    a progress thread) starts on device 0 whatever its creator had selected."""
 
-    def __init__(self, device: int = 0) -> None:
-        self.id = int(device)
+    id = 0
+    count = 2  # fake GPUs per process: enough to catch work on the wrong one
+    shared = False  # True: every process reports the same GPU (as ranks sharing one GPU)
+    _local = threading.local()
+
+    def __init__(self, device: int | None = None) -> None:
+        self.id = _Device.current() if device is None else int(device)
+        if not 0 <= self.id < _Device.count:
+            raise RuntimeError(f"cudaErrorInvalidDevice: invalid device ordinal {self.id}")
+        self._prev: list[int] = []
+
+    @staticmethod
+    def current() -> int:
+        return getattr(_Device._local, "id", 0)
 
     @property
     def pci_bus_id(self) -> str:
-        return "0000:00:00.0" if _Device.shared else f"fake:{os.getpid()}"
+        return "0000:00:00.0" if _Device.shared else f"fake:{os.getpid()}:{self.id}"
 
     def use(self) -> None:
-        return None
+        _Device._local.id = self.id
 
     def __enter__(self) -> _Device:
+        self._prev.append(_Device.current())
+        self.use()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        return None
+        _Device._local.id = self._prev.pop()
 
     def synchronize(self) -> None:
         return None
@@ -103,13 +139,14 @@ class _Pointer:
 class ndarray:
     """A device array: a numpy array that only the fake module may touch."""
 
-    __slots__ = ("_a",)
+    __slots__ = ("_a", "_dev")
     __array_priority__ = 100
 
-    def __init__(self, a: np.ndarray) -> None:
+    def __init__(self, a: np.ndarray, dev: int | None = None) -> None:
         if not isinstance(a, np.ndarray):
             raise TypeError(f"expecting a numpy array, got {type(a)}")
         self._a = a
+        self._dev = _Device.current() if dev is None else dev
 
     # -- interop ----------------------------------------------------------------------
     @property
@@ -136,6 +173,7 @@ class ndarray:
             kw = _unwrap(kwargs)
         except TypeError:
             return NotImplemented
+        _on_current_device(inputs, kwargs)
         return _wrap(getattr(ufunc, method)(*args, **kw))
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
@@ -177,15 +215,15 @@ class ndarray:
     itemsize = property(lambda self: self._a.itemsize)
     strides = property(lambda self: self._a.strides)
     flags = property(lambda self: _Flags(self._a))
-    T = property(lambda self: ndarray(self._a.T))
-    device = property(lambda self: _Device(0))
+    T = property(lambda self: ndarray(self._a.T, self._dev))
+    device = property(lambda self: _Device(self._dev))
     data = property(lambda self: _Pointer(int(self._a.__array_interface__["data"][0])))
 
     def __len__(self) -> int:
         return len(self._a)
 
     def __iter__(self) -> Iterator[Any]:
-        return (_wrap(v) for v in self._a)
+        return (_wrap(v, self._dev) for v in self._a)
 
     def __repr__(self) -> str:
         return f"fakecupy.{self._a!r}"
@@ -206,26 +244,43 @@ class ndarray:
 
     # -- indexing -----------------------------------------------------------------------
     def __getitem__(self, key: Any) -> Any:
-        return _wrap(self._a[_unwrap(key)])
+        k = _unwrap(key)
+        if _is_basic_index(k):  # a view: no kernel, it stays on its device
+            return _wrap(self._a[k], self._dev)
+        _on_current_device(self, key)
+        return _wrap(self._a[k])
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        _on_current_device(self, key, value)
         self._a[_unwrap(key)] = _unwrap(value)
 
     # -- methods ------------------------------------------------------------------------
     def astype(self, dtype: Any, copy: bool = True, **kw: Any) -> ndarray:
+        if not copy and np.dtype(dtype) == self._a.dtype:
+            return self
+        _on_current_device(self)
         return ndarray(self._a.astype(dtype, copy=copy, **kw))
 
     def view(self, dtype: Any = None) -> ndarray:
-        return ndarray(self._a.view(dtype))
+        return ndarray(self._a.view(dtype), self._dev)
+
+    def reshape(self, *shape: Any, **kw: Any) -> ndarray:
+        out = self._a.reshape(*shape, **kw)
+        if not np.shares_memory(out, self._a):  # a copy: a kernel
+            _on_current_device(self)
+            return ndarray(out)
+        return ndarray(out, self._dev)
 
     def argsort(self, axis: int = -1, kind: Any = None) -> ndarray:
         if kind not in (None, "stable"):
             raise ValueError("kind can only be None or 'stable'")
+        _on_current_device(self)
         return ndarray(np.argsort(self._a, axis=axis, kind="stable"))
 
     def sort(self, axis: int = -1, kind: Any = None) -> None:
         if kind not in (None, "stable"):
             raise ValueError("kind can only be None or 'stable'")
+        _on_current_device(self)
         self._a.sort(axis=axis, kind="stable")
 
     def __getattr__(self, name: str) -> Any:
@@ -237,17 +292,27 @@ class ndarray:
             raise AttributeError(name)
 
         def method(*args: Any, **kwargs: Any) -> Any:
+            _on_current_device(self, args, kwargs)
             return _wrap(attr(*_unwrap(args), **_unwrap(kwargs)))
 
         return method
+
+
+def _is_basic_index(key: Any) -> bool:
+    """Whether ``key`` (unwrapped) only slices: ints, slices, Ellipsis, None."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return all(k is None or k is Ellipsis or isinstance(k, (slice, int, np.integer)) for k in keys)
 
 
 def _binary(name: str) -> Any:
     def op(self: ndarray, other: Any) -> Any:
         if isinstance(other, (np.ndarray, list, tuple)):
             raise _refuse(other)
+        _on_current_device(self, other)
         res = getattr(self._a, name)(_unwrap(other))
-        return NotImplemented if res is NotImplemented else _wrap(res)
+        if res is NotImplemented:
+            return NotImplemented
+        return self if name.startswith("__i") else _wrap(res)
 
     op.__name__ = name
     return op
@@ -260,7 +325,13 @@ for _name in _OPS.split(" "):
             setattr(ndarray, _dunder, _binary(_dunder))
 for _name in ("neg", "pos", "abs", "invert"):
     _dunder = f"__{_name}__"
-    setattr(ndarray, _dunder, (lambda d: lambda self: _wrap(getattr(self._a, d)()))(_dunder))
+    setattr(
+        ndarray,
+        _dunder,
+        (lambda d: lambda self: (_on_current_device(self), _wrap(getattr(self._a, d)()))[1])(
+            _dunder
+        ),
+    )
 
 
 # -- kernels ------------------------------------------------------------------------------
@@ -346,6 +417,7 @@ class ElementwiseKernel:
         arrays = [a for a in args if isinstance(a, ndarray)]
         if not arrays:
             raise TypeError("a kernel needs at least one array argument")
+        _on_current_device(args)
         KERNELS[self.name](*_unwrap(list(args)))
         return args[-1] if self.n_out == 1 else args[self.n_in :]
 
@@ -466,6 +538,8 @@ def _function(name: str, fn: Any) -> Any:
             if kwargs.get("kind") not in (None, "stable"):
                 raise ValueError("kind can only be None or 'stable'")
             kwargs["kind"] = "stable"
+        if not name.endswith("_like"):  # (empty_like & co. only allocate: no kernel)
+            _on_current_device(args, kwargs)
         return _wrap(fn(*_unwrap(args), **_unwrap(kwargs)))
 
     f.__name__ = name
@@ -480,6 +554,9 @@ def _asarray(a: Any, dtype: Any = None, order: Any = None) -> ndarray:
 
 def _ascontiguousarray(a: Any, dtype: Any = None) -> ndarray:
     if isinstance(a, ndarray):
+        if a._a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
+            return a  # (CuPy returns the array itself: no kernel)
+        _on_current_device(a)
         return ndarray(np.ascontiguousarray(a._a, dtype=dtype))
     return ndarray(np.array(a, dtype=dtype, order="C", copy=True))
 
@@ -528,7 +605,9 @@ module.ascontiguousarray = _ascontiguousarray
 module.from_dlpack = _from_dlpack
 module.get_array_module = _get_array_module
 module.cuda = types.ModuleType("cupy.cuda")
-module.cuda.runtime = types.SimpleNamespace(getDeviceCount=lambda: 1)
+module.cuda.runtime = types.SimpleNamespace(
+    getDeviceCount=lambda: _Device.count, getDevice=lambda: _Device.current()
+)
 module.cuda.get_current_stream = lambda: _Stream()
 module.cuda.Stream = _Stream
 module.cuda.Device = _Device

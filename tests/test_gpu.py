@@ -450,3 +450,33 @@ def test_accumulate_matches_cpu_backend(xp, x, data):
     if not hb:
         np.testing.assert_array_equal(di, hi_)
         np.testing.assert_array_equal(dv, hv)
+
+
+def test_reducer_works_on_the_gradients_device(xp):
+    """A gradient on GPU 1 is reduced on GPU 1 whatever the current device: from the main
+    thread with device 0 current, and from step_async's progress thread, which (as every
+    new CUDA host thread) starts on device 0. CuPy refuses kernels on arrays of another
+    GPU (or, with peer access, runs them from the current one, allocating there)."""
+    from mpi4py import MPI
+
+    import sparsecoll
+
+    if xp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    n = 4000
+    g = np.random.default_rng(7).standard_normal(n).astype(np.float32)
+    comm = sparsecoll.Communicator(MPI.COMM_SELF)
+    host = sparsecoll.GradientReducer(comm, n, "allgather", 0.01)
+    want = [host.step(g.copy()) for _ in range(3)]
+    with xp.cuda.Device(1):
+        dg = xp.asarray(g)
+    red = sparsecoll.GradientReducer(comm, n, "allgather", 0.01)
+    with xp.cuda.Device(0):
+        got = [red.step(dg), red.step_async(dg).wait(timeout=60)]
+    with xp.cuda.Device(1):
+        out = xp.zeros_like(dg)
+    with xp.cuda.Device(0):
+        got.append(red.step_async(dg, out=out).wait(timeout=60))
+    for a, w in zip(got, want):
+        assert a.device.id == 1
+        np.testing.assert_array_equal(a.get(), w)

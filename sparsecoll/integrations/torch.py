@@ -30,7 +30,7 @@ import socket
 import warnings
 from typing import Any
 
-from .._array import as_array
+from .._array import as_array, device_scope
 from ..comm import CommStats, Communicator
 from ..errors import NonFiniteError
 from ..training import GradientReducer
@@ -269,7 +269,9 @@ def _reduce_bucket(state: SparseHookState, buf: Any, red: GradientReducer | None
     else ``red``'s sparse update."""
     if red is None:
         arr, _ = as_array(buf, "bucket")
-        with state.comm.measure() as st:
+        # on the bucket's GPU: the asynchronous hook runs this on the progress thread,
+        # whose current device is 0 (as every new CUDA host thread's)
+        with device_scope(arr), state.comm.measure() as st:
             # the bucket's average overwrites it (float16: taken in float32, no overflow of
             # a sum whose average fits)
             state.comm.allreduce(arr, out=arr, op="mean")
