@@ -19,9 +19,6 @@ ALGORITHMS = ("dense", "allgather", "gtopk", "oktopk", "exdyna")
 
 
 def main(argv: list[str] | None = None) -> None:
-    import cupy as cp
-
-    from sparsecoll import Communicator, GradientReducer
     from sparsecoll.benchmarks.cli import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -31,6 +28,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("-i", "--iterations", type=int, default=10)
     ap.add_argument("-x", "--warmup", type=int, default=5)
     args = ap.parse_args(argv)
+    import cupy as cp  # after the arguments: --help works without CuPy
+
+    from sparsecoll import Communicator, GradientReducer
+
     n = parse_size(args.size)
     comm = Communicator()
     cp.cuda.Device(comm.rank % cp.cuda.runtime.getDeviceCount()).use()
