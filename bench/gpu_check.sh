@@ -63,6 +63,9 @@ bench)
         timeout 60 "$MPIEXEC" -n 1 "$PY" -m sparsecoll.benchmarks.gpu allreduce -m 25M \
             --comm nccl
         timeout 150 python3 -m sparsecoll bench osu --np 4 -d cuda -m 1M:16M -c
+        # GradientReducer.step on device gradients (docs/gpu.md, "Training step")
+        timeout 150 python3 bench/gpu_step.py -m 100M
+        timeout 150 "$MPIEXEC" -n 4 "$PY" bench/gpu_step.py -m 25M
     } > "$out/bench.log" 2>&1
     echo "exit $?" >> "$out/bench.log"
     ;;
