@@ -140,3 +140,13 @@ def test_reused_update_survives_an_algorithm_returning_its_input(self_comm):
             np.testing.assert_array_equal(reuse.step(g), fresh.step(g), err_msg=f"step {t}")
     finally:
         _REGISTRY.pop("test-identity", None)
+
+
+@pytest.mark.parametrize("algorithm", ["oktopk", "exdyna", "gtopk"])
+def test_reducer_rejects_k_beside_density(self_comm, algorithm):
+    """k is set from density; a k= among the algorithm options used to override the
+    algorithm's k silently while the local selection and stats() kept density's."""
+    from sparsecoll.training import GradientReducer
+
+    with pytest.raises(TypeError, match=r"sets k from density .* = 10\); pass density=50/n"):
+        GradientReducer(self_comm, 1000, algorithm, 0.01, k=50)

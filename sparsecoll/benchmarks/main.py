@@ -227,7 +227,11 @@ def run(args: argparse.Namespace) -> int:
         )
         print(
             "# check: 'sum' = equals the exact dense sum; 'contract' = meets the selecting "
-            "algorithm's contract (a subset of the sum: docs/selecting.md)"
+            "algorithm's contract (about k entries: docs/selecting.md)"
+        )
+        print(
+            "# bytes/rank: payload bytes sent per call by the busiest rank (metadata, such as "
+            "counts and input checks, not included)"
         )
         print(
             "# median ms: median over the timed calls of the slowest rank's time; "
