@@ -171,10 +171,18 @@ class GradientReducer:
         self._selector_args = selection_options or {}
         self.reset()
 
+    def _settle(self) -> None:
+        """Wait for the step_async calls submitted so far: they use and change the state."""
+        engine = self.comm._attached_engine()
+        if engine is not None and not engine.is_worker_thread():
+            engine.drain()
+
     def reset(self) -> None:
         """Drop the residual, the velocity, the algorithm's and the selection's state and the
         statistics: the reducer is as newly built (warm-up steps included). Collective in
-        effect: call it on every rank, between the same steps."""
+        effect: call it on every rank, between the same steps. Pending step_async calls
+        complete first."""
+        self._settle()
         self.steps = 0
         self._residual: Any = None
         self._pending_residual: np.ndarray | None = None  # restored, not yet on its module
@@ -232,9 +240,7 @@ class GradientReducer:
             message names the rank). The residual and the velocity are then unchanged on
             every rank; ``out`` may have been zeroed.
         """
-        engine = self.comm._attached_engine()
-        if engine is not None and not engine.is_worker_thread():
-            engine.drain()  # earlier step_async calls use (and change) the same state
+        self._settle()
         with contextlib.ExitStack() as scope:
             return self._step(grad, out, scope)
 
@@ -328,8 +334,10 @@ class GradientReducer:
         """This rank's state as plain Python objects and numpy arrays (picklable).
 
         Everything but the communicator: the residual (copied to the host), the step
-        counter, the algorithm instance's state and the statistics.
+        counter, the algorithm instance's state and the statistics. Pending step_async calls
+        complete first.
         """
+        self._settle()
         res = self.residual
         return {
             "version": STATE_VERSION,
@@ -347,10 +355,13 @@ class GradientReducer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` saved by a reducer built with the same arguments."""
+        """Restore a :meth:`state_dict` saved by a reducer built with the same arguments
+        (``n``, algorithm and density are checked). Pending step_async calls complete first."""
+        self._settle()
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"state version {state.get('version')} != {STATE_VERSION}")
-        for key, mine in (("n", self.n), ("algorithm", self.algorithm_name)):
+        checked = (("n", self.n), ("algorithm", self.algorithm_name), ("density", self.density))
+        for key, mine in checked:
             if state[key] != mine:
                 raise ValueError(f"state is for {key}={state[key]!r}, this reducer has {mine!r}")
         self.steps = int(state["steps"])
