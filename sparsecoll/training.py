@@ -232,7 +232,7 @@ class GradientReducer:
             return self._step(grad, out, scope)
 
     def _step(self, grad: Any, out: Any, scope: contextlib.ExitStack) -> Any:
-        arr, wrap, dest, error, prepared = None, identity, None, None, None
+        arr, wrap, dest, error, prepared, saved = None, identity, None, None, None, None
         try:
             arr, wrap = as_array(grad, "grad")
             # work on grad's GPU, whatever the current device (step_async's progress thread
@@ -242,18 +242,26 @@ class GradientReducer:
             if out is not None:
                 dest, _ = as_array(out, "out")
                 self._check_out(dest, arr)
+            # the selection (a ReuseThreshold's schedule, a sampler's generator) and the cut
+            # prediction move in _prepare: given back below if the step fails on any rank
+            saved = self._selection_snapshot()
             prepared = self._prepare(arr.reshape(-1), None if dest is None else dest.reshape(-1))
         except (TypeError, ValueError) as exc:
             error = exc
         t0 = time.perf_counter()
-        if self.check:
-            sig = None
-            if error is None:
-                sig = [self.n, VALUE_DTYPES.index(arr.dtype), self.steps, self._crc]
-                sig += self.algorithm.signature()[:4]
-            collective_check(self.comm, error, sig, ("n", "grad dtype", "step", "algorithm"))
-        elif error is not None:
-            raise error
+        try:
+            if self.check:
+                sig = None
+                if error is None:
+                    sig = [self.n, VALUE_DTYPES.index(arr.dtype), self.steps, self._crc]
+                    sig += self.algorithm.signature()[:4]
+                collective_check(self.comm, error, sig, ("n", "grad dtype", "step", "algorithm"))
+            elif error is not None:
+                raise error
+        except BaseException:
+            if saved is not None:
+                self._restore_selection(saved)
+            raise
         self._last.comm_s = time.perf_counter() - t0
         with self.comm.measure() as st:
             update = self._reduce(prepared)
@@ -366,6 +374,28 @@ class GradientReducer:
         )
 
     # -- internals --------------------------------------------------------------------------
+    _CUT_STATE = ("_cut", "_kth", "_growth", "_slope", "_zcut", "_full_topk")
+
+    def _selection_snapshot(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """What a step's selection changes before the step is known to succeed on every rank:
+        the cut prediction and the estimator's slots (a generator's state, not the object)."""
+        sel = {}
+        for name, value in _slot_values(self._selector).items():
+            if isinstance(value, np.random.Generator):
+                value = (value, value.bit_generator.state)
+            sel[name] = value
+        return tuple(getattr(self, a) for a in self._CUT_STATE), sel
+
+    def _restore_selection(self, saved: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
+        cut, sel = saved
+        for name, value in zip(self._CUT_STATE, cut):
+            setattr(self, name, value)
+        for name, value in sel.items():
+            if isinstance(value, tuple) and isinstance(value[0], np.random.Generator):
+                value[0].bit_generator.state = value[1]
+                value = value[0]
+            setattr(self._selector, name, value)
+
     def _check_local(self, arr: Any) -> None:
         if int(arr.size) != self.n:
             raise ValueError(f"grad must have {self.n} elements, got {int(arr.size)}")
@@ -386,6 +416,8 @@ class GradientReducer:
             raise TypeError("out must live on the same device as grad")
         if not dest.flags.c_contiguous:
             raise ValueError("out must be contiguous")
+        if not getattr(dest.flags, "writeable", True):  # (CuPy arrays have no such flag)
+            raise ValueError("out must be writeable, got a read-only array")
 
     def _buffers(self, g: Any, prep: _Prepared) -> None:
         """Fill ``prep`` with the residual and velocity to read (zeros before the first
