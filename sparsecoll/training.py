@@ -168,7 +168,9 @@ class GradientReducer:
     def reset(self) -> None:
         """Drop the residual, the velocity, the algorithm's and the selection's state and the
         statistics: the reducer is as newly built (warm-up steps included). Collective in
-        effect: call it on every rank, between the same steps."""
+        effect: call it on every rank, between the same steps (it waits for pending
+        :meth:`step_async` calls first)."""
+        self._wait_pending()
         self.steps = 0
         self._residual: Any = None
         self._pending_residual: np.ndarray | None = None  # restored, not yet on its module
@@ -225,9 +227,7 @@ class GradientReducer:
             message names the rank). The residual and the velocity are then unchanged on
             every rank; ``out`` may have been zeroed.
         """
-        engine = self.comm._attached_engine()
-        if engine is not None and not engine.is_worker_thread():
-            engine.drain()  # earlier step_async calls use (and change) the same state
+        self._wait_pending()
         with contextlib.ExitStack() as scope:
             return self._step(grad, out, scope)
 
@@ -279,7 +279,8 @@ class GradientReducer:
 
         Steps run in submission order. ``grad`` (and ``out``) are borrowed, and the
         reducer's state is in use, until the request completes: wait for it before reading
-        the reducer's state (a blocking :meth:`step` waits for pending ones itself).
+        the reducer's state (a blocking :meth:`step`, :meth:`state_dict`,
+        :meth:`load_state_dict` and :meth:`reset` wait for pending ones themselves).
         """
         kw = {} if out is None else {"out": out}
         return self.comm.engine().submit(
@@ -329,14 +330,19 @@ class GradientReducer:
         """This rank's state as plain Python objects and numpy arrays (picklable).
 
         Everything but the communicator: the residual (copied to the host), the step
-        counter, the algorithm instance's state and the statistics.
+        counter, the algorithm instance's state and the statistics. Pending
+        :meth:`step_async` calls are waited for first.
         """
+        self._wait_pending()
         res = self.residual
         return {
             "version": STATE_VERSION,
             "n": self.n,
             "algorithm": self.algorithm_name,
             "density": self.density,
+            "ranks": self.comm.size,
+            "selection": self.selection,
+            "momentum": self.momentum,
             "steps": self.steps,
             "residual": None if res is None else np.array(to_host(res), copy=True),
             "velocity": None if self._velocity is None else np.array(to_host(self._velocity)),
@@ -348,12 +354,34 @@ class GradientReducer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` saved by a reducer built with the same arguments."""
+        """Restore a :meth:`state_dict` saved by a reducer built with the same arguments, on
+        as many ranks. A state from another n, algorithm, density, number of ranks,
+        selection or momentum is refused (ValueError; this reducer is left as it was): the
+        algorithm's state holds its k and partitions, and each rank's residual belongs to
+        its rank of that run."""
+        self._wait_pending()
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"state version {state.get('version')} != {STATE_VERSION}")
-        for key, mine in (("n", self.n), ("algorithm", self.algorithm_name)):
-            if state[key] != mine:
-                raise ValueError(f"state is for {key}={state[key]!r}, this reducer has {mine!r}")
+        mine = {
+            "n": self.n,
+            "algorithm": self.algorithm_name,
+            "density": self.density,
+            "ranks": self.comm.size,
+            "selection": self.selection,
+            "momentum": self.momentum,
+        }
+        for key, value in mine.items():
+            # (the last three are absent from states saved before they were recorded)
+            if (key in state or key in ("n", "algorithm")) and state[key] != value:
+                raise ValueError(f"state is for {key}={state[key]!r}, this reducer has {value!r}")
+        if state.get("velocity") is not None and not self.momentum:
+            raise ValueError("state holds a momentum-correction velocity, this reducer has none")
+        extra = set(state["selection_state"]) - set(_slot_values(self._selector))
+        if extra:
+            raise ValueError(
+                f"state holds selection state ({', '.join(sorted(extra))}) that this "
+                f"reducer's selection={self.selection!r} does not have"
+            )
         self.steps = int(state["steps"])
         res = state["residual"]
         self._residual = None
@@ -374,6 +402,12 @@ class GradientReducer:
         )
 
     # -- internals --------------------------------------------------------------------------
+    def _wait_pending(self) -> None:
+        """Wait for the step_async calls submitted so far: they use (and change) the state."""
+        engine = self.comm._attached_engine()
+        if engine is not None and not engine.is_worker_thread():
+            engine.drain()
+
     _CUT_STATE = ("_cut", "_kth", "_growth", "_slope", "_zcut", "_full_topk")
 
     def _selection_snapshot(self) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -474,3 +474,39 @@ def test_read_only_out_on_one_rank_raises_everywhere(comm, algorithm):
     assert_all(comm, red.steps == 0, "a failed step counted")
     update = red.step(np.full(n, float(comm.rank)))
     assert_all(comm, np.allclose(update, sum(range(comm.size)) / comm.size), "step after")
+
+
+def test_checkpoint_rejects_other_options(comm):
+    """A state from another density, number of ranks, selection or momentum is refused,
+    with a message naming what differs, and the reducer is left as it was (loaded, oktopk
+    and exdyna went on with the saved k while the reducer said the new density; another
+    P's residuals were taken rank by rank, those of the missing ranks lost)."""
+    n = 1000
+    g = np.random.default_rng([1, comm.rank]).standard_normal(n)
+    cases = [
+        ({}, {"density": 0.1}, "density=0.02"),
+        ({}, {"selection": "reuse"}, "selection='exact'"),
+        ({"selection": "sampling"}, {"selection": "gaussian"}, "selection='sampling'"),
+        ({"momentum": 0.9}, {}, "momentum=0.9"),
+    ]
+    for algorithm in ("allgather", "oktopk", "exdyna"):
+        for saved_kw, kw, match in cases:
+            red = GradientReducer(comm, n, algorithm, **{"density": 0.02, **saved_kw})
+            red.step(g)
+            other = GradientReducer(comm, n, algorithm, **{"density": 0.02, **kw})
+            with pytest.raises(ValueError, match=match):
+                other.load_state_dict(red.state_dict())
+            assert other.steps == 0 and other.residual is None
+        state = red.state_dict()
+        state["ranks"] = comm.size + 1
+        with pytest.raises(ValueError, match=f"ranks={comm.size + 1}"):
+            GradientReducer(comm, n, algorithm, 0.02).load_state_dict(state)
+    # a state saved before these were recorded still loads (and one with them, of course)
+    red = GradientReducer(comm, n, "exdyna", 0.02)
+    red.step(g)
+    state = red.state_dict()
+    for key in ("ranks", "selection", "momentum"):
+        del state[key]
+    fresh = GradientReducer(comm, n, "exdyna", 0.02)
+    fresh.load_state_dict(state)
+    assert_all(comm, np.array_equal(fresh.step(g), red.step(g)), "older state")
