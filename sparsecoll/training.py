@@ -104,8 +104,7 @@ class GradientReducer:
             written to. Default False.
         check: agree on every step's input collectively (one small allreduce), so a bad
             gradient on one rank raises the same error on every rank instead of hanging.
-        **options: more constructor options for the algorithm (e.g. ``tau=`` for oktopk);
-            not ``k``, which ``density`` sets (a ``k=`` raises TypeError).
+        **options: more constructor options for the algorithm (e.g. ``tau=`` for oktopk).
 
     Every rank must build its reducer with the same arguments and call :meth:`step` the same
     number of times.
@@ -157,11 +156,6 @@ class GradientReducer:
         if SELECTIONS[selection] is not None:  # bad estimator options fail here, early
             SELECTIONS[selection](k=self.k, **(selection_options or {}))
         cls = algorithm_class(algorithm)
-        if "k" in options:  # k comes from density; a k= here would disagree with it silently
-            raise TypeError(
-                f"GradientReducer sets k from density (k = round(density·n) = {self.k}); "
-                f"pass density={options['k']}/n instead of k={options['k']}"
-            )
         opts = cls.default_options(self.n, self.k)
         opts.update(options)
         self.algorithm: Algorithm = cls(**opts)
@@ -171,18 +165,12 @@ class GradientReducer:
         self._selector_args = selection_options or {}
         self.reset()
 
-    def _settle(self) -> None:
-        """Wait for the step_async calls submitted so far: they use and change the state."""
-        engine = self.comm._attached_engine()
-        if engine is not None and not engine.is_worker_thread():
-            engine.drain()
-
     def reset(self) -> None:
         """Drop the residual, the velocity, the algorithm's and the selection's state and the
         statistics: the reducer is as newly built (warm-up steps included). Collective in
-        effect: call it on every rank, between the same steps. Pending step_async calls
-        complete first."""
-        self._settle()
+        effect: call it on every rank, between the same steps (it waits for pending
+        :meth:`step_async` calls first)."""
+        self._wait_pending()
         self.steps = 0
         self._residual: Any = None
         self._pending_residual: np.ndarray | None = None  # restored, not yet on its module
@@ -211,9 +199,8 @@ class GradientReducer:
     # -- public ---------------------------------------------------------------------------
     @property
     def residual(self) -> Any:
-        """This rank's error-feedback memory (dense and flat, the array module and dtype of the
-        gradients: numpy for numpy and torch CPU tensors, CuPy for device arrays; None before
-        the first step). The reducer's own buffer, reused two steps later:
+        """This rank's error-feedback memory (dense, the module and dtype of the gradients;
+        None before the first step). The reducer's own buffer, reused two steps later:
         copy it to keep it."""
         if self._residual is None and self._pending_residual is not None:
             return self._pending_residual
@@ -240,12 +227,12 @@ class GradientReducer:
             message names the rank). The residual and the velocity are then unchanged on
             every rank; ``out`` may have been zeroed.
         """
-        self._settle()
+        self._wait_pending()
         with contextlib.ExitStack() as scope:
             return self._step(grad, out, scope)
 
     def _step(self, grad: Any, out: Any, scope: contextlib.ExitStack) -> Any:
-        arr, wrap, dest, error, prepared = None, identity, None, None, None
+        arr, wrap, dest, error, prepared, saved = None, identity, None, None, None, None
         try:
             arr, wrap = as_array(grad, "grad")
             # work on grad's GPU, whatever the current device (step_async's progress thread
@@ -255,18 +242,26 @@ class GradientReducer:
             if out is not None:
                 dest, _ = as_array(out, "out")
                 self._check_out(dest, arr)
+            # the selection (a ReuseThreshold's schedule, a sampler's generator) and the cut
+            # prediction move in _prepare: given back below if the step fails on any rank
+            saved = self._selection_snapshot()
             prepared = self._prepare(arr.reshape(-1), None if dest is None else dest.reshape(-1))
         except (TypeError, ValueError) as exc:
             error = exc
         t0 = time.perf_counter()
-        if self.check:
-            sig = None
-            if error is None:
-                sig = [self.n, VALUE_DTYPES.index(arr.dtype), self.steps, self._crc]
-                sig += self.algorithm.signature()[:4]
-            collective_check(self.comm, error, sig, ("n", "grad dtype", "step", "algorithm"))
-        elif error is not None:
-            raise error
+        try:
+            if self.check:
+                sig = None
+                if error is None:
+                    sig = [self.n, VALUE_DTYPES.index(arr.dtype), self.steps, self._crc]
+                    sig += self.algorithm.signature()[:4]
+                collective_check(self.comm, error, sig, ("n", "grad dtype", "step", "algorithm"))
+            elif error is not None:
+                raise error
+        except BaseException:
+            if saved is not None:
+                self._restore_selection(saved)
+            raise
         self._last.comm_s = time.perf_counter() - t0
         with self.comm.measure() as st:
             update = self._reduce(prepared)
@@ -284,7 +279,8 @@ class GradientReducer:
 
         Steps run in submission order. ``grad`` (and ``out``) are borrowed, and the
         reducer's state is in use, until the request completes: wait for it before reading
-        the reducer's state (a blocking :meth:`step` waits for pending ones itself).
+        the reducer's state (a blocking :meth:`step`, :meth:`state_dict`,
+        :meth:`load_state_dict` and :meth:`reset` wait for pending ones themselves).
         """
         kw = {} if out is None else {"out": out}
         return self.comm.engine().submit(
@@ -334,16 +330,19 @@ class GradientReducer:
         """This rank's state as plain Python objects and numpy arrays (picklable).
 
         Everything but the communicator: the residual (copied to the host), the step
-        counter, the algorithm instance's state and the statistics. Pending step_async calls
-        complete first.
+        counter, the algorithm instance's state and the statistics. Pending
+        :meth:`step_async` calls are waited for first.
         """
-        self._settle()
+        self._wait_pending()
         res = self.residual
         return {
             "version": STATE_VERSION,
             "n": self.n,
             "algorithm": self.algorithm_name,
             "density": self.density,
+            "ranks": self.comm.size,
+            "selection": self.selection,
+            "momentum": self.momentum,
             "steps": self.steps,
             "residual": None if res is None else np.array(to_host(res), copy=True),
             "velocity": None if self._velocity is None else np.array(to_host(self._velocity)),
@@ -355,15 +354,34 @@ class GradientReducer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` saved by a reducer built with the same arguments
-        (``n``, algorithm and density are checked). Pending step_async calls complete first."""
-        self._settle()
+        """Restore a :meth:`state_dict` saved by a reducer built with the same arguments, on
+        as many ranks. A state from another n, algorithm, density, number of ranks,
+        selection or momentum is refused (ValueError; this reducer is left as it was): the
+        algorithm's state holds its k and partitions, and each rank's residual belongs to
+        its rank of that run."""
+        self._wait_pending()
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"state version {state.get('version')} != {STATE_VERSION}")
-        checked = (("n", self.n), ("algorithm", self.algorithm_name), ("density", self.density))
-        for key, mine in checked:
-            if state[key] != mine:
-                raise ValueError(f"state is for {key}={state[key]!r}, this reducer has {mine!r}")
+        mine = {
+            "n": self.n,
+            "algorithm": self.algorithm_name,
+            "density": self.density,
+            "ranks": self.comm.size,
+            "selection": self.selection,
+            "momentum": self.momentum,
+        }
+        for key, value in mine.items():
+            # (the last three are absent from states saved before they were recorded)
+            if (key in state or key in ("n", "algorithm")) and state[key] != value:
+                raise ValueError(f"state is for {key}={state[key]!r}, this reducer has {value!r}")
+        if state.get("velocity") is not None and not self.momentum:
+            raise ValueError("state holds a momentum-correction velocity, this reducer has none")
+        extra = set(state["selection_state"]) - set(_slot_values(self._selector))
+        if extra:
+            raise ValueError(
+                f"state holds selection state ({', '.join(sorted(extra))}) that this "
+                f"reducer's selection={self.selection!r} does not have"
+            )
         self.steps = int(state["steps"])
         res = state["residual"]
         self._residual = None
@@ -384,6 +402,34 @@ class GradientReducer:
         )
 
     # -- internals --------------------------------------------------------------------------
+    def _wait_pending(self) -> None:
+        """Wait for the step_async calls submitted so far: they use (and change) the state."""
+        engine = self.comm._attached_engine()
+        if engine is not None and not engine.is_worker_thread():
+            engine.drain()
+
+    _CUT_STATE = ("_cut", "_kth", "_growth", "_slope", "_zcut", "_full_topk")
+
+    def _selection_snapshot(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """What a step's selection changes before the step is known to succeed on every rank:
+        the cut prediction and the estimator's slots (a generator's state, not the object)."""
+        sel = {}
+        for name, value in _slot_values(self._selector).items():
+            if isinstance(value, np.random.Generator):
+                value = (value, value.bit_generator.state)
+            sel[name] = value
+        return tuple(getattr(self, a) for a in self._CUT_STATE), sel
+
+    def _restore_selection(self, saved: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
+        cut, sel = saved
+        for name, value in zip(self._CUT_STATE, cut):
+            setattr(self, name, value)
+        for name, value in sel.items():
+            if isinstance(value, tuple) and isinstance(value[0], np.random.Generator):
+                value[0].bit_generator.state = value[1]
+                value = value[0]
+            setattr(self._selector, name, value)
+
     def _check_local(self, arr: Any) -> None:
         if int(arr.size) != self.n:
             raise ValueError(f"grad must have {self.n} elements, got {int(arr.size)}")
@@ -404,6 +450,8 @@ class GradientReducer:
             raise TypeError("out must live on the same device as grad")
         if not dest.flags.c_contiguous:
             raise ValueError("out must be contiguous")
+        if not getattr(dest.flags, "writeable", True):  # (CuPy arrays have no such flag)
+            raise ValueError("out must be writeable, got a read-only array")
 
     def _buffers(self, g: Any, prep: _Prepared) -> None:
         """Fill ``prep`` with the residual and velocity to read (zeros before the first

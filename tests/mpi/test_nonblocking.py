@@ -238,3 +238,30 @@ def test_watchdog_with_a_communicator_subclass(comm):
     finally:
         sparsecoll.set_timeout(before)
     assert_all(comm, got == want, f"allreduce on a subclass with the watchdog on: {got}")
+
+
+@pytest.mark.parametrize("call", ["state_dict", "reset"])
+def test_reducer_state_calls_wait_for_pending_steps(comm, call):
+    """state_dict() and reset() wait for pending step_async calls, as step() does: a state
+    saved while a step was queued was the state before it (saved, steps == 0), and a reset
+    was undone by the step that ran after it (steps == 1, a residual)."""
+    n = 2000
+    g = np.random.default_rng([4, comm.rank]).standard_normal(n)
+    red = GradientReducer(comm, n, "allgather", 0.05)
+    twin = GradientReducer(comm, n, "allgather", 0.05)
+    twin.step(g)
+    gate = threading.Event()
+    blocker = comm.engine().submit(gate.wait, "gate")  # holds the queue (local)
+    req = red.step_async(g)
+    threading.Timer(0.2, gate.set).start()
+    if call == "state_dict":
+        state = red.state_dict()
+        ok = state["steps"] == 1 and np.array_equal(state["residual"], twin.residual)
+    else:
+        red.reset()
+        ok = True
+    assert blocker.wait() is True
+    req.wait()
+    if call == "reset":
+        ok = red.steps == 0 and red.residual is None
+    assert_all(comm, ok, f"{call} did not wait for the pending step")

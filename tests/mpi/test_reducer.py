@@ -451,3 +451,83 @@ def test_hook_state_reset(comm):
     state.reset()
     assert state.reducers[0] is red and red.residual is None and red.steps == 0
     assert red.algorithm.step == 0 and state.stats()["bytes_sent_total"] == 0
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "selection"),
+    [("allgather", "reuse"), ("oktopk", "reuse"), ("allgather", "sampling")],
+)
+def test_failed_step_leaves_the_selection_as_it_was(comm, algorithm, selection):
+    """A step that fails on one rank (NaN there) changes nothing on any rank, the selection
+    included: a ReuseThreshold's recompute schedule and nudges, a sampler's generator. The
+    good ranks had selected before the verdict; later steps equal a run without that call."""
+    n = 3000
+    opts = {"interval": 3} if selection == "reuse" else {"min_sample": 64}
+    kw = {"selection": selection, "selection_options": opts}
+    red = GradientReducer(comm, n, algorithm, 0.02, **kw)
+    twin = GradientReducer(comm, n, algorithm, 0.02, **kw)
+    problems = []
+    for t in range(7):
+        g = np.random.default_rng([t, comm.rank]).standard_t(2, n)
+        if t == 2:
+            bad = g.copy()
+            if comm.rank == comm.size - 1:
+                bad[5] = np.nan
+            with pytest.raises(sparsecoll.NonFiniteError):
+                red.step(bad)
+        if not np.array_equal(red.step(g), twin.step(g)):
+            problems.append(f"step {t} differs from a run without the failed call")
+    check_everywhere(comm, problems, [])
+
+
+@pytest.mark.parametrize("algorithm", ["dense", "allgather", "oktopk"])
+def test_read_only_out_on_one_rank_raises_everywhere(comm, algorithm):
+    """out= read-only on one rank is an input error on every rank, before the collective
+    (it was Numba's TypingError, or a BufferError, on that rank alone: the others went on
+    or hung, and the step counters parted for good)."""
+    n = 600
+    red = GradientReducer(comm, n, algorithm, 1.0)
+    bad = comm.size - 1
+    out = np.zeros(n)
+    out.flags.writeable = comm.rank != bad
+    with pytest.raises(CollectiveInputError, match=f"out must be writeable.*on rank {bad}"):
+        red.step(np.ones(n), out=out)
+    assert_all(comm, red.steps == 0, "a failed step counted")
+    update = red.step(np.full(n, float(comm.rank)))
+    assert_all(comm, np.allclose(update, sum(range(comm.size)) / comm.size), "step after")
+
+
+def test_checkpoint_rejects_other_options(comm):
+    """A state from another density, number of ranks, selection or momentum is refused,
+    with a message naming what differs, and the reducer is left as it was (loaded, oktopk
+    and exdyna went on with the saved k while the reducer said the new density; another
+    P's residuals were taken rank by rank, those of the missing ranks lost)."""
+    n = 1000
+    g = np.random.default_rng([1, comm.rank]).standard_normal(n)
+    cases = [
+        ({}, {"density": 0.1}, "density=0.02"),
+        ({}, {"selection": "reuse"}, "selection='exact'"),
+        ({"selection": "sampling"}, {"selection": "gaussian"}, "selection='sampling'"),
+        ({"momentum": 0.9}, {}, "momentum=0.9"),
+    ]
+    for algorithm in ("allgather", "oktopk", "exdyna"):
+        for saved_kw, kw, match in cases:
+            red = GradientReducer(comm, n, algorithm, **{"density": 0.02, **saved_kw})
+            red.step(g)
+            other = GradientReducer(comm, n, algorithm, **{"density": 0.02, **kw})
+            with pytest.raises(ValueError, match=match):
+                other.load_state_dict(red.state_dict())
+            assert other.steps == 0 and other.residual is None
+        state = red.state_dict()
+        state["ranks"] = comm.size + 1
+        with pytest.raises(ValueError, match=f"ranks={comm.size + 1}"):
+            GradientReducer(comm, n, algorithm, 0.02).load_state_dict(state)
+    # a state saved before these were recorded still loads (and one with them, of course)
+    red = GradientReducer(comm, n, "exdyna", 0.02)
+    red.step(g)
+    state = red.state_dict()
+    for key in ("ranks", "selection", "momentum"):
+        del state[key]
+    fresh = GradientReducer(comm, n, "exdyna", 0.02)
+    fresh.load_state_dict(state)
+    assert_all(comm, np.array_equal(fresh.step(g), red.step(g)), "older state")
