@@ -104,7 +104,8 @@ class GradientReducer:
             written to. Default False.
         check: agree on every step's input collectively (one small allreduce), so a bad
             gradient on one rank raises the same error on every rank instead of hanging.
-        **options: more constructor options for the algorithm (e.g. ``tau=`` for oktopk).
+        **options: more constructor options for the algorithm (e.g. ``tau=`` for oktopk);
+            not ``k``, which ``density`` sets (a ``k=`` raises TypeError).
 
     Every rank must build its reducer with the same arguments and call :meth:`step` the same
     number of times.
@@ -156,6 +157,11 @@ class GradientReducer:
         if SELECTIONS[selection] is not None:  # bad estimator options fail here, early
             SELECTIONS[selection](k=self.k, **(selection_options or {}))
         cls = algorithm_class(algorithm)
+        if "k" in options:  # k comes from density; a k= here would disagree with it silently
+            raise TypeError(
+                f"GradientReducer sets k from density (k = round(density·n) = {self.k}); "
+                f"pass density={options['k']}/n instead of k={options['k']}"
+            )
         opts = cls.default_options(self.n, self.k)
         opts.update(options)
         self.algorithm: Algorithm = cls(**opts)
@@ -199,8 +205,9 @@ class GradientReducer:
     # -- public ---------------------------------------------------------------------------
     @property
     def residual(self) -> Any:
-        """This rank's error-feedback memory (dense, the module and dtype of the gradients;
-        None before the first step). The reducer's own buffer, reused two steps later:
+        """This rank's error-feedback memory (dense and flat, the array module and dtype of the
+        gradients: numpy for numpy and torch CPU tensors, CuPy for device arrays; None before
+        the first step). The reducer's own buffer, reused two steps later:
         copy it to keep it."""
         if self._residual is None and self._pending_residual is not None:
             return self._pending_residual

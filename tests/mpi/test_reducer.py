@@ -256,24 +256,6 @@ def test_checkpoint_rejects_other_reducer(comm):
         GradientReducer(comm, 100, "allgather", 0.2).load_state_dict(state)
 
 
-def test_state_dict_and_reset_wait_for_pending_steps(comm):
-    """state_dict(), load_state_dict() and reset() with step_async calls outstanding act
-    after those calls, not in the middle of them."""
-    n, steps = 2000, 4
-    grads = [np.random.default_rng([5, comm.rank, t]).standard_normal(n) for t in range(steps)]
-    ref = GradientReducer(comm, n, "oktopk", 0.05)
-    for g in grads:
-        ref.step(g)
-    want = pickle.dumps(ref.state_dict())
-    red = GradientReducer(comm, n, "oktopk", 0.05)
-    pending = [red.step_async(g) for g in grads]
-    got = pickle.dumps(red.state_dict())  # (no wait() first)
-    ok = all(r.done() for r in pending) and got == want
-    red.reset()
-    ok = ok and red.steps == 0 and red.residual is None
-    assert_all(comm, ok, "state_dict or reset did not wait for the pending steps")
-
-
 def test_dense_float16_average_does_not_overflow(comm):
     """float16 gradients whose average fits in float16 but whose sum does not (60000 on
     every rank): the dense steps (warm-up, or algorithm="dense") average them exactly."""
