@@ -100,6 +100,8 @@ def _raise() -> None:
     comm = sparsecoll.Communicator()
     vals, idx = _inputs(comm.rank)
     sparsecoll.iallreduce(comm, vals, idx, n=10**5).wait()
+    if comm.rank != 1:  # late: rank 1's calls cannot have completed when it reaches exit
+        time.sleep(2)
     for _ in range(4):
         sparsecoll.iallreduce(comm, vals, idx, n=10**5)
     if comm.rank == 1:
