@@ -344,12 +344,7 @@ class GradientReducer:
         res = self.residual
         return {
             "version": STATE_VERSION,
-            "n": self.n,
-            "algorithm": self.algorithm_name,
-            "density": self.density,
-            "ranks": self.comm.size,
-            "selection": self.selection,
-            "momentum": self.momentum,
+            **self._identity(),
             "steps": self.steps,
             "residual": None if res is None else np.array(to_host(res), copy=True),
             "velocity": None if self._velocity is None else np.array(to_host(self._velocity)),
@@ -369,15 +364,7 @@ class GradientReducer:
         self._wait_pending()
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"state version {state.get('version')} != {STATE_VERSION}")
-        mine = {
-            "n": self.n,
-            "algorithm": self.algorithm_name,
-            "density": self.density,
-            "ranks": self.comm.size,
-            "selection": self.selection,
-            "momentum": self.momentum,
-        }
-        for key, value in mine.items():
+        for key, value in self._identity().items():
             # (the last three are absent from states saved before they were recorded)
             if (key in state or key in ("n", "algorithm")) and state[key] != value:
                 raise ValueError(f"state is for {key}={state[key]!r}, this reducer has {value!r}")
@@ -409,6 +396,17 @@ class GradientReducer:
         )
 
     # -- internals --------------------------------------------------------------------------
+    def _identity(self) -> dict[str, Any]:
+        """What a checkpoint must agree on to be loaded (saved with it)."""
+        return {
+            "n": self.n,
+            "algorithm": self.algorithm_name,
+            "density": self.density,
+            "ranks": self.comm.size,
+            "selection": self.selection,
+            "momentum": self.momentum,
+        }
+
     def _wait_pending(self) -> None:
         """Wait for the step_async calls submitted so far: they use (and change) the state."""
         engine = self.comm._attached_engine()
