@@ -51,7 +51,14 @@ from typing import Any
 
 import numpy as np
 
-from ._array import cupy_or_none, get_array_module, is_device_array, pinned_empty, synchronize
+from ._array import (
+    cupy_or_none,
+    device_scope,
+    get_array_module,
+    is_device_array,
+    pinned_empty,
+    synchronize,
+)
 
 __all__ = ["CommStats", "Communicator", "Request", "mpi_library_version"]
 
@@ -529,14 +536,15 @@ class Communicator:
         host buffer first (a blocking copy on the current stream, ordered after those kernels).
         """
         if is_device_array(buf):
-            buf = get_array_module(buf).ascontiguousarray(buf).reshape(-1).view(np.uint8)
-            if self.cuda_aware:
-                synchronize()
-                return buf
-            host = pinned_empty(buf.shape[0])
-            if host.shape[0]:
-                buf.get(out=host)
-            return host
+            with device_scope(buf):  # buf's GPU and its stream, whichever device is current
+                buf = get_array_module(buf).ascontiguousarray(buf).reshape(-1).view(np.uint8)
+                if self.cuda_aware:
+                    synchronize()
+                    return buf
+                host = pinned_empty(buf.shape[0])
+                if host.shape[0]:
+                    buf.get(out=host)
+                return host
         return np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
 
     def _recv_view(self, buf: Any) -> tuple[Any, Callable[[], None] | None]:
@@ -548,15 +556,19 @@ class Communicator:
         if not is_device_array(buf):
             return flat, None
         if self.cuda_aware:
-            synchronize()  # no queued kernel may still use the memory MPI writes
+            with device_scope(buf):
+                synchronize()  # no queued kernel may still use the memory MPI writes
             return flat, None
         host = pinned_empty(flat.shape[0])
 
         def finish() -> None:
+            # on buf's GPU and its stream: a request may complete on another thread, whose
+            # current device is another (a new thread's is 0)
             if host.shape[0]:
-                stream = cupy_or_none().cuda.get_current_stream()
-                flat.set(host, stream=stream)
-                stream.synchronize()  # the pinned buffer is released after this
+                with device_scope(flat):
+                    stream = cupy_or_none().cuda.get_current_stream()
+                    flat.set(host, stream=stream)
+                    stream.synchronize()  # the pinned buffer is released after this
 
         return host, finish
 

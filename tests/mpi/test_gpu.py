@@ -163,6 +163,33 @@ def test_device_moves_the_same_bytes_as_host(comm, xp, name):
 
 
 @pytest.mark.parametrize("aware", [False, True], ids=["staged", "cuda_aware"])
+def test_communicator_on_another_device_than_the_current(comm, xp, aware):
+    """Buffers on GPU 1 while GPU 0 is current (as on a progress thread, which starts on
+    device 0): staging, stream syncs and copy-backs happen on the buffers' own device (a
+    strided send buffer is made contiguous by a kernel, which CuPy refuses to launch from
+    another device)."""
+    if aware not in _modes(xp, comm):
+        pytest.skip("MPI is not CUDA-aware: device pointers must not reach it")
+    if xp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    c = Communicator(comm.mpi_comm)
+    c.cuda_aware = aware
+    P, r = c.size, c.rank
+    with xp.cuda.Device(1):
+        x = xp.asarray(np.arange(10, dtype=np.float32) + 10 * r)[::2]
+        got = xp.zeros(5, dtype=np.float32)
+        buf = xp.asarray(np.arange(6, dtype=np.float64) * (r + 1))
+    with xp.cuda.Device(0):
+        reqs = [c.irecv(got, (r - 1) % P, 8), c.isend(x, (r + 1) % P, 8)]
+        sparsecoll.comm.Request.waitall(reqs)
+        c.allreduce(buf, out=buf)
+    with xp.cuda.Device(1):
+        ok = np.array_equal(_host(got), np.arange(0, 10, 2, dtype=np.float32) + 10 * ((r - 1) % P))
+        ok = ok and np.array_equal(_host(buf), np.arange(6) * P * (P + 1) / 2)
+    assert_all(comm, ok, f"cuda_aware={aware}: {_host(got)}, {_host(buf)}")
+
+
+@pytest.mark.parametrize("aware", [False, True], ids=["staged", "cuda_aware"])
 def test_communicator_device_primitives(comm, xp, aware):
     if aware not in _modes(xp, comm):
         pytest.skip("MPI is not CUDA-aware: device pointers must not reach it")
