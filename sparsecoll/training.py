@@ -48,7 +48,16 @@ from typing import Any
 import numpy as np
 
 from . import select
-from ._array import as_array, device_scope, get_array_module, identity, to_host, to_module
+from ._array import (
+    as_array,
+    device_scope,
+    get_array_module,
+    identity,
+    is_device_array,
+    synchronize,
+    to_host,
+    to_module,
+)
 from .algorithms.base import Algorithm
 from .api import collective_check
 from .comm import CommStats, Communicator
@@ -277,8 +286,12 @@ class GradientReducer:
             setattr(self._totals, f, getattr(self._totals, f) + getattr(st, f))
         self.steps += 1
         if out is not None:
+            if dest is not out and is_device_array(dest):
+                # written on CuPy's stream into a foreign tensor (torch): no DLPack hand-over
+                # orders the caller's stream after it, so wait here
+                synchronize()
             return out
-        return wrap(update.reshape(arr.shape))
+        return wrap(update.reshape(arr.shape))  # (DLPack orders the caller's stream)
 
     def step_async(self, grad: Any, out: Any = None) -> Any:
         """Start :meth:`step` on the communicator's progress thread; ``wait()`` on the
