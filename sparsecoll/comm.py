@@ -59,6 +59,7 @@ from ._array import (
     pinned_empty,
     synchronize,
 )
+from .sparse import VALUE_DTYPES
 
 __all__ = ["CommStats", "Communicator", "Request", "mpi_library_version"]
 
@@ -310,7 +311,7 @@ def _check_out(buf: Any, out: Any, op: str = "sum") -> Any:
     another view of ``buf``'s memory turns the call into an in-place one (``out`` comes
     back); one that partly overlaps it gets the sum of a copy (MPI and NCCL forbid aliased
     buffers: MPICH raised "Invalid buffer pointer", or aborted the job)."""
-    if buf.dtype not in (np.float16, np.float32, np.float64):
+    if buf.dtype not in VALUE_DTYPES:
         raise TypeError(f"allreduce sums float16, float32 or float64 arrays, got {buf.dtype}")
     if op not in ("sum", "mean"):
         raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")

@@ -547,7 +547,6 @@ class ExDyna(Algorithm):
         twice as many (at most k) in another allgatherv, until no rank is in that state.
         The estimate is then exact: every value at or above it has been gathered.
         """
-        nonzeros = int(_xp(part).count_nonzero(part))
         takes = []
         for r in range(comm.size):
             lo, hi = self.owned_range(r)  # the span, not m: sparse and dense input agree
@@ -556,7 +555,8 @@ class ExDyna(Algorithm):
         widen = list(range(comm.size))  # the ranks that send (all at first)
         while True:
             mine = comm.rank in widen
-            top = _top_magnitudes(part, min(nonzeros, takes[comm.rank])) if mine else None
+            # (fewer than take_r when the partition has fewer nonzeros: never widened then)
+            top = _top_magnitudes(part, takes[comm.rank]) if mine else None
             got, counts = comm.allgatherv(top if mine else _xp(part).zeros(0, np.float64))
             got = to_host(got)  # (a NaN is caught by the threshold pass next)
             offs = np.concatenate(([0], np.cumsum(counts)))
