@@ -234,11 +234,13 @@ class Engine:
                 value, error = None, exc
             if owner is not None and owner is not self.comm:
                 owner._add_stats(self.comm.stats - before)
-            req._finish(value, error)
             with self._cond:
                 self._current = None
                 self._last = req.label
                 self._completed += 1
+                # after the count: whoever sees the request done sees it no longer pending
+                # (the exit handler aborts the job when calls are pending)
+                req._finish(value, error)
                 self._cond.notify_all()
         if free:  # every rank frees the user's communicator, so every rank gets here
             if watchdog is not None:
