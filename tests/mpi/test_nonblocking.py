@@ -195,6 +195,23 @@ def test_a_completed_request_is_no_longer_pending(comm):
     assert not both, "the request was done while the engine still counted it pending"
 
 
+def test_bad_timeout_setting_queues_nothing(comm, monkeypatch):
+    """A SPARSECOLL_TIMEOUT that is not a number raises from submit before the call is
+    queued (it was queued, and ran, while the caller got the ValueError and no request)."""
+    from sparsecoll import _progress
+
+    engine = comm.engine()
+    ran = threading.Event()
+    before = engine.pending(), engine._submitted
+    monkeypatch.setenv("SPARSECOLL_TIMEOUT", "soon")
+    monkeypatch.setattr(_progress, "_timeout_read", False)
+    with pytest.raises(ValueError, match="SPARSECOLL_TIMEOUT must be a number"):
+        engine.submit(ran.set, "local")
+    engine.drain()
+    assert not ran.is_set(), "the call ran although submit raised"
+    assert (engine.pending(), engine._submitted) == before
+
+
 def test_wait_timeout_while_other_ranks_are_late(comm):
     if comm.size == 1:
         pytest.skip("needs a rank that is late")
