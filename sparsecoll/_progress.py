@@ -161,6 +161,7 @@ class Engine:
     def submit(self, fn: Callable[[], Any], label: str, owner: Any = None) -> SparseRequest:
         """Queue ``fn`` (it calls collectives; every rank submits the same calls in the same
         order); its traffic is added to ``owner``'s stats (a Communicator) when it ends."""
+        watch = get_timeout()  # (a bad SPARSECOLL_TIMEOUT raises here, before anything is queued)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the progress engine of this communicator is shut down")
@@ -168,7 +169,7 @@ class Engine:
             req = SparseRequest(self._submitted, label)
             self._queue.append((req, fn, owner))
             self._cond.notify_all()
-        if self._watchdog is None and get_timeout():
+        if self._watchdog is None and watch:
             self._start_watchdog()
         return req
 
@@ -234,11 +235,13 @@ class Engine:
                 value, error = None, exc
             if owner is not None and owner is not self.comm:
                 owner._add_stats(self.comm.stats - before)
-            req._finish(value, error)
             with self._cond:
                 self._current = None
                 self._last = req.label
                 self._completed += 1
+                # after the count: whoever sees the request done sees it no longer pending
+                # (the exit handler aborts the job when calls are pending)
+                req._finish(value, error)
                 self._cond.notify_all()
         if free:  # every rank frees the user's communicator, so every rank gets here
             if watchdog is not None:

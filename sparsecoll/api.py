@@ -190,10 +190,11 @@ def _raise_mismatch(comm: Communicator, sig: list[int], names: tuple[str, ...]) 
             what = names[pos] if pos < len(names) else "algorithm options"
             a = other[pos] if pos < len(other) else None
             b = every[0][pos] if pos < len(every[0]) else None
-            if what == "values dtype":
+            dtype = what.endswith(" dtype")  # "values dtype", GradientReducer's "grad dtype"
+            if dtype:
                 a, b = VALUE_DTYPES[a], VALUE_DTYPES[b]
-            if what in ("n", "values dtype"):
-                raise (CollectiveTypeError if what.endswith("dtype") else CollectiveInputError)(
+            if what == "n" or dtype:
+                raise (CollectiveTypeError if dtype else CollectiveInputError)(
                     f"{what} must be the same on every rank: rank {r} has {a}, rank 0 has {b}"
                 )
             raise CollectiveInputError(

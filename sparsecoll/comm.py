@@ -774,18 +774,16 @@ class Communicator:
     @_routed
     def allreduce_ints(self, values: Sequence[int] | np.ndarray, op: str = "sum") -> np.ndarray:
         """Reduce a small int64 vector over all ranks with ``op`` in sum/max/min."""
-        MPI = _mpi()
-        a = np.ascontiguousarray(values, dtype=np.int64)
-        out = np.empty_like(a)
-        self._complete("Allreduce", a, out, {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
-        self._meta(2 * a.nbytes, 2 * self._log2())
-        return out
+        return self._allreduce_meta(values, np.int64, op)
 
     @_routed
     def allreduce_floats(self, values: Sequence[float] | np.ndarray, op: str = "sum") -> np.ndarray:
         """Reduce a small float64 vector over all ranks with ``op`` in sum/max/min."""
+        return self._allreduce_meta(values, np.float64, op)
+
+    def _allreduce_meta(self, values: Any, dtype: Any, op: str) -> np.ndarray:
         MPI = _mpi()
-        a = np.ascontiguousarray(values, dtype=np.float64)
+        a = np.ascontiguousarray(values, dtype=dtype)
         out = np.empty_like(a)
         self._complete("Allreduce", a, out, {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
         self._meta(2 * a.nbytes, 2 * self._log2())

@@ -282,8 +282,7 @@ class GradientReducer:
         with self.comm.measure() as st:
             update = self._reduce(prepared)
         self._last.stats = st
-        for f in ("bytes_sent", "bytes_recv", "messages_sent", "meta_bytes_sent"):
-            setattr(self._totals, f, getattr(self._totals, f) + getattr(st, f))
+        _add_totals(self._totals, st)
         self.steps += 1
         if out is not None:
             if dest is not out and is_device_array(dest):
@@ -753,6 +752,13 @@ def _finish(
     if late_zero:
         update[...] = 0
     update[indices] = values / values.dtype.type(divisor) if divisor != 1 else values
+
+
+def _add_totals(totals: CommStats, delta: CommStats) -> None:
+    """Add a step's traffic to the running totals (the fields :meth:`GradientReducer.stats`
+    and the DDP hook's warm-up count)."""
+    for f in ("bytes_sent", "bytes_recv", "messages_sent", "meta_bytes_sent"):
+        setattr(totals, f, getattr(totals, f) + getattr(delta, f))
 
 
 def _numba_host(a: Any) -> bool:

@@ -110,7 +110,7 @@ def predict(
         rd += m.beta * sp(union_size(group, n, kbar, theta), n)
         rd += m.gamma_merge * union_size(2 * group, n, kbar, theta)
         group *= 2
-    if union_size(P, n, kbar, theta) * pair >= n * vsz:
+    if K * pair >= n * vsz:
         rd += m.delta * n
     out["recursive_doubling"] = rd
     if n <= 4 * N:

@@ -91,8 +91,8 @@ def allclose_sparse(a: SparseVector, b: SparseVector, scale: float | None = None
     """Whether two sparse vectors are equal as dense vectors, within the dtype's tolerance."""
     if a.n != b.n:
         return False
-    ia, va = np.asarray(_host(a.indices)), np.asarray(_host(a.values), dtype=np.float64)
-    ib, vb = np.asarray(_host(b.indices)), np.asarray(_host(b.values), dtype=np.float64)
+    ia, va = to_host(a.indices), np.asarray(to_host(a.values), dtype=np.float64)
+    ib, vb = to_host(b.indices), np.asarray(to_host(b.values), dtype=np.float64)
     union = np.union1d(ia, ib)
     da = np.zeros(union.shape[0])
     db = np.zeros(union.shape[0])
@@ -102,10 +102,6 @@ def allclose_sparse(a: SparseVector, b: SparseVector, scale: float | None = None
     if scale is None:
         scale = float(np.max(np.abs(db), initial=0.0))
     return bool(np.all(np.abs(da - db) <= 64 * eps * (np.abs(db) + scale) + 1e-300))
-
-
-def _host(a: Any) -> Any:
-    return a if isinstance(a, np.ndarray) else a.get()
 
 
 # -- shared building blocks --------------------------------------------------------------
@@ -179,7 +175,7 @@ def sparse_is_cheaper(nnz: int, length: int, itype: Any, vtype: Any) -> bool:
 
 def pack_pairs(indices: Any, values: Any) -> Any:
     """One byte buffer holding the indices then the values (no float-packed ints)."""
-    xp = np if isinstance(values, np.ndarray) else _cp()
+    xp = get_array_module(values)
     out = xp.empty(indices.nbytes + values.nbytes, dtype=np.uint8)
     out[: indices.nbytes] = indices.view(np.uint8)
     out[indices.nbytes :] = values.view(np.uint8)
@@ -201,12 +197,6 @@ def recv_pairs(comm: Communicator, source: int, tag: int, n: int, vtype: Any, xp
     an array of module ``xp`` (on the device directly when MPI is CUDA-aware)."""
     buf = comm.recv_bytes(source, tag, xp)
     return unpack_pairs(buf, index_dtype(n), vtype)
-
-
-def _cp() -> Any:
-    from .._array import cupy_or_none
-
-    return cupy_or_none()
 
 
 def merge(parts: list[tuple[Any, Any]], n: int, dtype: Any, xp: Any = np) -> SparseVector:

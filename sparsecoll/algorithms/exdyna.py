@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from .. import select
-from .._array import index_dtype, to_host
+from .._array import get_array_module, index_dtype, to_host
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
@@ -126,7 +126,7 @@ def _top_magnitudes(part: Any, take: int) -> Any:
     kernels raise; then a partition keeps the NaN, and the window's pass, which every rank
     makes next, reports it on every rank (raising here would leave the others hanging).
     """
-    xp = _xp(part)
+    xp = get_array_module(part)
     take = min(take, int(xp.count_nonzero(part)))
     try:
         _, vals = select.topk(part, take)
@@ -160,12 +160,6 @@ def _cut(dtype: Any, t: float) -> float:
     """``t`` as the data's dtype holds it (what ``|x| >= t`` compares against), and never 0:
     zeros are never selected."""
     return max(float(np.asarray(t).astype(dtype)), float(np.finfo(dtype).smallest_subnormal))
-
-
-def _xp(a: Any) -> Any:
-    from .._array import get_array_module
-
-    return get_array_module(a)
 
 
 def authors_rule(threshold: float, count: int, k: int) -> float:
@@ -296,14 +290,14 @@ class ExDyna(Algorithm):
         a, b = (int(v) for v in xp.searchsorted(x.indices, xp.asarray([lo, hi])))
         part_idx = x.indices[a:b]
 
-        def gather(idx: Any) -> Any:
+        def values_at(idx: Any) -> Any:
             if x.nnz == 0:
                 return xp.zeros(idx.shape[0], x.dtype)
             pos = xp.minimum(xp.searchsorted(x.indices, idx), x.nnz - 1)
             hit = x.indices[pos] == idx
             return xp.where(hit, x.values[pos], xp.zeros((), x.dtype))
 
-        out = self._run(comm, n, x.values[a:b], lambda pos: part_idx[pos], gather, x.dtype, xp)
+        out = self._run(comm, n, x.values[a:b], lambda pos: part_idx[pos], values_at, x.dtype, xp)
         if out.nnz and x.nnz:
             pos = xp.minimum(xp.searchsorted(out.indices, x.indices), out.nnz - 1)
             out.contributed = out.indices[pos] == x.indices
@@ -381,7 +375,7 @@ class ExDyna(Algorithm):
         self.prepare(comm, n)
         lo, hi = self.owned_range(comm.rank)
         itype = index_dtype(n)
-        xp = _xp(acc)
+        xp = get_array_module(acc)
 
         def to_index(pos: Any) -> Any:
             return xp.add(pos, lo, dtype=itype)  # one pass: no int64 temporary
@@ -412,7 +406,7 @@ class ExDyna(Algorithm):
         return self._run(comm, n, part, to_index, values_at, acc.dtype, xp, found)
 
     # -- the call ---------------------------------------------------------------------------
-    def _run(self, comm, n, part, to_index, gather, dtype, xp, found=None) -> SparseVector:
+    def _run(self, comm, n, part, to_index, values_at, dtype, xp, found=None) -> SparseVector:
         p = comm.size
         if self.k == 0 or n == 0:
             self.step += 1
@@ -422,15 +416,15 @@ class ExDyna(Algorithm):
         mine, counts, used, rederived = self._select(comm, n, part, to_index, found)
         owner = [(q - self.step) % p for q in range(p)]
         if p == 1:  # the gather and the sum are identities: no copies of the k entries
-            idx, sums = mine, gather(mine)
+            idx, sums = mine, values_at(mine)
         else:
             gathered, _ = comm.allgatherv(mine, counts)
             # rank r's chunk is partition (step + r) mod P: put the chunks in partition order
             offs = np.concatenate(([0], np.cumsum(counts)))
             chunks = [gathered[offs[r] : offs[r + 1]] for r in owner if counts[r]]
             idx = xp.concatenate(chunks) if chunks else xp.zeros(0, index_dtype(n))
-            sums = gather(idx) if idx.shape[0] else xp.zeros(0, dtype)
-            if idx.shape[0]:  # (the same on every rank) gather's new array, summed in place
+            sums = values_at(idx) if idx.shape[0] else xp.zeros(0, dtype)
+            if idx.shape[0]:  # (the same on every rank) values_at's new array, summed in place
                 comm.allreduce(sums, out=sums)
         part_counts = [int(counts[r]) for r in owner]
         if self.rebalance and p > 1:
@@ -460,7 +454,7 @@ class ExDyna(Algorithm):
         while True:
             if self.threshold is None:  # every partition is all zeros (known on every rank)
                 self.rederives += rederived
-                empty = _xp(part).zeros(0, dtype=np.int64)
+                empty = get_array_module(part).zeros(0, dtype=np.int64)
                 return to_index(empty), [0] * comm.size, math.inf, rederived
             if self.rule == "authors":
                 t = _cut(part.dtype, self.threshold)
@@ -557,7 +551,9 @@ class ExDyna(Algorithm):
             mine = comm.rank in widen
             # (fewer than take_r when the partition has fewer nonzeros: never widened then)
             top = _top_magnitudes(part, takes[comm.rank]) if mine else None
-            got, counts = comm.allgatherv(top if mine else _xp(part).zeros(0, np.float64))
+            got, counts = comm.allgatherv(
+                top if mine else get_array_module(part).zeros(0, np.float64)
+            )
             got = to_host(got)  # (a NaN is caught by the threshold pass next)
             offs = np.concatenate(([0], np.cumsum(counts)))
             for r in widen:

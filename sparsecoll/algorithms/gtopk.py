@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from .. import select
-from .._array import get_array_module
+from .._array import get_array_module, to_host
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
@@ -184,13 +184,9 @@ class GTopk(Algorithm):
         want, _ = gtopk_tree(inputs, self.k)
         if result.nnz != want.nnz:
             return False
-        ri = np.asarray(_host(result.indices))
-        wi = np.asarray(_host(want.indices))
+        ri = to_host(result.indices)
+        wi = to_host(want.indices)
         return bool(np.array_equal(ri, wi)) and allclose_sparse(result, want)
-
-
-def _host(a: Any) -> Any:
-    return a if isinstance(a, np.ndarray) else a.get()
 
 
 def _copy(pair: tuple[Any, Any]) -> tuple[Any, Any]:

@@ -79,7 +79,7 @@ from .._array import get_array_module, to_host
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from ._merge import isin_sorted, keep_bucket, merge_two
+from ._merge import accumulate_dtype, isin_sorted, keep_bucket, merge_two
 from ._window import bracket_edge, edge_totals, window_edges
 from .base import (
     Algorithm,
@@ -303,7 +303,7 @@ class OkTopk(Algorithm):
                 chosen = x.xp.zeros(region[0].shape[0], dtype=bool)
                 chosen[keep] = True
         total = int(sum(kept_counts))
-        idx, vals = self._balance_gather(comm, *kept, kept_counts, n)
+        idx, vals = self._balance_gather(comm, *kept, kept_counts)
         out = SparseVector(idx, vals, n)
         out.contributed = _contributed(x, idx, bounds, comm.rank, own, chosen)
         out.local = x
@@ -334,7 +334,7 @@ class OkTopk(Algorithm):
         cuts = region_cuts(x.indices, bounds)
         sendcounts = [cuts[j + 1] - cuts[j] for j in range(size)]
         recvcounts = comm.alltoall_ints(sendcounts) if size > 1 else sendcounts
-        acc_type = np.float64 if x.dtype == np.float16 else x.dtype
+        acc_type = accumulate_dtype(x.dtype)
         itype, vtype = x.indices.dtype, x.dtype
         pair = itype.itemsize + vtype.itemsize
         sends: list[Request] = []
@@ -483,7 +483,7 @@ class OkTopk(Algorithm):
         return keep, counts, threshold
 
     def _balance_gather(
-        self, comm: Communicator, idx: Any, vals: Any, counts: list[int], n: int
+        self, comm: Communicator, idx: Any, vals: Any, counts: list[int]
     ) -> tuple[Any, Any]:
         """Step 5: move kept entries so every rank holds an equal share, then allgatherv."""
         size, r = comm.size, comm.rank

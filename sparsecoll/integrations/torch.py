@@ -33,7 +33,7 @@ from typing import Any
 from .._array import as_array, device_scope
 from ..comm import CommStats, Communicator
 from ..errors import NonFiniteError
-from ..training import GradientReducer
+from ..training import GradientReducer, _add_totals
 
 __all__ = [
     "SparseHookState",
@@ -209,10 +209,11 @@ class SparseHookState:
     def stats(self) -> dict[str, Any]:
         """Iterations, bytes per rank (warm-up included) and densities over every bucket."""
         reds = list(self.reducers.values())
-        sent = self._dense_stats.bytes_sent + sum(r.stats()["bytes_sent_total"] for r in reds)
-        recv = self._dense_stats.bytes_recv + sum(r.stats()["bytes_recv_total"] for r in reds)
+        each = [r.stats() for r in reds]  # (one call a reducer: each builds a dict)
+        sent = self._dense_stats.bytes_sent + sum(s["bytes_sent_total"] for s in each)
+        recv = self._dense_stats.bytes_recv + sum(s["bytes_recv_total"] for s in each)
         n = sum(r.n for r in reds)
-        last = sum(r.stats()["achieved_density"] * r.n for r in reds)
+        last = sum(s["achieved_density"] * r.n for s, r in zip(each, reds))
         return {
             "iterations": self.iteration,
             "buckets": len(reds),
@@ -221,8 +222,8 @@ class SparseHookState:
             "achieved_density": last / n if n else 0.0,
             "bytes_sent_total": sent,
             "bytes_recv_total": recv,
-            "bytes_sent_last": sum(r.stats()["bytes_sent"] for r in reds),
-            "dense_bytes_per_iteration": sum(r.stats()["dense_bytes"] for r in reds),
+            "bytes_sent_last": sum(s["bytes_sent"] for s in each),
+            "dense_bytes_per_iteration": sum(s["dense_bytes"] for s in each),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -275,8 +276,7 @@ def _reduce_bucket(state: SparseHookState, buf: Any, red: GradientReducer | None
             # the bucket's average overwrites it (float16: taken in float32, no overflow of
             # a sum whose average fits)
             state.comm.allreduce(arr, out=arr, op="mean")
-        for f in ("bytes_sent", "bytes_recv", "messages_sent", "meta_bytes_sent"):
-            setattr(state._dense_stats, f, getattr(state._dense_stats, f) + getattr(st, f))
+        _add_totals(state._dense_stats, st)
     else:
         try:
             red.step(buf, out=buf)  # the update overwrites the gradient in place

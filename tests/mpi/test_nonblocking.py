@@ -5,6 +5,7 @@ step_async equals step, wait(timeout=), byte accounting."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -170,6 +171,45 @@ def test_wait_timeout_leaves_the_request_running(comm):
     assert blocker.wait() is True
     out = req.wait(timeout=600)
     assert_all(comm, digest(out) == digest(sparsecoll.allreduce(comm, *_input(comm.rank, 3), n=N)))
+
+
+def test_a_completed_request_is_no_longer_pending(comm):
+    """Whoever sees a request done sees the engine count it as completed (``pending()``,
+    which the exit handler reads to decide on MPI_Abort). The request was marked done
+    before the engine counted it, so in between it was both done and pending."""
+    engine = comm.engine()
+    started, go = threading.Event(), threading.Event()
+
+    def call():  # local, no communication
+        started.set()
+        go.wait()
+        return 1
+
+    req = engine.submit(call, "local")
+    started.wait()
+    with engine._cond:  # the engine cannot count the call while this is held
+        go.set()
+        time.sleep(0.2)  # the call returns meanwhile
+        both = req.test() and engine.pending() > 0
+    assert req.wait() == 1
+    assert not both, "the request was done while the engine still counted it pending"
+
+
+def test_bad_timeout_setting_queues_nothing(comm, monkeypatch):
+    """A SPARSECOLL_TIMEOUT that is not a number raises from submit before the call is
+    queued (it was queued, and ran, while the caller got the ValueError and no request)."""
+    from sparsecoll import _progress
+
+    engine = comm.engine()
+    ran = threading.Event()
+    before = engine.pending(), engine._submitted
+    monkeypatch.setenv("SPARSECOLL_TIMEOUT", "soon")
+    monkeypatch.setattr(_progress, "_timeout_read", False)
+    with pytest.raises(ValueError, match="SPARSECOLL_TIMEOUT must be a number"):
+        engine.submit(ran.set, "local")
+    engine.drain()
+    assert not ran.is_set(), "the call ran although submit raised"
+    assert (engine.pending(), engine._submitted) == before
 
 
 def test_wait_timeout_while_other_ranks_are_late(comm):

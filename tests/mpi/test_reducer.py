@@ -308,6 +308,24 @@ def test_bad_grad_on_one_rank_raises_everywhere(comm):
     assert_all(comm, np.allclose(out, want), "step after an error")
 
 
+def test_grad_dtype_differing_across_ranks(comm):
+    """A float32 gradient on one rank and float64 on the others (each fine on its own rank)
+    raises CollectiveTypeError naming both dtypes, as allreduce does for ``values`` (it was
+    a CollectiveInputError, a ValueError, saying only that rank differs from rank 0)."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    red = GradientReducer(comm, 20, "allgather", 0.5)
+    bad = comm.size - 1
+    g = np.ones(20, dtype=np.float32 if comm.rank == bad else np.float64)
+    with pytest.raises(
+        CollectiveTypeError,
+        match=f"grad dtype must be the same on every rank: rank {bad} has float32, "
+        f"rank 0 has float64",
+    ):
+        red.step(g)
+    assert_all(comm, red.steps == 0, "failed step counted")
+
+
 def test_dtype_change_and_shape(comm):
     red = GradientReducer(comm, 12, "allgather", 1.0)
     out = red.step(np.ones((3, 4), dtype=np.float32))
