@@ -193,7 +193,7 @@ def _raise_mismatch(comm: Communicator, sig: list[int], names: tuple[str, ...]) 
             dtype = what.endswith(" dtype")  # "values dtype", GradientReducer's "grad dtype"
             if dtype:
                 a, b = VALUE_DTYPES[a], VALUE_DTYPES[b]
-            if what == "n" or dtype:
+            if what in ("n", "step") or dtype:
                 raise (CollectiveTypeError if dtype else CollectiveInputError)(
                     f"{what} must be the same on every rank: rank {r} has {a}, rank 0 has {b}"
                 )

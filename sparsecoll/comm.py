@@ -203,26 +203,6 @@ class Request:
             for r in pending:
                 r._complete()
 
-    @staticmethod
-    def waitany(requests: Sequence[Request]) -> int:
-        """Wait for one of ``requests``; return its position (-1 when all are done)."""
-        live = [i for i, r in enumerate(requests) if not r._done]
-        if not live:
-            return -1
-        reqs = [requests[i]._req for i in live]
-        if any(requests[i]._poll for i in live):
-            j = _poll(lambda: _any_done(reqs)) - 1
-        else:
-            j = _mpi().Request.Waitany(reqs)
-        requests[live[j]]._complete()
-        return live[j]
-
-
-def _any_done(reqs: list[Any]) -> int:
-    """1 + the position of a completed request in ``reqs``, or 0 when none has completed."""
-    j, flag = _mpi().Request.Testany(reqs)
-    return j + 1 if flag else 0
-
 
 def _query_cuda_aware(comm: Any = None) -> bool:
     """Whether the MPI library reads and writes CUDA device memory itself.

@@ -326,6 +326,22 @@ def test_grad_dtype_differing_across_ranks(comm):
     assert_all(comm, red.steps == 0, "failed step counted")
 
 
+def test_step_differing_across_ranks(comm):
+    """Reducers at different steps (one rank's counter moved) raise on every rank with both
+    counts (it said only that the rank differs from rank 0)."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    red = GradientReducer(comm, 20, "allgather", 0.5)
+    bad = comm.size - 1
+    if comm.rank == bad:
+        red.steps = 3
+    with pytest.raises(
+        CollectiveInputError,
+        match=f"step must be the same on every rank: rank {bad} has 3, rank 0 has 0",
+    ):
+        red.step(np.ones(20))
+
+
 def test_dtype_change_and_shape(comm):
     red = GradientReducer(comm, 12, "allgather", 1.0)
     out = red.step(np.ones((3, 4), dtype=np.float32))
