@@ -15,7 +15,7 @@ from .algorithms.base import Algorithm
 from .comm import Communicator
 from .errors import CollectiveInputError, CollectiveTypeError
 from .registry import get_algorithm
-from .sparse import VALUE_DTYPES, SparseVector, check_local, coalesce
+from .sparse import VALUE_DTYPES, SparseVector, as_indices, check_local, coalesce
 
 __all__ = ["allreduce", "collective_check", "iallreduce"]
 
@@ -77,7 +77,7 @@ def allreduce(
                 f"algorithm must be a name or an Algorithm, got {type(algorithm).__name__}"
             )
         vals, wrap = as_array(values, "values")
-        idx, _ = as_array(indices, "indices")
+        idx = as_indices(indices)
         check_local(idx, vals, n)
         if get_array_module(vals) is not get_array_module(idx):
             raise TypeError("values and indices must live on the same device")

@@ -256,7 +256,7 @@ class GradientReducer:
             scope.enter_context(device_scope(arr))
             self._check_local(arr)
             if out is not None:
-                dest, _ = as_array(out, "out")
+                dest, _ = as_array(out, "out", writable=True)
                 self._check_out(dest, arr)
             # the selection (a ReuseThreshold's schedule, a sampler's generator) and the cut
             # prediction move in _prepare: given back below if the step fails on any rank

@@ -150,3 +150,50 @@ def test_reducer_rejects_k_beside_density(self_comm, algorithm):
 
     with pytest.raises(TypeError, match=r"sets k from density .* = 10\); pass density=50/n"):
         GradientReducer(self_comm, 1000, algorithm, 0.01, k=50)
+
+
+def test_allreduce_takes_big_endian_values_and_returns_native(self_comm):
+    """MPI moves raw bytes: non-native input is converted, not refused as "not float32"."""
+    for dtype in (">f2", ">f4", ">f8"):
+        vals = np.array([1.5, -2.0, 4.0], dtype)
+        out = sparsecoll.allreduce(self_comm, vals, np.array([3, 0, 3], ">i4"), n=4)
+        assert out.values.dtype == np.dtype(dtype).newbyteorder("=")
+        assert out.to_dense().tolist() == [-2.0, 0.0, 0.0, 5.5]
+
+
+def test_torch_result_to_dense(self_comm):
+    """A result of torch input holds torch tensors; to_dense gives a torch tensor (it asked
+    numpy for a zeros array of torch.float32)."""
+    torch = pytest.importorskip("torch")
+    out = sparsecoll.allreduce(self_comm, torch.ones(3), torch.tensor([0, 2, 2]), n=4)
+    dense = out.to_dense()
+    assert isinstance(dense, torch.Tensor) and dense.tolist() == [1.0, 0.0, 2.0, 0.0]
+
+
+def test_reducer_step_representations(self_comm):
+    """GradientReducer.step: a big-endian grad equals the native one (it was refused as
+    "not float32"); an out numpy can only copy (a list) is refused (the update went into a
+    copy and the caller's list came back unchanged); masked grad entries are refused."""
+    from sparsecoll import GradientReducer
+
+    g = np.arange(6, dtype=np.float32)
+    want = GradientReducer(self_comm, 6, "allgather", 0.5).step(g)
+    got = GradientReducer(self_comm, 6, "allgather", 0.5).step(g.astype(">f4"))
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+    red = GradientReducer(self_comm, 6, "allgather", 0.5)
+    with pytest.raises(sparsecoll.CollectiveTypeError, match="out must be an array written"):
+        red.step(g, out=[0.0] * 6)
+    with pytest.raises(sparsecoll.CollectiveTypeError, match="grad: a masked array with 2"):
+        red.step(np.ma.masked_array(g, mask=[0, 1, 0, 0, 0, 1]))
+    assert np.array_equal(red.step(g), want)  # nothing changed by the refused steps
+
+
+def test_empty_list_of_indices(self_comm):
+    """A rank with nothing to send may pass [] (numpy makes it float64, and indexing with
+    ``x[[]]`` takes it too); it was refused as "indices must be integers, got float64"."""
+    for empty in ([], ()):
+        out = sparsecoll.allreduce(self_comm, np.zeros(0, np.float32), empty, n=3)
+        assert out.nnz == 0 and out.values.dtype == np.float32
+        assert sparsecoll.SparseVector.from_coo(empty, np.zeros(0), 3).nnz == 0
+    with pytest.raises(sparsecoll.CollectiveTypeError, match="integers, got float64"):
+        sparsecoll.allreduce(self_comm, np.zeros(0), np.zeros(0), n=3)  # an array says so
