@@ -190,9 +190,9 @@ def _raise_mismatch(comm: Communicator, sig: list[int], names: tuple[str, ...]) 
             what = names[pos] if pos < len(names) else "algorithm options"
             a = other[pos] if pos < len(other) else None
             b = every[0][pos] if pos < len(every[0]) else None
-            if what == "values dtype":
+            if what.endswith("dtype"):  # (a dtype mismatch is a TypeError, as a bad dtype is)
                 a, b = VALUE_DTYPES[a], VALUE_DTYPES[b]
-            if what in ("n", "values dtype"):
+            if what == "n" or what.endswith(("dtype", "size")):
                 raise (CollectiveTypeError if what.endswith("dtype") else CollectiveInputError)(
                     f"{what} must be the same on every rank: rank {r} has {a}, rank 0 has {b}"
                 )

@@ -643,7 +643,7 @@ class GradientReducer:
         if prep.mode == "dense":
             # (out None: a new array; the mean is taken in float32 for float16)
             op = "mean" if self.average else "sum"
-            update = self.comm.allreduce(acc, out=prep.update, op=op)
+            update = self.comm.allreduce(acc, out=prep.update, op=op, check=False)
             self._last.comm_s += time.perf_counter() - t0
             acc[...] = 0
             self._last.record(self.n, self.n)

@@ -170,6 +170,38 @@ def test_torch_result_to_dense(self_comm):
     assert isinstance(dense, torch.Tensor) and dense.tolist() == [1.0, 0.0, 2.0, 0.0]
 
 
+def test_communicator_allreduce_takes_array_likes(self_comm):
+    """Communicator.allreduce takes what allreduce does (a list was an AttributeError, a
+    torch tensor or big-endian array "not float32"); torch in, torch out."""
+    c = sparsecoll.Communicator(self_comm)
+    assert c.allreduce([1.0, 2.0]).tolist() == [1.0, 2.0]
+    got = c.allreduce(np.array([1.0, 2.0], ">f4"))
+    assert got.dtype == np.float32 and got.tolist() == [1.0, 2.0]
+    torch = pytest.importorskip("torch")
+    t = torch.ones(3)
+    assert isinstance(c.allreduce(t), torch.Tensor)
+    assert c.allreduce(t, out=t) is t and t.tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("bad", ["list", "read-only", "masked"])
+def test_communicator_allreduce_refuses_outs_it_cannot_write(self_comm, bad):
+    """A list out was summed into a copy and lost; a read-only out raised numpy's bare
+    "assignment destination is read-only" (on one rank, after the others had started)."""
+    c = sparsecoll.Communicator(self_comm)
+    buf = np.ones(3)
+    if bad == "list":
+        out, err, text = [0.0] * 3, TypeError, "out must be an array written in place"
+    elif bad == "read-only":
+        out, err, text = np.frombuffer(bytes(24)), ValueError, "out must be a contiguous, writeable"
+    else:
+        out = np.ma.masked_array(np.zeros(3), mask=[0, 1, 0])
+        err, text = TypeError, "out: a masked array with 1 of 3 entries masked"
+    with pytest.raises(err, match=text):
+        c.allreduce(buf, out=out)
+    with pytest.raises(TypeError, match="buf: a masked array"):
+        c.allreduce(np.ma.masked_array(buf, mask=[1, 0, 0]))
+
+
 def test_reducer_step_representations(self_comm):
     """GradientReducer.step: a big-endian grad equals the native one (it was refused as
     "not float32"); an out numpy can only copy (a list) is refused (the update went into a

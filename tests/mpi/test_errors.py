@@ -251,3 +251,15 @@ def test_masked_entries_on_one_rank_raise_everywhere(comm, name, which):
     ref = sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=name, **opts)
     same = np.array_equal(out.indices, ref.indices) and np.array_equal(out.values, ref.values)
     assert_all(comm, same and type(out.values) is np.ndarray, "unmasked masked array")
+
+
+def test_reducer_grad_dtype_differing_is_a_type_error(comm):
+    """A grad dtype that differs across ranks raises CollectiveTypeError naming both dtypes,
+    as allreduce's values dtype does (it was a CollectiveInputError, 'rank 1 differs')."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    red = sparsecoll.GradientReducer(comm, 50, "allgather", 0.1)
+    g = np.ones(50, np.float64 if comm.rank == comm.size - 1 else np.float32)
+    text = f"grad dtype must be the same on every rank: rank {comm.size - 1} has float64, rank 0"
+    with pytest.raises(sparsecoll.CollectiveTypeError, match=text):
+        red.step(g)
