@@ -75,30 +75,55 @@ def _dlpack_device_type(x: Any) -> int | None:
         return None
 
 
-def as_array(x: Any, name: str) -> tuple[Any, Any]:
+def as_array(x: Any, name: str, *, writable: bool = False) -> tuple[Any, Any]:
     """Return ``(array, wrap)``: a numpy/CuPy view of ``x`` and a function that
     converts a result array back to the caller's kind (torch tensors stay torch).
 
     Host arrays go through ``np.asarray`` (buffer protocol, ``__array__``) or DLPack;
     device arrays (``__cuda_array_interface__`` or a CUDA DLPack device, e.g. torch CUDA
     tensors) through CuPy, without a copy and on the array's own device. Results of other
-    device kinds come back as CuPy arrays on that device.
+    device kinds come back as CuPy arrays on that device. numpy subclasses come back as
+    plain ndarrays (np.matrix, a masked array's data), so that no subclass arithmetic
+    runs inside. An input (``writable`` False) in non-native byte order (``>f4`` on a
+    little-endian host) comes back as a native copy: MPI moves raw bytes, and every
+    rank must read them alike. ``writable`` (an output buffer) never copies: what numpy
+    could only copy (a list) is refused, since writes to the copy would be lost.
 
     Raises:
         TypeError: ``x`` cannot be viewed as an array (whatever the converter raised, e.g.
             a BufferError for a torch "meta" tensor, so that callers agree on it across
-            ranks as the input error it is).
+            ranks as the input error it is), or is a masked array with masked entries
+            (numpy's conversion would drop the mask and sum what it hides).
     """
     try:
-        return _as_array(x, name)
+        a, wrap = _as_array(x, name, writable)
     except TypeError:
         raise
     except Exception as exc:
         kind = type(x).__name__
         raise TypeError(f"{name}: cannot view this {kind} as an array ({exc})") from exc
+    if isinstance(a, np.ndarray):
+        a = _plain(a, name, writable)
+        if not writable and not a.dtype.isnative:
+            a = a.astype(a.dtype.newbyteorder("="))
+    return a, wrap
 
 
-def _as_array(x: Any, name: str) -> tuple[Any, Any]:
+def _plain(a: np.ndarray, name: str, writable: bool) -> np.ndarray:
+    """``a`` as a base-class ndarray (a view); masked entries are refused."""
+    if isinstance(a, np.ma.MaskedArray):
+        masked = int(np.count_nonzero(np.ma.getmaskarray(a)))
+        if masked:
+            hint = "" if writable else ": pass only the unmasked entries, or fill them"
+            raise TypeError(
+                f"{name}: a masked array with {masked} of {a.size} entries masked (its mask "
+                f"would be ignored){hint}"
+            )
+        a = np.ma.getdata(a)
+    return a if type(a) is np.ndarray else np.asarray(a)
+
+
+def _as_array(x: Any, name: str, writable: bool) -> tuple[Any, Any]:
     mod_name = type(x).__module__.split(".")[0]
     wrap = identity
     if mod_name == "torch":
@@ -125,6 +150,12 @@ def _as_array(x: Any, name: str) -> tuple[Any, Any]:
             raise TypeError(f"{name}: CuPy cannot take this device array ({exc})") from exc
     if isinstance(x, np.ndarray):
         return x, wrap
+    if writable:
+        try:
+            return np.asarray(x, copy=False), wrap
+        except ValueError:  # (numpy could only copy it: writes to the copy would be lost)
+            kind = type(x).__name__
+            raise TypeError(f"{name} must be an array written in place, got a {kind}") from None
     try:
         return np.asarray(x), wrap
     except Exception:

@@ -15,7 +15,7 @@ from .algorithms.base import Algorithm
 from .comm import Communicator
 from .errors import CollectiveInputError, CollectiveTypeError
 from .registry import get_algorithm
-from .sparse import VALUE_DTYPES, SparseVector, check_local, coalesce
+from .sparse import VALUE_DTYPES, SparseVector, as_indices, check_local, coalesce
 
 __all__ = ["allreduce", "collective_check", "iallreduce"]
 
@@ -77,7 +77,7 @@ def allreduce(
                 f"algorithm must be a name or an Algorithm, got {type(algorithm).__name__}"
             )
         vals, wrap = as_array(values, "values")
-        idx, _ = as_array(indices, "indices")
+        idx = as_indices(indices)
         check_local(idx, vals, n)
         if get_array_module(vals) is not get_array_module(idx):
             raise TypeError("values and indices must live on the same device")
@@ -191,9 +191,9 @@ def _raise_mismatch(comm: Communicator, sig: list[int], names: tuple[str, ...]) 
             a = other[pos] if pos < len(other) else None
             b = every[0][pos] if pos < len(every[0]) else None
             dtype = what.endswith(" dtype")  # "values dtype", GradientReducer's "grad dtype"
-            if dtype:
+            if dtype:  # (a dtype mismatch is a TypeError, as a bad dtype is)
                 a, b = VALUE_DTYPES[a], VALUE_DTYPES[b]
-            if what in ("n", "step") or dtype:
+            if what in ("n", "step") or dtype or what.endswith("size"):
                 raise (CollectiveTypeError if dtype else CollectiveInputError)(
                     f"{what} must be the same on every rank: rank {r} has {a}, rank 0 has {b}"
                 )

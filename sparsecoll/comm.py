@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from ._array import (
+    as_array,
     cupy_or_none,
     device_scope,
     get_array_module,
@@ -302,10 +303,11 @@ def _check_out(buf: Any, out: Any, op: str = "sum") -> Any:
         or out.shape != buf.shape
         or out.dtype != buf.dtype
         or not out.flags.c_contiguous
+        or not getattr(out.flags, "writeable", True)  # (CuPy arrays have no such flag)
     ):
         raise ValueError(
-            f"out must be a contiguous {type(buf).__name__} of shape {buf.shape} and dtype "
-            f"{buf.dtype}, got {type(out).__name__} {getattr(out, 'shape', '?')} "
+            f"out must be a contiguous, writeable {type(buf).__name__} of shape {buf.shape} "
+            f"and dtype {buf.dtype}, got {type(out).__name__} {getattr(out, 'shape', '?')} "
             f"{getattr(out, 'dtype', '?')}"
         )
     if out is not buf and buf.dtype != np.float16 and _overlap(buf, out):
@@ -698,7 +700,7 @@ class Communicator:
         self.stats.messages_recv += sum(1 for j, c in enumerate(rb) if c and j != me)
 
     @_routed
-    def allreduce(self, buf: Any, out: Any = None, op: str = "sum") -> Any:
+    def allreduce(self, buf: Any, out: Any = None, op: str = "sum", *, check: bool = True) -> Any:
         """Sum a dense float array over all ranks (MPI_Allreduce) into ``out`` (default: a
         new array) and return it; ``op="mean"`` divides the sum by the number of ranks, in
         the precision it was summed in (float32 for float16: an average that fits in float16
@@ -708,12 +710,19 @@ class Communicator:
         view of the same memory): the sum then overwrites it in place (MPI_IN_PLACE), with
         no copy of the input; an ``out`` that overlaps ``buf`` otherwise gets the sum of a
         copy of ``buf``. float16 is summed in float32 (MPI has no portable half type); the
-        bytes counted are the float32 bytes actually moved.
+        bytes counted are the float32 bytes actually moved. ``buf`` may be anything
+        :func:`sparsecoll.allreduce` takes as values (a torch tensor comes back as one).
+
+        With ``check`` (the default) the ranks first agree on the arguments (one small
+        allreduce): a bad ``buf`` or ``out`` on any rank, or a dtype, size or op that differs
+        across ranks, raises the same CollectiveInputError/CollectiveTypeError on every
+        rank (MPI would sum the raw bytes of float32 against float64, or hang). Callers
+        that agreed on them already pass ``check=False``.
         """
         MPI = _mpi()
-        orig = buf.dtype
+        given = out
+        buf, out, wrap, orig = self._allreduce_args(buf, out, op, check)
         xp = get_array_module(buf)
-        buf = _check_out(buf, out, op)
         half = orig == np.float16
         inplace = out is buf or half  # half: its float32 copy is summed in place
         work = buf.astype(np.float32) if half else buf if inplace else xp.ascontiguousarray(buf)
@@ -736,7 +745,31 @@ class Communicator:
             dest[...] = work
         if op == "mean" and self.size > 1:
             dest /= self.size
-        return _in_dtype(dest, orig, out)
+        total = _in_dtype(dest, orig, out)
+        return given if given is not None else wrap(total)
+
+    def _allreduce_args(self, buf: Any, out: Any, op: str, check: bool) -> tuple[Any, ...]:
+        """``allreduce``'s arguments as arrays: ``(buf to sum, out, wrap, buf's dtype)``
+        (:func:`_check_out`), agreed across ranks when ``check``."""
+        error, wrap, orig = None, None, None
+        try:
+            buf, wrap = as_array(buf, "buf")
+            if out is not None:
+                out, _ = as_array(out, "out", writable=True)
+            orig = buf.dtype
+            buf = _check_out(buf, out, op)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        if check:
+            from .api import collective_check  # (api imports this module)
+
+            sig = None
+            if error is None:
+                sig = [VALUE_DTYPES.index(orig), int(buf.size), ("sum", "mean").index(op)]
+            collective_check(self, error, sig, ("buf dtype", "buf size", "op"))
+        elif error is not None:
+            raise error
+        return buf, out, wrap, orig
 
     def _count_allreduce(self, nbytes: int) -> None:
         moved = 2 * (self.size - 1) * nbytes // self.size

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ._array import cupy_or_none, is_device_array, nccl_or_none
-from .comm import Communicator, _check_out, _in_dtype
+from .comm import Communicator, _in_dtype
 
 __all__ = ["NCCLCommunicator", "nccl_available"]
 
@@ -155,12 +155,12 @@ class NCCLCommunicator(Communicator):
         self._count_alltoallv(sb, rb)
         return out, recvcounts
 
-    def allreduce(self, buf: Any, out: Any = None, op: str = "sum") -> Any:
+    def allreduce(self, buf: Any, out: Any = None, op: str = "sum", *, check: bool = True) -> Any:
         if not is_device_array(buf):
-            return super().allreduce(buf, out, op)
+            return super().allreduce(buf, out, op, check=check)
         cp, nccl, nc = cupy_or_none(), self._nccl, self._live()
-        buf = _check_out(buf, out, op)
-        orig = buf.dtype
+        given = out
+        buf, out, wrap, orig = self._allreduce_args(buf, out, op, check)
         half = orig == np.float16
         work = cp.ascontiguousarray(buf.astype(np.float32) if half else buf)
         # NCCL sums in place when both pointers are the same (out is buf: contiguous)
@@ -175,4 +175,5 @@ class NCCLCommunicator(Communicator):
             self._count_allreduce(work.nbytes)
             if op == "mean":
                 dest /= self.size
-        return _in_dtype(dest, orig, out)
+        total = _in_dtype(dest, orig, out)
+        return given if given is not None else wrap(total)

@@ -12,9 +12,16 @@ from typing import Any
 
 import numpy as np
 
-from ._array import get_array_module, index_dtype, segment_sum, stable_argsort
+from ._array import (
+    as_array,
+    device_scope,
+    get_array_module,
+    index_dtype,
+    segment_sum,
+    stable_argsort,
+)
 
-__all__ = ["VALUE_DTYPES", "SparseVector", "coalesce"]
+__all__ = ["VALUE_DTYPES", "SparseVector", "as_indices", "check_local", "coalesce"]
 
 VALUE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -48,21 +55,31 @@ class SparseVector:
     # -- construction -------------------------------------------------------------------
     @classmethod
     def from_coo(cls, indices: Any, values: Any, n: int) -> SparseVector:
-        """Validate COO input on this rank and return the coalesced vector."""
-        check_local(indices, values, n)
-        return coalesce(indices, values, n)
+        """Validate COO input on this rank and return the coalesced vector.
+
+        ``indices`` and ``values`` may be anything :func:`sparsecoll.allreduce` takes
+        (numpy/CuPy arrays, torch tensors, lists, buffers); the vector's arrays are of the
+        kind ``values`` was (torch in, torch out)."""
+        vals, wrap = as_array(values, "values")
+        idx = as_indices(indices)
+        check_local(idx, vals, n)
+        with device_scope(vals):
+            return _wrapped(coalesce(idx, vals, int(n)), wrap)
 
     @classmethod
     def from_dense(cls, x: Any) -> SparseVector:
-        """The nonzeros of a dense 1-D float16/32/64 array (numpy or CuPy)."""
-        if getattr(x, "ndim", None) != 1:
-            raise ValueError(f"x must be a 1-D array, got shape {getattr(x, 'shape', None)}")
-        if x.dtype not in VALUE_DTYPES:
-            raise TypeError(f"x must be float16, float32 or float64, got {x.dtype}")
-        xp = get_array_module(x)
-        n = int(x.shape[0])
-        idx = xp.flatnonzero(x).astype(index_dtype(n), copy=False)
-        return cls(idx, x[idx], n)
+        """The nonzeros of a dense 1-D float16/32/64 array (numpy, CuPy, torch, or anything
+        numpy takes; torch in, torch out)."""
+        arr, wrap = as_array(x, "x")
+        if getattr(arr, "ndim", None) != 1:
+            raise ValueError(f"x must be a 1-D array, got shape {getattr(arr, 'shape', None)}")
+        if arr.dtype not in VALUE_DTYPES:
+            raise TypeError(f"x must be float16, float32 or float64, got {arr.dtype}")
+        xp = get_array_module(arr)
+        n = int(arr.shape[0])
+        with device_scope(arr):
+            idx = xp.flatnonzero(arr).astype(index_dtype(n), copy=False)
+            return _wrapped(cls(idx, arr[idx], n), wrap)
 
     @classmethod
     def empty(cls, n: int, dtype: Any = np.float32, xp: Any = np) -> SparseVector:
@@ -82,16 +99,35 @@ class SparseVector:
         return get_array_module(self.values)
 
     def to_dense(self) -> Any:
-        """A dense array of length ``n`` (same module and dtype as ``values``)."""
-        out = self.xp.zeros(self.n, dtype=self.values.dtype)
-        out[self.indices] = self.values
-        return out
+        """A dense array of length ``n`` (same kind and dtype as ``values``: numpy, CuPy,
+        or torch for the results of torch input)."""
+        vals, wrap = as_array(self.values, "values", writable=True)
+        idx, _ = as_array(self.indices, "indices", writable=True)
+        with device_scope(vals):
+            out = get_array_module(vals).zeros(self.n, dtype=vals.dtype)
+            out[idx] = vals
+        return wrap(out)
 
     def __len__(self) -> int:
         return self.n
 
     def __repr__(self) -> str:
         return f"SparseVector(n={self.n}, nnz={self.nnz}, dtype={self.values.dtype})"
+
+
+def _wrapped(x: SparseVector, wrap: Any) -> SparseVector:
+    """``x`` with its arrays converted back to the caller's kind by ``wrap``."""
+    x.indices, x.values = wrap(x.indices), wrap(x.values)
+    return x
+
+
+def as_indices(indices: Any) -> Any:
+    """``indices`` as an array (:func:`as_array`); an empty list or tuple is an empty
+    index array, as in numpy's own ``x[[]]`` (``np.asarray([])`` is float64)."""
+    idx, _ = as_array(indices, "indices")
+    if isinstance(indices, (list, tuple)) and not len(indices):
+        idx = idx.astype(np.int64)
+    return idx
 
 
 def check_local(indices: Any, values: Any, n: Any) -> None:

@@ -256,7 +256,7 @@ class GradientReducer:
             scope.enter_context(device_scope(arr))
             self._check_local(arr)
             if out is not None:
-                dest, _ = as_array(out, "out")
+                dest, _ = as_array(out, "out", writable=True)
                 self._check_out(dest, arr)
             # the selection (a ReuseThreshold's schedule, a sampler's generator) and the cut
             # prediction move in _prepare: given back below if the step fails on any rank
@@ -642,7 +642,7 @@ class GradientReducer:
         if prep.mode == "dense":
             # (out None: a new array; the mean is taken in float32 for float16)
             op = "mean" if self.average else "sum"
-            update = self.comm.allreduce(acc, out=prep.update, op=op)
+            update = self.comm.allreduce(acc, out=prep.update, op=op, check=False)
             self._last.comm_s += time.perf_counter() - t0
             acc[...] = 0
             self._last.record(self.n, self.n)

@@ -150,3 +150,82 @@ def test_reducer_rejects_k_beside_density(self_comm, algorithm):
 
     with pytest.raises(TypeError, match=r"sets k from density .* = 10\); pass density=50/n"):
         GradientReducer(self_comm, 1000, algorithm, 0.01, k=50)
+
+
+def test_allreduce_takes_big_endian_values_and_returns_native(self_comm):
+    """MPI moves raw bytes: non-native input is converted, not refused as "not float32"."""
+    for dtype in (">f2", ">f4", ">f8"):
+        vals = np.array([1.5, -2.0, 4.0], dtype)
+        out = sparsecoll.allreduce(self_comm, vals, np.array([3, 0, 3], ">i4"), n=4)
+        assert out.values.dtype == np.dtype(dtype).newbyteorder("=")
+        assert out.to_dense().tolist() == [-2.0, 0.0, 0.0, 5.5]
+
+
+def test_torch_result_to_dense(self_comm):
+    """A result of torch input holds torch tensors; to_dense gives a torch tensor (it asked
+    numpy for a zeros array of torch.float32)."""
+    torch = pytest.importorskip("torch")
+    out = sparsecoll.allreduce(self_comm, torch.ones(3), torch.tensor([0, 2, 2]), n=4)
+    dense = out.to_dense()
+    assert isinstance(dense, torch.Tensor) and dense.tolist() == [1.0, 0.0, 2.0, 0.0]
+
+
+def test_communicator_allreduce_takes_array_likes(self_comm):
+    """Communicator.allreduce takes what allreduce does (a list was an AttributeError, a
+    torch tensor or big-endian array "not float32"); torch in, torch out."""
+    c = sparsecoll.Communicator(self_comm)
+    assert c.allreduce([1.0, 2.0]).tolist() == [1.0, 2.0]
+    got = c.allreduce(np.array([1.0, 2.0], ">f4"))
+    assert got.dtype == np.float32 and got.tolist() == [1.0, 2.0]
+    torch = pytest.importorskip("torch")
+    t = torch.ones(3)
+    assert isinstance(c.allreduce(t), torch.Tensor)
+    assert c.allreduce(t, out=t) is t and t.tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("bad", ["list", "read-only", "masked"])
+def test_communicator_allreduce_refuses_outs_it_cannot_write(self_comm, bad):
+    """A list out was summed into a copy and lost; a read-only out raised numpy's bare
+    "assignment destination is read-only" (on one rank, after the others had started)."""
+    c = sparsecoll.Communicator(self_comm)
+    buf = np.ones(3)
+    if bad == "list":
+        out, err, text = [0.0] * 3, TypeError, "out must be an array written in place"
+    elif bad == "read-only":
+        out, err, text = np.frombuffer(bytes(24)), ValueError, "out must be a contiguous, writeable"
+    else:
+        out = np.ma.masked_array(np.zeros(3), mask=[0, 1, 0])
+        err, text = TypeError, "out: a masked array with 1 of 3 entries masked"
+    with pytest.raises(err, match=text):
+        c.allreduce(buf, out=out)
+    with pytest.raises(TypeError, match="buf: a masked array"):
+        c.allreduce(np.ma.masked_array(buf, mask=[1, 0, 0]))
+
+
+def test_reducer_step_representations(self_comm):
+    """GradientReducer.step: a big-endian grad equals the native one (it was refused as
+    "not float32"); an out numpy can only copy (a list) is refused (the update went into a
+    copy and the caller's list came back unchanged); masked grad entries are refused."""
+    from sparsecoll import GradientReducer
+
+    g = np.arange(6, dtype=np.float32)
+    want = GradientReducer(self_comm, 6, "allgather", 0.5).step(g)
+    got = GradientReducer(self_comm, 6, "allgather", 0.5).step(g.astype(">f4"))
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+    red = GradientReducer(self_comm, 6, "allgather", 0.5)
+    with pytest.raises(sparsecoll.CollectiveTypeError, match="out must be an array written"):
+        red.step(g, out=[0.0] * 6)
+    with pytest.raises(sparsecoll.CollectiveTypeError, match="grad: a masked array with 2"):
+        red.step(np.ma.masked_array(g, mask=[0, 1, 0, 0, 0, 1]))
+    assert np.array_equal(red.step(g), want)  # nothing changed by the refused steps
+
+
+def test_empty_list_of_indices(self_comm):
+    """A rank with nothing to send may pass [] (numpy makes it float64, and indexing with
+    ``x[[]]`` takes it too); it was refused as "indices must be integers, got float64"."""
+    for empty in ([], ()):
+        out = sparsecoll.allreduce(self_comm, np.zeros(0, np.float32), empty, n=3)
+        assert out.nnz == 0 and out.values.dtype == np.float32
+        assert sparsecoll.SparseVector.from_coo(empty, np.zeros(0), 3).nnz == 0
+    with pytest.raises(sparsecoll.CollectiveTypeError, match="integers, got float64"):
+        sparsecoll.allreduce(self_comm, np.zeros(0), np.zeros(0), n=3)  # an array says so

@@ -81,3 +81,56 @@ def test_from_dense_round_trip():
 def test_check_local_rejects(idx, vals, n, etype, text):
     with pytest.raises(etype, match=text):
         check_local(idx, vals, n)
+
+
+def _representations(vals, idx):
+    """(label, values, indices) of the same numbers as numpy and torch users hold them."""
+    out = [
+        ("lists", vals.tolist(), idx.tolist()),
+        ("tuples", tuple(vals.tolist()), tuple(idx.tolist())),
+        ("memoryviews", memoryview(vals), memoryview(idx)),
+        ("big-endian", vals.astype(vals.dtype.newbyteorder(">")), idx.astype(">u8")),
+        ("strided", np.repeat(vals, 2)[::2], idx.astype(np.uint8)),
+    ]
+    torch = pytest.importorskip("torch")
+    out.append(("torch", torch.from_numpy(vals.copy()), torch.from_numpy(idx.astype(np.int32))))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_from_coo_and_from_dense_take_array_likes(dtype):
+    """What allreduce takes, SparseVector.from_coo and from_dense take too (they read
+    ``.ndim`` of the raw argument: a list was "not 1-D, got shape None", a memoryview an
+    AttributeError, a torch tensor or big-endian array "not float32"); torch comes back
+    as torch, and to_dense works on it (it asked numpy for a torch dtype)."""
+    idx = np.array([5, 1, 5, 0], np.int64)
+    vals = np.array([1.0, 2.0, 3.0, -4.0], dtype)
+    want = np.zeros(7)
+    np.add.at(want, idx, vals)
+    for label, v, i in _representations(vals, idx):
+        for x in (SparseVector.from_coo(i, v, 7), SparseVector.from_dense(v)):
+            dense = x.to_dense()
+            assert type(dense) is type(v if label == "torch" else vals), label
+            floats = np.float64 if label in ("lists", "tuples") else dtype
+            assert np.asarray(dense).dtype == floats, label
+        got = SparseVector.from_coo(i, v, 7)
+        assert np.array_equal(np.asarray(got.to_dense()), want), label
+        assert np.array_equal(np.asarray(SparseVector.from_dense(v).to_dense()), vals), label
+
+
+@pytest.mark.parametrize("which", ["values", "indices", "x"])
+def test_masked_entries_are_refused(which):
+    """numpy's conversion drops a mask: the hidden entries would be summed."""
+    idx = np.array([0, 2, 4])
+    vals = np.array([1.0, 2.0, 3.0])
+    masked = np.ma.masked_array(idx if which == "indices" else vals, mask=[0, 1, 0])
+    build = {
+        "x": lambda: SparseVector.from_dense(masked),
+        "indices": lambda: SparseVector.from_coo(masked, vals, 5),
+        "values": lambda: SparseVector.from_coo(idx, masked, 5),
+    }[which]
+    with pytest.raises(TypeError, match=f"{which}: a masked array with 1 of 3 entries masked"):
+        build()
+    unmasked = SparseVector.from_coo(np.ma.masked_array(idx), np.ma.masked_array(vals), 5)
+    assert type(unmasked.values) is np.ndarray
+    assert unmasked.to_dense().tolist() == [1, 0, 2, 0, 3]

@@ -425,7 +425,7 @@ class ExDyna(Algorithm):
             idx = xp.concatenate(chunks) if chunks else xp.zeros(0, index_dtype(n))
             sums = values_at(idx) if idx.shape[0] else xp.zeros(0, dtype)
             if idx.shape[0]:  # (the same on every rank) values_at's new array, summed in place
-                comm.allreduce(sums, out=sums)
+                comm.allreduce(sums, out=sums, check=False)
         part_counts = [int(counts[r]) for r in owner]
         if self.rebalance and p > 1:
             self.bounds = rebalance(self.bounds, np.asarray(part_counts), self.tolerance)

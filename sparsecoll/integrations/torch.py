@@ -269,13 +269,13 @@ def _reduce_bucket(state: SparseHookState, buf: Any, red: GradientReducer | None
     """Overwrite ``buf`` with the bucket's average: dense during the warm-up (``red`` None),
     else ``red``'s sparse update."""
     if red is None:
-        arr, _ = as_array(buf, "bucket")
+        arr, _ = as_array(buf, "bucket", writable=True)
         # on the bucket's GPU: the asynchronous hook runs this on the progress thread,
         # whose current device is 0 (as every new CUDA host thread's)
         with device_scope(arr), state.comm.measure() as st:
             # the bucket's average overwrites it (float16: taken in float32, no overflow of
             # a sum whose average fits)
-            state.comm.allreduce(arr, out=arr, op="mean")
+            state.comm.allreduce(arr, out=arr, op="mean", check=False)
         _add_totals(state._dense_stats, st)
     else:
         try:

@@ -127,3 +127,54 @@ def test_dense_allreduce_mean(comm, dtype):
         got = c.allreduce(buf, out=out, op="mean")
         ok = got.dtype == dtype and np.array_equal(got, want) and (out is None or got is out)
         assert_all(comm, ok, f"{how}: {got[:3]}, want {want[:3]}")
+
+
+@pytest.mark.parametrize("what", ["dtype", "size", "op", "big_endian", "bad_out", "list"])
+def test_dense_allreduce_agrees_on_its_arguments(comm, what):
+    """One rank's float64 among float32 (the same bytes: MPI summed float32 bits against
+    float64 ones, a different garbage on each rank), another size or op, or a bad ``out``
+    on one rank only (it raised alone; the others waited in MPI_Allreduce): the same error
+    on every rank, naming it. A big-endian or list buffer on one rank is summed as native."""
+    if comm.size == 1 and what in ("dtype", "size", "op"):
+        pytest.skip("needs two ranks to disagree")
+    c = sparsecoll.Communicator(comm)
+    bad = comm.size - 1
+    buf, out, op = np.ones(4, np.float32), None, "sum"
+    if comm.rank == bad:
+        if what == "dtype":
+            buf = np.ones(2, np.float64)
+        elif what == "size":
+            buf = np.ones(5, np.float32)
+        elif what == "op":
+            op = "mean"
+        elif what == "big_endian":
+            buf = np.ones(4, ">f4")
+        elif what == "bad_out":
+            out = np.zeros(4, np.float64)
+        else:
+            buf = [1.0] * 4
+            if comm.size > 1:
+                buf = np.array(buf, np.float32)  # (alone, a list gives float64: no mismatch)
+    expect = {
+        "dtype": (sparsecoll.CollectiveTypeError, "buf dtype must be the same on every rank"),
+        "size": (sparsecoll.CollectiveInputError, "buf size must be the same on every rank"),
+        "op": (sparsecoll.CollectiveInputError, "op must be the same on every rank"),
+        "bad_out": (sparsecoll.CollectiveInputError, "out must be a contiguous"),
+    }
+    if what in ("big_endian", "list"):
+        got = c.allreduce(buf, out=out, op=op)
+        want = 1.0 if op == "mean" else comm.size
+        assert_all(comm, np.array_equal(got, np.full(4, want)), f"{what}: {got}")
+        return
+    etype, text = expect[what]
+    try:
+        c.allreduce(buf, out=out, op=op)
+        got = None
+    except Exception as exc:
+        got = exc
+    ok = isinstance(got, etype) and text in str(got)
+    ok = ok and (f"rank {bad}" in str(got) if what == "bad_out" else True)
+    assert_all(comm, ok, f"{what}: {got!r}")
+    msgs = comm.allgather_object(str(got))
+    assert_all(comm, len(set(msgs)) == 1, f"messages differ: {msgs}")
+    assert_all(comm, np.array_equal(c.allreduce(np.ones(3)), np.full(3, comm.size)))

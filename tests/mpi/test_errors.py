@@ -216,3 +216,38 @@ def test_unviewable_values_on_one_rank_raise_everywhere(comm, what):
     assert_all(comm, got[1].startswith("values") and f"rank {bad}" in got[1], got[1])
     out = sparsecoll.allreduce(comm, vals, idx, n=N, algorithm="allgather")
     assert_all(comm, out.n == N)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("which", ["values", "indices"])
+def test_masked_entries_on_one_rank_raise_everywhere(comm, name, which):
+    """A masked array with masked entries: numpy's conversion drops the mask, so the hidden
+    entries were summed (exact algorithms) or the ranks parted ways (gtopk hung). Refused
+    on every rank; one without masked entries is taken as its data."""
+    bad = comm.size - 1
+    cls = algorithm_class(name)
+    opts = cls.default_options(N, 20)
+    vals, idx = _good(comm.rank)
+    v, i = vals, idx
+    if comm.rank == bad:
+        mask = np.arange(20) % 4 == 0
+        if which == "values":
+            v = np.ma.masked_array(vals, mask=mask)
+        else:
+            i = np.ma.masked_array(idx, mask=mask)
+    try:
+        sparsecoll.allreduce(comm, v, i, n=N, algorithm=name, **opts)
+        got = None
+    except Exception as exc:
+        got = (exc, str(exc))
+    ok = got is not None and isinstance(got[0], sparsecoll.CollectiveTypeError)
+    assert_all(comm, ok, f"expected CollectiveTypeError, got {got!r}")
+    msgs = comm.allgather_object(got[1])
+    assert_all(comm, len(set(msgs)) == 1, f"messages differ: {msgs}")
+    want = f"{which}: a masked array with 5 of 20 entries masked"
+    assert_all(comm, got[1].startswith(want) and f"rank {bad}" in got[1], got[1])
+    unmasked = np.ma.masked_array(vals, mask=np.zeros(20, bool))
+    out = sparsecoll.allreduce(comm, unmasked, idx, n=N, algorithm=name, **opts)
+    ref = sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=name, **opts)
+    same = np.array_equal(out.indices, ref.indices) and np.array_equal(out.values, ref.values)
+    assert_all(comm, same and type(out.values) is np.ndarray, "unmasked masked array")

@@ -1,0 +1,72 @@
+"""Inputs in the representations numpy and torch users hold (non-native byte order, any
+integer index type, lists, buffers, views, torch tensors), each rank its own: the result
+equals that of plain native arrays, bit for bit, for every algorithm."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import sparsecoll
+from sparsecoll.registry import algorithm_class
+
+from .cases import assert_all, cases, digest, local_input
+
+LAYOUTS = (
+    "native",
+    "big_endian",
+    "narrow_index",
+    "uint64_index",
+    "list_index",
+    "memoryview",
+    "fortran_column",
+    "negative_stride",
+    "masked_without_mask",
+    "torch",
+)
+
+
+def represent(layout: str, vals: np.ndarray, idx: np.ndarray, n: int):
+    """(values, indices) holding the same numbers as ``vals``, ``idx`` in ``layout``."""
+    if layout == "big_endian":
+        return vals.astype(vals.dtype.newbyteorder(">")), idx.astype(">i8")
+    if layout == "narrow_index":
+        itype = next(t for t in (np.uint8, np.int16, np.uint32, np.int64) if n <= np.iinfo(t).max)
+        return vals, idx.astype(itype)
+    if layout == "uint64_index":
+        return vals, idx.astype(np.uint64)
+    if layout == "list_index":
+        return vals, idx.tolist()
+    if layout == "memoryview":
+        return memoryview(vals), memoryview(idx)
+    if layout == "fortran_column":  # a column of an (m, 2) Fortran array: contiguous
+        return np.asfortranarray(np.stack([vals, vals], axis=1))[:, 1], idx
+    if layout == "negative_stride":
+        return vals[::-1].copy()[::-1], idx[::-1].copy()[::-1]
+    if layout == "masked_without_mask":
+        return np.ma.masked_array(vals, mask=False), np.ma.masked_array(idx)
+    if layout == "torch":
+        torch = pytest.importorskip("torch")
+        return torch.from_numpy(vals.copy()).requires_grad_(False), torch.from_numpy(idx.copy())
+    return vals, idx
+
+
+@pytest.mark.parametrize("name", sparsecoll.available_algorithms())
+@given(case=cases(max_n=100_000), layouts=st.lists(st.sampled_from(LAYOUTS), min_size=8))
+def test_representations_equal_native_arrays(comm, name, case, layouts):
+    """Rank r passes its input as ``layouts[r]``: a big-endian rank among little-endian
+    ones, uint64 indices, a list, a torch tensor; the result equals the native call's
+    (big-endian values were refused as "not float32" before, a misleading TypeError)."""
+    cls = algorithm_class(name)
+    opts = {} if cls.exact else cls.default_options(case.n, 20)
+    vals, idx = local_input(case, comm.rank, comm.size)
+    layout = layouts[comm.rank % len(layouts)]
+    v, i = represent(layout, vals, idx, case.n)
+    want = sparsecoll.allreduce(comm, vals, idx, n=case.n, algorithm=name, **opts)
+    got = sparsecoll.allreduce(comm, v, i, n=case.n, algorithm=name, **opts)
+    same = digest(got) == digest(want)  # (the same bytes: native order, the same dtype)
+    if layout == "torch":
+        same = same and type(got.values).__name__ == "Tensor"
+    assert_all(comm, same, f"{name} {layout}: {got!r} vs {want!r}")
