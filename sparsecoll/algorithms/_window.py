@@ -17,7 +17,8 @@ from .._array import get_array_module, to_host
 from ..select import backend
 
 __all__ = [
-    "WINDOW_OFFSETS", "bracket_edge", "edge_counts", "edge_totals", "pick_edge", "window_edges",
+    "WINDOW_OFFSETS", "bracket_edge", "bucket_shares", "bucket_start", "edge_counts",
+    "edge_totals", "pick_edge", "window_edges",
 ]  # fmt: skip
 
 # log-offsets of the threshold window: step 0.003 in the middle, ±0.223 (×1.25) at the ends
@@ -76,3 +77,28 @@ def bracket_edge(total: np.ndarray, k: int) -> int | None:
     if total[0] < k or total[-1] > k:
         return None
     return int(np.flatnonzero(np.asarray(total) >= k)[-1])
+
+
+def bucket_start(step: int, total: int) -> int:
+    """Where a window call's bucket of ``total`` entries starts being taken: the
+    fractional part of ``step·φ`` (golden ratio, in 64-bit fixed point) times ``total``, so
+    successive calls start far apart and every position comes round evenly."""
+    return ((step * 0x9E3779B97F4A7C15) & (2**64 - 1)) * total >> 64
+
+
+def bucket_shares(bucket: Any, need: int, start: int) -> list[tuple[tuple[int, int], ...]]:
+    """Each part's share of a run of ``need`` entries of a bucket laid out part after part
+    in index order (``bucket[i]`` entries in part i): the run starts at position ``start``
+    and wraps around. Per part, at most two ``(start, stop)`` ranges of positions in its
+    own share of the bucket (what :func:`sparsecoll.algorithms._merge.keep_bucket` takes)."""
+    counts = [int(c) for c in bucket]
+    total = sum(counts)
+    runs = [(start, min(start + need, total)), (0, max(start + need - total, 0))]
+    shares, s = [], 0
+    for c in counts:
+        e = s + c
+        shares.append(
+            tuple((max(a, s) - s, min(b, e) - s) for a, b in runs if min(b, e) > max(a, s))
+        )
+        s = e
+    return shares

@@ -14,9 +14,12 @@ a reduction of arbitrary sparse inputs. One call, on every rank:
    tells every rank the global count at each of them; every rank picks the same one, whose
    global count is closest to k, and that is the next call's window centre. The achieved K is
    therefore k up to the window's resolution (about ±1% on Gaussian data) on *this* call's data,
-   after no warm-up. When k lies outside the window (the first call, or a jump of the gradient
-   scale) the threshold is re-derived from the data: every rank sends the top
-   ``ceil(2k·span/n) + 1`` nonzero magnitudes of its partition of length span (one allgatherv,
+   after no warm-up. Where even the nearest edge misses k by more than 5% (magnitudes tied
+   in classes larger than that: quantised gradients), the tie is cut in index order as
+   oktopk's window calls cut theirs, so the call keeps exactly k (:meth:`ExDyna._bucket`).
+   When k lies outside the window (the first call, or a jump of the gradient scale) the
+   threshold is re-derived from the data: every rank sends the top ``ceil(2k·span/n) + 1``
+   nonzero magnitudes of its partition of length span (one allgatherv,
    O(k) in all), and the k-th largest of those is the new centre. A rank whose partition holds
    more than its share of the large values (all it sent lie at or above that centre) sends
    twice as many in another round, until none does, so the centre is the exact global k-th
@@ -42,7 +45,9 @@ at each of them the exact sum of every rank's input value there (0 where a rank 
 identical on every rank. ``result.contributed`` marks this rank's input entries at selected
 indices (all of them reach the result: every rank's residual drops all K entries).
 ``result.info`` has ``threshold``, ``counts`` (per partition), ``selected`` (this rank's
-count) and ``rederived``.
+count), ``rederived`` and ``bucket`` (``(lo, hi, start)`` when the call cut a tie: every
+|value| >= hi and, of those in ``[lo, hi)`` in index order, the run from position start,
+wrapping around, that completes k; else None).
 """
 
 from __future__ import annotations
@@ -58,8 +63,16 @@ from .._array import get_array_module, index_dtype, to_host
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from ._merge import gather, take_at_least
-from ._window import WINDOW_OFFSETS, edge_totals, pick_edge, window_edges
+from ._merge import gather, keep_bucket, take_at_least
+from ._window import (
+    WINDOW_OFFSETS,
+    bracket_edge,
+    bucket_shares,
+    bucket_start,
+    edge_totals,
+    pick_edge,
+    window_edges,
+)
 from .base import Algorithm, allclose_sparse, range_bounds
 from .gtopk import check_k
 
@@ -116,6 +129,33 @@ class _Found:
         idx, vals = take_at_least(self.values, t, self.idx, self.lo, part, self.zc)
         self.taken = None if part is None else vals
         return idx if self.given else to_index(idx)
+
+    def take_bucket(self, cut: _Bucket, to_index: Any) -> Any:
+        """As :meth:`take` for a cut through a bucket: the entries with |value| >= cut.hi
+        and, of those in ``[cut.lo, cut.hi)`` in index order, the positions in ``cut.runs``."""
+        dt = self.values.dtype.type
+        idx, vals, chosen = keep_bucket(
+            self.idx, self.values, dt(cut.hi), dt(cut.lo), cut.runs, cut.count, mask=True
+        )
+        self.taken = None
+        if self.zc is not None:  # part holds 0 at |value| >= zc: make it 0 where kept
+            xp = get_array_module(self.values)
+            fix = chosen != (xp.abs(self.values) >= dt(self.zc))
+            back = xp.where(chosen[fix], 0, self.values[fix])
+            self.part[self.idx[fix] - self.lo] = back.astype(self.part.dtype)
+            self.taken = vals
+        return idx if self.given else to_index(idx)
+
+
+class _Bucket:
+    """A window call's cut through a bucket of tied (or close) magnitudes: this rank keeps
+    every |value| >= ``hi`` and, of its entries in ``[lo, hi)`` in index order, those at the
+    positions ``runs`` (``count`` kept in all)."""
+
+    __slots__ = ("count", "hi", "lo", "runs", "start")
+
+    def __init__(self, lo: float, hi: float, runs: Any, count: int, start: int) -> None:
+        self.lo, self.hi, self.runs, self.count, self.start = lo, hi, runs, count, start
 
 
 def _top_magnitudes(part: Any, take: int) -> Any:
@@ -411,9 +451,11 @@ class ExDyna(Algorithm):
         if self.k == 0 or n == 0:
             self.step += 1
             out = SparseVector.empty(n, dtype, xp)
-            out.info.update(threshold=math.inf, counts=[0] * p, selected=0, rederived=False)
+            out.info.update(
+                threshold=math.inf, counts=[0] * p, selected=0, rederived=False, bucket=None
+            )
             return out
-        mine, counts, used, rederived = self._select(comm, n, part, to_index, found)
+        mine, counts, used, rederived, cut = self._select(comm, n, part, to_index, found)
         owner = [(q - self.step) % p for q in range(p)]
         if p == 1:  # the gather and the sum are identities: no copies of the k entries
             idx, sums = mine, values_at(mine)
@@ -432,16 +474,22 @@ class ExDyna(Algorithm):
         self.step += 1
         out = SparseVector(idx, sums, n)
         out.info.update(
-            threshold=used, counts=part_counts, selected=int(mine.shape[0]), rederived=rederived
+            threshold=used,
+            counts=part_counts,
+            selected=int(mine.shape[0]),
+            rederived=rederived,
+            bucket=None if cut is None else (cut.lo, cut.hi, cut.start),
         )
         return out
 
     def _select(
         self, comm: Communicator, n: int, part: Any, to_index: Any, found: Any = None
-    ) -> tuple[Any, list[int], float, bool]:
+    ) -> tuple[Any, list[int], float, bool, _Bucket | None]:
         """The global indices selected in ``part`` (``to_index`` maps positions in it to
-        them), every rank's count, the threshold used. ``found``: part's entries at or
-        above :meth:`candidate_cut` (a :class:`_Found`), when the caller has them."""
+        them), every rank's count, the threshold used, whether it was re-derived, and the
+        cut through a bucket (None: every |value| >= the threshold was selected).
+        ``found``: part's entries at or above :meth:`candidate_cut` (a :class:`_Found`),
+        when the caller has them."""
         rederived = False
         before = self.threshold
         if self.threshold is None:
@@ -455,7 +503,7 @@ class ExDyna(Algorithm):
             if self.threshold is None:  # every partition is all zeros (known on every rank)
                 self.rederives += rederived
                 empty = get_array_module(part).zeros(0, dtype=np.int64)
-                return to_index(empty), [0] * comm.size, math.inf, rederived
+                return to_index(empty), [0] * comm.size, math.inf, rederived, None
             if self.rule == "authors":
                 t = _cut(part.dtype, self.threshold)
                 found = _above(part, t) if found is None else found
@@ -464,8 +512,8 @@ class ExDyna(Algorithm):
                 mine = found.take(t, to_index)
                 self.threshold = authors_rule(self.threshold, sum(counts), self.k)
                 self.rederives += rederived
-                return mine, counts, t, rederived
-            found, counts, used, side = self._window(comm, part, found)
+                return mine, counts, t, rederived, None
+            found, counts, used, side, cut = self._window(comm, part, found)
             missed = side != 0
             # a cooldown holds off re-deriving only for misses like the one that started it
             # (fewer than k nonzeros in all keeps missing low); a miss the other way (the
@@ -476,7 +524,7 @@ class ExDyna(Algorithm):
             found = None  # the candidates were for the old threshold
             self.threshold = self._derive(comm, n, part)
             rederived = True
-        mine = found.take(used, to_index)
+        mine = found.take(used, to_index) if cut is None else found.take_bucket(cut, to_index)
         if missed and rederived:
             # k is outside the window even right after a re-derive (e.g. fewer than k
             # nonzeros in all): follow the window instead of re-deriving every call
@@ -492,16 +540,18 @@ class ExDyna(Algorithm):
                 self.swing = 0.5 * self.swing + 0.5 * abs(step - self.growth)
             self.growth = 0.5 * self.growth + 0.5 * step
             self.trend_calls += 1
-        return mine, counts, used, rederived
+        return mine, counts, used, rederived, cut
 
     def _window(
         self, comm: Communicator, part: Any, found: _Found | None = None
-    ) -> tuple[_Found, list[int], float, int]:
+    ) -> tuple[_Found, list[int], float, int, _Bucket | None]:
         """The window edge nearest k: the candidates it selects from, every rank's count
-        at it, the edge, and how k was missed: 0 inside the window, +1 too many even at the
-        top edge, -1 too few even at the bottom one. ``found`` (candidates from window edge
-        ``found.low`` up): when the pick could lie below it, every rank counts its whole
-        part and the counts are exchanged again, so the pick is the same as from all edges."""
+        at it, the edge, how k was missed (0 inside the window, +1 too many even at the
+        top edge, -1 too few even at the bottom one), and the cut through a bucket when
+        even the nearest edge misses k by more than 5% (see :meth:`_bucket`). ``found``
+        (candidates from window edge ``found.low`` up): when the pick could lie below it,
+        every rank counts its whole part and the counts are exchanged again, so the pick
+        is the same as from all edges."""
         cast = window_edges(self.threshold, part.dtype)  # counts == selections in that dtype
         e, tol = cast.shape[0], 0.05 * self.k
         while True:
@@ -525,7 +575,40 @@ class ExDyna(Algorithm):
         j, missed = pick_edge(total[known:], self.k, tol)
         j += known
         side = 0 if not missed else (1 if j == e - 1 else -1)
-        return found, table[:, j].tolist(), float(cast[j]), side
+        if not missed and abs(int(total[j]) - self.k) > tol:
+            bucket = self._bucket(comm.rank, table[:, :e], known, cast)
+            if bucket is not None:
+                counts, lo, cut = bucket
+                return found, counts, lo, side, cut
+        return found, table[:, j].tolist(), float(cast[j]), side, None
+
+    def _bucket(
+        self, rank: int, table: np.ndarray, known: int, cast: np.ndarray
+    ) -> tuple[list[int], float, _Bucket] | None:
+        """k exactly where no edge of the window comes within 5% of it: many magnitudes
+        tie, or lie close together, between two neighbouring edges (quantised gradients,
+        or a tie across a whole layer, where the nearest edge could keep nothing). Cut
+        as oktopk's window calls do: every |value| >= ``hi`` (the lowest edge with fewer
+        than k at or above it) and, from the bucket ``[lo, hi)`` in index order
+        (partitions in index order), a run that starts at :func:`bucket_start` and wraps
+        around, completing k. Every rank's count, ``lo`` (the threshold reported, and
+        the next window's centre) and this rank's cut; None when k is not bracketed."""
+        total = table.sum(axis=0)
+        b = bracket_edge(total[known:], self.k)
+        if b is None or known + b + 1 == total.shape[0]:
+            return None
+        j = known + b
+        above = table[:, j + 1]
+        bucket = table[:, j] - above
+        p = table.shape[0]
+        # rank r owns partition (step + r) mod P: the owners in index order
+        order = [(q - self.step) % p for q in range(p)]
+        start = bucket_start(self.step, int(bucket.sum()))
+        shares = bucket_shares(bucket[order], self.k - int(above.sum()), start)
+        mine = [shares[(self.step + r) % p] for r in range(p)]
+        counts = [int(above[r]) + sum(b - a for a, b in mine[r]) for r in range(p)]
+        lo, hi = float(cast[j]), float(cast[j + 1])
+        return counts, lo, _Bucket(lo, hi, mine[rank], counts[rank], start)
 
     def _derive(self, comm: Communicator, n: int, part: Any) -> float | None:
         """The global k-th largest nonzero |value| (collective; O(k) volume when the large

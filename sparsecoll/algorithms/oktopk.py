@@ -80,7 +80,7 @@ from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import accumulate_dtype, isin_sorted, keep_bucket, merge_two
-from ._window import bracket_edge, edge_totals, window_edges
+from ._window import bracket_edge, bucket_shares, bucket_start, edge_totals, window_edges
 from .base import (
     Algorithm,
     allclose_sparse,
@@ -408,13 +408,7 @@ class OkTopk(Algorithm):
         need = self.k - int(above.sum())
         total = int(bucket.sum())
         start = bucket_start(self.step, total)
-        before = np.concatenate(([0], np.cumsum(bucket[:-1])))
-        runs = [(start, min(start + need, total)), (0, max(start + need - total, 0))]
-        # each rank's part of the runs, as positions in its own share of the bucket
-        shares = [
-            tuple((max(a, s) - s, min(b, e) - s) for a, b in runs if min(b, e) > max(a, s))
-            for s, e in zip(before.tolist(), (before + bucket).tolist())
-        ]
+        shares = bucket_shares(bucket, need, start)
         taken = np.array([sum(b - a for a, b in share) for share in shares], dtype=np.int64)
         hi = float("inf") if top else float(edges[m])
         counts = (above + taken).tolist()
@@ -552,13 +546,6 @@ class OkTopk(Algorithm):
         least_kept = np.abs(fv[at]).min(initial=np.inf)
         eps = float(np.finfo(result.values.dtype).eps)
         return bool(worst_dropped <= least_kept * (1 + 64 * eps * len(inputs)))
-
-
-def bucket_start(step: int, total: int) -> int:
-    """Where a window call's bucket of ``total`` entries starts being taken: the
-    fractional part of ``step·φ`` (golden ratio, in 64-bit fixed point) times ``total``, so
-    successive calls start far apart and every position comes round evenly."""
-    return ((step * 0x9E3779B97F4A7C15) & (2**64 - 1)) * total >> 64
 
 
 def _contributed(

@@ -1,0 +1,77 @@
+"""oktopk's bytes per rank when the large gradients move to another part of the vector.
+
+GradientReducer(comm, n, "oktopk", density) with error feedback and exact local top-k, on
+Gaussian gradients in which one "layer" (2% of n, more than k entries) is ``--scale`` times
+larger, and the layer moves to another place every ``--every`` steps (which layer's
+gradients dominate changes during training). oktopk repartitions its regions every
+``tau_prime`` calls (64 by default, the paper's schedule); in between the regions stay those
+of the last repartition, so after a move every rank's selection falls in the one or two
+regions now holding the layer. Rank 0 prints, per call: whether it repartitioned, the
+largest bytes sent and received by any rank, and their ratio to the pair bound 6k(P−1)/P
+(int32 indices and float32 values, 8 bytes a pair).
+
+  mpiexec -n 8 python bench/oktopk_regions.py [--n 200000 --density 0.01 --steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from sparsecoll import Communicator, GradientReducer
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=200_000)
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--every", type=int, default=10, help="steps between the layer's moves")
+    ap.add_argument("--scale", type=float, default=1000.0)
+    ap.add_argument("--tau-prime", type=int, default=64)
+    args = ap.parse_args(argv)
+    comm = Communicator()
+    n, p = args.n, comm.size
+    red = GradientReducer(comm, n, "oktopk", args.density, tau_prime=args.tau_prime)
+    alg, k = red.algorithm, red.k
+    infos = []
+    reduce = alg.reduce
+
+    def recording(c, x):
+        out = reduce(c, x)
+        infos.append(out.info)
+        return out
+
+    alg.reduce = recording
+    rng = np.random.default_rng([3, comm.rank])
+    width = n // 50
+    bound = 6 * k * (p - 1) / p * 8
+    if comm.rank == 0:
+        print(
+            f"# oktopk regions after a move: P={p} n={n} k={k} layer={width} entries x"
+            f"{args.scale:g}, moved every {args.every} steps, tau_prime={args.tau_prime}; "
+            f"bound 6k(P-1)/P pairs = {bound:.0f} bytes"
+        )
+        print(
+            f"{'call':>4} {'layer at':>8} {'repart':>6} {'max sent':>9} {'max recv':>9} "
+            f"{'/bound':>6}"
+        )
+    for t in range(args.steps):
+        at = (t // args.every) * (n // 7) % (n - width)
+        g = rng.standard_normal(n)
+        g[at : at + width] *= args.scale
+        red.step(g.astype(np.float32))
+        st = red.stats()
+        sent, recv = comm.allgather_ints([st["bytes_sent"], st["bytes_recv"]]).max(axis=0)
+        if comm.rank == 0:
+            worst = max(int(sent), int(recv))
+            print(
+                f"{t:4d} {at:8d} {bool(infos[-1]['repartitioned'])!s:>6} "
+                f"{int(sent):9d} {int(recv):9d} {worst / bound:6.2f}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
