@@ -67,6 +67,10 @@ POLL_SPIN = 50e-6  # seconds of Test calls (with sched_yield) before the first s
 POLL_FRACTION = 1 / 8  # each sleep: this fraction of the time waited so far...
 POLL_MIN = 20e-6  # ...but at least this (seconds)
 POLL_MAX = 1e-3  # ...and at most this: a long wait tests about once a millisecond
+# MPI-3's count and displacement arguments are C ints. mpi4py passes larger ones to the
+# MPI-4 large-count calls (MPI_Allgatherv_c, ...), which some MPI libraries lack (Open MPI
+# 5.0): it then raises MPI_ERR_ARG. There, payloads past this go another way.
+COUNT_MAX = 2**31 - 1
 
 
 def _mpi() -> Any:
@@ -251,6 +255,16 @@ def _query_cuda_aware(comm: Any = None) -> bool:
             pass
     kinds = _alloc_kinds(comm if comm is not None else MPI.COMM_WORLD)
     return any(k.split(":")[0].strip() == "cuda" for k in kinds.split(","))
+
+
+@functools.cache
+def _large_counts() -> bool:
+    """Whether the MPI library has the MPI-4 large-count calls (MPICH 4+, not Open MPI
+    5.0), looked up as :func:`_query_cuda_aware` looks up its extension."""
+    try:
+        return hasattr(ctypes.CDLL(_mpi().__file__), "MPI_Allgatherv_c")
+    except OSError:  # pragma: no cover
+        return False
 
 
 def _alloc_kinds(comm: Any) -> str:
@@ -668,15 +682,34 @@ class Communicator:
         bcounts = [c * item for c in counts]
         displs = np.concatenate(([0], np.cumsum(bcounts)[:-1])).tolist()
         MPI = _mpi()
-        self._complete(
-            "Allgatherv",
-            [self._send_view(sendbuf), MPI.BYTE],
-            [rview, (bcounts, displs), MPI.BYTE],
-        )
+        if max(displs[-1], *bcounts) > COUNT_MAX and not _large_counts():
+            self._allgatherv_by_bcast(self._send_view(sendbuf), rview, bcounts, displs)
+        else:
+            self._complete(
+                "Allgatherv",
+                [self._send_view(sendbuf), MPI.BYTE],
+                [rview, (bcounts, displs), MPI.BYTE],
+            )
         if finish:
             finish()
         self._count_allgatherv((total - counts[self.rank]) * item)
         return out, counts
+
+    def _allgatherv_by_bcast(
+        self, send: Any, recv: Any, bcounts: list[int], displs: list[int]
+    ) -> None:
+        """Allgatherv past :data:`COUNT_MAX` bytes (a count or a displacement; the same
+        on every rank) on a library without large counts: every rank's part broadcast from
+        that rank, in pieces of at most COUNT_MAX bytes, each landing where it belongs (a
+        broadcast takes no displacement)."""
+        MPI = _mpi()
+        me = self.rank
+        recv[displs[me] : displs[me] + bcounts[me]] = send
+        for root in range(self.size):
+            end = displs[root] + bcounts[root]
+            for start in range(displs[root], end, COUNT_MAX):
+                piece = recv[start : min(start + COUNT_MAX, end)]
+                self._complete("Bcast", [piece, MPI.BYTE], root)
 
     def _count_allgatherv(self, others: int) -> None:
         self.stats.bytes_sent += others
