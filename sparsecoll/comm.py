@@ -375,6 +375,12 @@ def _in_dtype(total: Any, orig: Any, out: Any) -> Any:
     return out
 
 
+def _free(dtype: Any) -> None:
+    """Free a datatype that :meth:`Communicator._message` made (None: nothing to free)."""
+    if dtype is not None:
+        dtype.Free()
+
+
 def _nonblocking(name: str) -> str:
     """MPI's nonblocking variant of a blocking call: Allgatherv -> Iallgatherv."""
     return "I" + name[0].lower() + name[1:]
@@ -592,15 +598,38 @@ class Communicator:
         return int(buf.nbytes)
 
     # -- point-to-point -----------------------------------------------------------------
+    @staticmethod
+    def _message(view: Any) -> tuple[Any, Any]:
+        """The buffer argument of a point-to-point call on the byte view ``view``, and the
+        datatype to free once the call has started (None when there is none).
+
+        Past :data:`COUNT_MAX` bytes, on a library without large counts (the count is an
+        int), the view goes as one element of a type of ``q`` blocks of COUNT_MAX bytes and
+        the rest: a sequence of bytes still, so either side may use it alone (a receive
+        of plain bytes matches it), and MPI lets a type be freed while a call uses it."""
+        nbytes = int(view.shape[0])
+        if nbytes <= COUNT_MAX or _large_counts():
+            return view, None
+        MPI = _mpi()
+        q, r = divmod(nbytes, COUNT_MAX)
+        block = MPI.BYTE.Create_contiguous(COUNT_MAX)
+        whole = MPI.Datatype.Create_struct([q, r], [0, q * COUNT_MAX], [block, MPI.BYTE])
+        block.Free()
+        return [view, 1, whole.Commit()], whole
+
     @_routed
     def send(self, buf: Any, dest: int, tag: int = 0) -> None:
-        self._complete("Send", self._send_view(buf), dest, tag)
+        msg, dtype = self._message(self._send_view(buf))
+        self._complete("Send", msg, dest, tag)
+        _free(dtype)
         self._count_send(buf, dest)
 
     @_routed
     def recv(self, buf: Any, source: int, tag: int = 0) -> None:
         view, finish = self._recv_view(buf)
-        self._complete("Recv", view, source, tag)
+        msg, dtype = self._message(view)
+        self._complete("Recv", msg, source, tag)
+        _free(dtype)
         if finish:
             finish()
         self._count_recv(buf, source)
@@ -608,21 +637,29 @@ class Communicator:
     @_routed
     def isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
         view = self._send_view(buf)
-        req = self.mpi_comm.Isend(view, dest, tag)
+        msg, dtype = self._message(view)
+        req = self.mpi_comm.Isend(msg, dest, tag)
+        _free(dtype)
         self._count_send(buf, dest)
         return Request(req, keep=view, poll=self.poll)
 
     @_routed
     def irecv(self, buf: Any, source: int, tag: int = 0) -> Request:
         view, finish = self._recv_view(buf)
-        req = self.mpi_comm.Irecv(view, source, tag)
+        msg, dtype = self._message(view)
+        req = self.mpi_comm.Irecv(msg, source, tag)
+        _free(dtype)
         self._count_recv(buf, source)
         return Request(req, finish, poll=self.poll)
 
     @_routed
     def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
         view, finish = self._recv_view(recvbuf)
-        self._complete("Sendrecv", self._send_view(sendbuf), dest, tag, view, source, tag)
+        smsg, stype = self._message(self._send_view(sendbuf))
+        rmsg, rtype = self._message(view)
+        self._complete("Sendrecv", smsg, dest, tag, rmsg, source, tag)
+        _free(stype)
+        _free(rtype)
         if finish:
             finish()
         self._count_send(sendbuf, dest)
