@@ -309,6 +309,16 @@ def _find_mpiexec() -> str:
     )
 
 
+def _is_hydra(mpiexec: str) -> bool:
+    """Whether ``mpiexec`` is MPICH's Hydra, whose options (-launcher, -iface, -genv) and
+    MPICH's variables (MPIR_CVAR_*) this script uses; Open MPI's mpiexec has neither."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "HYDRA" in out.stdout + out.stderr
+
+
 class _Terminated(Exception):
     pass
 
@@ -338,6 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         p.error("no command given (put it after --)")
+    mpiexec = args.mpiexec or _find_mpiexec()
+    if not _is_hydra(mpiexec):
+        p.error(
+            f"{mpiexec} is not MPICH's Hydra mpiexec: this script drives Hydra's ssh launcher "
+            f"and MPICH's TCP settings (pass --mpiexec, with an mpi4py built on MPICH)"
+        )
     if os.geteuid() != 0:
         p.error("needs root (network namespaces and tc)")
     for tool in ("ip", "tc"):
@@ -363,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             launcher = Path(tmp) / "netns-launcher"
             launcher.write_text(LAUNCHER)
             launcher.chmod(0o755)
-            full = cl.mpiexec_args(args.mpiexec or _find_mpiexec(), str(launcher)) + cmd
+            full = cl.mpiexec_args(mpiexec, str(launcher)) + cmd
             log("running: " + shlex.join(full))
             before = cl.counters()
             t0 = time.monotonic()

@@ -62,7 +62,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    from sparsecoll._launch import find_mpiexec
+    from sparsecoll._launch import mpiexec_command
 
     rest = []
     skip = False
@@ -77,7 +77,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
             rest.append(a)
     rc = 0
     for i, P in enumerate(args.np):
-        cmd = [find_mpiexec(), "-n", str(P), sys.executable, os.path.abspath(__file__), *rest]
+        cmd = [*mpiexec_command(P), sys.executable, os.path.abspath(__file__), *rest]
         if i:
             cmd.append("--no-header")
         rc |= subprocess.call(cmd)

@@ -106,14 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     root = Path(__file__).resolve().parent.parent
     from sparsecoll import __version__
-    from sparsecoll._launch import find_mpiexec
+    from sparsecoll._launch import mpiexec_command
     from sparsecoll.comm import mpi_library_version
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(root), env.get("PYTHONPATH")) if x)
     rows = []
     for nprocs in args.np:
-        cmd = [find_mpiexec(), "-n", str(nprocs), sys.executable, __file__, "--worker"]
+        cmd = [*mpiexec_command(nprocs), sys.executable, __file__, "--worker"]
         cmd += ["-n", str(args.n), "--density", str(args.density), "--overlap", args.overlap]
         cmd += [
             "-i",

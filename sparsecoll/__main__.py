@@ -6,7 +6,7 @@ import importlib
 import subprocess
 import sys
 
-from ._launch import find_mpiexec, under_mpi
+from ._launch import mpiexec_command, under_mpi
 
 USAGE = """usage: python -m sparsecoll bench [SUITE] [--np P] [options]
        python -m sparsecoll algorithms
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = module.parse_args(rest)
     if under_mpi():
         return int(module.run(args) or 0)
-    cmd = [find_mpiexec(), "-n", str(args.np), sys.executable, "-m", "sparsecoll", "bench"]
+    cmd = [*mpiexec_command(args.np), sys.executable, "-m", "sparsecoll", "bench"]
     return subprocess.call(cmd + ([] if suite == "main" else [suite]) + rest)
 
 

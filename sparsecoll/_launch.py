@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["find_mpiexec", "under_mpi"]
+__all__ = ["find_mpiexec", "mpiexec_command", "under_mpi"]
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 
@@ -32,3 +34,28 @@ def find_mpiexec() -> str:
         "mpiexec not found: pip install 'sparsecoll[mpi]' installs MPICH from PyPI, "
         "or put your site MPI's mpiexec on PATH (or set SPARSECOLL_MPIEXEC)"
     )
+
+
+def mpiexec_command(nprocs: int, mpiexec: str | None = None) -> list[str]:
+    """``mpiexec -n P``, ready for the program's command line, on any launcher.
+
+    Open MPI's mpiexec refuses to start more ranks than the host has cores (slots) unless
+    told ``--oversubscribe``, where MPICH's starts them: the relaunches (``bench --np 4`` on
+    a 2-core laptop, the tests' P = 8) would fail there, so the option is added for it.
+    """
+    exe = mpiexec or find_mpiexec()
+    extra = ["--oversubscribe"] if _is_open_mpi(exe) else []
+    return [exe, *extra, "-n", str(nprocs)]
+
+
+@functools.cache
+def _is_open_mpi(mpiexec: str) -> bool:
+    """Whether ``mpiexec --version`` names Open MPI (5: "Open MPI", 4 and older: "OpenRTE")."""
+    try:
+        proc = subprocess.run(
+            [mpiexec, "--version"], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    text = proc.stdout + proc.stderr
+    return "Open MPI" in text or "OpenRTE" in text

@@ -68,6 +68,10 @@ POLL_SPIN = 50e-6  # seconds of Test calls (with sched_yield) before the first s
 POLL_FRACTION = 1 / 8  # each sleep: this fraction of the time waited so far...
 POLL_MIN = 20e-6  # ...but at least this (seconds)
 POLL_MAX = 1e-3  # ...and at most this: a long wait tests about once a millisecond
+# MPI-3's count and displacement arguments are C ints. mpi4py passes larger ones to the
+# MPI-4 large-count calls (MPI_Allgatherv_c, ...), which some MPI libraries lack (Open MPI
+# 5.0): it then raises MPI_ERR_ARG. There, payloads past this go another way.
+COUNT_MAX = 2**31 - 1
 
 
 def _mpi() -> Any:
@@ -234,6 +238,16 @@ def _query_cuda_aware(comm: Any = None) -> bool:
     return any(k.split(":")[0].strip() == "cuda" for k in kinds.split(","))
 
 
+@functools.cache
+def _large_counts() -> bool:
+    """Whether the MPI library has the MPI-4 large-count calls (MPICH 4+, not Open MPI
+    5.0), looked up as :func:`_query_cuda_aware` looks up its extension."""
+    try:
+        return hasattr(ctypes.CDLL(_mpi().__file__), "MPI_Allgatherv_c")
+    except OSError:  # pragma: no cover
+        return False
+
+
 def _alloc_kinds(comm: Any) -> str:
     """The ``mpi_memory_alloc_kinds`` info value of ``comm`` ('' when absent)."""
     try:
@@ -341,6 +355,12 @@ def _in_dtype(total: Any, orig: Any, out: Any) -> Any:
         return total.astype(orig)
     out[...] = total
     return out
+
+
+def _free(dtype: Any) -> None:
+    """Free a datatype that :meth:`Communicator._message` made (None: nothing to free)."""
+    if dtype is not None:
+        dtype.Free()
 
 
 def _nonblocking(name: str) -> str:
@@ -560,15 +580,38 @@ class Communicator:
         return int(buf.nbytes)
 
     # -- point-to-point -----------------------------------------------------------------
+    @staticmethod
+    def _message(view: Any) -> tuple[Any, Any]:
+        """The buffer argument of a point-to-point call on the byte view ``view``, and the
+        datatype to free once the call has started (None when there is none).
+
+        Past :data:`COUNT_MAX` bytes, on a library without large counts (the count is an
+        int), the view goes as one element of a type of ``q`` blocks of COUNT_MAX bytes and
+        the rest: a sequence of bytes still, so either side may use it alone (a receive
+        of plain bytes matches it), and MPI lets a type be freed while a call uses it."""
+        nbytes = int(view.shape[0])
+        if nbytes <= COUNT_MAX or _large_counts():
+            return view, None
+        MPI = _mpi()
+        q, r = divmod(nbytes, COUNT_MAX)
+        block = MPI.BYTE.Create_contiguous(COUNT_MAX)
+        whole = MPI.Datatype.Create_struct([q, r], [0, q * COUNT_MAX], [block, MPI.BYTE])
+        block.Free()
+        return [view, 1, whole.Commit()], whole
+
     @_routed
     def send(self, buf: Any, dest: int, tag: int = 0) -> None:
-        self._complete("Send", self._send_view(buf), dest, tag)
+        msg, dtype = self._message(self._send_view(buf))
+        self._complete("Send", msg, dest, tag)
+        _free(dtype)
         self._count_send(buf, dest)
 
     @_routed
     def recv(self, buf: Any, source: int, tag: int = 0) -> None:
         view, finish = self._recv_view(buf)
-        self._complete("Recv", view, source, tag)
+        msg, dtype = self._message(view)
+        self._complete("Recv", msg, source, tag)
+        _free(dtype)
         if finish:
             finish()
         self._count_recv(buf, source)
@@ -576,21 +619,29 @@ class Communicator:
     @_routed
     def isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
         view = self._send_view(buf)
-        req = self.mpi_comm.Isend(view, dest, tag)
+        msg, dtype = self._message(view)
+        req = self.mpi_comm.Isend(msg, dest, tag)
+        _free(dtype)
         self._count_send(buf, dest)
         return Request(req, keep=view, poll=self.poll)
 
     @_routed
     def irecv(self, buf: Any, source: int, tag: int = 0) -> Request:
         view, finish = self._recv_view(buf)
-        req = self.mpi_comm.Irecv(view, source, tag)
+        msg, dtype = self._message(view)
+        req = self.mpi_comm.Irecv(msg, source, tag)
+        _free(dtype)
         self._count_recv(buf, source)
         return Request(req, finish, poll=self.poll)
 
     @_routed
     def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0) -> None:
         view, finish = self._recv_view(recvbuf)
-        self._complete("Sendrecv", self._send_view(sendbuf), dest, tag, view, source, tag)
+        smsg, stype = self._message(self._send_view(sendbuf))
+        rmsg, rtype = self._message(view)
+        self._complete("Sendrecv", smsg, dest, tag, rmsg, source, tag)
+        _free(stype)
+        _free(rtype)
         if finish:
             finish()
         self._count_send(sendbuf, dest)
@@ -650,15 +701,34 @@ class Communicator:
         bcounts = [c * item for c in counts]
         displs = np.concatenate(([0], np.cumsum(bcounts)[:-1])).tolist()
         MPI = _mpi()
-        self._complete(
-            "Allgatherv",
-            [self._send_view(sendbuf), MPI.BYTE],
-            [rview, (bcounts, displs), MPI.BYTE],
-        )
+        if max(displs[-1], *bcounts) > COUNT_MAX and not _large_counts():
+            self._allgatherv_by_bcast(self._send_view(sendbuf), rview, bcounts, displs)
+        else:
+            self._complete(
+                "Allgatherv",
+                [self._send_view(sendbuf), MPI.BYTE],
+                [rview, (bcounts, displs), MPI.BYTE],
+            )
         if finish:
             finish()
         self._count_allgatherv((total - counts[self.rank]) * item)
         return out, counts
+
+    def _allgatherv_by_bcast(
+        self, send: Any, recv: Any, bcounts: list[int], displs: list[int]
+    ) -> None:
+        """Allgatherv past :data:`COUNT_MAX` bytes (a count or a displacement; the same
+        on every rank) on a library without large counts: every rank's part broadcast from
+        that rank, in pieces of at most COUNT_MAX bytes, each landing where it belongs (a
+        broadcast takes no displacement)."""
+        MPI = _mpi()
+        me = self.rank
+        recv[displs[me] : displs[me] + bcounts[me]] = send
+        for root in range(self.size):
+            end = displs[root] + bcounts[root]
+            for start in range(displs[root], end, COUNT_MAX):
+                piece = recv[start : min(start + COUNT_MAX, end)]
+                self._complete("Bcast", [piece, MPI.BYTE], root)
 
     def _count_allgatherv(self, others: int) -> None:
         self.stats.bytes_sent += others

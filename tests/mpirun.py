@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sparsecoll._launch import find_mpiexec
+from sparsecoll._launch import mpiexec_command
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = float(os.environ.get("SPARSECOLL_MPI_TIMEOUT", "600"))
@@ -19,7 +19,7 @@ def run_mpi(nprocs: int, args: list[str], timeout: float = TIMEOUT, env: dict | 
 
     The whole process group is killed on timeout, so a hang fails instead of blocking.
     """
-    cmd = [find_mpiexec(), "-n", str(nprocs), sys.executable, *args]
+    cmd = [*mpiexec_command(nprocs), sys.executable, *args]
     full_env = dict(os.environ)
     full_env["SPARSECOLL_IN_MPIEXEC"] = "1"
     full_env["PYTHONPATH"] = os.pathsep.join(

@@ -16,9 +16,9 @@ from .mpirun import ROOT, run_mpi
 _LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 
 
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     """``python -m sparsecoll ARGS`` as a user types it (not under mpiexec)."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in _LAUNCHER_VARS}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return subprocess.run(
         [sys.executable, "-m", "sparsecoll", *args],
@@ -126,6 +126,40 @@ def test_main_bench_relaunches_and_names_its_check() -> None:
     for name in ("oktopk", "gtopk", "exdyna"):
         assert rows[name][1:3] == ["contract", "ok"], rows[name]
     assert proc.stdout.count("# P=2") == 1  # rank 0 alone prints
+
+
+@pytest.mark.parametrize(
+    ("version", "oversubscribe"),
+    [
+        ("mpiexec (Open MPI) 5.0.11", True),
+        ("mpiexec (OpenRTE) 4.1.6", True),
+        ("HYDRA build details:\n    Version: 4.3.0", False),
+    ],
+)
+def test_relaunch_lets_open_mpi_oversubscribe(tmp_path, version: str, oversubscribe: bool) -> None:
+    """Open MPI's mpiexec refuses more ranks than cores without --oversubscribe (MPICH's
+    starts them): `bench` (--np 4 by default) failed on a 2-core machine with Open MPI."""
+    fake = tmp_path / "mpiexec"
+    fake.write_text(
+        f'#!/bin/sh\nif [ "$1" = --version ]; then printf "{version}\\n"; exit 0; fi\n'
+        'echo "launched: $*"\n'
+    )
+    fake.chmod(0o755)
+    proc = cli("bench", "--np", "9", "-m", "16K", env={"SPARSECOLL_MPIEXEC": str(fake)})
+    assert proc.returncode == 0, proc.stderr
+    extra = "--oversubscribe " if oversubscribe else ""
+    assert proc.stdout.startswith(f"launched: {extra}-n 9 {sys.executable} -m sparsecoll bench")
+
+
+@pytest.mark.mpi
+def test_bench_relaunches_more_ranks_than_cores() -> None:
+    """The real launcher, P above the core count (bench's default P = 4 on a laptop)."""
+    nprocs = (os.cpu_count() or 1) + 1
+    if nprocs > 8:
+        pytest.skip(f"{nprocs - 1} cores: too many ranks to oversubscribe in a test")
+    proc = cli("bench", "--np", str(nprocs), "-m", "4K", "-i", "1", "-x", "0", timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(f"# P={nprocs} n=4096 ") == 1
 
 
 def test_sizes_take_binary_suffixes() -> None:

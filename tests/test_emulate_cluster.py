@@ -111,6 +111,8 @@ def test_launcher_runs_the_proxy_inside_the_named_namespace(tmp_path: Path) -> N
 
 
 def _netns_usable() -> bool:
+    if not emu._is_hydra(emu._find_mpiexec()):  # the script drives MPICH's Hydra only
+        return False
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         return False
     probe = subprocess.run(["ip", "netns", "add", "scemu-testprobe"], capture_output=True)
@@ -120,7 +122,7 @@ def _netns_usable() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.mpi
-@pytest.mark.skipif(not _netns_usable(), reason="needs root and network namespaces")
+@pytest.mark.skipif(not _netns_usable(), reason="needs root, network namespaces and MPICH")
 def test_real_run_crosses_the_links_and_cleans_up() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cmd = [
@@ -165,7 +167,7 @@ def test_real_run_crosses_the_links_and_cleans_up() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _netns_usable(), reason="needs root and network namespaces")
+@pytest.mark.skipif(not _netns_usable(), reason="needs root, network namespaces and MPICH")
 def test_sigterm_stops_the_command_and_cleans_up() -> None:
     import signal
     import time
@@ -193,3 +195,16 @@ def test_sigterm_stops_the_command_and_cleans_up() -> None:
 
 def _netns() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_other_launchers_are_refused_before_any_setup(tmp_path: Path) -> None:
+    """Open MPI's mpiexec has no -launcher/-iface: it failed at once, after the namespaces
+    were made (and a test waiting for them timed out); now a usage error up front."""
+    fake = tmp_path / "mpiexec"
+    fake.write_text('#!/bin/sh\necho "mpiexec (Open MPI) 5.0.11"\n')
+    fake.chmod(0o755)
+    cmd = [sys.executable, str(SCRIPT), "-n", "2", "--mpiexec", str(fake), "--", "true"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "is not MPICH's Hydra mpiexec" in proc.stderr
+    assert "[emulate]" not in proc.stderr
