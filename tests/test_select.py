@@ -532,6 +532,39 @@ def test_reuse_threshold_after_fewer_than_k_nonzeros() -> None:
     assert est.threshold > 0.0
 
 
+def quantised(kind: str, n: int, seed: int) -> np.ndarray:
+    """Few distinct |values|: signs plus one step of residual (0, +-1, +-2, the +-2 rare),
+    small integers, multiples of 1/4."""
+    rng = np.random.default_rng(seed)
+    if kind == "sign-residual":
+        first = np.sign(rng.standard_normal(n))
+        first[rng.random(n) < 0.002] = 0  # as if sent
+        return (np.sign(rng.standard_normal(n)) + first).astype(np.float32)
+    if kind == "integers":
+        return rng.integers(-3, 4, n).astype(np.float32)
+    return (np.round(rng.standard_normal(n) * 4) / 4).astype(np.float32)
+
+
+@given(
+    kind=st.sampled_from(["sign-residual", "integers", "quarters"]),
+    seed=st.integers(0, 2**32 - 1),
+    density=st.sampled_from([0.001, 0.01]),
+)
+def test_estimators_on_quantised_values(kind: str, seed: int, density: float) -> None:
+    """Few distinct |values| (signs with a residual, small integers, multiples of 1/4):
+    every estimator selects within its band, none raises (the Gaussian search's secant
+    step on a nearly flat count overflowed math.exp)."""
+    x = quantised(kind, 100_000, seed)
+    k = round(density * x.shape[0])
+    for est in (
+        sel.SamplingThreshold(density=density, seed=seed),
+        sel.GaussianThreshold(density=density),
+    ):
+        s = est.select(x)
+        check_selection(s, x)
+        assert est.band[0] * k <= s.count <= est.band[1] * k, (type(est).__name__, s)
+
+
 def test_estimator_retries_validated() -> None:
     for est_cls in (sel.SamplingThreshold, sel.GaussianThreshold):
         with pytest.raises(ValueError, match="retries"):

@@ -435,7 +435,11 @@ class _TailSearch:
             (t0, c0), (t1, c1) = self.tried[-2], self.tried[-1]
             if c0 > 0 and c1 > 0 and c0 != c1 and t0 > 0 and t1 > 0 and t0 != t1:
                 slope = (math.log(c1) - math.log(c0)) / (math.log(t1) - math.log(t0))
-                guess = t1 * math.exp((math.log(self.k) - math.log(c1)) / slope)
+                # a nearly flat count (quantised x: few distinct |values|) asks for a huge
+                # step; it is held to MAX_STEP below anyway, so cap it before exp overflows
+                most = math.log(self.MAX_STEP)
+                move = (math.log(self.k) - math.log(c1)) / slope
+                guess = t1 * math.exp(min(max(move, -most), most))
         if self.too_low > 0.0 and self.too_high < math.inf:
             # Bracketed: interpolate log count against log t between the bracket's ends
             # (Illinois regula falsi), bisecting in log t when that lands near an end.
