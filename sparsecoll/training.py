@@ -570,9 +570,21 @@ class GradientReducer:
                 # a miss: acc made whole again
                 acc[found.indices] = found.values
                 prep.zeroed = None
-        if prep.mode in ("topk", "reuse", "estimator"):
+        if prep.mode == "reuse" and self._reuse_misses(found):
+            # below the reuse band: the exact top-k of acc instead (made whole again)
+            if prep.zeroed is not None:
+                acc[found.indices] = found.values
+                prep.zeroed = None
+            prep.mode = "reuse-miss"
+        if prep.mode in ("topk", "reuse", "reuse-miss", "estimator"):
             prep.selected = self._select(acc, found, prep.mode, every_nonzero)
         return prep
+
+    def _reuse_misses(self, found: select.Accumulation) -> bool:
+        """Whether a reuse step's pass (at the reused threshold) found too few entries, so
+        that the selection holding its band takes the exact top-k instead."""
+        est = self._selector
+        return est.hold_band and found.complete and est.below(found.hits, self.k)
 
     def _select(
         self, acc: Any, found: select.Accumulation, mode: str, every_nonzero: bool = False
@@ -587,11 +599,25 @@ class GradientReducer:
             chosen = self._selector.select(acc)
             idx, vals = chosen.indices, chosen.values
         elif mode == "reuse":
+            est = self._selector
             if found.complete:
                 idx, vals = found.indices, found.values
             else:
-                idx, vals = select.threshold(acc, self._selector.threshold)
-            self._selector.observe(int(idx.shape[0]), k)
+                idx, vals = select.threshold(acc, est.threshold)
+            count = int(idx.shape[0])
+            est.observe(count, k)
+            if est.hold_band and count > est.hi * k:  # above the band: the top k of them
+                keep, vals = select.topk(vals, k)
+                idx = idx[keep]
+                if found.complete:
+                    xp = get_array_module(vals)
+                    taken = xp.zeros(count, dtype=bool)
+                    taken[keep] = True
+        elif mode == "reuse-miss":  # below the band: the exact top-k of acc, a recompute
+            idx, vals = select.topk(acc, k)
+            xp = get_array_module(vals)
+            kth = float(xp.abs(vals).min()) if k and vals.shape[0] == k else 0.0
+            self._selector.observe(k, k, exact=kth)
         else:
             if found.complete and found.hits >= k:  # the top-k is among the candidates
                 idx, vals, taken = select.topk_hits(found, k)

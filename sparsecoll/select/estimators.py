@@ -9,9 +9,13 @@ on synthetic gradient-like data (Gaussian and heavy-tailed).
 * ExactThreshold: the exact top-k every call (the k-th largest |x| is the threshold).
   Count: exactly k.
 * ReuseThreshold (Ok-Topk): exact top-k every ``interval`` calls; in between, reuse the
-  threshold, nudged by ``nudge`` after a call whose count left ``band``. Count: exactly k on
-  recompute calls; on reuse calls within ``band`` while the data drift slowly (the nudging
-  pulls it back otherwise). Also usable for a threshold computed elsewhere (a global one):
+  threshold, nudged by ``nudge`` after a call whose count left ``band``. With ``hold_band``
+  (the default) a reuse call outside the band keeps the exact top-k instead: of its
+  selection when above (the threshold still nudged up), of x when below (a recompute).
+  Count: exactly k on recompute calls, within ``band`` on reuse calls (fewer only when x
+  has fewer nonzeros). Without ``hold_band`` (Ok-Topk as published) a reuse call's count is
+  what the threshold gives: within the band while the data drift slowly, pulled back by the
+  nudges after a jump. Also usable for a threshold computed elsewhere (a global one):
   ``due`` says when to recompute, ``observe`` takes the count (and the exact threshold).
 * SamplingThreshold (DGC): the k·s/n-th largest |x| of a stratified random sample of s
   entries; too many selected: keep the exact top-k of them; too few: retry lower, then
@@ -177,9 +181,15 @@ class ReuseThreshold(ThresholdEstimator):
         nudge: factor (> 1) the threshold is divided by after a call below ``band[0]·k``
             and multiplied by after one above ``band[1]·k``.
         band: the count band, as multiples of k.
+        hold_band: a reuse call whose count leaves ``band`` keeps the exact top-k instead:
+            the top k of its selection when above the band, the top k of x when below (an
+            exact recompute, one more pass; not when the threshold already selects every
+            nonzero). False: the count as the threshold gives it (Ok-Topk's rule as
+            published), which under error feedback or a change of scale can be many times
+            k, or 0, for the rest of the interval.
     """
 
-    __slots__ = ("_t", "hi", "interval", "lo", "nudge", "recomputes", "step")
+    __slots__ = ("_t", "hi", "hold_band", "interval", "lo", "nudge", "recomputes", "step")
     band = (0.8, 1.25)
     name = "reuse"
 
@@ -191,6 +201,7 @@ class ReuseThreshold(ThresholdEstimator):
         interval: int = 32,
         nudge: float = 1.02,
         band: tuple[float, float] = (0.8, 1.25),
+        hold_band: bool = True,
     ) -> None:
         super().__init__(k, density=density)
         if interval < 1:
@@ -202,6 +213,7 @@ class ReuseThreshold(ThresholdEstimator):
         self.interval = int(interval)
         self.nudge = float(nudge)
         self.lo, self.hi = float(band[0]), float(band[1])
+        self.hold_band = bool(hold_band)
         self.step = 0
         self.recomputes = 0
         self._t: float | None = None
@@ -241,8 +253,23 @@ class ReuseThreshold(ThresholdEstimator):
             return sel
         t = self._t
         idx, vals = threshold(x, t)
-        self.observe(int(idx.shape[0]), k)
+        c = int(idx.shape[0])
+        if self.hold_band and self.below(c, k):
+            sel = _exact(x, n, k, "reuse-exact", 2)
+            self.observe(sel.count, k, exact=sel.threshold)
+            return sel
+        self.observe(c, k)
+        if self.hold_band and c > self.hi * k:
+            keep, vals = topk(vals, k)
+            t = float(get_array_module(vals).abs(vals).min())
+            return Selection(idx[keep], vals, t, k, n, "reuse-topk")
         return Selection(idx, vals, t, k, n, "reuse")
+
+    def below(self, count: int, k: int) -> bool:
+        """Whether a reuse call that selected ``count`` falls below the band with more to
+        find: its threshold is above the smallest positive value (which selects every
+        nonzero, so that fewer than k nonzeros is not a miss)."""
+        return count < self.lo * k and self._t is not None and self._t > math.ulp(0.0)
 
 
 class SamplingThreshold(ThresholdEstimator):
@@ -435,7 +462,11 @@ class _TailSearch:
             (t0, c0), (t1, c1) = self.tried[-2], self.tried[-1]
             if c0 > 0 and c1 > 0 and c0 != c1 and t0 > 0 and t1 > 0 and t0 != t1:
                 slope = (math.log(c1) - math.log(c0)) / (math.log(t1) - math.log(t0))
-                guess = t1 * math.exp((math.log(self.k) - math.log(c1)) / slope)
+                # a nearly flat count (quantised x: few distinct |values|) asks for a huge
+                # step; it is held to MAX_STEP below anyway, so cap it before exp overflows
+                most = math.log(self.MAX_STEP)
+                move = (math.log(self.k) - math.log(c1)) / slope
+                guess = t1 * math.exp(min(max(move, -most), most))
         if self.too_low > 0.0 and self.too_high < math.inf:
             # Bracketed: interpolate log count against log t between the bracket's ends
             # (Illinois regula falsi), bisecting in log t when that lands near an end.

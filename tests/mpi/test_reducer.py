@@ -457,6 +457,59 @@ def test_selection_policies(comm, selection):
     check_everywhere(comm, problems, updates)
 
 
+REUSE_KINDS = ("gauss", "rise", "drop", "shift", "ties")
+
+
+def reuse_grad(kind: str, seed: int, n: int, rank: int, p: int, step: int) -> np.ndarray:
+    """Streams that move a reused threshold: error feedback's growing residual (every kind),
+    a scale rising 3x a step or dropping 100x at step 3, one rank 1000x larger in turn,
+    small integers (ties)."""
+    g = np.random.default_rng([seed, rank, step]).standard_normal(n)
+    if kind == "rise":
+        g *= 3.0**step
+    elif kind == "drop" and step >= 3:
+        g *= 0.01
+    elif kind == "shift" and rank == (step // 3) % p:
+        g *= 1000.0
+    elif kind == "ties":
+        g = np.round(g * 2)
+    return g
+
+
+@pytest.mark.parametrize("algorithm", ["allgather", "gtopk", "oktopk"])
+@given(
+    kind=st.sampled_from(REUSE_KINDS),
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(500, 4000),
+    density=st.sampled_from([0.005, 0.02, 0.1]),
+    interval=st.sampled_from([4, 32]),
+)
+def test_reuse_selection_holds_its_band(comm, algorithm, kind, seed, n, density, interval):
+    """selection="reuse" keeps every step's own selection within the band (k on exact steps,
+    [0.8k, 1.25k] on reuse steps; fewer only when fewer entries are nonzero), also while
+    error feedback lifts the accumulated values over the reused threshold and after jumps
+    in scale; nothing is lost."""
+    p, steps = comm.size, 10
+    red = GradientReducer(
+        comm, n, algorithm, density, selection="reuse", selection_options={"interval": interval}
+    )
+    k, problems, updates = red.k, [], []
+    for t in range(steps):
+        g = reuse_grad(kind, seed, n, comm.rank, p, t)
+        acc = g + (red.residual if red.residual is not None else 0.0)
+        updates.append(red.step(g))
+        count = round(red.stats()["selected_density"] * n)
+        lo = min(0.8 * k, np.count_nonzero(acc))
+        if not lo <= count <= 1.25 * k:
+            problems.append(f"step {t}: selected {count}, k = {k}, band [{lo}, {1.25 * k}]")
+    residuals = comm.allreduce(np.asarray(red.residual, dtype=np.float64))
+    grads = sum(reuse_grad(kind, seed, n, r, p, t) for r in range(p) for t in range(steps))
+    total = np.sum(updates, axis=0) * p + residuals
+    if not np.allclose(total, grads, rtol=1e-12, atol=1e-12 * np.abs(grads).max()):
+        problems.append(f"lost {np.abs(total - grads).max()!r}")
+    check_everywhere(comm, problems, updates)
+
+
 def test_hook_state_reset(comm):
     """SparseHookState.reset() resets every bucket's reducer (no torch needed to check)."""
     from sparsecoll.integrations.torch import SparseHookState
