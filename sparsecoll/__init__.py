@@ -7,6 +7,7 @@ from .comm import CommStats, Communicator
 from .errors import (
     AlgorithmExistsError,
     CollectiveInputError,
+    CollectiveRuntimeError,
     CollectiveTypeError,
     NonFiniteError,
     SparseCollError,
@@ -22,6 +23,7 @@ __all__ = [
     "Algorithm",
     "AlgorithmExistsError",
     "CollectiveInputError",
+    "CollectiveRuntimeError",
     "CollectiveTypeError",
     "CommStats",
     "Communicator",

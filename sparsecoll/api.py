@@ -86,7 +86,7 @@ def allreduce(
             raise ValueError("values contain NaN (a selecting algorithm cannot rank them)")
         sig = _signature(algo, vals, n)
         error = None
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # (shared with every rank: none is left waiting)
         error, sig = exc, None
     collective_check(c, error, sig, ("n", "values dtype", "algorithm"))
     # IEEE sums, as MPI_SUM's: inf + (-inf) is NaN and an overflow inf, without a warning
@@ -166,7 +166,7 @@ def collective_check(
     if agreed[0]:
         bad = -int(agreed[1])
         kind, msg = comm.bcast_object(_describe(error) if comm.rank == bad else None, bad)
-        raise getattr(errors, kind)(f"{msg} on rank {bad}")
+        raise getattr(errors, kind)(f"{msg} on rank {bad}") from error
     if np.any(agreed[2::2] != -agreed[3::2]):
         _raise_mismatch(comm, sig, names)
 
@@ -175,8 +175,11 @@ def _describe(error: BaseException | None) -> tuple[str, str]:
     """The name of the sparsecoll error class to raise everywhere, and the message."""
     if isinstance(error, errors.SparseCollError):
         return type(error).__name__, str(error)
-    kind = "CollectiveTypeError" if isinstance(error, TypeError) else "CollectiveInputError"
-    return kind, str(error)
+    if isinstance(error, TypeError):
+        return "CollectiveTypeError", str(error)
+    if isinstance(error, ValueError):
+        return "CollectiveInputError", str(error)
+    return "CollectiveRuntimeError", f"{type(error).__name__}: {error}"
 
 
 def _raise_mismatch(comm: Communicator, sig: list[int], names: tuple[str, ...]) -> None:

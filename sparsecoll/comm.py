@@ -828,7 +828,7 @@ class Communicator:
                 out, _ = as_array(out, "out", writable=True)
             orig = buf.dtype
             buf = _check_out(buf, out, op)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # (shared with every rank: none is left waiting)
             error = exc
         if check:
             from .api import collective_check  # (api imports this module)

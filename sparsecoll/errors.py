@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "AlgorithmExistsError",
     "CollectiveInputError",
+    "CollectiveRuntimeError",
     "CollectiveTypeError",
     "NonFiniteError",
     "SparseCollError",
@@ -30,6 +31,13 @@ class CollectiveInputError(SparseCollError, ValueError):
 
 class CollectiveTypeError(SparseCollError, TypeError):
     """Input of the wrong type on some rank; raised on every rank of the communicator."""
+
+
+class CollectiveRuntimeError(SparseCollError, RuntimeError):
+    """A call's local work before its first collective failed on some rank with an error
+    that is not about the input (a bug, an exhausted resource, a user hook's exception);
+    raised on every rank, naming the rank and the original error, instead of leaving the
+    other ranks waiting. On the failing rank the original error is its ``__cause__``."""
 
 
 class NonFiniteError(CollectiveInputError):

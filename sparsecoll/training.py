@@ -262,7 +262,7 @@ class GradientReducer:
             # prediction move in _prepare: given back below if the step fails on any rank
             saved = self._selection_snapshot()
             prepared = self._prepare(arr.reshape(-1), None if dest is None else dest.reshape(-1))
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # (shared with every rank: none is left waiting)
             error = exc
         t0 = time.perf_counter()
         try:

@@ -251,3 +251,33 @@ def test_masked_entries_on_one_rank_raise_everywhere(comm, name, which):
     ref = sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=name, **opts)
     same = np.array_equal(out.indices, ref.indices) and np.array_equal(out.values, ref.values)
     assert_all(comm, same and type(out.values) is np.ndarray, "unmasked masked array")
+
+
+def test_unexpected_local_error_on_one_rank_raises_everywhere(comm):
+    """An error before the first collective that is not about the input (here an
+    algorithm's ``signature()`` and a reducer's preparation raising OverflowError on one
+    rank) is a CollectiveRuntimeError on every rank naming it, the original chained on that
+    rank; it used to be raised there alone while the others waited in the collective."""
+    bad = comm.size - 1
+    base = algorithm_class("allgather")
+
+    class Flaky(base):
+        def signature(self) -> list[int]:
+            if comm.rank == bad:
+                raise OverflowError("math range error")
+            return super().signature()
+
+    text = f"OverflowError: math range error on rank {bad}"
+    with pytest.raises(sparsecoll.CollectiveRuntimeError, match=text) as info:
+        sparsecoll.allreduce(comm, np.ones(2, np.float32), [0, 1], n=4, algorithm=Flaky())
+    assert_all(comm, comm.rank != bad or isinstance(info.value.__cause__, OverflowError))
+    red = sparsecoll.GradientReducer(comm, 8, "allgather", 0.5)
+    if comm.rank == bad:
+        red._prepare = lambda *a: 1 / 0
+    with pytest.raises(
+        sparsecoll.CollectiveRuntimeError, match=f"ZeroDivisionError: .* on rank {bad}"
+    ):
+        red.step(np.ones(8))
+    assert_all(comm, red.steps == 0, "failed step counted")
+    out = sparsecoll.allreduce(comm, np.ones(2, np.float32), [0, 1], n=4)  # the ranks go on
+    assert_all(comm, out.values.tolist() == [comm.size] * 2)
