@@ -4,13 +4,15 @@ GradientReducer(comm, n, "oktopk", density) with error feedback and exact local 
 Gaussian gradients in which one "layer" (2% of n, more than k entries) is ``--scale`` times
 larger, and the layer moves to another place every ``--every`` steps (which layer's
 gradients dominate changes during training). oktopk repartitions its regions every
-``tau_prime`` calls (64 by default, the paper's schedule); in between the regions stay those
-of the last repartition, so after a move every rank's selection falls in the one or two
-regions now holding the layer. Rank 0 prints, per call: whether it repartitioned, the
-largest bytes sent and received by any rank, and their ratio to the pair bound 6k(P−1)/P
-(int32 indices and float32 values, 8 bytes a pair).
+``tau_prime`` calls (64 by default, the paper's schedule) and on the call after one in which
+a region received more than ``imbalance·k(P−1)/P`` pairs (default 2). With ``--imbalance
+none`` (the paper's schedule only) every rank's selection falls, after a move, in the one or
+two regions now holding the layer until the next scheduled repartition. Rank 0 prints, per
+call: whether it repartitioned, the largest bytes sent and received by any rank, and their
+ratio to the pair bound 6k(P−1)/P (int32 indices and float32 values, 8 bytes a pair).
 
   mpiexec -n 8 python bench/oktopk_regions.py [--n 200000 --density 0.01 --steps 40]
+                                               [--tau-prime 64 --imbalance 2|none]
 """
 
 from __future__ import annotations
@@ -30,10 +32,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=10, help="steps between the layer's moves")
     ap.add_argument("--scale", type=float, default=1000.0)
     ap.add_argument("--tau-prime", type=int, default=64)
+    ap.add_argument(
+        "--imbalance",
+        type=lambda s: None if s == "none" else float(s),
+        default=2.0,
+        help="oktopk's early-repartition trigger, or none",
+    )
     args = ap.parse_args(argv)
     comm = Communicator()
     n, p = args.n, comm.size
-    red = GradientReducer(comm, n, "oktopk", args.density, tau_prime=args.tau_prime)
+    red = GradientReducer(
+        comm, n, "oktopk", args.density, tau_prime=args.tau_prime, imbalance=args.imbalance
+    )
     alg, k = red.algorithm, red.k
     infos = []
     reduce = alg.reduce
@@ -50,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     if comm.rank == 0:
         print(
             f"# oktopk regions after a move: P={p} n={n} k={k} layer={width} entries x"
-            f"{args.scale:g}, moved every {args.every} steps, tau_prime={args.tau_prime}; "
+            f"{args.scale:g}, moved every {args.every} steps, tau_prime={args.tau_prime}, "
+            f"imbalance={args.imbalance}; "
             f"bound 6k(P-1)/P pairs = {bound:.0f} bytes"
         )
         print(

@@ -3,11 +3,23 @@
 The caller selects its local entries (by threshold, every rank about k of them); one call then
 does, on every rank:
 
-2. *balanced repartition* (every ``tau_prime`` calls, and on the first): each rank samples its
+2. *balanced repartition* (every ``tau_prime`` calls, on the first, and on the call after one
+   whose regions went out of balance, below): each rank samples its
    sorted indices at equal-count split points; the samples of every rank are gathered (a small
    int64 allgather) and every rank computes, from the summed piecewise-linear index CDF, P
    contiguous regions holding about equal numbers of incoming entries. (The paper averages the
    split points; summing the CDFs also balances inputs whose ranks cover different ranges.)
+   Between repartitions the regions stay as they are; when the large entries move (another
+   layer's turn to dominate) every rank's selection falls into the one or two regions now
+   holding them. So each owner compares the pairs its region received in step 3 with
+   ``imbalance·k(P−1)/P`` (default 2: twice a balanced region's share, a third of the bound
+   below) and says whether it went over in the sign bit of the first count of the allgather
+   that step 4 makes anyway (every selection path makes exactly one such gather of per-rank
+   counts; the counts are never negative): every rank sees the same flags, at no extra
+   byte, and when one is set every rank repartitions on the next call. Not when the call
+   that went over had itself just repartitioned (its regions were built from its own
+   indices: the excess is a few indices that many ranks hold, which no region boundary can
+   split); then the early trigger rests until the next scheduled repartition.
 3. *split and reduce*: counts by alltoall, then P−1 rotated steps (send to r+s, receive from
    r−s), the owner summing each chunk into its region while the next ones are in flight;
 4. *global selection*: the owner keeps the entries of its region with |value| ≥ the global
@@ -53,7 +65,9 @@ padding (under 10 bytes per other rank: it matters only for a k of a few entries
 unconditionally for P ≤ 4, and for larger P while the regions are balanced; window calls keep
 K = k as well. Metadata: counts (P ints,
 E per rank on window calls), samples on repartition calls, histograms on recompute calls.
-Latency: about 2P + 2 log P messages.
+Latency: about 2P + 2 log P messages. A stream whose large entries move exceeds the bound on
+the call of the move (its owners receive up to (P−1)·k pairs) and is back within it from the
+next call on (the early repartition), while the entries stay where they moved to.
 
 Contract: on a recompute call (``info["recomputed"]``, scheduled or a window fallback) the
 kept indices are exactly the global top-k of the reduced vector, ties broken by the lower
@@ -176,6 +190,10 @@ class OkTopk(Algorithm):
         tau: recompute the global threshold exactly every ``tau`` calls (default 32, the
             authors' VGG/LSTM setting).
         tau_prime: recompute the region boundaries every ``tau_prime`` calls (default 64).
+        imbalance: also recompute the region boundaries on the call after one in which a
+            region received more than ``imbalance·k(P−1)/P`` pairs (default 2.0, a third of
+            the volume bound; balanced regions receive about k(P−1)/P); None: only every
+            ``tau_prime`` calls (the paper's schedule).
         rule: how the threshold is reused between recomputes: ``"window"`` (default: the
             cut re-placed on each call's data within a window of edges, exactly k kept) or
             ``"paper"`` (reused, nudged after calls whose count left ``band``).
@@ -199,8 +217,14 @@ class OkTopk(Algorithm):
         band: tuple[float, float] = (0.8, 1.25),
         adaptive: bool = True,
         rule: str = "window",
+        imbalance: float | None = 2.0,
     ) -> None:
         self.k = check_k(self.name, k)
+        if imbalance is not None:
+            if isinstance(imbalance, bool) or not float(imbalance) > 0.0:
+                raise ValueError(f"imbalance must be a number > 0 or None, got {imbalance!r}")
+            imbalance = float(imbalance)
+        self.imbalance = imbalance
         if rule not in RULES:
             raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
         self.rule = rule
@@ -227,13 +251,19 @@ class OkTopk(Algorithm):
         self.boundaries: np.ndarray | None = None
         self._shape: tuple[int, int] | None = None
         self._regions_from_data = False
+        self._repartition_due = False  # a region went over the trigger: repartition next call
+        self._trigger_rests = False  # went over on its own repartition call: wait for tau'
+        self._over = False  # this rank's region went over the trigger on this call
+        self._any_over = False  # some rank's did (from the flags of the counts gather)
+        self.early_repartitions = 0  # repartitions the trigger brought forward
 
     @classmethod
     def default_options(cls, n: int, k: int) -> dict[str, Any]:
         return {"k": k}
 
     def signature(self) -> list[int]:
-        knobs = zlib.crc32(repr((self.rule, self.nudge, self.band, self.adaptive)).encode())
+        knobs = (self.rule, self.nudge, self.band, self.adaptive, self.imbalance)
+        knobs = zlib.crc32(repr(knobs).encode())
         return [self.k, self.tau, self.tau_prime, knobs, self.step]
 
     def next_threshold(self, threshold: float, kept: int) -> float:
@@ -252,8 +282,8 @@ class OkTopk(Algorithm):
     def __repr__(self) -> str:
         return (
             f"<sparsecoll algorithm 'oktopk' k={self.k} tau={self.tau} "
-            f"tau_prime={self.tau_prime} rule={self.rule!r} step={self.step} "
-            f"threshold={self.threshold:g}>"
+            f"tau_prime={self.tau_prime} imbalance={self.imbalance} rule={self.rule!r} "
+            f"step={self.step} threshold={self.threshold:g}>"
         )
 
     # -- one call --------------------------------------------------------------------------
@@ -262,17 +292,27 @@ class OkTopk(Algorithm):
         if self._shape != (n, size):
             self.reset()
             self._shape = (n, size)
-        repartition = (
+        scheduled = (
             self.boundaries is None
             or not self._regions_from_data
             or self.step % self.tau_prime == 0
         )
+        early = self._repartition_due and not scheduled
+        repartition = scheduled or early
+        self._repartition_due = False
         if repartition:
+            self._trigger_rests = False
+            self.early_repartitions += early
             rows = comm.allgather_ints(index_samples(to_host(x.indices), sample_segments(size)))
             self.boundaries = balanced_boundaries(rows, n, size)
             self._regions_from_data = bool(np.any(rows[:, 0] > 0))
         bounds = self.boundaries
-        region, own = self._split_reduce(comm, x, bounds)
+        region, own, incoming = self._split_reduce(comm, x, bounds)
+        # the flag this rank's counts gather (step 4) carries; _gather_counts ORs them all
+        # (k = 0: the bound is 0, and no repartition brings the volume down to it)
+        trigger = None if self.imbalance is None or not self.k else self.imbalance * self.k
+        self._over = trigger is not None and incoming > trigger * (size - 1) / size
+        self._any_over = False
         # (a NaN threshold, from inf + -inf at the k-th place, is recomputed like 0)
         recompute = self.step % self.tau == 0 or not self.threshold > 0.0
         missed = False
@@ -290,7 +330,7 @@ class OkTopk(Algorithm):
             threshold = self.threshold
             # k = 0 keeps nothing: its threshold of inf would still keep infinite values
             keep = _at_least(region[1], threshold) if self.k else x.xp.zeros(0, np.int64)
-            kept_counts = comm.allgather_ints(int(keep.shape[0]))
+            kept_counts = self._gather_counts(comm, [int(keep.shape[0])])[:, 0].tolist()
             self.threshold = self.next_threshold(threshold, int(sum(kept_counts)))
         if recompute:
             keep, kept_counts, threshold = self._select_exact(comm, region[1])
@@ -304,6 +344,11 @@ class OkTopk(Algorithm):
                 chosen[keep] = True
         total = int(sum(kept_counts))
         idx, vals = self._balance_gather(comm, *kept, kept_counts)
+        unbalanced = self._any_over
+        if unbalanced and repartition:  # regions of this call's own indices: no remedy
+            self._trigger_rests = True
+        elif unbalanced and not self._trigger_rests:
+            self._repartition_due = True
         out = SparseVector(idx, vals, n)
         out.contributed = _contributed(x, idx, bounds, comm.rank, own, chosen)
         out.local = x
@@ -317,6 +362,8 @@ class OkTopk(Algorithm):
             bucket_start=start,
             window_missed=missed,
             repartitioned=repartition,
+            early_repartition=early,
+            unbalanced=unbalanced,
             boundaries=bounds.copy(),
             kept=total,
         )
@@ -325,11 +372,11 @@ class OkTopk(Algorithm):
 
     def _split_reduce(
         self, comm: Communicator, x: SparseVector, bounds: np.ndarray
-    ) -> tuple[Any, Any]:
+    ) -> tuple[Any, Any, int]:
         """Step 3: send each region's entries to its owner; sum what arrives into own region.
 
-        Returns the region's (indices, values) and, when no other rank sent into it (as
-        at P = 1), the slice of x it is (else None)."""
+        Returns the region's (indices, values), when no other rank sent into it (as at
+        P = 1) the slice of x it is (else None), and how many pairs it received."""
         xp, r, size = x.xp, comm.rank, comm.size
         cuts = region_cuts(x.indices, bounds)
         sendcounts = [cuts[j + 1] - cuts[j] for j in range(size)]
@@ -364,7 +411,22 @@ class OkTopk(Algorithm):
             acc_idx, acc_val = merge_two(acc_idx, acc_val, ci, cv.astype(acc_type), x.n)
         Request.waitall(sends)
         own = None if recvs else (cuts[r], cuts[r + 1])
-        return (acc_idx, acc_val.astype(vtype, copy=False)), own
+        incoming = sum(recvcounts) - recvcounts[r]
+        return (acc_idx, acc_val.astype(vtype, copy=False)), own, incoming
+
+    def _gather_counts(self, comm: Communicator, row: list[int] | np.ndarray) -> np.ndarray:
+        """The (P, m) table of every rank's ``row`` of counts (ints >= 0): the one gather
+        of per-rank counts that step 4 makes on every path. It carries, at no extra byte,
+        whether this rank's region received more than the imbalance trigger (``row[0]``
+        sent as ``~row[0]``, negative), and records whether any rank's did."""
+        row = np.array(row, dtype=np.int64)
+        if self._over:
+            row[0] = ~row[0]
+        table = comm.allgather_ints(row)
+        flags = table[:, 0] < 0
+        table[flags, 0] = ~table[flags, 0]
+        self._any_over |= bool(flags.any())
+        return table
 
     def _select_window(
         self, comm: Communicator, idx: Any, vals: Any
@@ -392,7 +454,7 @@ class OkTopk(Algorithm):
         self, comm: Communicator, idx: Any, vals: Any, edges: np.ndarray
     ) -> tuple[Any, Any, Any, list[int], tuple[float, float], int] | None:
         """:meth:`_select_window` from every rank's count at every edge."""
-        table = comm.allgather_ints(edge_totals(vals, edges))
+        table = self._gather_counts(comm, edge_totals(vals, edges))
         j = bracket_edge(table.sum(axis=0), self.k)
         if j is None:
             return None
@@ -458,14 +520,14 @@ class OkTopk(Algorithm):
         if found is None:  # at most k nonzeros in all: keep them all
             keep = xp.flatnonzero(keys)
             least = int(keys[keep].min()) if keep.shape[0] else -1
-            rows = comm.allgather_ints([int(keep.shape[0]), least])
+            rows = self._gather_counts(comm, [int(keep.shape[0]), least])
             live = rows[:, 1][rows[:, 1] >= 0]
             smallest = np.array([live.min() if live.size else 0], dtype=ktype).view(vals.dtype)
             return keep, rows[:, 0].tolist(), float(smallest[0])
         key, ties_needed = found
         above = keys > key
         tie_pos = xp.flatnonzero(keys == key)
-        ge = comm.allgather_ints([int(xp.count_nonzero(above)), int(tie_pos.shape[0])])
+        ge = self._gather_counts(comm, [int(xp.count_nonzero(above)), int(tie_pos.shape[0])])
         # regions are in index order by rank, so ties go to the lowest ranks' lowest indices
         before = np.concatenate(([0], np.cumsum(ge[:-1, 1])))
         taken = np.clip(ties_needed - before, 0, ge[:, 1])

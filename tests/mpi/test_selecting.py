@@ -311,6 +311,47 @@ def test_oktopk_volume(comm, n, k, overlap, seed):
     assert_all(comm, sent <= limit and recv <= limit, f"sent {sent}, recv {recv}, limit {limit}")
 
 
+def moving_layer(comm, n, k, width, every, moves, seed, scale=1000.0):
+    """Per call, (this rank's local top-k of a Gaussian whose block ``[at, at + width)`` is
+    ``scale`` times larger, at): the block moves to a random place every ``every`` calls
+    (another layer's turn to dominate), the same on every rank."""
+    for t in range(every * moves):
+        at = int(np.random.default_rng([seed, t // every]).integers(0, n - width))
+        g = np.random.default_rng([seed, t, comm.rank]).standard_normal(n)
+        g[at : at + width] *= scale
+        top = np.sort(np.argpartition(-np.abs(g), k)[:k])
+        yield g[top].astype(np.float32), top, at
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    k=st.integers(64, 400),
+    every=st.integers(2, 4),
+    rule=st.sampled_from(["window", "paper"]),
+)
+def test_oktopk_regions_follow_a_moving_layer(comm, seed, k, every, rule):
+    """The large entries move to another block: the call of the move may exceed the volume
+    bound (the regions are those of the old place), the next one repartitions and every
+    later call stays within it, at every P, long before the scheduled repartition
+    (tau_prime = 64). The decision is the same on every rank."""
+    n, width = 40_000, 3 * k
+    algo = sparsecoll.get_algorithm("oktopk", k=k, rule=rule)
+    p = comm.size
+    limit = 6 * k * (p - 1) / p
+    last, problems = None, []
+    for t, (vals, idx, at) in enumerate(moving_layer(comm, n, k, width, every, 3, seed)):
+        out = sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=n, algorithm=algo)
+        s, pair = out.info["stats"], out.indices.dtype.itemsize + 4
+        sent, recv = s.bytes_sent / pair, s.bytes_recv / pair
+        if at == last and max(sent, recv) > limit:  # not the call of a move
+            problems.append(f"call {t}: sent {sent}, recv {recv} pairs, limit {limit:.0f}")
+        last = at
+        state = (algo.boundaries.tolist(), out.info["repartitioned"])
+        every_state = comm.allgather_object(state)
+        assert_all(comm, all(x == every_state[0] for x in every_state), "state differs")
+    assert_all(comm, not problems, "; ".join(problems))
+
+
 def correlated_stream(comm, n, k, steps, decay, noise=2.0):
     """Per step, this rank's local top-k of (a shared AR(1) signal + own noise) · decay^t.
 
@@ -409,6 +450,10 @@ def test_oktopk_state_mismatch_raises_everywhere(comm):
         other = sparsecoll.get_algorithm("oktopk", k=5, rule=rule)
         with pytest.raises(sparsecoll.CollectiveInputError, match="algorithm options"):
             run(comm, other, x, 50)
+        imbalance = None if comm.rank == 0 else 2.0
+        other = sparsecoll.get_algorithm("oktopk", k=5, imbalance=imbalance)
+        with pytest.raises(sparsecoll.CollectiveInputError, match="algorithm options"):
+            run(comm, other, x, 50)
     with pytest.raises(sparsecoll.CollectiveInputError, match="rule must be one of"):
         sparsecoll.allreduce(
             comm.mpi_comm,
@@ -428,4 +473,14 @@ def test_oktopk_state_mismatch_raises_everywhere(comm):
             algorithm="oktopk",
             k=5,
             nudge=0.5 if comm.rank == 0 else 1.1,
+        )
+    with pytest.raises(sparsecoll.CollectiveInputError, match="imbalance must be"):
+        sparsecoll.allreduce(
+            comm.mpi_comm,
+            x.values,
+            x.indices,
+            n=50,
+            algorithm="oktopk",
+            k=5,
+            imbalance=0 if comm.rank == 0 else 2.0,
         )
