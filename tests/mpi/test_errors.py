@@ -196,6 +196,21 @@ def _unviewable(what: str):
     return torch.ones(20, dtype=torch.bfloat16)
 
 
+def _type_error_everywhere(comm, call) -> str:
+    """Run ``call`` on every rank; it must raise CollectiveTypeError with the same message
+    on every rank, which is returned."""
+    try:
+        call()
+        got = None
+    except Exception as exc:
+        got = (exc, str(exc))
+    ok = got is not None and isinstance(got[0], sparsecoll.CollectiveTypeError)
+    assert_all(comm, ok, f"expected CollectiveTypeError, got {got!r}")
+    msgs = comm.allgather_object(got[1])
+    assert_all(comm, len(set(msgs)) == 1, f"messages differ: {msgs}")
+    return got[1]
+
+
 @pytest.mark.parametrize("what", ["array_raises", "torch_meta", "torch_neg_view", "torch_bf16"])
 def test_unviewable_values_on_one_rank_raise_everywhere(comm, what):
     """Whatever the conversion to an array raises on one rank (a BufferError for a torch
@@ -204,16 +219,10 @@ def test_unviewable_values_on_one_rank_raise_everywhere(comm, what):
     bad = comm.size - 1
     vals, idx = _good(comm.rank)
     spoiled = _unviewable(what) if comm.rank == bad else vals
-    try:
-        sparsecoll.allreduce(comm, spoiled, idx, n=N, algorithm="allgather")
-        got = None
-    except Exception as exc:
-        got = (exc, str(exc))
-    ok = got is not None and isinstance(got[0], sparsecoll.CollectiveTypeError)
-    assert_all(comm, ok, f"expected CollectiveTypeError, got {got!r}")
-    msgs = comm.allgather_object(got[1])
-    assert_all(comm, len(set(msgs)) == 1, f"messages differ: {msgs}")
-    assert_all(comm, got[1].startswith("values") and f"rank {bad}" in got[1], got[1])
+    msg = _type_error_everywhere(
+        comm, lambda: sparsecoll.allreduce(comm, spoiled, idx, n=N, algorithm="allgather")
+    )
+    assert_all(comm, msg.startswith("values") and f"rank {bad}" in msg, msg)
     out = sparsecoll.allreduce(comm, vals, idx, n=N, algorithm="allgather")
     assert_all(comm, out.n == N)
 
@@ -235,17 +244,11 @@ def test_masked_entries_on_one_rank_raise_everywhere(comm, name, which):
             v = np.ma.masked_array(vals, mask=mask)
         else:
             i = np.ma.masked_array(idx, mask=mask)
-    try:
-        sparsecoll.allreduce(comm, v, i, n=N, algorithm=name, **opts)
-        got = None
-    except Exception as exc:
-        got = (exc, str(exc))
-    ok = got is not None and isinstance(got[0], sparsecoll.CollectiveTypeError)
-    assert_all(comm, ok, f"expected CollectiveTypeError, got {got!r}")
-    msgs = comm.allgather_object(got[1])
-    assert_all(comm, len(set(msgs)) == 1, f"messages differ: {msgs}")
+    msg = _type_error_everywhere(
+        comm, lambda: sparsecoll.allreduce(comm, v, i, n=N, algorithm=name, **opts)
+    )
     want = f"{which}: a masked array with 5 of 20 entries masked"
-    assert_all(comm, got[1].startswith(want) and f"rank {bad}" in got[1], got[1])
+    assert_all(comm, msg.startswith(want) and f"rank {bad}" in msg, msg)
     unmasked = np.ma.masked_array(vals, mask=np.zeros(20, bool))
     out = sparsecoll.allreduce(comm, unmasked, idx, n=N, algorithm=name, **opts)
     ref = sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=name, **opts)

@@ -454,33 +454,12 @@ def test_oktopk_state_mismatch_raises_everywhere(comm):
         other = sparsecoll.get_algorithm("oktopk", k=5, imbalance=imbalance)
         with pytest.raises(sparsecoll.CollectiveInputError, match="algorithm options"):
             run(comm, other, x, 50)
-    with pytest.raises(sparsecoll.CollectiveInputError, match="rule must be one of"):
-        sparsecoll.allreduce(
-            comm.mpi_comm,
-            x.values,
-            x.indices,
-            n=50,
-            algorithm="oktopk",
-            k=5,
-            rule="nudge" if comm.rank == 0 else "window",
-        )
-    with pytest.raises(sparsecoll.CollectiveInputError, match="nudge"):
-        sparsecoll.allreduce(
-            comm.mpi_comm,
-            x.values,
-            x.indices,
-            n=50,
-            algorithm="oktopk",
-            k=5,
-            nudge=0.5 if comm.rank == 0 else 1.1,
-        )
-    with pytest.raises(sparsecoll.CollectiveInputError, match="imbalance must be"):
-        sparsecoll.allreduce(
-            comm.mpi_comm,
-            x.values,
-            x.indices,
-            n=50,
-            algorithm="oktopk",
-            k=5,
-            imbalance=0 if comm.rank == 0 else 2.0,
-        )
+    for match, option in (
+        ("rule must be one of", {"rule": "nudge" if comm.rank == 0 else "window"}),
+        ("nudge", {"nudge": 0.5 if comm.rank == 0 else 1.1}),
+        ("imbalance must be", {"imbalance": 0 if comm.rank == 0 else 2.0}),
+    ):
+        with pytest.raises(sparsecoll.CollectiveInputError, match=match):
+            sparsecoll.allreduce(
+                comm.mpi_comm, x.values, x.indices, n=50, algorithm="oktopk", k=5, **option
+            )
