@@ -123,6 +123,19 @@ def _plain(a: np.ndarray, name: str, writable: bool) -> np.ndarray:
     return a if type(a) is np.ndarray else np.asarray(a)
 
 
+def _no_copy(x: Any) -> np.ndarray:
+    """``x`` as a numpy array without a copy; ValueError when numpy could only copy it."""
+    if _NUMPY2:
+        return np.asarray(x, copy=False)
+    a = np.asarray(x)  # numpy 1.x has no copy=False meaning "never": a copy owns its data
+    if isinstance(x, (list, tuple)) or (a is not x and a.flags.owndata):
+        raise ValueError("a copy would be needed")
+    return a
+
+
+_NUMPY2 = int(np.__version__.split(".")[0]) >= 2
+
+
 def _as_array(x: Any, name: str, writable: bool) -> tuple[Any, Any]:
     mod_name = type(x).__module__.split(".")[0]
     wrap = identity
@@ -152,7 +165,7 @@ def _as_array(x: Any, name: str, writable: bool) -> tuple[Any, Any]:
         return x, wrap
     if writable:
         try:
-            return np.asarray(x, copy=False), wrap
+            return _no_copy(x), wrap
         except ValueError:  # (numpy could only copy it: writes to the copy would be lost)
             kind = type(x).__name__
             raise TypeError(f"{name} must be an array written in place, got a {kind}") from None

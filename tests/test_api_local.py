@@ -229,3 +229,21 @@ def test_empty_list_of_indices(self_comm):
         assert sparsecoll.SparseVector.from_coo(empty, np.zeros(0), 3).nnz == 0
     with pytest.raises(sparsecoll.CollectiveTypeError, match="integers, got float64"):
         sparsecoll.allreduce(self_comm, np.zeros(0), np.zeros(0), n=3)  # an array says so
+
+
+@pytest.mark.parametrize("numpy2", [True, False])
+def test_output_buffers_are_never_copies(monkeypatch, numpy2):
+    """An output buffer is viewed, never copied (writes to a copy would be lost): a list is
+    refused, arrays and writable buffers are taken as they are, also on numpy 1.x's path
+    (no ``copy=False`` meaning "never" there; pyproject allows numpy >= 1.24)."""
+    from sparsecoll import _array
+
+    monkeypatch.setattr(_array, "_NUMPY2", numpy2)
+    buf = bytearray(8)
+    view, _ = _array.as_array(memoryview(buf), "out", writable=True)
+    view[:] = 7
+    assert bytes(buf) == bytes([7] * 8)
+    a = np.zeros(3)
+    assert _array.as_array(a, "out", writable=True)[0] is a
+    with pytest.raises(TypeError, match="out must be an array written in place, got a list"):
+        _array.as_array([0.0, 0.0], "out", writable=True)
