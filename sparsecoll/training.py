@@ -564,18 +564,14 @@ class GradientReducer:
                 f"grad holds NaN or Inf: {found.nonfinite} entries of grad + residual "
                 f"are not finite (the step is skipped, the residual kept)"
             )
+        if prep.mode == "reuse" and self._reuse_misses(found):
+            prep.mode = "reuse-miss"  # below the reuse band: the exact top-k of acc instead
         if zero_cut < math.inf and found.complete:
             prep.zeroed = (found.indices, found.values, zero_cut)
-            if prep.mode == "topk" and found.hits < self.k and not every_nonzero:
-                # a miss: acc made whole again
+            missed = prep.mode == "topk" and found.hits < self.k and not every_nonzero
+            if missed or prep.mode == "reuse-miss":  # a top-k of all of acc: made whole again
                 acc[found.indices] = found.values
                 prep.zeroed = None
-        if prep.mode == "reuse" and self._reuse_misses(found):
-            # below the reuse band: the exact top-k of acc instead (made whole again)
-            if prep.zeroed is not None:
-                acc[found.indices] = found.values
-                prep.zeroed = None
-            prep.mode = "reuse-miss"
         if prep.mode in ("topk", "reuse", "reuse-miss", "estimator"):
             prep.selected = self._select(acc, found, prep.mode, every_nonzero)
         return prep
@@ -615,9 +611,7 @@ class GradientReducer:
                     taken[keep] = True
         elif mode == "reuse-miss":  # below the band: the exact top-k of acc, a recompute
             idx, vals = select.topk(acc, k)
-            xp = get_array_module(vals)
-            kth = float(xp.abs(vals).min()) if k and vals.shape[0] == k else 0.0
-            self._selector.observe(k, k, exact=kth)
+            self._selector.observe(k, k, exact=_kth(vals, k))
         else:
             if found.complete and found.hits >= k:  # the top-k is among the candidates
                 idx, vals, taken = select.topk_hits(found, k)
@@ -626,8 +620,7 @@ class GradientReducer:
             else:  # the predicted cut missed: a top-k over all of acc (one more read)
                 idx, vals = select.topk(acc, k)
                 self._full_topk += 1
-            xp = get_array_module(vals)
-            kth = float(xp.abs(vals).min()) if k and vals.shape[0] == k else 0.0
+            kth = _kth(vals, k)
             self._predict_cut(found, kth)
             if self._selector is not None:  # a due ReuseThreshold: this was its exact step
                 self._selector.observe(k, k, exact=kth)
@@ -778,6 +771,12 @@ def _finish(
     if late_zero:
         update[...] = 0
     update[indices] = values / values.dtype.type(divisor) if divisor != 1 else values
+
+
+def _kth(vals: Any, k: int) -> float:
+    """The k-th largest |value| of a top-k selection's ``vals`` (0.0 when it holds fewer
+    than k)."""
+    return float(get_array_module(vals).abs(vals).min()) if k and vals.shape[0] == k else 0.0
 
 
 def _add_totals(totals: CommStats, delta: CommStats) -> None:
