@@ -316,9 +316,18 @@ class ExDyna(Algorithm):
                 f"{comm.size}; call reset() first"
             )
 
+    def _partition(self, rank: int) -> int:
+        """The partition ``rank`` selects from at the current call."""
+        return (self.step + rank) % self.size
+
+    def _owners(self) -> list[int]:
+        """The rank that selects from each partition at the current call (partitions in
+        index order): the inverse of :meth:`_partition`."""
+        return [(q - self.step) % self.size for q in range(self.size)]
+
     def owned_range(self, rank: int) -> tuple[int, int]:
         """The index range ``[lo, hi)`` that ``rank`` selects from at the current call."""
-        p = (self.step + rank) % self.size
+        p = self._partition(rank)
         bs, n = self.block_size, self.n
         return min(int(self.bounds[p]) * bs, n), min(int(self.bounds[p + 1]) * bs, n)
 
@@ -456,7 +465,7 @@ class ExDyna(Algorithm):
             )
             return out
         mine, counts, used, rederived, cut = self._select(comm, n, part, to_index, found)
-        owner = [(q - self.step) % p for q in range(p)]
+        owner = self._owners()
         if p == 1:  # the gather and the sum are identities: no copies of the k entries
             idx, sums = mine, values_at(mine)
         else:
@@ -600,13 +609,11 @@ class ExDyna(Algorithm):
         j = known + b
         above = table[:, j + 1]
         bucket = table[:, j] - above
-        p = table.shape[0]
-        # rank r owns partition (step + r) mod P: the owners in index order
-        order = [(q - self.step) % p for q in range(p)]
         start = bucket_start(self.step, int(bucket.sum()))
-        shares = bucket_shares(bucket[order], self.k - int(above.sum()), start)
-        mine = [shares[(self.step + r) % p] for r in range(p)]
-        counts = [int(above[r]) + sum(b - a for a, b in mine[r]) for r in range(p)]
+        # the bucket laid out partition after partition (their owners' counts in index order)
+        shares = bucket_shares(bucket[self._owners()], self.k - int(above.sum()), start)
+        mine = [shares[self._partition(r)] for r in range(table.shape[0])]
+        counts = [int(above[r]) + sum(b - a for a, b in share) for r, share in enumerate(mine)]
         lo, hi = float(cast[j]), float(cast[j + 1])
         return counts, lo, _Bucket(lo, hi, mine[rank], counts[rank], start)
 
