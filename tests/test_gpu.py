@@ -396,6 +396,98 @@ def test_kernel_sources_compile_with_nvrtc():
         assert len(nvrtc.getPTX(prog)) > 100
 
 
+def _cupy_codegen():
+    """CuPy's own source generator and NVRTC driver, if this CuPy has them (private API:
+    cupy._core._kernel, cupy._core.core, cupy.cuda.compiler as of CuPy 14)."""
+    cp = pytest.importorskip("cupy")
+    try:
+        from cupy._core import _carray, _kernel, _scalar, core
+        from cupy.cuda import compiler
+
+        compiler._get_nvrtc_version()  # (loads NVRTC)
+        for name in ("_ArgInfo", "_decide_params_type", "_get_elementwise_kernel_code"):
+            getattr(_kernel, name)
+        core.assemble_cupy_compiler_options, compiler._NVRTCProgram  # noqa: B018
+    except Exception as exc:
+        pytest.skip(f"CuPy's kernel generator or NVRTC is not usable here: {exc}")
+    return cp, _carray, _kernel, _scalar, core, compiler
+
+
+def _kernel_uses(cp):
+    """Every ElementwiseKernel in sparsecoll as its call site uses it: (kernel, the
+    parameters passed as numpy scalars, one dtype map per placeholder type it is called
+    with; parameters of a fixed type and those of placeholder type are filled in)."""
+    from sparsecoll import _array
+    from sparsecoll.select import _cupy
+
+    keys = [{"U": np.dtype(t)} for t in (np.uint16, np.uint32, np.uint64)]
+    floats = [{"T": np.dtype(t)} for t in (np.float32, np.float64)]  # (float16: CuPy ufuncs)
+    uses = [
+        (
+            _cupy._hist_kernel.__wrapped__(cp),
+            {"absmask", "infkey", "pmask", "prefix", "shift"},
+            keys,
+        ),
+        (_cupy._ge_kernel.__wrapped__(cp), {"absmask", "infkey", "tkey"}, keys),
+        (_array._segment_sum_kernel.__wrapped__(cp), set(), floats),
+    ]
+    for has_r in (False, True):
+        for has_u in (False, True):
+            kern = _cupy._accumulate_kernel.__wrapped__(cp, has_r, has_u)
+            uses.append((kern, {"m", "cut"}, floats))
+    return uses
+
+
+def _cupy_generated_source(kernel_mod, cp, kern, scalars, types, idx32):
+    """The CUDA source CuPy generates for ``kern`` called with 1-D contiguous arrays of
+    the given types (scalars where named), 32- or 64-bit indexing."""
+    _carray, _kernel, _scalar = kernel_mod
+
+    def dtype(p):
+        return np.dtype(p.dtype) if p.dtype is not None else types[p.ctype]
+
+    in_nd = tuple(None if p.name in scalars else dtype(p) for p in kern.in_params)
+    out_nd = tuple(dtype(p) for p in kern.out_params)
+    _, _, type_map = _kernel._decide_params_type(kern.in_params, kern.out_params, in_nd, out_nd)
+    infos = [
+        _kernel._ArgInfo(3, _scalar.CScalar, dtype(p), 0, True, True)  # 3: a scalar
+        if p.name in scalars
+        else _kernel._ArgInfo(1, cp.ndarray, dtype(p), 1, True, idx32)  # 1: an array
+        for p in kern.in_params + kern.out_params
+    ]
+    infos.append(_kernel._ArgInfo(2, _carray.Indexer, None, 1, True, idx32))  # 2: indexer
+    code = _kernel._get_elementwise_kernel_code(
+        tuple(infos), type_map, kern.params, kern.operation, kern.name, kern.preamble
+    )
+    return "#include <cupy/carray.cuh>\n" + code
+
+
+def test_kernels_compile_as_cupy_generates_them():
+    """Compile every sparsecoll ElementwiseKernel as CuPy itself would on an H100: the real
+    ``cupy.ElementwiseKernel``, CuPy's generated source (CArray parameters, CIndexer loop,
+    its headers and options, the kernel's own options) for each dtype the call sites use,
+    32- and 64-bit indexing, through NVRTC to sm_90 machine code. Needs CuPy and NVRTC,
+    not a GPU (the arch is given, not queried)."""
+    cp, _carray, _kernel, _scalar, core, compiler = _cupy_codegen()
+    compiled = 0
+    for kern, scalars, type_maps in _kernel_uses(cp):
+        assert isinstance(kern, cp.ElementwiseKernel)
+        opts = core.assemble_cupy_compiler_options(tuple(kern.kwargs.get("options", ())))
+        opts += ("-arch=sm_90", "--device-as-default-execution-space")
+        for types in type_maps:
+            for idx32 in (True, False):
+                mods = (_carray, _kernel, _scalar)
+                code = _cupy_generated_source(mods, cp, kern, scalars, types, idx32)
+                prog = compiler._NVRTCProgram(code, "kern.cu", (), (), method="cubin")
+                try:
+                    cubin, _ = prog.compile(opts)
+                except Exception as exc:
+                    pytest.fail(f"{kern.name} ({types}, 32-bit index {idx32}):\n{code}\n{exc}")
+                assert len(cubin) > 1000
+                compiled += 1
+    assert compiled == 2 * (3 + 3 + 2 + 4 * 2)
+
+
 @given(x=vectors(), data=st.data())
 def test_public_dispatch_matches_cpu_backend(xp, x, data):
     """``sparsecoll.select`` on device arrays equals the CPU backend on the same values."""
