@@ -237,10 +237,8 @@ class ndarray:
     def __float__(self) -> float:
         return float(self._a)
 
-    def __index__(self) -> int:
-        if self._a.ndim or self._a.dtype.kind not in "iu":
-            raise TypeError("only integer scalar arrays can be converted to a scalar index")
-        return int(self._a)
+    # no __index__: cupy.ndarray has none (a 0-d device array is no slice bound, range()
+    # argument or list index; int() it, a visible sync)
 
     # -- indexing -----------------------------------------------------------------------
     def __getitem__(self, key: Any) -> Any:
@@ -532,8 +530,43 @@ nccl = _FakeNccl()
 
 
 # -- the module -----------------------------------------------------------------------------
+# The numpy functions the fake passes on, each with the keywords CuPy 14's function of that
+# name takes (tests/test_gpu.py::test_fake_is_no_more_permissive_than_cupy checks this list
+# against an installed CuPy): a function CuPy lacks, or a keyword it does not take, fails
+# on the fake as it would on a GPU. Add to it only after checking CuPy.
+_UFUNC_KW = ("out", "casting", "dtype")
+FUNCTIONS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("empty", "ones", "zeros"), ("dtype", "order")),
+    **dict.fromkeys(("empty_like", "zeros_like"), ("dtype", "order", "subok", "shape")),
+    **dict.fromkeys(
+        ("abs", "add", "isfinite", "isnan", "maximum", "minimum", "multiply"), _UFUNC_KW
+    ),
+    **dict.fromkeys(("all", "any", "max", "min"), ("axis", "out", "keepdims")),
+    **dict.fromkeys(("argsort", "sort"), ("axis", "kind")),
+    **dict.fromkeys(("packbits", "unpackbits"), ("axis", "bitorder")),
+    "arange": ("dtype",),
+    "bincount": ("weights", "minlength"),
+    "concatenate": ("axis", "out", "dtype", "casting"),
+    "copyto": ("casting", "where"),
+    "count_nonzero": ("axis",),
+    "cumsum": ("axis", "dtype", "out"),
+    "dot": ("out",),
+    "flatnonzero": (),
+    "linspace": ("num", "endpoint", "retstep", "dtype", "axis"),
+    "may_share_memory": ("max_work",),
+    "partition": ("axis",),
+    "searchsorted": ("side", "sorter"),
+    "where": (),
+}
+
+
 def _function(name: str, fn: Any) -> Any:
+    allowed = FUNCTIONS[name]
+
     def f(*args: Any, **kwargs: Any) -> Any:
+        extra = sorted(set(kwargs) - set(allowed))
+        if extra:
+            raise TypeError(f"cupy.{name}() takes no keyword {extra[0]!r} (fakecupy.FUNCTIONS)")
         if name in ("argsort", "sort"):
             if kwargs.get("kind") not in (None, "stable"):
                 raise ValueError("kind can only be None or 'stable'")
@@ -591,6 +624,8 @@ class _Module(types.ModuleType):
             raise AttributeError(name)
         attr = getattr(np, name)
         if callable(attr) and not isinstance(attr, type):
+            if name not in FUNCTIONS:
+                raise AttributeError(f"cupy.{name}: not in fakecupy.FUNCTIONS (check CuPy has it)")
             return _function(name, attr)  # functions and ufuncs
         return attr  # dtypes, constants
 

@@ -100,6 +100,37 @@ def test_fake_refuses_host_device_mixing():
     assert cupy_or_none() is not fake
 
 
+def test_fake_is_no_more_permissive_than_cupy():
+    """What the fake offers, an installed CuPy offers too (no GPU needed): the functions it
+    passes on to numpy with their keywords (fakecupy.FUNCTIONS), and its arrays' methods and
+    protocols. CuPy's ndarray has no ``__index__``, for one: a 0-d device array is no slice
+    bound on a GPU, so it must not be one on the fake."""
+    import inspect
+    import operator
+
+    with fakecupy.installed() as fake:
+        with pytest.raises(TypeError):
+            operator.index(fake.asarray(np.arange(3)).sum())
+        with pytest.raises(AttributeError):
+            fake.lexsort  # noqa: B018  (numpy has it; the fake offers only what is listed)
+        with pytest.raises(TypeError, match="equal_nan"):
+            fake.searchsorted(fake.arange(3), fake.arange(2), equal_nan=True)
+    cp = pytest.importorskip("cupy")
+    for name, keywords in fakecupy.FUNCTIONS.items():
+        fn = getattr(cp, name, None)
+        assert fn is not None, f"cupy has no {name}"
+        if isinstance(fn, cp.ufunc):
+            assert set(keywords) <= {"out", "casting", "dtype"}, name
+            continue
+        params = inspect.signature(fn).parameters
+        assert set(keywords) <= set(params), (name, set(keywords) - set(params))
+    own = {k for k in vars(fakecupy.ndarray) if not k.startswith("_") or k.endswith("__")}
+    own -= {"__module__", "__doc__", "__slots__", "__init__", "__getattr__", "__repr__"}
+    own -= {"__array__", "__array_ufunc__", "__array_function__"}  # (refusals, dispatch)
+    missing = sorted(k for k in own if not hasattr(cp.ndarray, k))
+    assert not missing, f"the fake's arrays have what cupy.ndarray lacks: {missing}"
+
+
 @given(x=vectors(), k=st.integers(-1, 3100))
 def test_topk_exact(xp, sel, x, k):
     idx, vals = sel.topk(xp.asarray(x), k)
