@@ -130,6 +130,12 @@ def as_indices(indices: Any) -> Any:
     return idx
 
 
+_SWAPPED = (
+    " (and indices are floats: swapped? allreduce(comm, values, indices, n=) takes values"
+    " first, SparseVector.from_coo(indices, values, n) indices first)"
+)
+
+
 def check_local(indices: Any, values: Any, n: Any) -> None:
     """Raise ValueError/TypeError when this rank's COO input breaks the contract."""
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
@@ -143,7 +149,11 @@ def check_local(indices: Any, values: Any, n: Any) -> None:
     if getattr(indices, "ndim", None) != 1:
         raise ValueError(f"indices must be 1-D, got shape {getattr(indices, 'shape', None)}")
     if values.dtype not in VALUE_DTYPES:
-        raise TypeError(f"values must be float16, float32 or float64, got {values.dtype}")
+        swapped = values.dtype.kind in "iu" and indices.dtype in VALUE_DTYPES
+        raise TypeError(
+            f"values must be float16, float32 or float64, got {values.dtype}"
+            + (_SWAPPED if swapped else "")
+        )
     if indices.dtype.kind not in "iu":
         raise TypeError(f"indices must be integers, got {indices.dtype}")
     if indices.shape[0] != values.shape[0]:

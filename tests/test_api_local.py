@@ -247,3 +247,18 @@ def test_output_buffers_are_never_copies(monkeypatch, numpy2):
     assert _array.as_array(a, "out", writable=True)[0] is a
     with pytest.raises(TypeError, match="out must be an array written in place, got a list"):
         _array.as_array([0.0, 0.0], "out", writable=True)
+
+
+def test_swapped_values_and_indices_say_so(self_comm):
+    """allreduce takes (values, indices), SparseVector.from_coo (indices, values): an
+    integer ``values`` next to float ``indices`` names the likely swap."""
+    vals, idx = np.array([1.0, 2.0], np.float32), np.array([3, 1])
+    with pytest.raises(
+        sparsecoll.CollectiveTypeError, match=r"got int64 \(and indices are floats: swapped\?"
+    ):
+        sparsecoll.allreduce(self_comm, idx, vals, n=5)
+    with pytest.raises(TypeError, match="swapped"):
+        sparsecoll.SparseVector.from_coo(vals, idx, 5)
+    with pytest.raises(sparsecoll.CollectiveTypeError) as err:  # integers, but no swap
+        sparsecoll.allreduce(self_comm, idx, idx, n=5)
+    assert "swapped" not in str(err.value)
