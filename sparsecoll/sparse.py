@@ -40,6 +40,17 @@ class SparseVector:
             rank's coalesced input telling which of its entries reached the result
             (None for exact algorithms, where every entry does).
         local: for results of selecting algorithms, this rank's coalesced input.
+        info: ``info["stats"]``, a :class:`sparsecoll.CommStats` of what this rank moved
+            in the call that returned it (and ``info["auto_choice"]`` for ``auto``).
+
+    Example::
+
+        >>> import sparsecoll
+        >>> v = sparsecoll.SparseVector.from_coo([4, 1, 4], [1.0, 2.0, 3.0], n=6)
+        >>> v.indices, v.values, v.nnz
+        (array([1, 4], dtype=int32), array([2., 4.]), 2)
+        >>> v.to_dense()
+        array([0., 2., 0., 0., 4., 0.])
     """
 
     __slots__ = ("contributed", "indices", "info", "local", "n", "values")

@@ -262,3 +262,11 @@ def test_swapped_values_and_indices_say_so(self_comm):
     with pytest.raises(sparsecoll.CollectiveTypeError) as err:  # integers, but no swap
         sparsecoll.allreduce(self_comm, idx, idx, n=5)
     assert "swapped" not in str(err.value)
+
+
+def test_an_algorithm_class_instead_of_an_instance(self_comm):
+    cls = sparsecoll.get_algorithm("gtopk", k=1).__class__
+    with pytest.raises(
+        sparsecoll.CollectiveTypeError, match=r"got the class \w+ \(pass an instance"
+    ):
+        sparsecoll.allreduce(self_comm, [1.0], [0], n=2, algorithm=cls)

@@ -1,14 +1,17 @@
 """The ```python examples of README.md and docs/*.md run as written (tests/docexamples.py says
 which run where): here at P = 1 in-process, the torch ones in one 2-rank job;
-tests/mpi/test_docs.py runs them at every P."""
+tests/mpi/test_docs.py runs them at every P. The ``>>>`` examples of sparsecoll's docstrings
+run here too (doctest, one rank), with the output they show."""
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import importlib.util
 
 import pytest
 
-from .docexamples import DOCS, examples, parse
+from .docexamples import DOCS, ROOT, examples, parse
 
 
 def _ids(found):
@@ -42,6 +45,19 @@ def test_torch_examples_run_on_two_ranks():
         assert proc.stdout.count(f"example ok: {ex.id}:") == 2, proc.stdout[-4000:]
 
 
+DOCTESTED = sorted(
+    ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    for path in (ROOT / "sparsecoll").rglob("*.py")
+    if ">>> " in path.read_text(encoding="utf-8")
+)
+
+
+@pytest.mark.parametrize("module", DOCTESTED)
+def test_docstring_examples(module):
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted and not result.failed, f"{result.failed} failed (printed above)"
+
+
 def test_the_examples_are_found():
     """The extraction cannot go quietly empty: the README's first block and the torch and
     skipped ones are where the documents put them."""
@@ -51,6 +67,7 @@ def test_the_examples_are_found():
         ex.id for ex in EVERY if ex.path.name == "gpu.md"
     ]
     assert {ex.path for ex in EVERY} <= set(DOCS)
+    assert {"sparsecoll.api", "sparsecoll.sparse", "sparsecoll.training"} <= set(DOCTESTED)
 
 
 def test_markers_and_a_broken_example(tmp_path):
