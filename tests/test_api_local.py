@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -270,3 +273,15 @@ def test_an_algorithm_class_instead_of_an_instance(self_comm):
         sparsecoll.CollectiveTypeError, match=r"got the class \w+ \(pass an instance"
     ):
         sparsecoll.allreduce(self_comm, [1.0], [0], n=2, algorithm=cls)
+
+
+def test_import_is_light():
+    """``import sparsecoll`` loads neither MPI nor Numba (nor torch, CuPy): they come with
+    the first call that needs them, so a script's --help or a worker that never calls stays
+    quick (mpi4py initializes MPI when imported)."""
+    code = "import sys, sparsecoll; print(sorted(m for m in {!r} if m in sys.modules))"
+    heavy = ["cupy", "mpi4py", "numba", "torch"]
+    out = subprocess.run(
+        [sys.executable, "-c", code.format(heavy)], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
