@@ -38,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_algorithms())
         return 0
     if not argv or argv[0] != "bench":
-        got = f"unknown command {argv[0]!r}\n" if argv else ""
+        from .registry import did_you_mean
+
+        hint = did_you_mean(argv[0], ["bench", "algorithms"]) if argv else ""
+        got = f"unknown command {argv[0]!r}{hint}\n" if argv else ""
         print(f"{got}{USAGE}", file=sys.stderr)
         return 2
     rest = argv[1:]

@@ -33,8 +33,14 @@ def allreduce(
 ) -> SparseVector:
     """Sum sparse vectors over every rank of ``comm``; every rank gets the same result.
 
+    A collective: every rank of ``comm`` must make the same calls in the same order. A rank
+    that skips one leaves the others waiting in MPI for ever, unless the watchdog is on
+    (:func:`sparsecoll.set_timeout`, or ``SPARSECOLL_TIMEOUT=seconds``), which then aborts
+    the job with a diagnostic from every rank.
+
     Args:
-        comm: an mpi4py Intracomm or a :class:`sparsecoll.Communicator`.
+        comm: an mpi4py Intracomm (``MPI.COMM_WORLD``, or any sub-communicator; None:
+            COMM_WORLD) or a :class:`sparsecoll.Communicator` (which also counts bytes).
         values: 1-D float16/32/64 array of this rank's nonzeros (numpy, CuPy, or anything
             numpy takes without a copy: buffer protocol, ``__array__``, DLPack).
         indices: 1-D integer array of the same length, each in ``[0, n)``; unsorted input
@@ -51,7 +57,25 @@ def allreduce(
     Raises:
         CollectiveInputError (a ValueError) or CollectiveTypeError (a TypeError) on every
         rank when any rank's input is bad or n/dtype/algorithm differ across ranks; the
-        message names the offending rank.
+        message names the offending rank. An unknown algorithm name raises
+        UnknownAlgorithmError (a ValueError), an option it does not take
+        CollectiveTypeError, any other local failure CollectiveRuntimeError, on every rank
+        alike. All derive from :class:`sparsecoll.SparseCollError`.
+
+    Example (one rank here; under ``mpiexec -n P`` each value is P times this)::
+
+        >>> import numpy as np
+        >>> from mpi4py import MPI
+        >>> import sparsecoll
+        >>> values = np.array([0.5, -1.0, 2.0], dtype=np.float32)
+        >>> out = sparsecoll.allreduce(MPI.COMM_WORLD, values, [7, 3, 7], n=10)
+        >>> out
+        SparseVector(n=10, nnz=2, dtype=float32)
+        >>> out.indices, out.values
+        (array([3, 7], dtype=int32), array([-1. ,  2.5], dtype=float32))
+        >>> k = 1  # a selecting algorithm keeps about k entries of the sum
+        >>> sparsecoll.allreduce(MPI.COMM_WORLD, values, [7, 3, 7], n=10, algorithm="gtopk", k=k)
+        SparseVector(n=10, nnz=1, dtype=float32)
 
     With the watchdog on (:func:`sparsecoll.set_timeout`), the call runs through the
     progress engine (``iallreduce(...).wait()``), so that a hang ends in a diagnostic
@@ -73,9 +97,10 @@ def allreduce(
         elif isinstance(algorithm, str):
             algo = get_algorithm(algorithm, **options)
         else:
-            raise TypeError(
-                f"algorithm must be a name or an Algorithm, got {type(algorithm).__name__}"
-            )
+            got = type(algorithm).__name__
+            if isinstance(algorithm, type):
+                got = f"the class {algorithm.__name__} (pass an instance, or its name)"
+            raise TypeError(f"algorithm must be a name or an Algorithm, got {got}")
         vals, wrap = as_array(values, "values")
         idx = as_indices(indices)
         check_local(idx, vals, n)

@@ -6,6 +6,7 @@ Third-party packages can register algorithms through the entry-point group
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import re
 import textwrap
@@ -73,8 +74,21 @@ def algorithm_class(name: str) -> type[Algorithm]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        known = ", ".join(sorted(_REGISTRY))
-        raise UnknownAlgorithmError(f"unknown algorithm {name!r}; known: {known}") from None
+        known = sorted(_REGISTRY)
+        raise UnknownAlgorithmError(
+            f"unknown algorithm {name!r}{did_you_mean(name, known)}; known: {', '.join(known)}"
+        ) from None
+
+
+def did_you_mean(word: object, choices: list[str]) -> str:
+    """`` (did you mean 'x'?)`` for the choice closest to a misspelled ``word`` (case,
+    ``-`` for ``_`` and small typos forgiven), or ``""`` when none is close."""
+    if not isinstance(word, str):
+        return ""
+    plain = word.strip().lower().replace("-", "_").replace(" ", "_")
+    by_plain = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(plain, list(by_plain), n=1, cutoff=0.6)
+    return f" (did you mean {by_plain[close[0]]!r}?)" if close else ""
 
 
 def algorithm_options(name: str) -> dict[str, tuple[Any, str]]:
@@ -163,7 +177,10 @@ def get_algorithm(name: str, **options: Any) -> Algorithm:
         unknown = sorted(set(options) - set(_options(cls)))
         if unknown:
             takes = ", ".join(_options(cls)) or "no options"
-            raise TypeError(f"algorithm {name!r} takes {takes}, got {', '.join(unknown)}")
+            hint = did_you_mean(unknown[0], list(_options(cls)))
+            if not hint and "density" in unknown and "k" in _options(cls):
+                hint = " (k is a count of entries: k = round(density·n))"
+            raise TypeError(f"algorithm {name!r} takes {takes}, got {', '.join(unknown)}{hint}")
     return cls(**options)
 
 

@@ -40,6 +40,17 @@ class SparseVector:
             rank's coalesced input telling which of its entries reached the result
             (None for exact algorithms, where every entry does).
         local: for results of selecting algorithms, this rank's coalesced input.
+        info: ``info["stats"]``, a :class:`sparsecoll.CommStats` of what this rank moved
+            in the call that returned it (and ``info["auto_choice"]`` for ``auto``).
+
+    Example::
+
+        >>> import sparsecoll
+        >>> v = sparsecoll.SparseVector.from_coo([4, 1, 4], [1.0, 2.0, 3.0], n=6)
+        >>> v.indices, v.values, v.nnz
+        (array([1, 4], dtype=int32), array([2., 4.]), 2)
+        >>> v.to_dense()
+        array([0., 2., 0., 0., 4., 0.])
     """
 
     __slots__ = ("contributed", "indices", "info", "local", "n", "values")
@@ -130,6 +141,12 @@ def as_indices(indices: Any) -> Any:
     return idx
 
 
+_SWAPPED = (
+    " (and indices are floats: swapped? allreduce(comm, values, indices, n=) takes values"
+    " first, SparseVector.from_coo(indices, values, n) indices first)"
+)
+
+
 def check_local(indices: Any, values: Any, n: Any) -> None:
     """Raise ValueError/TypeError when this rank's COO input breaks the contract."""
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
@@ -143,7 +160,11 @@ def check_local(indices: Any, values: Any, n: Any) -> None:
     if getattr(indices, "ndim", None) != 1:
         raise ValueError(f"indices must be 1-D, got shape {getattr(indices, 'shape', None)}")
     if values.dtype not in VALUE_DTYPES:
-        raise TypeError(f"values must be float16, float32 or float64, got {values.dtype}")
+        swapped = values.dtype.kind in "iu" and indices.dtype in VALUE_DTYPES
+        raise TypeError(
+            f"values must be float16, float32 or float64, got {values.dtype}"
+            + (_SWAPPED if swapped else "")
+        )
     if indices.dtype.kind not in "iu":
         raise TypeError(f"indices must be integers, got {indices.dtype}")
     if indices.shape[0] != values.shape[0]:

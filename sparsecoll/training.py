@@ -118,6 +118,20 @@ class GradientReducer:
 
     Every rank must build its reducer with the same arguments and call :meth:`step` the same
     number of times.
+
+    Example (one rank here; run the script under ``mpiexec -n P``)::
+
+        >>> import numpy as np
+        >>> from mpi4py import MPI
+        >>> import sparsecoll
+        >>> red = sparsecoll.GradientReducer(MPI.COMM_WORLD, n=8, algorithm="oktopk", density=0.25)
+        >>> grad = np.arange(8, dtype=np.float32)
+        >>> red.step(grad)  # the two largest entries; the rest stays in the residual
+        array([0., 0., 0., 0., 0., 0., 6., 7.], dtype=float32)
+        >>> red.residual
+        array([0., 1., 2., 3., 4., 5., 0., 0.], dtype=float32)
+        >>> red.step(grad)  # grad + residual: 4 + 4 and 5 + 5 now beat 6 and 7
+        array([ 0.,  0.,  0.,  0.,  8., 10.,  0.,  0.], dtype=float32)
     """
 
     def __init__(
@@ -141,7 +155,10 @@ class GradientReducer:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"n must be a non-negative integer, got {n!r}")
         if not isinstance(algorithm, str):
-            raise TypeError(f"algorithm must be a registered name, got {type(algorithm).__name__}")
+            raise TypeError(
+                f"algorithm must be a registered name, got {type(algorithm).__name__} (the"
+                " reducer builds its own: k from density, other options as keywords)"
+            )
         density = float(density)
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density!r}")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -247,3 +250,38 @@ def test_output_buffers_are_never_copies(monkeypatch, numpy2):
     assert _array.as_array(a, "out", writable=True)[0] is a
     with pytest.raises(TypeError, match="out must be an array written in place, got a list"):
         _array.as_array([0.0, 0.0], "out", writable=True)
+
+
+def test_swapped_values_and_indices_say_so(self_comm):
+    """allreduce takes (values, indices), SparseVector.from_coo (indices, values): an
+    integer ``values`` next to float ``indices`` names the likely swap."""
+    vals, idx = np.array([1.0, 2.0], np.float32), np.array([3, 1])
+    with pytest.raises(
+        sparsecoll.CollectiveTypeError, match=r"got int64 \(and indices are floats: swapped\?"
+    ):
+        sparsecoll.allreduce(self_comm, idx, vals, n=5)
+    with pytest.raises(TypeError, match="swapped"):
+        sparsecoll.SparseVector.from_coo(vals, idx, 5)
+    with pytest.raises(sparsecoll.CollectiveTypeError) as err:  # integers, but no swap
+        sparsecoll.allreduce(self_comm, idx, idx, n=5)
+    assert "swapped" not in str(err.value)
+
+
+def test_an_algorithm_class_instead_of_an_instance(self_comm):
+    cls = sparsecoll.get_algorithm("gtopk", k=1).__class__
+    with pytest.raises(
+        sparsecoll.CollectiveTypeError, match=r"got the class \w+ \(pass an instance"
+    ):
+        sparsecoll.allreduce(self_comm, [1.0], [0], n=2, algorithm=cls)
+
+
+def test_import_is_light():
+    """``import sparsecoll`` loads neither MPI nor Numba (nor torch, CuPy): they come with
+    the first call that needs them, so a script's --help or a worker that never calls stays
+    quick (mpi4py initializes MPI when imported)."""
+    code = "import sys, sparsecoll; print(sorted(m for m in {!r} if m in sys.modules))"
+    heavy = ["cupy", "mpi4py", "numba", "torch"]
+    out = subprocess.run(
+        [sys.executable, "-c", code.format(heavy)], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

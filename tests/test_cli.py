@@ -43,7 +43,7 @@ def test_no_or_unknown_command_is_a_usage_error() -> None:
     assert proc.stderr.startswith("usage:")
     proc = cli("benhc")
     assert proc.returncode == 2
-    assert "unknown command 'benhc'" in proc.stderr
+    assert "unknown command 'benhc' (did you mean 'bench'?)" in proc.stderr
 
 
 @pytest.mark.parametrize("suite", [[], ["osu"]])
@@ -68,6 +68,7 @@ def test_bench_help_prints_once_and_shows_np(suite: list[str]) -> None:
         (["osu", "-m", "8K:1K"], "expecting MIN <= MAX"),
         (["osu", "-n", "4"], "-n is ambiguous here"),
         (["osu", "--algorithm", "dense,nosuch"], "unknown algorithm 'nosuch'"),
+        (["--algorithm", "oktop"], "unknown algorithm 'oktop' (did you mean 'oktopk'?)"),
     ],
 )
 def test_usage_errors_print_once_before_any_launch(args: list[str], message: str) -> None:

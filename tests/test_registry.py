@@ -69,6 +69,44 @@ def test_unknown_name_lists_known():
         sparsecoll.get_algorithm("nope")
 
 
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("oktop", "oktopk"),
+        ("Allgather", "allgather"),
+        ("all_gather", "allgather"),
+        ("recursive-doubling", "recursive_doubling"),
+        ("exdina", "exdyna"),
+        ("rabenseifer", "rabenseifner"),
+    ],
+)
+def test_misspelled_name_suggests_the_close_one(typed, meant):
+    with pytest.raises(
+        sparsecoll.UnknownAlgorithmError,
+        match=rf"unknown algorithm '{typed}' \(did you mean '{meant}'\?\); known: allgather",
+    ):
+        sparsecoll.get_algorithm(typed)
+
+
+def test_a_name_close_to_none_suggests_nothing():
+    with pytest.raises(sparsecoll.UnknownAlgorithmError) as err:
+        sparsecoll.get_algorithm("ring")
+    assert "did you mean" not in str(err.value)
+
+
+def test_misspelled_option_suggests_the_close_one():
+    with pytest.raises(TypeError, match=r"got tua \(did you mean 'tau'\?\)"):
+        sparsecoll.get_algorithm("oktopk", k=3, tua=4)
+    with pytest.raises(TypeError, match=r"got K \(did you mean 'k'\?\)"):
+        sparsecoll.get_algorithm("gtopk", K=3)
+    # density is the reducer's option; the algorithms take a count
+    with pytest.raises(TypeError, match=r"got density \(k is a count of entries"):
+        sparsecoll.get_algorithm("gtopk", density=0.01)
+    with pytest.raises(TypeError) as err:
+        sparsecoll.get_algorithm("allgather", density=0.01)
+    assert str(err.value) == "algorithm 'allgather' takes no options, got density"
+
+
 def test_unexpected_option_is_a_type_error():
     with pytest.raises(TypeError, match="takes no options"):
         sparsecoll.get_algorithm("allgather", k=3)

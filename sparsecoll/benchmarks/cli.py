@@ -77,7 +77,10 @@ def parse_algorithms(values: list[str] | None, known: list[str]) -> list[str]:
         for name in filter(None, (t.strip() for t in v.split(","))):
             for add in known if name == "all" else [name]:
                 if add not in known:
-                    raise ValueError(f"unknown algorithm {add!r}; known: {', '.join(known)}")
+                    from ..registry import did_you_mean
+
+                    hint = did_you_mean(add, known)
+                    raise ValueError(f"unknown algorithm {add!r}{hint}; known: {', '.join(known)}")
                 if add not in names:
                     names.append(add)
     return names

@@ -103,6 +103,10 @@ def test_unknown_algorithm_lists_known(comm):
     vals, idx = _good(comm.rank)
     with pytest.raises(sparsecoll.UnknownAlgorithmError, match="known: .*allgather"):
         sparsecoll.allreduce(comm, vals, idx, n=N, algorithm="no-such-thing")
+    with pytest.raises(sparsecoll.UnknownAlgorithmError, match="did you mean 'oktopk'"):
+        sparsecoll.allreduce(
+            comm, vals, idx, n=N, algorithm="oktop" if comm.rank == 0 else "allgather"
+        )
 
 
 @pytest.mark.parametrize("name", [a for a in NAMES if not algorithm_class(a).exact])
