@@ -58,6 +58,7 @@ from ._array import (
     to_host,
     to_module,
 )
+from ._progress import get_timeout
 from .algorithms.base import Algorithm
 from .api import collective_check
 from .comm import CommStats, Communicator
@@ -259,7 +260,13 @@ class GradientReducer:
             is bad: wrong size, dtype or ``out``, or NaN/Inf in ``grad + residual`` (the
             message names the rank). The residual and the velocity are then unchanged on
             every rank; ``out`` may have been zeroed.
+
+        With the watchdog on (:func:`sparsecoll.set_timeout`), the step runs on the progress
+        thread (``step_async(...).wait()``), so that a rank left waiting for another ends
+        in the watchdog's diagnostic instead of a hang.
         """
+        if get_timeout() and type(self.comm) is Communicator and not self.comm.on_progress_thread():
+            return self._submit(grad, out, "step").wait()
         self._wait_pending()
         with contextlib.ExitStack() as scope:
             return self._step(grad, out, scope)
@@ -318,9 +325,12 @@ class GradientReducer:
         the reducer's state (a blocking :meth:`step`, :meth:`state_dict`,
         :meth:`load_state_dict` and :meth:`reset` wait for pending ones themselves).
         """
+        return self._submit(grad, out, "step_async")
+
+    def _submit(self, grad: Any, out: Any, label: str) -> Any:
         kw = {} if out is None else {"out": out}
         return self.comm.engine().submit(
-            lambda: self.step(grad, **kw), f"step_async({self.algorithm_name!r})", self.comm
+            lambda: self.step(grad, **kw), f"{label}({self.algorithm_name!r})", self.comm
         )
 
     def stats(self) -> dict[str, Any]:

@@ -42,6 +42,22 @@ def test_watchdog_aborts_with_a_diagnostic():
 
 
 @pytest.mark.mpi
+def test_watchdog_watches_blocking_reducer_steps():
+    """GradientReducer.step (the synchronous DDP hook's call) is watched too: a rank that
+    skips a step ends the job with the diagnostic instead of hanging."""
+    from .mpirun import run_mpi
+
+    env = {"SPARSECOLL_TIMEOUT": str(WATCHDOG_SECONDS)}
+    proc = run_mpi(3, [__file__, "skip_step"], timeout=120, env=env)
+    out = proc.stdout
+    assert proc.returncode != 0, out[-6000:]
+    assert "not reached" not in out, out[-6000:]
+    for rank in (0, 2):
+        assert f"sparsecoll watchdog: rank {rank} of 3: in call #2 step('oktopk')" in out, out
+    assert "sparsecoll watchdog: rank 1 of 3: idle after call #1 step('oktopk')" in out, out
+
+
+@pytest.mark.mpi
 def test_uncaught_exception_with_requests_pending_ends_the_job():
     """One rank dies of an uncaught exception with requests pending, the others exit
     normally: without the abort the job hung (that rank in MPI_Finalize, waiting for the
@@ -124,6 +140,24 @@ def _skip() -> None:
     print("not reached", flush=True)
 
 
+def _skip_step() -> None:
+    import numpy as np
+
+    import sparsecoll
+
+    comm = sparsecoll.Communicator()
+    red = sparsecoll.GradientReducer(comm, 10**4, "oktopk", 0.01)
+    grad = np.random.default_rng(comm.rank).standard_normal(10**4).astype(np.float32)
+    sparsecoll.set_timeout(None)  # the first step loads the kernels: not watched
+    red.step(grad)
+    sparsecoll.set_timeout(WATCHDOG_SECONDS)
+    red.step(grad)
+    if comm.rank != 1:  # rank 1 skips step #3 (the engine's call #2)
+        red.step(grad)
+    comm.mpi_comm.Barrier()  # raw MPI, not watched; rank 1 waits here
+    print("not reached", flush=True)
+
+
 def _serialized() -> None:
     import mpi4py
 
@@ -137,4 +171,6 @@ def _serialized() -> None:
 
 
 if __name__ == "__main__":
-    {"pending": _pending, "skip": _skip, "serialized": _serialized, "raise": _raise}[sys.argv[1]]()
+    modes = {"pending": _pending, "skip": _skip, "skip_step": _skip_step, "raise": _raise}
+    modes["serialized"] = _serialized
+    modes[sys.argv[1]]()
