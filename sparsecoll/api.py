@@ -3,6 +3,7 @@ nonblocking twin ``sparsecoll.iallreduce``."""
 
 from __future__ import annotations
 
+import operator
 import zlib
 from typing import Any
 
@@ -174,15 +175,10 @@ def collective_check(
     equal on every rank (``names`` labels the first ones in messages). One small allreduce
     when all is well; on failure the offending rank's message is shared.
     """
-    if signature is not None and len(signature) > SIGNATURE_LEN:
-        raise ValueError(f"at most {SIGNATURE_LEN} signature values, got {len(signature)}")
     if error is None and signature is not None:
-        for i, s in enumerate(signature):
-            if not -(2**63) < int(s) < 2**63:  # (a lone OverflowError would desynchronise)
-                what = names[i] if i < len(names) else "an algorithm option"
-                error = CollectiveInputError(f"{what} does not fit in int64: {s}")
-                break
-    sig = [0] * SIGNATURE_LEN if signature is None or error else list(signature)
+        # (raised here alone, a bad signature would leave the other ranks waiting)
+        error = _signature_error(signature, names)
+    sig = [0] * SIGNATURE_LEN if signature is None or error else _ints(signature)
     sig += [0] * (SIGNATURE_LEN - len(sig))
     # one MAX-allreduce: error flag, -(first bad rank), then +/- each signature value
     vec = [1 if error else 0, -(comm.rank if error else comm.size)]
@@ -194,6 +190,31 @@ def collective_check(
         raise getattr(errors, kind)(f"{msg} on rank {bad}") from error
     if np.any(agreed[2::2] != -agreed[3::2]):
         _raise_mismatch(comm, sig, names)
+
+
+def _signature_error(signature: list[int], names: tuple[str, ...]) -> Exception | None:
+    """Why ``signature`` cannot be agreed (too long, not integers, outside int64), as the
+    error every rank then raises; None when it can. A custom algorithm's ``signature()``
+    may differ on one rank, so this is a local error like any bad input."""
+    if len(signature) > SIGNATURE_LEN:
+        return CollectiveInputError(
+            f"at most {SIGNATURE_LEN} signature values, got {len(signature)}"
+        )
+    for i, s in enumerate(signature):
+        what = names[i] if i < len(names) else "an algorithm option"
+        try:
+            s = operator.index(s)  # (int() would truncate 1.5 to 1: unequal values agreed)
+        except TypeError:
+            kind = type(s).__name__
+            return CollectiveTypeError(f"{what} must be an integer in the signature, got {kind}")
+        if not -(2**63) < s < 2**63:
+            return CollectiveInputError(f"{what} does not fit in int64: {s}")
+    return None
+
+
+def _ints(signature: list[int]) -> list[int]:
+    """The checked signature as Python ints (a numpy bool has no negation)."""
+    return [int(operator.index(s)) for s in signature]
 
 
 def _describe(error: BaseException | None) -> tuple[str, str]:

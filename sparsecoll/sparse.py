@@ -199,7 +199,9 @@ def coalesce(indices: Any, values: Any, n: int) -> SparseVector:
     heads = xp.flatnonzero(start)
     if heads.shape[0] == m:
         return SparseVector(idx, vals, n)
-    # Sum in a wider type so float16 repeats do not lose more than one rounding.
+    # Sum in a wider type so float16 repeats do not lose more than one rounding. IEEE sums,
+    # as allreduce's: an overflow is inf and inf - inf NaN, without a warning.
     acc = vals.astype(np.float64) if vals.dtype == np.float16 else vals
-    summed = segment_sum(acc, heads).astype(values.dtype, copy=False)
+    with np.errstate(over="ignore", invalid="ignore"):
+        summed = segment_sum(acc, heads).astype(values.dtype, copy=False)
     return SparseVector(idx[heads], summed, n)

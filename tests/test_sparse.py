@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -44,6 +46,30 @@ def test_coalesce_does_not_modify_input():
     out = coalesce(idx, vals, 10)
     assert idx.tolist() == [5, 1, 5, 0] and vals.tolist() == [1, 2, 3, 4]
     assert out.indices.tolist() == [0, 1, 5] and out.values.tolist() == [4, 2, 4]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "vals"),
+    [
+        ("float16", [60000.0, 60000.0]),
+        ("float32", [3e38, 3e38]),
+        ("float64", [1e308, 1e308]),
+        ("float32", [np.inf, -np.inf]),
+        ("float16", [-np.inf, np.inf]),
+    ],
+)
+def test_repeats_summing_past_the_dtype_give_ieee_results_without_a_warning(dtype, vals):
+    """from_coo sums repeated indices as allreduce does, IEEE and silent: an overflow is
+    inf, inf - inf is NaN (it warned 'overflow encountered in reduceat' / 'in cast', where
+    allreduce of the same input did not)."""
+    with np.errstate(all="ignore"):
+        want = np.asarray(np.sum(np.array(vals, np.float64))).astype(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = SparseVector.from_coo([3, 3], np.array(vals, dtype), 4)
+    assert out.indices.tolist() == [3]
+    assert out.values.dtype == dtype
+    assert np.array_equal(out.values, [want], equal_nan=True)
 
 
 def test_index_dtype_switches_above_int32():

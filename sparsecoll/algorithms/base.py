@@ -73,7 +73,9 @@ class Algorithm(ABC):
         return {}
 
     def signature(self) -> list[int]:
-        """Integers that must agree on every rank (e.g. k); checked before any payload moves."""
+        """Integers that must agree on every rank (e.g. k); checked before any payload moves.
+        At most 5 (``allreduce`` adds n, the dtype and the class; a GradientReducer compares
+        the first 4), each a Python or numpy integer within int64."""
         return []
 
     def verify(

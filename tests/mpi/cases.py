@@ -92,12 +92,15 @@ def local_input(case: Case, rank: int, size: int) -> tuple[np.ndarray, np.ndarra
         hot = max(1, n // 10)
         k_hot = int(0.9 * k)
         idx = np.concatenate([rng.integers(0, hot, size=k_hot), rng.integers(0, n, size=k - k_hot)])
-    elif kind == "repeated":
+    elif kind in ("repeated", "cancel"):
         idx = rng.integers(0, max(1, min(n, 8)), size=k)  # many repeats of few indices
     else:
         idx = rng.integers(0, n, size=k)
     idx = rng.permutation(np.asarray(idx, dtype=np.int64))
     vals = rng.standard_normal(idx.shape[0]).astype(case.dtype)
+    if kind == "cancel":  # small integers (exact in every dtype) cancel to 0; zeros of both signs
+        sign = rng.choice([-1.0, 1.0], size=idx.shape[0])
+        vals = (rng.integers(-2, 3, size=idx.shape[0]) * sign).astype(case.dtype)
     itype = np.int64 if case.wide_indices else index_dtype(n)
     return vals, idx.astype(itype)
 
@@ -128,6 +131,9 @@ def mismatch(result: SparseVector, case: Case, size: int) -> str | None:
     if result.indices.dtype != index_dtype(case.n):
         return f"index dtype {result.indices.dtype} != {index_dtype(case.n)}"
     oi, ov, oabs = oracle(case, size)
+    stray = np.setdiff1d(ridx, oi)
+    if stray.shape[0]:
+        return f"index {stray[0]} is in no rank's input"
     union = np.union1d(ridx, oi)
     got = np.zeros(union.shape[0])
     want = np.zeros(union.shape[0])

@@ -119,16 +119,17 @@ def test_nan_on_one_rank_raises_everywhere_for_selecting(comm, name):
         sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=name, **cls.default_options(N, 20))
 
 
-class _HugeSignature(sparsecoll.Algorithm):
-    """An exact algorithm whose signature, on one rank, does not fit in int64."""
+class _CustomSignature(sparsecoll.Algorithm):
+    """An exact algorithm whose signature is given: on one rank, one that cannot be agreed
+    (beyond int64, too long, not integers)."""
 
-    name = "huge-signature"
+    name = "custom-signature"
 
-    def __init__(self, value: int) -> None:
-        self.value = value
+    def __init__(self, values: list) -> None:
+        self.values = values
 
-    def signature(self) -> list[int]:
-        return [self.value]
+    def signature(self) -> list:
+        return list(self.values)
 
     def reduce(self, comm, x):
         return algorithm_class("allgather")().reduce(comm, x)
@@ -139,8 +140,8 @@ def _lone_option(what: str, rank: int, bad: int):
     spoil = rank == bad
     if what == "unknown_name":
         return ("no-such-thing" if spoil else "allgather"), {}
-    if what == "custom_signature":
-        return _HugeSignature(2**64 if spoil else 1), {}
+    if what in SIGNATURES:
+        return _CustomSignature(SIGNATURES[what] if spoil else [1]), {}
     name, option = what.split(":")
     opts = dict(algorithm_class(name).default_options(N, 20))
     if spoil:
@@ -148,10 +149,22 @@ def _lone_option(what: str, rank: int, bad: int):
     return name, opts
 
 
+# a custom algorithm's signature() on the spoiled rank (the others': [1]); too long or not
+# integers, it raised (or int() truncated 1.5 to 1) on that rank alone, before the agreement
+SIGNATURES = {
+    "custom_signature": [2**64],
+    "signature_too_long": [1] * 6,
+    "signature_float": [1.5],
+    "signature_none": [None],
+}
+
 LONE = {
     # what: (error type, text expected in the message)
     "unknown_name": (sparsecoll.UnknownAlgorithmError, "unknown algorithm 'no-such-thing'"),
     "custom_signature": (ValueError, "does not fit in int64"),
+    "signature_too_long": (ValueError, "at most 8 signature values, got 9"),
+    "signature_float": (TypeError, "an algorithm option must be an integer in the signature"),
+    "signature_none": (TypeError, "got NoneType"),
     "gtopk:k": (ValueError, "k must be below 2**63"),
     "oktopk:k": (ValueError, "k must be below 2**63"),
     "exdyna:k": (ValueError, "k must be below 2**63"),
@@ -174,6 +187,7 @@ def test_bad_option_on_one_rank_raises_everywhere(comm, what):
     except Exception as exc:
         got = (exc, str(exc))
     ok = got is not None and isinstance(got[0], etype)
+    ok = ok and isinstance(got[0], sparsecoll.SparseCollError)
     assert_all(comm, ok, f"expected {etype.__name__}, got {got!r}")
     msgs = comm.allgather_object(got[1])
     assert_all(comm, len(set(msgs)) == 1, f"messages differ: {msgs}")
