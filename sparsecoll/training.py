@@ -210,6 +210,7 @@ class GradientReducer:
         self._sparse_steps = 0
         self._full_topk = 0  # exact top-k steps whose predicted cut missed (since built)
         self._density_sum = 0.0
+        self._can_take_back = False  # the spare buffers hold the residual before the last step
 
     # -- public ---------------------------------------------------------------------------
     @property
@@ -261,6 +262,7 @@ class GradientReducer:
             # the selection (a ReuseThreshold's schedule, a sampler's generator) and the cut
             # prediction move in _prepare: given back below if the step fails on any rank
             saved = self._selection_snapshot()
+            self._can_take_back = False  # the pass writes into the spare buffers
             prepared = self._prepare(arr.reshape(-1), None if dest is None else dest.reshape(-1))
         except Exception as exc:  # (shared with every rank: none is left waiting)
             error = exc
@@ -389,6 +391,7 @@ class GradientReducer:
                 f"reducer's selection={self.selection!r} does not have"
             )
         self.steps = int(state["steps"])
+        self._can_take_back = False
         res = state["residual"]
         self._residual = None
         self._pending_residual = None if res is None else np.array(res, copy=True)
@@ -725,7 +728,25 @@ class GradientReducer:
         self._residual, self._spare, self._pending_residual = acc, prep.res, None
         if velocity is not None:
             self._velocity, self._spare_velocity = velocity, prep.old_velocity
+        self._can_take_back = True
         return update
+
+    def _take_back(self) -> None:
+        """The last step's update was not applied (the training loop skipped the batch):
+        put the residual and the velocity back as they were before it, so that what the
+        step sent is not lost (the batch's gradient counts as never fed). The step counter,
+        the algorithm's and the selection's state and the statistics stay advanced: the
+        step happened on every rank. Only right after a step that succeeded (its buffers
+        are the spare ones until the next step writes them); call it on every rank alike."""
+        self._wait_pending()
+        if not self._can_take_back:
+            raise RuntimeError(
+                "no step to take back (none since the last reset, restore or take-back)"
+            )
+        self._can_take_back = False
+        self._residual, self._spare = self._spare, self._residual
+        if self._velocity is not None:
+            self._velocity, self._spare_velocity = self._spare_velocity, self._velocity
 
 
 def _finish(
