@@ -313,7 +313,8 @@ class GradientReducer:
 
         ``achieved_density`` is the nonzero count of the last update over n (the union over
         ranks for exact algorithms: their build-up shows here); ``selected_density`` is this
-        rank's own selection over n; ``mean_achieved_density`` averages the sparse steps.
+        rank's own selection over n; ``mean_achieved_density`` averages the steps after the
+        warm-up (1.0 for ``dense``; None before the first of them).
         ``dense_bytes`` is what one dense allreduce step moves per rank, for comparison.
         ``time_collective_s``: seconds the last step spent in collective calls (the input
         agreement and the algorithm's reduction, its own local merging included); the rest
@@ -334,7 +335,7 @@ class GradientReducer:
             "achieved_density": self._last.nnz / self.n if self.n else 0.0,
             "selected_density": self._last.selected / self.n if self.n else 0.0,
             "mean_achieved_density": (
-                self._density_sum / self._sparse_steps if self._sparse_steps else 0.0
+                self._density_sum / self._sparse_steps if self._sparse_steps else None
             ),
             "bytes_sent": st.bytes_sent,
             "bytes_recv": st.bytes_recv,
@@ -668,6 +669,9 @@ class GradientReducer:
             self._last.comm_s += time.perf_counter() - t0
             acc[...] = 0
             self._last.record(self.n, self.n)
+            if self._is_dense and self.steps >= self.warmup:  # ("dense" past its warm-up)
+                self._sparse_steps += 1
+                self._density_sum += 1.0
             if prep.update is not None:
                 self._update_nnz = None
         else:
