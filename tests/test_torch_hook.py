@@ -34,7 +34,7 @@ def test_ddp_hook_two_ranks():
     assert proc.stdout.count("ddp hook ok") == 2, proc.stdout[-4000:]
 
 
-def _train(torch, ddp_cls, hook_state, hook, rank: int, steps: int = STEPS):
+def _train(torch, ddp_cls, hook_state, hook, rank: int, steps: int = STEPS, dtype=None):
     """Train a tiny MLP on a learnable rule; return (parameters, losses, bucket count)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -43,7 +43,7 @@ def _train(torch, ddp_cls, hook_state, hook, rank: int, steps: int = STEPS):
         torch.nn.Linear(32, 32),
         torch.nn.Tanh(),
         torch.nn.Linear(32, 4),
-    )
+    ).to(dtype or torch.float32)
     # a tiny bucket cap: several buckets, so the rebuild after iteration 0 matters
     ddp = ddp_cls(model, bucket_cap_mb=0.002)
     if hook_state is not None:
@@ -52,6 +52,7 @@ def _train(torch, ddp_cls, hook_state, hook, rank: int, steps: int = STEPS):
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(128, 8, generator=gen)
     y = (x[:, :4] - x[:, 4:]).argmax(dim=1)  # the same rule on every rank
+    x = x.to(dtype or torch.float32)
     losses = []
     for _ in range(steps):
         opt.zero_grad()
@@ -228,6 +229,43 @@ def _skipped_iteration_loses_nothing(torch, ddp_cls, comm) -> list[str]:
     return problems
 
 
+def _bfloat16_buckets(torch, ddp_cls, comm) -> list[str]:
+    """A bfloat16 model: both hooks reduce its buckets (numpy has no bfloat16: the hook
+    raised TypeError on every bucket, warm-up included) through float32, with float32
+    residuals; the parameters agree across ranks and between the hooks, and train."""
+    import numpy as np
+
+    from sparsecoll.integrations.torch import (
+        SparseHookState,
+        async_sparse_allreduce_hook,
+        sparse_allreduce_hook,
+    )
+
+    problems, runs = [], []
+    for hook in (sparse_allreduce_hook, async_sparse_allreduce_hook):
+        for algorithm in ("allgather", "exdyna"):
+            state = SparseHookState(comm, algorithm, density=0.1)
+            try:
+                params, losses = _train(
+                    torch, ddp_cls, state, hook, comm.Get_rank(), steps=6, dtype=torch.bfloat16
+                )
+            except Exception as exc:
+                problems.append(f"bfloat16, {hook.__name__}, {algorithm}: {exc!r:.200}")
+                continue
+            runs.append(params)
+            flat = torch.cat([p.float().reshape(-1) for p in params]).numpy()
+            if not all(np.array_equal(o, flat) for o in comm.allgather(flat)):
+                problems.append(f"bfloat16, {algorithm}: parameters differ across ranks")
+            dtypes = {str(r.residual.dtype) for r in state.reducers.values()}
+            if dtypes != {"float32"} or not losses[-1] < losses[0]:
+                problems.append(f"bfloat16, {algorithm}: residuals {dtypes}, loss {losses}")
+    if len(runs) == 4 and not all(
+        torch.equal(a, b) for s, t in ((0, 2), (1, 3)) for a, b in zip(runs[s], runs[t])
+    ):
+        problems.append("bfloat16: the async hook's parameters differ from the sync hook's")
+    return problems
+
+
 def _worker() -> None:
     from mpi4py import MPI
 
@@ -291,6 +329,7 @@ def _worker() -> None:
                 problems.append(f"{name}: sent {st['bytes_sent_last']} bytes, dense sends less")
         problems += _resume_into_fresh_ddp(torch, DistributedDataParallel, comm)
         problems += _skipped_iteration_loses_nothing(torch, DistributedDataParallel, comm)
+        problems += _bfloat16_buckets(torch, DistributedDataParallel, comm)
 
         # a reduction error (NaN on rank 0) reaches backward() on every rank with its type
         # and message (a future completed by set_exception gave "Unable to cast ... to

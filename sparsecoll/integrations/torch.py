@@ -299,8 +299,11 @@ def _end_iteration(state: SparseHookState) -> None:
 
 
 def _reduce_one(state: SparseHookState, buf: Any, red: GradientReducer | None) -> None:
+    # numpy has no bfloat16: such a bucket is reduced in float32 (exact widening), its
+    # residual kept in float32, and the update rounded back into the bucket
+    work = buf.float() if buf.dtype == _torch().bfloat16 else buf
     if red is None:
-        arr, _ = as_array(buf, "bucket", writable=True)
+        arr, _ = as_array(work, "bucket", writable=True)
         # on the bucket's GPU: the asynchronous hook runs this on the progress thread,
         # whose current device is 0 (as every new CUDA host thread's)
         with device_scope(arr), state.comm.measure() as st:
@@ -310,17 +313,19 @@ def _reduce_one(state: SparseHookState, buf: Any, red: GradientReducer | None) -
         _add_totals(state._dense_stats, st)
     else:
         try:
-            red.step(buf, out=buf)  # the update overwrites the gradient in place
+            red.step(work, out=work)  # the update overwrites the gradient in place
         except NonFiniteError:  # (raised on every rank alike: every rank fills alike)
             state._failed = True
             if state.nonfinite != "nan":
                 raise
-            buf.fill_(float("nan"))
+            work.fill_(float("nan"))
         except Exception:  # (a step's errors are agreed: raised on every rank alike)
             state._failed = True
             raise
         else:
             state._stepped.append(red)
+    if work is not buf:
+        buf.copy_(work)
 
 
 def _bucket_reducer(state: SparseHookState, bucket: Any) -> GradientReducer | None:
