@@ -218,7 +218,8 @@ class GradientReducer:
         """This rank's error-feedback memory (dense and flat, the array module and dtype of the
         gradients: numpy for numpy and torch CPU tensors, CuPy for device arrays; None before
         the first step). The reducer's own buffer, reused two steps later:
-        copy it to keep it."""
+        copy it to keep it. With ``error_feedback=False`` it holds what the last step
+        dropped (not carried into the next step)."""
         if self._residual is None and self._pending_residual is not None:
             return self._pending_residual
         return self._residual
