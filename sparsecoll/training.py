@@ -228,6 +228,7 @@ class GradientReducer:
         self._sparse_steps = 0
         self._full_topk = 0  # exact top-k steps whose predicted cut missed (since built)
         self._density_sum = 0.0
+        self._can_take_back = False  # the spare buffers hold the residual before the last step
 
     # -- public ---------------------------------------------------------------------------
     @property
@@ -235,7 +236,8 @@ class GradientReducer:
         """This rank's error-feedback memory (dense and flat, the array module and dtype of the
         gradients: numpy for numpy and torch CPU tensors, CuPy for device arrays; None before
         the first step). The reducer's own buffer, reused two steps later:
-        copy it to keep it."""
+        copy it to keep it. With ``error_feedback=False`` it holds what the last step
+        dropped (not carried into the next step)."""
         if self._residual is None and self._pending_residual is not None:
             return self._pending_residual
         return self._residual
@@ -285,6 +287,7 @@ class GradientReducer:
             # the selection (a ReuseThreshold's schedule, a sampler's generator) and the cut
             # prediction move in _prepare: given back below if the step fails on any rank
             saved = self._selection_snapshot()
+            self._can_take_back = False  # the pass writes into the spare buffers
             prepared = self._prepare(arr.reshape(-1), None if dest is None else dest.reshape(-1))
         except Exception as exc:  # (shared with every rank: none is left waiting)
             error = exc
@@ -338,7 +341,8 @@ class GradientReducer:
 
         ``achieved_density`` is the nonzero count of the last update over n (the union over
         ranks for exact algorithms: their build-up shows here); ``selected_density`` is this
-        rank's own selection over n; ``mean_achieved_density`` averages the sparse steps.
+        rank's own selection over n; ``mean_achieved_density`` averages the steps after the
+        warm-up (1.0 for ``dense``; None before the first of them).
         ``dense_bytes`` is what one dense allreduce step moves per rank, for comparison.
         ``time_collective_s``: seconds the last step spent in collective calls (the input
         agreement and the algorithm's reduction, its own local merging included); the rest
@@ -359,7 +363,7 @@ class GradientReducer:
             "achieved_density": self._last.nnz / self.n if self.n else 0.0,
             "selected_density": self._last.selected / self.n if self.n else 0.0,
             "mean_achieved_density": (
-                self._density_sum / self._sparse_steps if self._sparse_steps else 0.0
+                self._density_sum / self._sparse_steps if self._sparse_steps else None
             ),
             "bytes_sent": st.bytes_sent,
             "bytes_recv": st.bytes_recv,
@@ -416,6 +420,7 @@ class GradientReducer:
                 f"reducer's selection={self.selection!r} does not have"
             )
         self.steps = int(state["steps"])
+        self._can_take_back = False
         res = state["residual"]
         self._residual = None
         self._pending_residual = None if res is None else np.array(res, copy=True)
@@ -692,6 +697,9 @@ class GradientReducer:
             self._last.comm_s += time.perf_counter() - t0
             acc[...] = 0
             self._last.record(self.n, self.n)
+            if self._is_dense and self.steps >= self.warmup:  # ("dense" past its warm-up)
+                self._sparse_steps += 1
+                self._density_sum += 1.0
             if prep.update is not None:
                 self._update_nnz = None
         else:
@@ -752,7 +760,25 @@ class GradientReducer:
         self._residual, self._spare, self._pending_residual = acc, prep.res, None
         if velocity is not None:
             self._velocity, self._spare_velocity = velocity, prep.old_velocity
+        self._can_take_back = True
         return update
+
+    def _take_back(self) -> None:
+        """The last step's update was not applied (the training loop skipped the batch):
+        put the residual and the velocity back as they were before it, so that what the
+        step sent is not lost (the batch's gradient counts as never fed). The step counter,
+        the algorithm's and the selection's state and the statistics stay advanced: the
+        step happened on every rank. Only right after a step that succeeded (its buffers
+        are the spare ones until the next step writes them); call it on every rank alike."""
+        self._wait_pending()
+        if not self._can_take_back:
+            raise RuntimeError(
+                "no step to take back (none since the last reset, restore or take-back)"
+            )
+        self._can_take_back = False
+        self._residual, self._spare = self._spare, self._residual
+        if self._velocity is not None:
+            self._velocity, self._spare_velocity = self._spare_velocity, self._velocity
 
 
 def _finish(

@@ -34,7 +34,7 @@ def test_ddp_hook_two_ranks():
     assert proc.stdout.count("ddp hook ok") == 2, proc.stdout[-4000:]
 
 
-def _train(torch, ddp_cls, hook_state, hook, rank: int, steps: int = STEPS):
+def _train(torch, ddp_cls, hook_state, hook, rank: int, steps: int = STEPS, dtype=None):
     """Train a tiny MLP on a learnable rule; return (parameters, losses, bucket count)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -43,7 +43,7 @@ def _train(torch, ddp_cls, hook_state, hook, rank: int, steps: int = STEPS):
         torch.nn.Linear(32, 32),
         torch.nn.Tanh(),
         torch.nn.Linear(32, 4),
-    )
+    ).to(dtype or torch.float32)
     # a tiny bucket cap: several buckets, so the rebuild after iteration 0 matters
     ddp = ddp_cls(model, bucket_cap_mb=0.002)
     if hook_state is not None:
@@ -52,6 +52,7 @@ def _train(torch, ddp_cls, hook_state, hook, rank: int, steps: int = STEPS):
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(128, 8, generator=gen)
     y = (x[:, :4] - x[:, 4:]).argmax(dim=1)  # the same rule on every rank
+    x = x.to(dtype or torch.float32)
     losses = []
     for _ in range(steps):
         opt.zero_grad()
@@ -60,6 +61,64 @@ def _train(torch, ddp_cls, hook_state, hook, rank: int, steps: int = STEPS):
         opt.step()
         losses.append(loss.item())
     return [p.detach().clone() for p in model.parameters()], losses
+
+
+class _Ledger:
+    """DDP with the hook on a small MLP, lr 0 and a fixed batch (the same gradient every
+    iteration), and what error feedback must conserve: per parameter, Σ p.grad · P +
+    Σ residuals == Σ gradients over the iterations counted."""
+
+    def __init__(self, torch, ddp_cls, comm) -> None:
+        self.torch, self.ddp_cls, self.comm = torch, ddp_cls, comm
+        self.x = torch.randn(16, 7, generator=torch.Generator().manual_seed(comm.Get_rank()))
+
+    def model(self):
+        self.torch.manual_seed(0)
+        nn = self.torch.nn
+        return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 3))
+
+    def build(self, state, static=False, hook=None, **ddp_options):
+        """(model, ddp, order): order maps a bucket index to its parameters' positions in
+        the model, in bucket order."""
+        from sparsecoll.integrations.torch import sparse_allreduce_hook
+
+        hook = hook or sparse_allreduce_hook
+        model = self.model()
+        ddp = self.ddp_cls(model, static_graph=static, **ddp_options)
+        order = {}
+
+        def recording(state, bucket):
+            pos = {id(p): i for i, p in enumerate(model.parameters())}
+            order[bucket.index()] = [pos[id(p)] for p in bucket.parameters()]
+            return hook(state, bucket)
+
+        ddp.register_comm_hook(state, recording)
+        return model, ddp, order
+
+    def run(self, model, ddp, steps, acc):
+        for _ in range(steps):
+            ddp.zero_grad()
+            ddp(self.x).pow(2).mean().backward()
+            for a, p in zip(acc, model.parameters()):
+                a += p.grad.double().reshape(-1).numpy()
+
+    def lost(self, model, state, order, acc, steps):
+        import numpy as np
+
+        plain = self.model()
+        plain(self.x).pow(2).mean().backward()
+        params = list(model.parameters())
+        res = [np.zeros(p.numel()) for p in params]
+        for index, red in state.reducers.items():
+            r, off = np.asarray(red.residual, dtype=np.float64), 0
+            for i in order[index]:
+                res[i] += r[off : off + params[i].numel()]
+                off += params[i].numel()
+        worst, comm = 0.0, self.comm
+        for a, r, p in zip(acc, res, plain.parameters()):
+            grads = comm.allreduce(p.grad.double().reshape(-1).numpy()) * steps
+            worst = max(worst, float(np.abs(a * comm.Get_size() + comm.allreduce(r) - grads).max()))
+        return worst
 
 
 def _resume_into_fresh_ddp(torch, ddp_cls, comm) -> list[str]:
@@ -75,72 +134,135 @@ def _resume_into_fresh_ddp(torch, ddp_cls, comm) -> list[str]:
 
     import numpy as np
 
-    from sparsecoll.integrations.torch import SparseHookState, sparse_allreduce_hook
+    from sparsecoll.integrations.torch import SparseHookState
 
-    size, problems = comm.Get_size(), []
-    x = torch.randn(16, 7, generator=torch.Generator().manual_seed(comm.Get_rank()))
-
-    def build(state, static=False):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3))
-        ddp = ddp_cls(model, static_graph=static)
-        order = {}  # bucket index -> its parameters' positions in the model, in bucket order
-
-        def hook(state, bucket):
-            pos = {id(p): i for i, p in enumerate(model.parameters())}
-            order[bucket.index()] = [pos[id(p)] for p in bucket.parameters()]
-            return sparse_allreduce_hook(state, bucket)
-
-        ddp.register_comm_hook(state, hook)
-        return model, ddp, order
-
-    def run(model, ddp, steps, acc):
-        for _ in range(steps):
-            ddp.zero_grad()
-            ddp(x).pow(2).mean().backward()
-            for a, p in zip(acc, model.parameters()):
-                a += p.grad.double().reshape(-1).numpy()
-
-    def lost(model, state, order, acc, steps):
-        torch.manual_seed(0)
-        plain = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3))
-        plain(x).pow(2).mean().backward()
-        params = list(model.parameters())
-        res = [np.zeros(p.numel()) for p in params]
-        for index, red in state.reducers.items():
-            r, off = np.asarray(red.residual, dtype=np.float64), 0
-            for i in order[index]:
-                res[i] += r[off : off + params[i].numel()]
-                off += params[i].numel()
-        worst = 0.0
-        for a, r, p in zip(acc, res, plain.parameters()):
-            grads = comm.allreduce(p.grad.double().reshape(-1).numpy()) * steps
-            worst = max(worst, float(np.abs(a * size + comm.allreduce(r) - grads).max()))
-        return worst
-
+    problems, ledger = [], _Ledger(torch, ddp_cls, comm)
     state = SparseHookState(comm, "allgather", density=0.1)
-    model, ddp, order = build(state)
+    model, ddp, order = ledger.build(state)
     acc = [np.zeros(p.numel()) for p in model.parameters()]
-    run(model, ddp, 3, acc)
+    ledger.run(model, ddp, 3, acc)
     saved = pickle.loads(pickle.dumps(state.state_dict()))
     state = SparseHookState(comm, "allgather", density=0.1)
     state.load_state_dict(saved)
-    model, ddp, order = build(state)
-    run(model, ddp, 3, acc)
-    if (err := lost(model, state, order, acc, 6)) > 1e-5:
+    model, ddp, order = ledger.build(state)
+    ledger.run(model, ddp, 3, acc)
+    if (err := ledger.lost(model, state, order, acc, 6)) > 1e-5:
         problems.append(f"restored into a fresh DDP: a parameter's gradients are off by {err}")
     for warmup in (1, 2):
         state = SparseHookState(comm, "allgather", density=0.1, warmup=warmup)
-        model, ddp, order = build(state, static=True)
+        model, ddp, order = ledger.build(state, static=True)
         acc = [np.zeros(p.numel()) for p in model.parameters()]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            run(model, ddp, 4, acc)
+            ledger.run(model, ddp, 4, acc)
         warned = any("changed" in str(w.message) for w in caught)
         if warmup == 1 and not warned:
             problems.append("static graph, warmup=1: the rebuilt bucket gave no warning")
-        if warmup == 2 and (warned or (err := lost(model, state, order, acc, 4)) > 1e-5):
+        if warmup == 2 and (warned or (err := ledger.lost(model, state, order, acc, 4)) > 1e-5):
             problems.append(f"static graph, warmup=2: warned {warned}, gradients off by {err}")
+    return problems
+
+
+def _skipped_iteration_loses_nothing(torch, ddp_cls, comm) -> list[str]:
+    """An iteration in which one bucket fails (Inf in one parameter's gradient on rank 0)
+    is skipped by the training loop (nonfinite="raise": backward raises, the batch is
+    dropped; "nan": the bucket comes back NaN and the step is not taken): the buckets that
+    stepped in it, before or after the failing one, take their residual back, so nothing
+    is lost over the run, Σ p.grad · P + Σ residuals == Σ gradients of the iterations
+    kept. Before, their sent entries were lost with the batch; and the asynchronous hook's
+    backward raised as soon as the failed bucket's future did, with the later buckets still
+    queued, writing into buffers DDP had handed to the next iteration. Both hooks, a
+    selecting algorithm of each kind, the failure in the first and in the last bucket."""
+    import numpy as np
+
+    from sparsecoll.integrations.torch import (
+        SparseHookState,
+        async_sparse_allreduce_hook,
+        sparse_allreduce_hook,
+    )
+
+    problems, ledger = [], _Ledger(torch, ddp_cls, comm)
+    steps, skip = 6, 3
+    cases = [
+        (hook, algorithm, nonfinite, where)
+        for hook in (sparse_allreduce_hook, async_sparse_allreduce_hook)
+        for algorithm, nonfinite, where in (
+            ("allgather", "raise", 0),
+            ("gtopk", "nan", 2),
+            ("oktopk", "raise", 2),
+            ("exdyna", "nan", 0),
+        )
+    ]
+    bad = {"now": False}  # whether the next backward puts Inf into the target's gradient
+    for hook, algorithm, nonfinite, where in cases:
+        state = SparseHookState(comm, algorithm, density=0.1, nonfinite=nonfinite)
+        model, ddp, order = ledger.build(state, hook=hook, bucket_cap_mb=0.0001)
+        target = model[where].weight
+        target.register_hook(
+            lambda g: g.index_fill(1, torch.tensor([0]), float("inf")) if bad["now"] else g
+        )
+        acc = [np.zeros(p.numel()) for p in model.parameters()]
+        what = f"{hook.__name__}, {algorithm}, nonfinite={nonfinite!r}, layer {where}"
+        for t in range(steps):
+            if t != skip:
+                ledger.run(model, ddp, 1, acc)
+                continue
+            bad["now"] = comm.Get_rank() == 0
+            ddp.zero_grad()
+            try:
+                ddp(ledger.x).pow(2).mean().backward()
+                failed = not all(bool(p.grad.isfinite().all()) for p in model.parameters())
+            except RuntimeError as exc:
+                failed = "NonFiniteError" in str(exc)
+            bad["now"] = False
+            if not failed:
+                problems.append(f"{what}: the iteration with Inf did not fail")
+            # every bucket but the failed one stepped before backward returned (the
+            # asynchronous hook's error came back while later buckets were still queued)
+            stepped = sum(red.steps for red in state.reducers.values())
+            if stepped != skip * len(state.reducers) - 1:
+                problems.append(f"{what}: backward returned with buckets in flight")
+        if len(order) < 2:
+            problems.append(f"{what}: expected several buckets, got {len(order)}")
+        if (err := ledger.lost(model, state, order, acc, steps - 1)) > 1e-5:
+            problems.append(f"{what}: a parameter's gradients are off by {err:.3g}")
+    return problems
+
+
+def _bfloat16_buckets(torch, ddp_cls, comm) -> list[str]:
+    """A bfloat16 model: both hooks reduce its buckets (numpy has no bfloat16: the hook
+    raised TypeError on every bucket, warm-up included) through float32, with float32
+    residuals; the parameters agree across ranks and between the hooks, and train."""
+    import numpy as np
+
+    from sparsecoll.integrations.torch import (
+        SparseHookState,
+        async_sparse_allreduce_hook,
+        sparse_allreduce_hook,
+    )
+
+    problems, runs = [], []
+    for hook in (sparse_allreduce_hook, async_sparse_allreduce_hook):
+        for algorithm in ("allgather", "exdyna"):
+            state = SparseHookState(comm, algorithm, density=0.1)
+            try:
+                params, losses = _train(
+                    torch, ddp_cls, state, hook, comm.Get_rank(), steps=6, dtype=torch.bfloat16
+                )
+            except Exception as exc:
+                problems.append(f"bfloat16, {hook.__name__}, {algorithm}: {exc!r:.200}")
+                continue
+            runs.append(params)
+            flat = torch.cat([p.float().reshape(-1) for p in params]).numpy()
+            if not all(np.array_equal(o, flat) for o in comm.allgather(flat)):
+                problems.append(f"bfloat16, {algorithm}: parameters differ across ranks")
+            dtypes = {str(r.residual.dtype) for r in state.reducers.values()}
+            if dtypes != {"float32"} or not losses[-1] < losses[0]:
+                problems.append(f"bfloat16, {algorithm}: residuals {dtypes}, loss {losses}")
+    if len(runs) == 4 and not all(
+        torch.equal(a, b) for s, t in ((0, 2), (1, 3)) for a, b in zip(runs[s], runs[t])
+    ):
+        problems.append("bfloat16: the async hook's parameters differ from the sync hook's")
     return problems
 
 
@@ -206,6 +328,8 @@ def _worker() -> None:
             if not st["bytes_sent_last"] < st["dense_bytes_per_iteration"]:
                 problems.append(f"{name}: sent {st['bytes_sent_last']} bytes, dense sends less")
         problems += _resume_into_fresh_ddp(torch, DistributedDataParallel, comm)
+        problems += _skipped_iteration_loses_nothing(torch, DistributedDataParallel, comm)
+        problems += _bfloat16_buckets(torch, DistributedDataParallel, comm)
 
         # a reduction error (NaN on rank 0) reaches backward() on every rank with its type
         # and message (a future completed by set_exception gave "Unable to cast ... to

@@ -105,7 +105,9 @@ class SparseHookState:
             the :class:`~sparsecoll.NonFiniteError`); ``"nan"``: the bucket is filled with
             NaN on every rank and backward goes on, so that loss scaling
             (``torch.amp.GradScaler``) skips the step and lowers its scale, as with DDP's
-            own hook. Either way that bucket's reducer keeps its residual.
+            own hook. Either way that bucket's reducer keeps its residual, and the buckets
+            that stepped in that iteration take theirs back after its last bucket (the
+            batch is skipped: nothing they sent is lost; do not apply their updates).
         **options: more GradientReducer options (``error_feedback``, algorithm options).
 
     Every rank must build the same state. ``stats()`` sums the byte counts over buckets;
@@ -116,10 +118,13 @@ class SparseHookState:
 
     __slots__ = (
         "_dense_stats",
+        "_failed",
+        "_failures",
         "_layouts",
         "_pending",
         "_pending_layouts",
         "_pending_until",
+        "_stepped",
         "algorithm",
         "comm",
         "density",
@@ -162,6 +167,9 @@ class SparseHookState:
         self._pending_layouts: dict[int, tuple[Any, ...]] = {}
         self._pending_until = 0
         self._dense_stats = CommStats()
+        self._stepped: list[GradientReducer] = []  # the reducers stepped in this iteration
+        self._failed = False  # whether a bucket's reduction failed in this iteration
+        self._failures: list[tuple[Any, BaseException]] = []  # async: errors held back
         # fail early, on every rank alike, on a bad algorithm name or option
         GradientReducer(self.comm, 1, algorithm, self.density, **options)
 
@@ -249,6 +257,7 @@ class SparseHookState:
         for red in self.reducers.values():
             red.reset()
         self._pending.clear()
+        self._stepped, self._failed = [], False
         self._dense_stats = CommStats()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -260,16 +269,41 @@ class SparseHookState:
         self.iteration = int(state["iteration"])
         self.reducers.clear()
         self._layouts.clear()
+        self._stepped, self._failed = [], False
         self._pending = dict(state["reducers"])
         self._pending_layouts = dict(state.get("layouts", {}))
         self._pending_until = self.iteration + 3
 
 
-def _reduce_bucket(state: SparseHookState, buf: Any, red: GradientReducer | None) -> None:
+def _reduce_bucket(
+    state: SparseHookState, buf: Any, red: GradientReducer | None, last: bool
+) -> None:
     """Overwrite ``buf`` with the bucket's average: dense during the warm-up (``red`` None),
-    else ``red``'s sparse update."""
+    else ``red``'s sparse update. ``last``: the iteration's last bucket, after which an
+    iteration in which a bucket failed is taken back."""
+    try:
+        _reduce_one(state, buf, red)
+    finally:
+        if last:
+            _end_iteration(state)
+
+
+def _end_iteration(state: SparseHookState) -> None:
+    """After the iteration's last bucket: if a bucket failed (on every rank alike), the
+    training loop skips the batch (backward raised, or GradScaler saw the NaN), so the
+    buckets that stepped take their residual back and nothing they sent is lost."""
+    if state._failed:
+        for red in state._stepped:
+            red._take_back()
+    state._stepped, state._failed = [], False
+
+
+def _reduce_one(state: SparseHookState, buf: Any, red: GradientReducer | None) -> None:
+    # numpy has no bfloat16: such a bucket is reduced in float32 (exact widening), its
+    # residual kept in float32, and the update rounded back into the bucket
+    work = buf.float() if buf.dtype == _torch().bfloat16 else buf
     if red is None:
-        arr, _ = as_array(buf, "bucket", writable=True)
+        arr, _ = as_array(work, "bucket", writable=True)
         # on the bucket's GPU: the asynchronous hook runs this on the progress thread,
         # whose current device is 0 (as every new CUDA host thread's)
         with device_scope(arr), state.comm.measure() as st:
@@ -279,11 +313,19 @@ def _reduce_bucket(state: SparseHookState, buf: Any, red: GradientReducer | None
         _add_totals(state._dense_stats, st)
     else:
         try:
-            red.step(buf, out=buf)  # the update overwrites the gradient in place
+            red.step(work, out=work)  # the update overwrites the gradient in place
         except NonFiniteError:  # (raised on every rank alike: every rank fills alike)
+            state._failed = True
             if state.nonfinite != "nan":
                 raise
-            buf.fill_(float("nan"))
+            work.fill_(float("nan"))
+        except Exception:  # (a step's errors are agreed: raised on every rank alike)
+            state._failed = True
+            raise
+        else:
+            state._stepped.append(red)
+    if work is not buf:
+        buf.copy_(work)
 
 
 def _bucket_reducer(state: SparseHookState, bucket: Any) -> GradientReducer | None:
@@ -309,8 +351,9 @@ def sparse_allreduce_hook(state: SparseHookState, bucket):
     torch = _torch()
     buf = bucket.buffer()
     fut = torch.futures.Future()
+    last = bucket.is_last()
     try:
-        _reduce_bucket(state, buf, _bucket_reducer(state, bucket))
+        _reduce_bucket(state, buf, _bucket_reducer(state, bucket), last)
     except Exception as exc:
         # raised inside the hook, the error leaves DDP's reducer mid-iteration (the next
         # forward fails an internal assertion): like the asynchronous hook, hand it over in
@@ -332,17 +375,26 @@ def async_sparse_allreduce_hook(state: SparseHookState, bucket):
     """
     torch = _torch()
     buf = bucket.buffer()
-    iteration = state.iteration
+    iteration, last = state.iteration, bucket.is_last()
     red = _bucket_reducer(state, bucket)
     fut = torch.futures.Future()
 
     def run() -> None:
         try:
-            _reduce_bucket(state, buf, red)
+            _reduce_bucket(state, buf, red, last)
         except BaseException as exc:
-            fut.set_exception(exc)
+            # DDP's backward raises as soon as it sees a failed future, with the later
+            # buckets still queued here (they would then write into buffers DDP has given
+            # to the next iteration): the error waits for the iteration's last bucket
+            state._failures.append((fut, exc))
             raise
-        fut.set_result(buf)
+        else:
+            fut.set_result(buf)
+        finally:
+            if last:
+                failures, state._failures = state._failures, []
+                for failed, exc in failures:
+                    failed.set_exception(exc)
 
     what = "dense warm-up" if red is None else repr(state.algorithm)
     label = f"ddp bucket {bucket.index()} ({what}, iteration {iteration})"

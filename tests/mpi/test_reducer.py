@@ -273,11 +273,17 @@ def test_stats_count_bytes(comm, algorithm):
     n, p = 4000, comm.size
     red = GradientReducer(comm, n, algorithm, density=0.01, warmup=1)
     rng = np.random.default_rng([5, comm.rank])
-    sent = []
+    sent, means, achieved = [], [red.stats()["mean_achieved_density"]], []
     for _ in range(3):
         red.step(rng.standard_normal(n).astype(np.float32))
         sent.append(red.stats()["bytes_sent"])
+        means.append(red.stats()["mean_achieved_density"])
+        achieved.append(red.stats()["achieved_density"])
     s = red.stats()
+    # no step after the warm-up yet: None (it read 0.0, and 0.0 forever for "dense")
+    assert_all(comm, means[:2] == [None, None], f"mean density before a sparse step: {means}")
+    want = np.mean(achieved[1:])
+    assert_all(comm, abs(means[-1] - want) < 1e-12, f"mean density {means[-1]} != {want}")
     dense = 2 * (p - 1) * n * 4 // p
     assert_all(comm, s["dense_bytes"] == dense, f"dense_bytes {s['dense_bytes']} != {dense}")
     assert_all(comm, sent[0] == dense, "the warm-up step is one dense allreduce")
