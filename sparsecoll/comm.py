@@ -789,7 +789,6 @@ class Communicator:
         rank (MPI would sum the raw bytes of float32 against float64, or hang). Callers
         that agreed on them already pass ``check=False``.
         """
-        MPI = _mpi()
         given = out
         buf, out, wrap, orig = self._allreduce_args(buf, out, op, check)
         xp = get_array_module(buf)
@@ -798,16 +797,11 @@ class Communicator:
         work = buf.astype(np.float32) if half else buf if inplace else xp.ascontiguousarray(buf)
         dest = work if inplace else xp.empty_like(work) if out is None else out
         if self.size > 1:
-            mpitype = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}
-            count = int(work.size)
             rview, finish = self._recv_view(dest)
-            if not inplace:
-                send = [self._send_view(work), count, mpitype[work.dtype]]
-            else:
-                send = MPI.IN_PLACE
-                if finish and rview.shape[0]:  # staged through the host: stage the input
-                    dest.reshape(-1).view(np.uint8).get(out=rview)
-            self._complete("Allreduce", send, [rview, count, mpitype[work.dtype]], MPI.SUM)
+            sview = None if inplace else self._send_view(work)
+            if inplace and finish and rview.shape[0]:  # staged through the host: stage the input
+                dest.reshape(-1).view(np.uint8).get(out=rview)
+            self._allreduce_sum(sview, rview, int(work.size), work.dtype)
             if finish:
                 finish()
             self._count_allreduce(work.nbytes)
@@ -817,6 +811,21 @@ class Communicator:
             dest /= self.size
         total = _in_dtype(dest, orig, out)
         return given if given is not None else wrap(total)
+
+    def _allreduce_sum(self, send: Any, recv: Any, count: int, dtype: Any) -> None:
+        """MPI_Allreduce (sum) of ``count`` elements of ``dtype`` from the byte view ``send``
+        (None: in place) into the byte view ``recv``. Past :data:`COUNT_MAX` elements, on a
+        library without large counts, in consecutive chunks of at most COUNT_MAX elements
+        (the same chunks on every rank: the count is agreed), each summed as its own call."""
+        MPI = _mpi()
+        mpitype = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}[dtype]
+        step = COUNT_MAX if count > COUNT_MAX and not _large_counts() else max(count, 1)
+        item = dtype.itemsize
+        for lo in range(0, max(count, 1), step):
+            n = min(step, count - lo)
+            part = slice(lo * item, (lo + n) * item)
+            src = MPI.IN_PLACE if send is None else [send[part], n, mpitype]
+            self._complete("Allreduce", src, [recv[part], n, mpitype], MPI.SUM)
 
     def _allreduce_args(self, buf: Any, out: Any, op: str, check: bool) -> tuple[Any, ...]:
         """``allreduce``'s arguments as arrays: ``(buf to sum, out, wrap, buf's dtype)``
