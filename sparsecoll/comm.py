@@ -72,6 +72,7 @@ POLL_MAX = 1e-3  # ...and at most this: a long wait tests about once a milliseco
 # MPI-4 large-count calls (MPI_Allgatherv_c, ...), which some MPI libraries lack (Open MPI
 # 5.0): it then raises MPI_ERR_ARG. There, payloads past this go another way.
 COUNT_MAX = 2**31 - 1
+PAIRS_TAG = 0x5A7  # tag of Communicator.alltoallv's point-to-point messages past COUNT_MAX
 
 
 def _mpi() -> Any:
@@ -752,15 +753,50 @@ class Communicator:
         rd = np.concatenate(([0], np.cumsum(rb)[:-1])).tolist()
         rview, finish = self._recv_view(out)
         MPI = _mpi()
-        self._complete(
-            "Alltoallv",
-            [self._send_view(sendbuf), (sb, sd), MPI.BYTE],
-            [rview, (rb, rd), MPI.BYTE],
-        )
+        if self._alltoallv_past_limit(sb, sd, rb, rd):
+            self._alltoallv_by_pairs(self._send_view(sendbuf), rview, sb, sd, rb, rd)
+        else:
+            self._complete(
+                "Alltoallv",
+                [self._send_view(sendbuf), (sb, sd), MPI.BYTE],
+                [rview, (rb, rd), MPI.BYTE],
+            )
         if finish:
             finish()
         self._count_alltoallv(sb, rb)
         return out, recvcounts
+
+    def _alltoallv_past_limit(self, *byte_lists: list[int]) -> bool:
+        """Whether any rank's alltoallv has a count or displacement past :data:`COUNT_MAX`
+        bytes on a library without large counts (one more small allreduce, metadata, there
+        only: a rank's receive offsets depend on what the others send)."""
+        if _large_counts() or self.size == 1:
+            return False
+        mine = max(max(b) for b in byte_lists)
+        return int(self.allreduce_ints([mine], op="max")[0]) > COUNT_MAX
+
+    def _alltoallv_by_pairs(
+        self, send: Any, recv: Any, sb: list[int], sd: list[int], rb: list[int], rd: list[int]
+    ) -> None:
+        """Alltoallv past :data:`COUNT_MAX` bytes on a library without large counts: one
+        nonblocking receive from and send to every other rank with a part for it (each
+        message split as :meth:`_message` does), completed together; this rank's own part
+        is copied."""
+        me, size = self.rank, self.size
+        recv[rd[me] : rd[me] + rb[me]] = send[sd[me] : sd[me] + sb[me]]
+        reqs = []
+        for shift in range(1, size):
+            src, dst = (me - shift) % size, (me + shift) % size
+            for call, view, peer in (
+                ("Irecv", recv[rd[src] : rd[src] + rb[src]], src),
+                ("Isend", send[sd[dst] : sd[dst] + sb[dst]], dst),
+            ):
+                if view.shape[0]:
+                    msg, dtype = self._message(view)
+                    req = getattr(self.mpi_comm, call)(msg, peer, PAIRS_TAG)
+                    reqs.append(Request(req, poll=self.poll))
+                    _free(dtype)
+        Request.waitall(reqs)
 
     def _count_alltoallv(self, sb: list[int], rb: list[int]) -> None:
         me = self.rank

@@ -225,6 +225,52 @@ def test_gradient_reducer_warmup_past_the_count_limit(comm, int_counts):
     assert_all(comm, ok, "warm-up steps differ")
 
 
+def _sendcounts(rank: int, size: int) -> list[int]:
+    """What rank r sends to each rank: (r + 2j) % 5 float32 (some zero, some to itself)."""
+    return [(rank + 2 * j) % 5 for j in range(size)]
+
+
+def _chunk(src: int, dst: int, count: int) -> np.ndarray:
+    return np.arange(count, dtype=np.float32) + 100 * src + 10 * dst
+
+
+@pytest.mark.parametrize("poll", [False, True])
+@pytest.mark.parametrize("limit", [10, 4])
+def test_alltoallv_past_the_count_limit(comm, int_counts, poll, limit):
+    """The limit lowered to 10 bytes (some ranks' counts or displacements pass it, the
+    others' not: all of them go point to point), then 4 (every message does)."""
+    c = int_counts(comm, limit, poll)
+    P, me = c.size, c.rank
+    counts = _sendcounts(me, P)
+    send = np.concatenate([_chunk(me, j, n) for j, n in enumerate(counts)])
+    got, recvcounts = c.alltoallv(send, counts)
+    want_counts = [_sendcounts(r, P)[me] for r in range(P)]
+    want = np.concatenate([_chunk(r, me, n) for r, n in enumerate(want_counts)])
+    ok = recvcounts == want_counts and np.array_equal(got, want)
+    assert_all(comm, ok, f"got {got.tolist()} {recvcounts}")
+    sb = [4 * n for n in counts]
+    rb = [4 * n for n in want_counts]
+    want_stats = (
+        sum(sb) - sb[me],
+        sum(rb) - rb[me],
+        sum(1 for j, n in enumerate(sb) if n and j != me),
+        sum(1 for j, n in enumerate(rb) if n and j != me),
+    )
+    s = c.stats
+    stats = (s.bytes_sent, s.bytes_recv, s.messages_sent, s.messages_recv)
+    assert_all(comm, stats == want_stats, f"stats {stats} != {want_stats}")
+
+
+def test_alltoallv_within_the_count_limit(comm, int_counts):
+    """Nothing past the limit on any rank: the one Alltoallv."""
+    c = int_counts(comm, 4 * 5 * 8)
+    counts = _sendcounts(c.rank, c.size)
+    send = np.concatenate([_chunk(c.rank, j, n) for j, n in enumerate(counts)])
+    c.alltoallv(send, counts)
+    names = {name for name, _ in c.calls}
+    assert_all(comm, names == {"Alltoallv"}, f"payload calls {names}")
+
+
 BIG = pytest.mark.skipif(
     os.environ.get("SPARSECOLL_BIG") != "1", reason="set SPARSECOLL_BIG=1 (about 8 GiB)"
 )
