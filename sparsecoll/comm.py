@@ -658,12 +658,18 @@ class Communicator:
             msg = _poll(lambda: self.mpi_comm.Improbe(source, tag, status))
         else:
             msg = self.mpi_comm.Mprobe(source, tag, status)
-        buf = xp.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+        # Get_elements: Get_count's int cannot express a count past COUNT_MAX (MPI_UNDEFINED
+        # on a library without large counts); mpi4py's Get_elements takes MPI_Get_elements_x
+        buf = xp.empty(status.Get_elements(MPI.BYTE), dtype=np.uint8)
         view, finish = self._recv_view(buf)
+        rmsg, dtype = self._message(view)
         if self.poll:
-            _poll(msg.Irecv(view).Test)
+            req = msg.Irecv(rmsg)
+            _free(dtype)
+            _poll(req.Test)
         else:
-            msg.Recv(view)
+            msg.Recv(rmsg)
+            _free(dtype)
         if finish:
             finish()
         self._count_recv(buf, source)
