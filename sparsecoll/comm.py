@@ -72,6 +72,7 @@ POLL_MAX = 1e-3  # ...and at most this: a long wait tests about once a milliseco
 # MPI-4 large-count calls (MPI_Allgatherv_c, ...), which some MPI libraries lack (Open MPI
 # 5.0): it then raises MPI_ERR_ARG. There, payloads past this go another way.
 COUNT_MAX = 2**31 - 1
+PAIRS_TAG = 0x5A7  # tag of Communicator.alltoallv's point-to-point messages past COUNT_MAX
 
 
 def _mpi() -> Any:
@@ -657,12 +658,18 @@ class Communicator:
             msg = _poll(lambda: self.mpi_comm.Improbe(source, tag, status))
         else:
             msg = self.mpi_comm.Mprobe(source, tag, status)
-        buf = xp.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+        # Get_elements: Get_count's int cannot express a count past COUNT_MAX (MPI_UNDEFINED
+        # on a library without large counts); mpi4py's Get_elements takes MPI_Get_elements_x
+        buf = xp.empty(status.Get_elements(MPI.BYTE), dtype=np.uint8)
         view, finish = self._recv_view(buf)
+        rmsg, dtype = self._message(view)
         if self.poll:
-            _poll(msg.Irecv(view).Test)
+            req = msg.Irecv(rmsg)
+            _free(dtype)
+            _poll(req.Test)
         else:
-            msg.Recv(view)
+            msg.Recv(rmsg)
+            _free(dtype)
         if finish:
             finish()
         self._count_recv(buf, source)
@@ -752,15 +759,50 @@ class Communicator:
         rd = np.concatenate(([0], np.cumsum(rb)[:-1])).tolist()
         rview, finish = self._recv_view(out)
         MPI = _mpi()
-        self._complete(
-            "Alltoallv",
-            [self._send_view(sendbuf), (sb, sd), MPI.BYTE],
-            [rview, (rb, rd), MPI.BYTE],
-        )
+        if self._alltoallv_past_limit(sb, sd, rb, rd):
+            self._alltoallv_by_pairs(self._send_view(sendbuf), rview, sb, sd, rb, rd)
+        else:
+            self._complete(
+                "Alltoallv",
+                [self._send_view(sendbuf), (sb, sd), MPI.BYTE],
+                [rview, (rb, rd), MPI.BYTE],
+            )
         if finish:
             finish()
         self._count_alltoallv(sb, rb)
         return out, recvcounts
+
+    def _alltoallv_past_limit(self, *byte_lists: list[int]) -> bool:
+        """Whether any rank's alltoallv has a count or displacement past :data:`COUNT_MAX`
+        bytes on a library without large counts (one more small allreduce, metadata, there
+        only: a rank's receive offsets depend on what the others send)."""
+        if _large_counts() or self.size == 1:
+            return False
+        mine = max(max(b) for b in byte_lists)
+        return int(self.allreduce_ints([mine], op="max")[0]) > COUNT_MAX
+
+    def _alltoallv_by_pairs(
+        self, send: Any, recv: Any, sb: list[int], sd: list[int], rb: list[int], rd: list[int]
+    ) -> None:
+        """Alltoallv past :data:`COUNT_MAX` bytes on a library without large counts: one
+        nonblocking receive from and send to every other rank with a part for it (each
+        message split as :meth:`_message` does), completed together; this rank's own part
+        is copied."""
+        me, size = self.rank, self.size
+        recv[rd[me] : rd[me] + rb[me]] = send[sd[me] : sd[me] + sb[me]]
+        reqs = []
+        for shift in range(1, size):
+            src, dst = (me - shift) % size, (me + shift) % size
+            for call, view, peer in (
+                ("Irecv", recv[rd[src] : rd[src] + rb[src]], src),
+                ("Isend", send[sd[dst] : sd[dst] + sb[dst]], dst),
+            ):
+                if view.shape[0]:
+                    msg, dtype = self._message(view)
+                    req = getattr(self.mpi_comm, call)(msg, peer, PAIRS_TAG)
+                    reqs.append(Request(req, poll=self.poll))
+                    _free(dtype)
+        Request.waitall(reqs)
 
     def _count_alltoallv(self, sb: list[int], rb: list[int]) -> None:
         me = self.rank
@@ -789,7 +831,6 @@ class Communicator:
         rank (MPI would sum the raw bytes of float32 against float64, or hang). Callers
         that agreed on them already pass ``check=False``.
         """
-        MPI = _mpi()
         given = out
         buf, out, wrap, orig = self._allreduce_args(buf, out, op, check)
         xp = get_array_module(buf)
@@ -798,16 +839,11 @@ class Communicator:
         work = buf.astype(np.float32) if half else buf if inplace else xp.ascontiguousarray(buf)
         dest = work if inplace else xp.empty_like(work) if out is None else out
         if self.size > 1:
-            mpitype = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}
-            count = int(work.size)
             rview, finish = self._recv_view(dest)
-            if not inplace:
-                send = [self._send_view(work), count, mpitype[work.dtype]]
-            else:
-                send = MPI.IN_PLACE
-                if finish and rview.shape[0]:  # staged through the host: stage the input
-                    dest.reshape(-1).view(np.uint8).get(out=rview)
-            self._complete("Allreduce", send, [rview, count, mpitype[work.dtype]], MPI.SUM)
+            sview = None if inplace else self._send_view(work)
+            if inplace and finish and rview.shape[0]:  # staged through the host: stage the input
+                dest.reshape(-1).view(np.uint8).get(out=rview)
+            self._allreduce_sum(sview, rview, int(work.size), work.dtype)
             if finish:
                 finish()
             self._count_allreduce(work.nbytes)
@@ -817,6 +853,21 @@ class Communicator:
             dest /= self.size
         total = _in_dtype(dest, orig, out)
         return given if given is not None else wrap(total)
+
+    def _allreduce_sum(self, send: Any, recv: Any, count: int, dtype: Any) -> None:
+        """MPI_Allreduce (sum) of ``count`` elements of ``dtype`` from the byte view ``send``
+        (None: in place) into the byte view ``recv``. Past :data:`COUNT_MAX` elements, on a
+        library without large counts, in consecutive chunks of at most COUNT_MAX elements
+        (the same chunks on every rank: the count is agreed), each summed as its own call."""
+        MPI = _mpi()
+        mpitype = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}[dtype]
+        step = COUNT_MAX if count > COUNT_MAX and not _large_counts() else max(count, 1)
+        item = dtype.itemsize
+        for lo in range(0, max(count, 1), step):
+            n = min(step, count - lo)
+            part = slice(lo * item, (lo + n) * item)
+            src = MPI.IN_PLACE if send is None else [send[part], n, mpitype]
+            self._complete("Allreduce", src, [recv[part], n, mpitype], MPI.SUM)
 
     def _allreduce_args(self, buf: Any, out: Any, op: str, check: bool) -> tuple[Any, ...]:
         """``allreduce``'s arguments as arrays: ``(buf to sum, out, wrap, buf's dtype)``
