@@ -750,7 +750,7 @@ def _finish(
     One Numba loop on the CPU (numpy's fancy indexing took several ms for k = 168K),
     numpy/CuPy otherwise."""
     if _numba_host(acc):
-        from .select._numba import finish_step
+        from .select._numba_train import finish_step
 
         finish_step(
             acc, velocity, sent, update, old, indices, values, divisor, zeroed, late_zero,
