@@ -19,14 +19,13 @@ ALGORITHMS = ("dense", "allgather", "gtopk", "oktopk", "exdyna")
 
 
 def main(argv: list[str] | None = None) -> None:
-    from sparsecoll.benchmarks.cli import parse_size
+    from sparsecoll.benchmarks.cli import add_timing_arguments, parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--size", default="100M")
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
-    ap.add_argument("-i", "--iterations", type=int, default=10)
-    ap.add_argument("-x", "--warmup", type=int, default=5)
+    add_timing_arguments(ap, 10, 5, timed="timed steps", untimed="untimed steps first")
     args = ap.parse_args(argv)
     import cupy as cp  # after the arguments: --help works without CuPy
 

@@ -228,14 +228,13 @@ def print_profile(name: str, prof: cProfile.Profile, top: int, steps: int) -> No
 
 def main(argv: list[str] | None = None) -> None:
     from sparsecoll import Communicator, __version__, select
-    from sparsecoll.benchmarks.cli import parse_size
+    from sparsecoll.benchmarks.cli import add_timing_arguments, parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--size", default="16M", help="gradient length n (K/M/G suffixes)")
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
-    ap.add_argument("-i", "--iterations", type=int, default=20)
-    ap.add_argument("-x", "--warmup", type=int, default=5, help="untimed steps first")
+    add_timing_arguments(ap, 20, 5, timed="timed steps", untimed="untimed steps first")
     ap.add_argument("--stream", choices=("stationary", "decay", "fresh"), default="stationary")
     ap.add_argument("--grads", type=int, default=4, help="distinct gradients cycled")
     ap.add_argument("--seed", type=int, default=0)

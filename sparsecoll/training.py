@@ -535,6 +535,7 @@ class GradientReducer:
         self._buffers(g, prep)
         acc = prep.acc
         dense = self._is_dense or self.steps < self.warmup
+        numba = _numba_host(g)
         if dest is None and self.reuse_update:
             if self._update is None or get_array_module(self._update) is not xp:
                 self._update, self._update_nnz = xp.zeros(self.n, g.dtype), None
@@ -544,8 +545,11 @@ class GradientReducer:
         else:  # the update is scattered into zeros: zeroed in the same pass, or (Numba)
             # written whole after the collective, each line once (prep.late_zero)
             prep.update = dest if dest is not None else xp.empty(self.n, g.dtype)
-            prep.late_zero = _numba_host(g)
-        cut, lo, hi = math.inf, 0, self.n
+            prep.late_zero = numba
+        # the pass's cut, the range it selects from, and (Numba) the cut from which its
+        # candidates leave acc (from the predicted k-th value up, for an exact top-k):
+        # _finish gives back those not sent
+        cut, lo, hi, zero_cut = math.inf, 0, self.n, math.inf
         if dense:
             prep.mode = "dense"
         elif self._has_dense_path:  # exdyna selects in its own partition
@@ -554,25 +558,22 @@ class GradientReducer:
             lo, hi = self.algorithm.owned_range(self.comm.rank)
             cut = self.algorithm.candidate_cut(g.dtype)
             cut = math.inf if cut is None else cut
+            if numba and cut < math.inf:
+                zc = self.algorithm.zero_cut(g.dtype)  # it gives back what it does not take
+                zero_cut = math.inf if zc is None else max(cut, zc)
         elif self._selector is None or (
             isinstance(self._selector, select.ReuseThreshold) and self._selector.due
         ):
             prep.mode = "topk"
             cut = math.inf if self._cut is None else self._cut
+            zero_cut = max(cut, self._zcut) if numba else math.inf
         elif isinstance(self._selector, select.ReuseThreshold):
             prep.mode = "reuse"
             cut = self._selector.threshold
+            zero_cut = cut if numba else math.inf
         else:
             prep.mode = "estimator"
-        # the candidates leave acc in the pass (from the predicted k-th value up, for an
-        # exact top-k); _finish gives back those not sent
         every_nonzero = prep.mode == "topk" and cut <= EVERY_NONZERO
-        zero_cut = math.inf
-        if prep.mode in ("topk", "reuse") and _numba_host(g):
-            zero_cut = cut if prep.mode == "reuse" else max(cut, self._zcut)
-        elif prep.mode == "exdyna" and _numba_host(g) and cut < math.inf:
-            zc = self.algorithm.zero_cut(g.dtype)  # exdyna gives back what it does not take
-            zero_cut = math.inf if zc is None else max(cut, zc)
         prep.found = select.accumulate(
             g,
             prep.res if self.error_feedback else None,
@@ -687,81 +688,98 @@ class GradientReducer:
         self._cut = pred if pred > 0 else EVERY_NONZERO if self.k else None
 
     def _reduce(self, prep: _Prepared) -> Any:
-        p = self.comm.size
-        acc, velocity = prep.acc, prep.velocity
-        t0 = time.perf_counter()
-        if prep.mode == "dense":
-            # (out None: a new array; the mean is taken in float32 for float16)
-            op = "mean" if self.average else "sum"
-            update = self.comm.allreduce(acc, out=prep.update, op=op, check=False)
-            self._last.comm_s += time.perf_counter() - t0
-            acc[...] = 0
-            self._last.record(self.n, self.n)
-            if self._is_dense and self.steps >= self.warmup:  # ("dense" past its warm-up)
-                self._sparse_steps += 1
-                self._density_sum += 1.0
-            if prep.update is not None:
-                self._update_nnz = None
-        else:
-            zeroed, dropped = None, False
-            if prep.mode == "exdyna":
-                found = prep.found
-                cand = (found.indices, found.values) if found.complete else None
-                zc = None if prep.zeroed is None else prep.zeroed[2]
-                # acc is the spare buffer: dropping the sent entries as they are read (or
-                # in the pass: zc) is safe even if the call fails (the residual is untouched)
-                result = self.algorithm.reduce_dense(
-                    self.comm, acc, candidates=cand, drop=True, zeroed=zc
-                )
-                dropped = True
-                self._last.comm_s += time.perf_counter() - t0
-                sel = result.indices
-                selected = int(result.info["selected"])
-            else:
-                sel, sel_values, taken = prep.selected
-                x = SparseVector(sel, sel_values, self.n)
-                t0 = time.perf_counter()
-                result = self.algorithm.reduce(self.comm, x)
-                self._last.comm_s += time.perf_counter() - t0
-                selected = int(sel.shape[0])
-                sent = result.contributed  # a mask over sel, or None: all of it
-                if sent is not None and bool(sent.all()):
-                    sent = None
-                if sent is not None:
-                    sel = sel[sent]
-                if prep.zeroed is not None:  # which of the pass's hits leave acc
-                    cand = prep.zeroed[0]
-                    if taken is None:
-                        taken = get_array_module(cand).ones(cand.shape[0], dtype=bool)
-                    if sent is not None:
-                        taken = taken.copy()
-                        taken[taken] = sent
-                    zeroed = (*prep.zeroed, taken)
-            update = prep.update  # zeroed by the pass, written whole at the end, or reused
-            old = None
-            if prep.reused:
-                if self._update_nnz is None:
-                    update[...] = 0
-                else:
-                    old = self._update_nnz
-                nnz = result.indices  # kept for the next step: not in the pass's workspace
-                shared = any(np.may_share_memory(nnz, a) for a in self._workspace.values())
-                self._update_nnz = nnz.copy() if shared else nnz
-            # what reached the update leaves the residual (and the velocity: momentum
-            # factor masking); the update's old entries are zeroed, the result scattered
-            _finish(
-                acc, velocity, sel, update, old, result.indices, result.values,
-                p if self.average and p > 1 else 1, zeroed, prep.late_zero, dropped,
-            )  # fmt: skip
-            self._last.record(result.nnz, selected)
-            self._sparse_steps += 1
-            self._density_sum += result.nnz / self.n if self.n else 0.0
+        update = self._reduce_dense(prep) if prep.mode == "dense" else self._reduce_sparse(prep)
         # the step succeeded on every rank: keep what it wrote, recycle what it read
-        self._residual, self._spare, self._pending_residual = acc, prep.res, None
-        if velocity is not None:
-            self._velocity, self._spare_velocity = velocity, prep.old_velocity
+        self._residual, self._spare, self._pending_residual = prep.acc, prep.res, None
+        if prep.velocity is not None:
+            self._velocity, self._spare_velocity = prep.velocity, prep.old_velocity
         self._can_take_back = True
         return update
+
+    def _reduce_dense(self, prep: _Prepared) -> Any:
+        """A dense step (warm-up, or the dense algorithm): all of acc is reduced and sent."""
+        t0 = time.perf_counter()
+        # (out None: a new array; the mean is taken in float32 for float16)
+        op = "mean" if self.average else "sum"
+        update = self.comm.allreduce(prep.acc, out=prep.update, op=op, check=False)
+        self._last.comm_s += time.perf_counter() - t0
+        prep.acc[...] = 0
+        self._last.record(self.n, self.n)
+        if self._is_dense and self.steps >= self.warmup:  # ("dense" past its warm-up)
+            self._sparse_steps += 1
+            self._density_sum += 1.0
+        if prep.update is not None:
+            self._update_nnz = None
+        return update
+
+    def _reduce_sparse(self, prep: _Prepared) -> Any:
+        """A sparse step: the collective on this rank's selection, then the O(k) end."""
+        exdyna = prep.mode == "exdyna"
+        if exdyna:
+            result, sent, selected, zeroed = self._exchange_exdyna(prep)
+        else:
+            result, sent, selected, zeroed = self._exchange_selected(prep)
+        update = prep.update  # zeroed by the pass, written whole at the end, or reused
+        old = None
+        if prep.reused:
+            if self._update_nnz is None:
+                update[...] = 0
+            else:
+                old = self._update_nnz
+            nnz = result.indices  # kept for the next step: not in the pass's workspace
+            shared = any(np.may_share_memory(nnz, a) for a in self._workspace.values())
+            self._update_nnz = nnz.copy() if shared else nnz
+        # what reached the update leaves the residual (and the velocity: momentum factor
+        # masking; exdyna dropped it from acc already); the update's old entries are
+        # zeroed, the result scattered
+        p = self.comm.size
+        _finish(
+            prep.acc, prep.velocity, sent, update, old, result.indices, result.values,
+            p if self.average and p > 1 else 1, zeroed, prep.late_zero, exdyna,
+        )  # fmt: skip
+        self._last.record(result.nnz, selected)
+        self._sparse_steps += 1
+        self._density_sum += result.nnz / self.n if self.n else 0.0
+        return update
+
+    def _exchange_exdyna(self, prep: _Prepared) -> tuple[Any, Any, int, None]:
+        """exdyna's collective, selecting in this rank's partition of acc from the pass's
+        candidates: (result, the indices sent, how many were selected, None)."""
+        found = prep.found
+        cand = (found.indices, found.values) if found.complete else None
+        zc = None if prep.zeroed is None else prep.zeroed[2]
+        t0 = time.perf_counter()
+        # acc is the spare buffer: dropping the sent entries as they are read (or in the
+        # pass: zc) is safe even if the call fails (the residual is untouched)
+        result = self.algorithm.reduce_dense(
+            self.comm, prep.acc, candidates=cand, drop=True, zeroed=zc
+        )
+        self._last.comm_s += time.perf_counter() - t0
+        return result, result.indices, int(result.info["selected"]), None
+
+    def _exchange_selected(self, prep: _Prepared) -> tuple[Any, Any, int, Any]:
+        """The algorithm's collective on this rank's selection: (result, the indices sent,
+        how many were selected, the pass's zeroed candidates with a mask of those sent)."""
+        sel, sel_values, taken = prep.selected
+        x = SparseVector(sel, sel_values, self.n)
+        t0 = time.perf_counter()
+        result = self.algorithm.reduce(self.comm, x)
+        self._last.comm_s += time.perf_counter() - t0
+        selected = int(sel.shape[0])
+        sent = result.contributed  # a mask over sel, or None: all of it
+        if sent is not None and bool(sent.all()):
+            sent = None
+        if sent is not None:
+            sel = sel[sent]
+        if prep.zeroed is None:
+            return result, sel, selected, None
+        cand = prep.zeroed[0]  # which of the pass's hits leave acc
+        if taken is None:
+            taken = get_array_module(cand).ones(cand.shape[0], dtype=bool)
+        if sent is not None:
+            taken = taken.copy()
+            taken[taken] = sent
+        return result, sel, selected, (*prep.zeroed, taken)
 
     def _take_back(self) -> None:
         """The last step's update was not applied (the training loop skipped the batch):
@@ -803,7 +821,7 @@ def _finish(
     One Numba loop on the CPU (numpy's fancy indexing took several ms for k = 168K),
     numpy/CuPy otherwise."""
     if _numba_host(acc):
-        from .select._numba import finish_step
+        from .select._numba_train import finish_step
 
         finish_step(
             acc, velocity, sent, update, old, indices, values, divisor, zeroed, late_zero,

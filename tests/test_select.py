@@ -24,7 +24,7 @@ from hypothesis.extra.numpy import arrays
 from sparsecoll import SparseVector
 from sparsecoll import select as sel
 from sparsecoll._array import cupy_or_none, index_dtype
-from sparsecoll.select import _common, _numba, _numpy
+from sparsecoll.select import _common, _numba, _numba_train, _numpy
 
 DTYPES = (np.float16, np.float32, np.float64)
 BACKENDS = [
@@ -909,7 +909,7 @@ def test_write_dense_is_zeros_and_the_scattered_values(n, data, dt, offset, divi
     want = np.zeros(n, dt)
     want[idx] = vals / dt.type(divisor) if divisor != 1 else vals
     with _small_chunks() if chunked else contextlib.nullcontext():
-        _numba.write_dense(update, idx, vals, divisor)
+        _numba_train.write_dense(update, idx, vals, divisor)
     np.testing.assert_array_equal(update, want)
 
 
@@ -950,15 +950,13 @@ def test_accumulate_rejects_mismatched_buffers() -> None:
 def test_accumulate_int64_indices(dtype) -> None:
     """The Numba pass with int64 indices (what n > 2**31 gets) on a small vector: the same
     hits, values, zeroing and histogram as with int32."""
-    from sparsecoll.select import _numba
-
     rng = np.random.default_rng(7)
     n = 70_001  # blocks of 64 and a tail of each kind
     g = rng.standard_normal(n).astype(dtype)
     r = rng.standard_normal(n).astype(dtype)
     acc = np.empty(n, dtype)
     lo, hi = 1_000, 69_000
-    idx, vals, hits, nbad, found = _numba.accumulate(
+    idx, vals, hits, nbad, found = _numba_train.accumulate(
         g, r, None, None, 0.0, acc, None, 2.0, lo, hi, n, np.int64, 3.0, True, None
     )
     a = g + r
@@ -976,8 +974,7 @@ def test_accumulate_workspace_apart() -> None:
     """The pass's hits go to the workspace: values half a page from indices (so their
     writes at one running position never share an L1 set), reused across calls, and
     the hits are right on every call, also after the workspace had to grow."""
-    from sparsecoll.select import _numba
-    from sparsecoll.select._numba import PAGE
+    from sparsecoll.select._numba_train import PAGE
 
     rng = np.random.default_rng(11)
     workspace: dict = {}
@@ -985,7 +982,7 @@ def test_accumulate_workspace_apart() -> None:
         g = rng.standard_normal(n).astype(np.float32)
         r = rng.standard_normal(n).astype(np.float32)
         acc = np.empty(n, np.float32)
-        idx, vals, hits, _, _ = _numba.accumulate(
+        idx, vals, hits, _, _ = _numba_train.accumulate(
             g, r, None, None, 0.0, acc, None, cut, 0, n, n, np.int32, np.inf, False, workspace
         )
         a = g + r

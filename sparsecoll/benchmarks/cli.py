@@ -1,4 +1,4 @@
-"""Command-line pieces the benchmarks share: sizes with K/M/G suffixes, --np, rank-0 output.
+"""Command-line pieces the benchmarks share: sizes with K/M/G suffixes, options, rank-0 output.
 
 Sizes are element counts and take binary suffixes, as the OSU suite's ``-m`` does here:
 K = 2**10, M = 2**20, G = 2**30 (``64K`` = 65,536, ``25M`` = 26,214,400).
@@ -11,12 +11,20 @@ import os
 import re
 from typing import Any
 
+from ..registry import available_algorithms
+from .problems import OVERLAP_HELP, OVERLAPS
+
 __all__ = [
+    "DTYPES",
     "RankZeroParser",
+    "add_input_arguments",
     "add_launch_arguments",
+    "add_timing_arguments",
+    "bench_parser",
     "check_nprocs",
     "launcher_rank",
     "parse_algorithms",
+    "parse_checked",
     "parse_size",
     "parse_sizes",
     "size_arg",
@@ -25,6 +33,7 @@ __all__ = [
 
 SUFFIX = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
 DEFAULT_NPROCS = 4
+DTYPES = ("float16", "float32", "float64")
 
 
 def parse_size(text: str) -> int:
@@ -130,3 +139,66 @@ def check_nprocs(p: argparse.ArgumentParser, nprocs: int) -> None:
     """A usage error (exit 2) unless ``--np`` is at least 1."""
     if nprocs < 1:
         p.error(f"expecting --np >= 1, got {nprocs}")
+
+
+def bench_parser(prog: str, doc: str, epilog: str) -> RankZeroParser:
+    """A ``python -m sparsecoll bench`` suite's parser (the first paragraph of ``doc`` its
+    description), with :func:`add_launch_arguments` and the size suffixes in its epilog."""
+    p = RankZeroParser(
+        prog=prog,
+        description=doc.split("\n\n")[0],
+        epilog=f"Sizes take binary suffixes: K = 2**10, M = 2**20, G = 2**30. {epilog}",
+    )
+    add_launch_arguments(p)
+    return p
+
+
+def add_timing_arguments(
+    p: argparse.ArgumentParser,
+    iterations: int,
+    warmup: int,
+    timed: str = "timed calls",
+    untimed: str = "untimed calls first",
+) -> None:
+    """``-i/--iterations`` and ``-x/--warmup`` with these defaults (help: ``timed`` and
+    ``untimed``, then the default)."""
+    p.add_argument(
+        "-i", "--iterations", type=int, default=iterations, help=f"{timed} (default %(default)s)"
+    )
+    p.add_argument(
+        "-x", "--warmup", type=int, default=warmup, help=f"{untimed} (default %(default)s)"
+    )
+
+
+def add_input_arguments(p: argparse.ArgumentParser) -> None:
+    """What the allreduce benchmarks run on: ``--algorithm`` (checked by
+    :func:`parse_algorithms`), ``--density``, ``--overlap`` and ``--dtype``."""
+    p.add_argument(
+        "--algorithm",
+        action="append",
+        metavar="NAME[,NAME]",
+        help="algorithms to run (repeatable, comma lists, 'all'; default all)",
+    )
+    p.add_argument(
+        "--density", type=float, default=0.01, help="nonzeros per rank / n (default 0.01)"
+    )
+    p.add_argument("--overlap", choices=OVERLAPS, default="random", help=OVERLAP_HELP)
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="(default float32)")
+
+
+def parse_checked(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv`` with a suite's parser (:func:`bench_parser`, :func:`add_input_arguments`,
+    :func:`add_timing_arguments`) and check what argparse does not: ``--np >= 1``, known
+    algorithms (``all`` expanded), ``-i >= 1``, ``-x >= 0``, ``0 <= density <= 1``. Usage
+    errors exit 2 (printed by rank 0 only)."""
+    args = p.parse_args(argv)
+    check_nprocs(p, args.np)
+    try:
+        args.algorithm = parse_algorithms(args.algorithm, available_algorithms())
+        if args.iterations < 1 or args.warmup < 0:
+            raise ValueError("expecting -i >= 1 and -x >= 0")
+        if not 0 <= args.density <= 1:
+            raise ValueError(f"expecting 0 <= density <= 1, got {args.density}")
+    except ValueError as exc:
+        p.error(str(exc))  # every rank parses the same argv: all exit alike
+    return args

@@ -28,7 +28,7 @@ import numpy as np
 from .. import __version__
 from .._array import cupy_or_none
 from ..comm import Communicator, mpi_library_version
-from .cli import sizes_arg
+from .cli import DTYPES, add_timing_arguments, sizes_arg
 from .problems import OVERLAP_HELP, OVERLAPS, make_problem
 
 __all__ = ["main"]
@@ -206,9 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     # the old spelling, kept working (mpiexec's -n is the rank count: prefer -m)
     p.add_argument("-n", dest="n", type=sizes_arg, help=argparse.SUPPRESS)
     p.add_argument("--density", type=_floats, default=[0.001, 0.01])
-    p.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float32")
-    p.add_argument("-i", "--iterations", type=int, default=20)
-    p.add_argument("-x", "--warmup", type=int, default=3)
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    add_timing_arguments(p, 20, 3)
     p.add_argument("--format", choices=("table", "csv", "json"), default="table")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.topk comparison")
     p.add_argument("--comm", choices=("mpi", "nccl"), default="mpi")

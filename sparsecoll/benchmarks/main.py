@@ -20,16 +20,16 @@ import numpy as np
 from .. import __version__
 from .._array import cupy_or_none, is_device_array, to_host
 from ..comm import CommStats, Communicator, mpi_library_version
-from ..registry import algorithm_class, available_algorithms
+from ..registry import algorithm_class
 from ..sparse import SparseVector, coalesce
 from .cli import (
-    RankZeroParser,
-    add_launch_arguments,
-    check_nprocs,
-    parse_algorithms,
+    add_input_arguments,
+    add_timing_arguments,
+    bench_parser,
+    parse_checked,
     size_arg,
 )
-from .problems import OVERLAP_HELP, OVERLAPS, make_problem
+from .problems import make_problem
 
 __all__ = [
     "Timing",
@@ -45,13 +45,9 @@ __all__ = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = RankZeroParser(
-        prog="python -m sparsecoll bench",
-        description=__doc__.split("\n\n")[0],
-        epilog="Sizes take binary suffixes: K = 2**10, M = 2**20, G = 2**30. "
-        "Other suites: python -m sparsecoll bench osu --help",
+    p = bench_parser(
+        "python -m sparsecoll bench", __doc__, "Other suites: python -m sparsecoll bench osu --help"
     )
-    add_launch_arguments(p)
     p.add_argument(
         "-m",
         "--message-size",
@@ -60,46 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="dense length n, in elements (default 4M)",
     )
-    p.add_argument(
-        "--density", type=float, default=0.01, help="nonzeros per rank / n (default 0.01)"
-    )
-    p.add_argument(
-        "--overlap",
-        choices=OVERLAPS,
-        default="random",
-        help=OVERLAP_HELP,
-    )
-    p.add_argument(
-        "--dtype",
-        choices=("float16", "float32", "float64"),
-        default="float32",
-        help="(default float32)",
-    )
-    p.add_argument("-i", "--iterations", type=int, default=10, help="timed calls (default 10)")
-    p.add_argument("-x", "--warmup", type=int, default=2, help="untimed calls first (default 2)")
-    p.add_argument(
-        "--algorithm",
-        action="append",
-        metavar="NAME[,NAME]",
-        help="algorithms to run (repeatable, comma lists, 'all'; default all)",
-    )
+    add_input_arguments(p)
+    add_timing_arguments(p, 10, 2)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check the arguments (usage errors exit 2, printed by rank 0 only)."""
-    p = build_parser()
-    args = p.parse_args(argv)
-    check_nprocs(p, args.np)
-    try:
-        args.algorithm = parse_algorithms(args.algorithm, available_algorithms())
-        if args.iterations < 1 or args.warmup < 0:
-            raise ValueError("expecting -i >= 1 and -x >= 0")
-        if not 0 <= args.density <= 1:
-            raise ValueError(f"expecting 0 <= density <= 1, got {args.density}")
-    except ValueError as exc:
-        p.error(str(exc))
-    return args
+    return parse_checked(build_parser(), argv)
 
 
 @dataclasses.dataclass

@@ -32,17 +32,18 @@ from .. import __version__
 from .._array import cupy_or_none
 from ..comm import Communicator, mpi_library_version
 from ..errors import SparseCollError
-from ..registry import algorithm_class, available_algorithms
+from ..registry import algorithm_class
 from .cli import (
-    RankZeroParser,
-    add_launch_arguments,
-    check_nprocs,
+    add_input_arguments,
+    add_timing_arguments,
+    bench_parser,
     parse_algorithms,
+    parse_checked,
     parse_sizes,
     sizes_arg,
 )
 from .main import gather_inputs, time_algorithm, verify_all
-from .problems import OVERLAP_HELP, OVERLAPS, make_problem
+from .problems import make_problem
 
 __all__ = [
     "FIELDS",
@@ -88,13 +89,9 @@ FIELDS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = RankZeroParser(
-        prog="python -m sparsecoll bench osu",
-        description=__doc__.split("\n\n")[0],
-        epilog="Sizes take binary suffixes: K = 2**10, M = 2**20, G = 2**30. "
-        "Example: -m 1M:64M --density 0.01 -c",
+    p = bench_parser(
+        "python -m sparsecoll bench osu", __doc__, "Example: -m 1M:64M --density 0.01 -c"
     )
-    add_launch_arguments(p)
     p.add_argument(
         "-m",
         "--message-size",
@@ -103,8 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MIN:MAX",
         help="dense lengths n, in elements: MIN:MAX doubling, N, or a comma list (default 1M:16M)",
     )
-    p.add_argument("-i", "--iterations", type=int, default=10, help="timed calls per size")
-    p.add_argument("-x", "--warmup", type=int, default=2, help="untimed calls first")
+    add_timing_arguments(p, 10, 2, timed="timed calls per size")
     p.add_argument(
         "-f",
         "--full",
@@ -125,15 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="check every result: exact algorithms against the dense sum, selecting ones "
         "against their contract (the algorithm's verify())",
     )
-    p.add_argument(
-        "--algorithm",
-        action="append",
-        metavar="NAME[,NAME]",
-        help="algorithms to run (repeatable, comma lists, 'all'; default all)",
-    )
-    p.add_argument("--density", type=float, default=0.01, help="nonzeros per rank / n")
-    p.add_argument("--overlap", choices=OVERLAPS, default="random", help=OVERLAP_HELP)
-    p.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float32")
+    add_input_arguments(p)
     p.add_argument("--format", choices=("text", "csv", "json"), default="text")
     p.add_argument(
         "--reuse",
@@ -147,18 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check the arguments (usage errors exit 2, printed by rank 0 only)."""
-    p = build_parser()
-    args = p.parse_args(argv)
-    check_nprocs(p, args.np)
-    try:
-        args.algorithm = parse_algorithms(args.algorithm, available_algorithms())
-        if args.iterations < 1 or args.warmup < 0:
-            raise ValueError("expecting -i >= 1 and -x >= 0")
-        if not 0 <= args.density <= 1:
-            raise ValueError(f"expecting 0 <= density <= 1, got {args.density}")
-    except ValueError as exc:
-        p.error(str(exc))  # every rank parses the same argv: all exit alike
-    return args
+    return parse_checked(build_parser(), argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -305,9 +305,9 @@ def topk_hits(found: Accumulation, k: int) -> tuple[Any, Any, Any]:
     if not found.complete or not 0 <= k <= count:
         raise ValueError(f"need a complete selection of at least k={k} entries, got {count}")
     if found.buckets is not None and k > 0 and isinstance(found.values, np.ndarray):
-        from . import _numba
+        from . import _numba_train
 
-        got = _numba.topk_hits(found.indices, found.values, found.buckets, k)
+        got = _numba_train.topk_hits(found.indices, found.values, found.buckets, k)
         if got is not None:
             return got
     pos, vals = topk(found.values, k)
