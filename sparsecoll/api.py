@@ -61,6 +61,13 @@ def allreduce(
     # (a Communicator subclass, NCCLCommunicator, has no progress engine: not watched)
     if get_timeout() and type(c) is Communicator and not c.on_progress_thread():
         return iallreduce(c, values, indices, n=n, algorithm=algorithm, **options).wait()
+    with c.serial():  # (this rank's other threads wait: their calls would interleave)
+        return _allreduce(c, values, indices, n, algorithm, options)
+
+
+def _allreduce(
+    c: Communicator, values: Any, indices: Any, n: int, algorithm: Any, options: dict[str, Any]
+) -> SparseVector:
     algo: Any = None
     vals: Any = None
     idx: Any = None

@@ -244,7 +244,7 @@ class GradientReducer:
             every rank; ``out`` may have been zeroed.
         """
         self._wait_pending()
-        with contextlib.ExitStack() as scope:
+        with self.comm.serial(), contextlib.ExitStack() as scope:
             return self._step(grad, out, scope)
 
     def _step(self, grad: Any, out: Any, scope: contextlib.ExitStack) -> Any:
