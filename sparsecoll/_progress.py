@@ -243,6 +243,9 @@ class Engine:
                 # (the exit handler aborts the job when calls are pending)
                 req._finish(value, error)
                 self._cond.notify_all()
+            # the thread waits for the next call with nothing of this one: its result (a
+            # dense update) and its arguments (a gradient) were kept alive until then
+            del req, fn, owner, value, error
         if free:  # every rank frees the user's communicator, so every rank gets here
             if watchdog is not None:
                 watchdog.join()  # it stops once _ended is set

@@ -4,8 +4,10 @@ step_async equals step, wait(timeout=), byte accounting."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -384,3 +386,26 @@ def test_first_nonblocking_calls_from_two_threads_at_once(comm):
         assert_all(comm, got == [want, want] and engine.pending() == 0, "wrong results")
         assert_all(comm, engine._submitted == 2, "the calls went to different engines")
         mine.Free()
+
+
+def test_the_progress_thread_keeps_nothing_of_a_completed_call(comm):
+    """Once a request has completed and the caller has dropped it, its result and its
+    arguments are freed. The progress thread kept the last call's request (holding the
+    result, e.g. step_async's dense update) and function (holding the gradient) alive until
+    the next call."""
+    engine = comm.engine()
+
+    class Big:  # stands for a gradient and an update
+        pass
+
+    arg, result = Big(), Big()
+    refs = [weakref.ref(arg), weakref.ref(result)]
+    req = engine.submit(lambda arg=arg, out=result: out, "local")
+    assert req.wait(timeout=120) is result
+    del req, arg, result
+    for _ in range(200):  # the thread may still be finishing the call: give it 2 s
+        gc.collect()
+        if all(r() is None for r in refs):
+            break
+        time.sleep(0.01)
+    assert [r() is None for r in refs] == [True, True], "still alive after the call"
