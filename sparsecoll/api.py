@@ -3,6 +3,7 @@ nonblocking twin ``sparsecoll.iallreduce``."""
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from typing import Any
 
@@ -12,7 +13,7 @@ from . import errors
 from ._array import as_array, device_scope, get_array_module, identity
 from ._progress import SparseRequest, get_timeout
 from .algorithms.base import Algorithm
-from .comm import Communicator
+from .comm import Communicator, thread_multiple
 from .errors import CollectiveInputError, CollectiveTypeError
 from .registry import get_algorithm
 from .sparse import VALUE_DTYPES, SparseVector, as_indices, check_local, coalesce
@@ -60,7 +61,9 @@ def allreduce(
     c = Communicator.wrap(comm)
     # (a Communicator subclass, NCCLCommunicator, has no progress engine: not watched)
     if get_timeout() and type(c) is Communicator and not c.on_progress_thread():
-        return iallreduce(c, values, indices, n=n, algorithm=algorithm, **options).wait()
+        if thread_multiple():
+            return iallreduce(c, values, indices, n=n, algorithm=algorithm, **options).wait()
+        _unwatched()
     with c.serial():  # (this rank's other threads wait: their calls would interleave)
         return _allreduce(c, values, indices, n, algorithm, options)
 
@@ -137,6 +140,22 @@ def iallreduce(
         return allreduce(c, values, indices, n=n, algorithm=algorithm, **options)
 
     return c.engine().submit(call, label, owner=c)
+
+
+_warned: list[bool] = []
+
+
+def _unwatched() -> None:
+    """Warn once that the watchdog is off: its threads need MPI_THREAD_MULTIPLE (blocking
+    calls under SPARSECOLL_TIMEOUT raised iallreduce's RuntimeError instead)."""
+    if not _warned:
+        _warned.append(True)
+        warnings.warn(
+            "the watchdog (SPARSECOLL_TIMEOUT) needs MPI initialized with "
+            "MPI_THREAD_MULTIPLE: blocking calls run unwatched",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _signature(algo: Any, vals: Any, n: Any) -> list[int]:

@@ -300,6 +300,12 @@ def _serial_lock(comm: Any) -> Any:
     return lock
 
 
+def thread_multiple() -> bool:
+    """Whether MPI was initialized with MPI_THREAD_MULTIPLE (what a progress thread needs)."""
+    MPI = _mpi()
+    return bool(MPI.Query_thread() >= MPI.THREAD_MULTIPLE)
+
+
 def _engine_deleted(comm: Any, keyval: int, engine: Any) -> None:
     # the user's communicator is being freed: let the thread finish its queue, free the
     # engine's duplicates and end (no waiting here, inside MPI_Comm_free). COMM_WORLD and
@@ -448,7 +454,7 @@ class Communicator:
             )
         MPI = _mpi()
         level = MPI.Query_thread()
-        if level < MPI.THREAD_MULTIPLE:
+        if not thread_multiple():
             names = {
                 MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
                 MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",

@@ -58,13 +58,21 @@ def test_uncaught_exception_with_requests_pending_ends_the_job():
 
 
 @pytest.mark.mpi
-def test_thread_level_is_checked():
+@pytest.mark.parametrize("level", ["single", "funneled", "serialized"])
+def test_thread_level_is_checked(level):
+    """Below MPI_THREAD_MULTIPLE, iallreduce raises on every rank and blocking calls work,
+    under the watchdog too (they run unwatched, with a warning: they raised iallreduce's
+    RuntimeError)."""
     from .mpirun import run_mpi
 
-    proc = run_mpi(1, [__file__, "serialized"], timeout=120)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    assert "need MPI_THREAD_MULTIPLE" in proc.stdout, proc.stdout[-6000:]
-    assert "MPI_THREAD_SERIALIZED" in proc.stdout, proc.stdout[-6000:]
+    proc = run_mpi(2, [__file__, level], timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
+    assert out.count("need MPI_THREAD_MULTIPLE") == 2, out[-6000:]
+    assert out.count(f"MPI_THREAD_{level.upper()}") == 2, out[-6000:]
+    assert out.count("blocking: [2.0, 4.0]") == 2, out[-6000:]
+    assert out.count("blocking under the watchdog: [2.0, 4.0]") == 2, out[-6000:]
+    assert out.count("RuntimeWarning: the watchdog (SPARSECOLL_TIMEOUT) needs") == 2, out
 
 
 def _inputs(rank: int):
@@ -124,17 +132,29 @@ def _skip() -> None:
     print("not reached", flush=True)
 
 
-def _serialized() -> None:
+def _low_level(level: str) -> None:
     import mpi4py
 
-    mpi4py.rc.thread_level = "serialized"
+    mpi4py.rc.thread_level = level
+    import numpy as np
+
     import sparsecoll
 
+    comm = sparsecoll.Communicator()
     try:
-        sparsecoll.iallreduce(sparsecoll.Communicator(), *_inputs(0), n=10**5)
+        sparsecoll.iallreduce(comm, *_inputs(comm.rank), n=10**5)
     except RuntimeError as exc:
-        print(exc)
+        print(exc, flush=True)
+    vals, idx = np.array([1.0, 2.0], np.float32), np.array([3, 4])
+    out = sparsecoll.allreduce(comm, vals, idx, n=9).values.tolist()
+    print(f"blocking: {out}", flush=True)  # (one write: the ranks share the output)
+    sparsecoll.set_timeout(60)
+    out = sparsecoll.allreduce(comm, vals, idx, n=9).values.tolist()
+    print(f"blocking under the watchdog: {out}", flush=True)
 
 
 if __name__ == "__main__":
-    {"pending": _pending, "skip": _skip, "serialized": _serialized, "raise": _raise}[sys.argv[1]]()
+    if sys.argv[1] in ("single", "funneled", "serialized"):
+        _low_level(sys.argv[1])
+    else:
+        {"pending": _pending, "skip": _skip, "raise": _raise}[sys.argv[1]]()
