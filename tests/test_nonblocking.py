@@ -75,6 +75,58 @@ def test_thread_level_is_checked(level):
     assert out.count("RuntimeWarning: the watchdog (SPARSECOLL_TIMEOUT) needs") == 2, out
 
 
+@pytest.mark.mpi
+def test_fork_after_the_progress_thread_started():
+    """A child forked with a request pending: its calls raise instead of hanging (they
+    were queued to a thread the child does not have), and its exit handler, for an uncaught
+    exception, leaves the job alone (it called MPI_Abort, ending the parent's job)."""
+    from .mpirun import run_mpi
+
+    proc = run_mpi(2, [__file__, "fork"], timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
+    assert out.count("child: submit raised RuntimeError: process") == 2, out[-6000:]
+    assert out.count("child: drain raised RuntimeError: process") == 2, out[-6000:]
+    assert out.count("child: exit handler returned") == 2, out[-6000:]
+    assert out.count("parent: [2.0, 4.0]") == 2, out[-6000:]
+
+
+def _fork() -> None:
+    import os
+    import threading
+
+    import numpy as np
+
+    import sparsecoll
+    from sparsecoll import _progress
+
+    comm = sparsecoll.Communicator()
+    engine = comm.engine()
+    gate = threading.Event()
+    pending = engine.submit(gate.wait, "gate")  # local: pending while the child runs
+    pid = os.fork()
+    if pid == 0:
+        for name, call in (
+            ("submit", lambda: engine.submit(int, "local")),
+            ("drain", engine.drain),
+        ):
+            try:
+                call()
+                print(f"child: {name} returned", flush=True)
+            except RuntimeError as exc:
+                print(f"child: {name} raised RuntimeError: {exc}", flush=True)
+        sys.last_value = sys.last_exc = RuntimeError("the child fails")  # as if uncaught
+        _progress.shutdown()  # what the exit handler does then
+        print("child: exit handler returned", flush=True)
+        os._exit(0)  # (the child must not finalize MPI: it would break the parent's)
+    os.waitpid(pid, 0)
+    gate.set()
+    pending.wait()
+    vals, idx = np.array([1.0, 2.0], np.float32), np.array([3, 4])
+    out = sparsecoll.iallreduce(comm, vals, idx, n=9).wait().values.tolist()
+    print(f"parent: {out}", flush=True)
+
+
 def _inputs(rank: int):
     import numpy as np
 
@@ -157,4 +209,4 @@ if __name__ == "__main__":
     if sys.argv[1] in ("single", "funneled", "serialized"):
         _low_level(sys.argv[1])
     else:
-        {"pending": _pending, "skip": _skip, "raise": _raise}[sys.argv[1]]()
+        {"pending": _pending, "skip": _skip, "raise": _raise, "fork": _fork}[sys.argv[1]]()
