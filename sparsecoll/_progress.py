@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Engine", "SparseRequest", "get_timeout", "set_timeout"]
+__all__ = ["Engine", "SparseRequest", "get_timeout", "set_timeout", "shutdown", "stop"]
 
 ALARM_TAG = 0x5C7  # tag of the watchdog's messages, on the engine's own duplicate
 WATCH_PERIOD = 0.05  # seconds between two looks of the watchdog
@@ -351,6 +351,15 @@ def shutdown() -> None:
             )
             e._alarm.abort(1)
         return
+    stop(engines)
+
+
+def stop(engines: list[Engine] | None = None) -> None:
+    """Complete the calls queued to ``engines`` (default: every engine of this process),
+    then end their threads. Also run when MPI_Finalize starts (see Communicator.engine)."""
+    if engines is None:
+        with _registry_lock:
+            engines = [e for e in _engines if e._pid == os.getpid()]
     for engine in engines:
         engine.close(wait=True)
         if engine._watchdog is not None:

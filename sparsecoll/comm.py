@@ -306,6 +306,28 @@ def thread_multiple() -> bool:
     return bool(MPI.Query_thread() >= MPI.THREAD_MULTIPLE)
 
 
+_FINALIZE_KEYVAL: list[int] = []
+
+
+def _stop_at_finalize() -> None:
+    """Complete pending requests when MPI_Finalize starts (it deletes COMM_SELF's attributes
+    first, while MPI still works): an explicit ``MPI.Finalize()`` with requests pending let
+    the progress thread call MPI after it (MPICH: "Attempting to use an MPI routine after
+    finalizing", the job failed)."""
+    with _KEYVAL_LOCK:
+        if _FINALIZE_KEYVAL:
+            return
+        MPI = _mpi()
+        _FINALIZE_KEYVAL.append(MPI.Comm.Create_keyval(delete_fn=_finalizing))
+        MPI.COMM_SELF.Set_attr(_FINALIZE_KEYVAL[0], True)
+
+
+def _finalizing(comm: Any, keyval: int, value: Any) -> None:
+    from ._progress import stop
+
+    stop()
+
+
 def _engine_deleted(comm: Any, keyval: int, engine: Any) -> None:
     # the user's communicator is being freed: let the thread finish its queue, free the
     # engine's duplicates and end (no waiting here, inside MPI_Comm_free). COMM_WORLD and
@@ -479,6 +501,7 @@ class Communicator:
             engine = Engine(Communicator(work, poll=poll), Communicator(alarm, poll=True))
             self.mpi_comm.Set_attr(_engine_keyval(), engine)
             self._engine = engine
+        _stop_at_finalize()
         return engine
 
     def _attached_engine(self) -> Any:

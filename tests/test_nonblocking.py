@@ -127,6 +127,38 @@ def _fork() -> None:
     print(f"parent: {out}", flush=True)
 
 
+@pytest.mark.mpi
+def test_finalize_with_requests_pending():
+    """MPI.Finalize() called with requests pending (one rank late): they complete first, and
+    a later call raises. The progress thread went on calling MPI after it (MPICH: "Attempting
+    to use an MPI routine ... after finalizing", the job failed)."""
+    from .mpirun import run_mpi
+
+    proc = run_mpi(2, [__file__, "finalize"], timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
+    assert out.count("finalized, done: [True, True, True]") == 2, out[-6000:]
+    assert out.count("then: RuntimeError") == 2, out[-6000:]
+
+
+def _finalize() -> None:
+    from mpi4py import MPI
+
+    import sparsecoll
+
+    comm = sparsecoll.Communicator()
+    vals, idx = _inputs(comm.rank)
+    reqs = [sparsecoll.iallreduce(comm, vals, idx, n=10**5) for _ in range(3)]
+    if comm.rank == 0:
+        time.sleep(1)
+    MPI.Finalize()
+    print(f"finalized, done: {[r.done() for r in reqs]}", flush=True)
+    try:
+        comm.engine().submit(int, "local")
+    except RuntimeError as exc:
+        print(f"then: RuntimeError: {exc}", flush=True)
+
+
 def _inputs(rank: int):
     import numpy as np
 
@@ -209,4 +241,6 @@ if __name__ == "__main__":
     if sys.argv[1] in ("single", "funneled", "serialized"):
         _low_level(sys.argv[1])
     else:
-        {"pending": _pending, "skip": _skip, "raise": _raise, "fork": _fork}[sys.argv[1]]()
+        {"pending": _pending, "skip": _skip, "raise": _raise, "fork": _fork, "finalize": _finalize}[
+            sys.argv[1]
+        ]()
