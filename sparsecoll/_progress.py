@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Engine", "SparseRequest", "get_timeout", "set_timeout"]
+__all__ = ["Engine", "SparseRequest", "get_timeout", "set_timeout", "shutdown", "stop"]
 
 ALARM_TAG = 0x5C7  # tag of the watchdog's messages, on the engine's own duplicate
 WATCH_PERIOD = 0.05  # seconds between two looks of the watchdog
@@ -146,6 +146,7 @@ class Engine:
         self._free = False  # free the duplicates when the thread ends (the user's comm was)
         self._ended = False  # the thread has left its loop
         self._watchdog: threading.Thread | None = None
+        self._pid = os.getpid()  # a child made by fork() has no progress thread
         self._thread = threading.Thread(
             target=self._loop, name=f"sparsecoll-progress-{comm.rank}", daemon=True
         )
@@ -161,6 +162,7 @@ class Engine:
     def submit(self, fn: Callable[[], Any], label: str, owner: Any = None) -> SparseRequest:
         """Queue ``fn`` (it calls collectives; every rank submits the same calls in the same
         order); its traffic is added to ``owner``'s stats (a Communicator) when it ends."""
+        self._check_process()
         watch = get_timeout()  # (a bad SPARSECOLL_TIMEOUT raises here, before anything is queued)
         with self._cond:
             if self._closed:
@@ -175,12 +177,23 @@ class Engine:
 
     def drain(self) -> None:
         """Wait until every call submitted so far has completed."""
+        self._check_process()
         if self._completed == self._submitted:
             return
         with self._cond:
             target = self._submitted
             while self._completed < target:
                 self._cond.wait()
+
+    def _check_process(self) -> None:
+        """Refuse to be used in a child made by fork(): its queue would never run (a call
+        submitted or waited for there hung) and its MPI state is not the child's."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"process {os.getpid()} was forked from the one that started this "
+                f"communicator's progress thread ({self._pid}): MPI and the thread do not "
+                f"carry over to a child; communicate from the parent"
+            )
 
     def route(self, comm: Any) -> Any:
         """The Communicator that ``comm``'s calls should use from the calling thread."""
@@ -243,6 +256,9 @@ class Engine:
                 # (the exit handler aborts the job when calls are pending)
                 req._finish(value, error)
                 self._cond.notify_all()
+            # the thread waits for the next call with nothing of this one: its result (a
+            # dense update) and its arguments (a gradient) were kept alive until then
+            del req, fn, owner, value, error
         if free:  # every rank frees the user's communicator, so every rank gets here
             if watchdog is not None:
                 watchdog.join()  # it stops once _ended is set
@@ -320,8 +336,8 @@ def shutdown() -> None:
     (MPI_Abort): the exit would otherwise hang, this rank in MPI_Finalize (which waits for
     every other rank) and the others in their pending calls, which need this one.
     """
-    with _registry_lock:
-        engines = list(_engines)
+    with _registry_lock:  # (in a forked child: none, whose calls are the parent's)
+        engines = [e for e in _engines if e._pid == os.getpid()]
     for engine in engines:
         engine.close(wait=False)
     if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
@@ -335,6 +351,15 @@ def shutdown() -> None:
             )
             e._alarm.abort(1)
         return
+    stop(engines)
+
+
+def stop(engines: list[Engine] | None = None) -> None:
+    """Complete the calls queued to ``engines`` (default: every engine of this process),
+    then end their threads. Also run when MPI_Finalize starts (see Communicator.engine)."""
+    if engines is None:
+        with _registry_lock:
+            engines = [e for e in _engines if e._pid == os.getpid()]
     for engine in engines:
         engine.close(wait=True)
         if engine._watchdog is not None:

@@ -4,6 +4,7 @@ nonblocking twin ``sparsecoll.iallreduce``."""
 from __future__ import annotations
 
 import operator
+import warnings
 import zlib
 from typing import Any
 
@@ -13,12 +14,12 @@ from . import errors
 from ._array import as_array, device_scope, get_array_module, identity
 from ._progress import SparseRequest, get_timeout
 from .algorithms.base import Algorithm
-from .comm import Communicator
+from .comm import Communicator, thread_multiple
 from .errors import CollectiveInputError, CollectiveTypeError
 from .registry import get_algorithm
 from .sparse import VALUE_DTYPES, SparseVector, as_indices, check_local, coalesce
 
-__all__ = ["allreduce", "collective_check", "iallreduce"]
+__all__ = ["allreduce", "collective_check", "iallreduce", "watched"]
 
 SIGNATURE_LEN = 8
 
@@ -83,9 +84,15 @@ def allreduce(
     (except on an NCCLCommunicator, which has no progress engine: it runs as usual).
     """
     c = Communicator.wrap(comm)
-    # (a Communicator subclass, NCCLCommunicator, has no progress engine: not watched)
-    if get_timeout() and type(c) is Communicator and not c.on_progress_thread():
+    if watched(c):
         return iallreduce(c, values, indices, n=n, algorithm=algorithm, **options).wait()
+    with c.serial():  # (this rank's other threads wait: their calls would interleave)
+        return _allreduce(c, values, indices, n, algorithm, options)
+
+
+def _allreduce(
+    c: Communicator, values: Any, indices: Any, n: int, algorithm: Any, options: dict[str, Any]
+) -> SparseVector:
     algo: Any = None
     vals: Any = None
     idx: Any = None
@@ -156,6 +163,35 @@ def iallreduce(
         return allreduce(c, values, indices, n=n, algorithm=algorithm, **options)
 
     return c.engine().submit(call, label, owner=c)
+
+
+def watched(c: Communicator) -> bool:
+    """Whether a blocking call on ``c`` goes through its progress thread, for the watchdog
+    to see: the watchdog is on, and ``c`` is not that thread's own. A Communicator subclass
+    (NCCLCommunicator) has no progress engine, and below MPI_THREAD_MULTIPLE there is none
+    either (warned once): those calls run unwatched."""
+    if not get_timeout() or type(c) is not Communicator or c.on_progress_thread():
+        return False
+    if thread_multiple():
+        return True
+    _unwatched()
+    return False
+
+
+_warned: list[bool] = []
+
+
+def _unwatched() -> None:
+    """Warn once that the watchdog is off: its threads need MPI_THREAD_MULTIPLE (blocking
+    calls under SPARSECOLL_TIMEOUT raised iallreduce's RuntimeError instead)."""
+    if not _warned:
+        _warned.append(True)
+        warnings.warn(
+            "the watchdog (SPARSECOLL_TIMEOUT) needs MPI initialized with "
+            "MPI_THREAD_MULTIPLE: blocking calls run unwatched",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _signature(algo: Any, vals: Any, n: Any) -> list[int]:

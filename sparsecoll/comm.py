@@ -32,6 +32,14 @@ exists, the communication methods of those Communicators route: called from the 
 thread they run on its duplicate communicator (counted in its stats); called from any other
 thread they first wait until every request submitted to it has completed, so a blocking
 call is always ordered after the nonblocking ones issued before it.
+
+Threads: on each rank, the calls on one MPI communicator from the user's threads run one at
+a time (a lock shared by every Communicator wrapping it, see :meth:`Communicator.serial`;
+``sparsecoll.allreduce`` and ``GradientReducer.step`` hold it for their whole call), in the
+order the threads take it. MPI forbids collectives on one communicator from several threads
+at once: they interleave their messages (MPICH aborted with "Message truncated", or summed
+the wrong vectors). Which thread goes first may still differ between ranks; the program must
+order its calls the same way on every rank (one communicator per thread does).
 """
 
 from __future__ import annotations
@@ -267,6 +275,7 @@ def _alloc_kinds(comm: Any) -> str:
 
 
 _ENGINE_KEYVAL: int | None = None  # MPI attribute key of the progress engine
+_SERIAL_KEYVAL: int | None = None  # MPI attribute key of the lock of Communicator.serial
 _KEYVAL_LOCK = threading.Lock()
 
 
@@ -276,6 +285,48 @@ def _engine_keyval() -> int:
         if _ENGINE_KEYVAL is None:
             _ENGINE_KEYVAL = _mpi().Comm.Create_keyval(delete_fn=_engine_deleted)
     return _ENGINE_KEYVAL
+
+
+def _serial_lock(comm: Any) -> Any:
+    """The lock that runs this rank's calls on the MPI communicator ``comm`` one at a time
+    (an attribute of ``comm``: every Communicator wrapping it shares it)."""
+    global _SERIAL_KEYVAL
+    with _KEYVAL_LOCK:  # (never held during communication)
+        if _SERIAL_KEYVAL is None:
+            _SERIAL_KEYVAL = _mpi().Comm.Create_keyval()
+        lock = comm.Get_attr(_SERIAL_KEYVAL)
+        if lock is None:
+            lock = threading.RLock()
+            comm.Set_attr(_SERIAL_KEYVAL, lock)
+    return lock
+
+
+def thread_multiple() -> bool:
+    """Whether MPI was initialized with MPI_THREAD_MULTIPLE (what a progress thread needs)."""
+    MPI = _mpi()
+    return bool(MPI.Query_thread() >= MPI.THREAD_MULTIPLE)
+
+
+_FINALIZE_KEYVAL: list[int] = []
+
+
+def _stop_at_finalize() -> None:
+    """Complete pending requests when MPI_Finalize starts (it deletes COMM_SELF's attributes
+    first, while MPI still works): an explicit ``MPI.Finalize()`` with requests pending let
+    the progress thread call MPI after it (MPICH: "Attempting to use an MPI routine after
+    finalizing", the job failed)."""
+    with _KEYVAL_LOCK:
+        if _FINALIZE_KEYVAL:
+            return
+        MPI = _mpi()
+        _FINALIZE_KEYVAL.append(MPI.Comm.Create_keyval(delete_fn=_finalizing))
+        MPI.COMM_SELF.Set_attr(_FINALIZE_KEYVAL[0], True)
+
+
+def _finalizing(comm: Any, keyval: int, value: Any) -> None:
+    from ._progress import stop
+
+    stop()
 
 
 def _engine_deleted(comm: Any, keyval: int, engine: Any) -> None:
@@ -295,7 +346,8 @@ def _routed(fn: Callable[..., Any]) -> Callable[..., Any]:
         engine = self._attached_engine()
         if engine is not None:
             self = engine.route(self)
-        return fn(self, *args, **kwargs)
+        with self.serial():
+            return fn(self, *args, **kwargs)
 
     return call
 
@@ -398,6 +450,7 @@ class Communicator:
         self.last_stats = CommStats()  # what the last sparsecoll.allreduce moved
         self._cuda_aware: bool | None = None
         self._engine: Any = None  # the progress engine, once found (see _attached_engine)
+        self._lock: Any = None  # see serial()
         self.poll = os.environ.get("SPARSECOLL_POLL") == "1" if poll is None else bool(poll)
 
     @classmethod
@@ -424,7 +477,7 @@ class Communicator:
             )
         MPI = _mpi()
         level = MPI.Query_thread()
-        if level < MPI.THREAD_MULTIPLE:
+        if not thread_multiple():
             names = {
                 MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
                 MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
@@ -439,12 +492,17 @@ class Communicator:
             )
         from ._progress import Engine
 
-        work = self.mpi_comm.Dup()
-        alarm = self.mpi_comm.Dup()
-        poll = os.environ.get("SPARSECOLL_PROGRESS_POLL", "1").strip() != "0"
-        engine = Engine(Communicator(work, poll=poll), Communicator(alarm, poll=True))
-        self.mpi_comm.Set_attr(_engine_keyval(), engine)
-        self._engine = engine
+        with self.serial():  # (two threads starting it at once duplicated it 4 times: MPICH
+            engine = self._attached_engine()  # aborted with "Message truncated")
+            if engine is not None:
+                return engine
+            work = self.mpi_comm.Dup()
+            alarm = self.mpi_comm.Dup()
+            poll = os.environ.get("SPARSECOLL_PROGRESS_POLL", "1").strip() != "0"
+            engine = Engine(Communicator(work, poll=poll), Communicator(alarm, poll=True))
+            self.mpi_comm.Set_attr(_engine_keyval(), engine)
+            self._engine = engine
+        _stop_at_finalize()
         return engine
 
     def _attached_engine(self) -> Any:
@@ -454,6 +512,18 @@ class Communicator:
             return self._engine
         self._engine = self.mpi_comm.Get_attr(_ENGINE_KEYVAL)
         return self._engine
+
+    def serial(self) -> Any:
+        """The lock (reentrant) that runs this rank's calls on the MPI communicator one at a
+        time, whichever thread makes them: hold it around a sequence of calls that belong
+        together (``with comm.serial(): ...``). Every communication method takes it; on the
+        progress thread it is the lock of the engine's duplicate, used by that thread only.
+        """
+        engine = self._attached_engine()
+        target = engine.comm if engine is not None and engine.is_worker_thread() else self
+        if target._lock is None:
+            target._lock = _serial_lock(target.mpi_comm)
+        return target._lock
 
     def on_progress_thread(self) -> bool:
         """Whether the caller is this communicator's progress thread."""

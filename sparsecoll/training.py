@@ -58,9 +58,8 @@ from ._array import (
     to_host,
     to_module,
 )
-from ._progress import get_timeout
 from .algorithms.base import Algorithm
-from .api import collective_check
+from .api import collective_check, watched
 from .comm import CommStats, Communicator
 from .errors import NonFiniteError
 from .registry import algorithm_class
@@ -267,10 +266,10 @@ class GradientReducer:
         thread (``step_async(...).wait()``), so that a rank left waiting for another ends
         in the watchdog's diagnostic instead of a hang.
         """
-        if get_timeout() and type(self.comm) is Communicator and not self.comm.on_progress_thread():
+        if watched(self.comm):
             return self._submit(grad, out, "step").wait()
         self._wait_pending()
-        with contextlib.ExitStack() as scope:
+        with self.comm.serial(), contextlib.ExitStack() as scope:
             return self._step(grad, out, scope)
 
     def _step(self, grad: Any, out: Any, scope: contextlib.ExitStack) -> Any:

@@ -74,13 +74,106 @@ def test_uncaught_exception_with_requests_pending_ends_the_job():
 
 
 @pytest.mark.mpi
-def test_thread_level_is_checked():
+@pytest.mark.parametrize("level", ["single", "funneled", "serialized"])
+def test_thread_level_is_checked(level):
+    """Below MPI_THREAD_MULTIPLE, iallreduce raises on every rank and blocking calls work,
+    under the watchdog too (they run unwatched, with a warning: they raised iallreduce's
+    RuntimeError)."""
     from .mpirun import run_mpi
 
-    proc = run_mpi(1, [__file__, "serialized"], timeout=120)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    assert "need MPI_THREAD_MULTIPLE" in proc.stdout, proc.stdout[-6000:]
-    assert "MPI_THREAD_SERIALIZED" in proc.stdout, proc.stdout[-6000:]
+    proc = run_mpi(2, [__file__, level], timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
+    assert out.count("need MPI_THREAD_MULTIPLE") == 2, out[-6000:]
+    assert out.count(f"MPI_THREAD_{level.upper()}") == 2, out[-6000:]
+    assert out.count("blocking: [2.0, 4.0]") == 2, out[-6000:]
+    want = "blocking under the watchdog: [2.0, 4.0] [0.0, 1.0, 0.0, 2.0]"
+    assert out.count(want) == 2, out[-6000:]
+    assert out.count("RuntimeWarning: the watchdog (SPARSECOLL_TIMEOUT) needs") == 2, out
+
+
+@pytest.mark.mpi
+def test_fork_after_the_progress_thread_started():
+    """A child forked with a request pending: its calls raise instead of hanging (they
+    were queued to a thread the child does not have), and its exit handler, for an uncaught
+    exception, leaves the job alone (it called MPI_Abort, ending the parent's job)."""
+    from .mpirun import run_mpi
+
+    proc = run_mpi(2, [__file__, "fork"], timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
+    assert out.count("child: submit raised RuntimeError: process") == 2, out[-6000:]
+    assert out.count("child: drain raised RuntimeError: process") == 2, out[-6000:]
+    assert out.count("child: exit handler returned") == 2, out[-6000:]
+    assert out.count("parent: [2.0, 4.0]") == 2, out[-6000:]
+
+
+def _fork() -> None:
+    import os
+    import threading
+
+    import numpy as np
+
+    import sparsecoll
+    from sparsecoll import _progress
+
+    comm = sparsecoll.Communicator()
+    engine = comm.engine()
+    gate = threading.Event()
+    pending = engine.submit(gate.wait, "gate")  # local: pending while the child runs
+    pid = os.fork()
+    if pid == 0:
+        for name, call in (
+            ("submit", lambda: engine.submit(int, "local")),
+            ("drain", engine.drain),
+        ):
+            try:
+                call()
+                print(f"child: {name} returned", flush=True)
+            except RuntimeError as exc:
+                print(f"child: {name} raised RuntimeError: {exc}", flush=True)
+        sys.last_value = sys.last_exc = RuntimeError("the child fails")  # as if uncaught
+        _progress.shutdown()  # what the exit handler does then
+        print("child: exit handler returned", flush=True)
+        os._exit(0)  # (the child must not finalize MPI: it would break the parent's)
+    os.waitpid(pid, 0)
+    gate.set()
+    pending.wait()
+    vals, idx = np.array([1.0, 2.0], np.float32), np.array([3, 4])
+    out = sparsecoll.iallreduce(comm, vals, idx, n=9).wait().values.tolist()
+    print(f"parent: {out}", flush=True)
+
+
+@pytest.mark.mpi
+def test_finalize_with_requests_pending():
+    """MPI.Finalize() called with requests pending (one rank late): they complete first, and
+    a later call raises. The progress thread went on calling MPI after it (MPICH: "Attempting
+    to use an MPI routine ... after finalizing", the job failed)."""
+    from .mpirun import run_mpi
+
+    proc = run_mpi(2, [__file__, "finalize"], timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
+    assert out.count("finalized, done: [True, True, True]") == 2, out[-6000:]
+    assert out.count("then: RuntimeError") == 2, out[-6000:]
+
+
+def _finalize() -> None:
+    from mpi4py import MPI
+
+    import sparsecoll
+
+    comm = sparsecoll.Communicator()
+    vals, idx = _inputs(comm.rank)
+    reqs = [sparsecoll.iallreduce(comm, vals, idx, n=10**5) for _ in range(3)]
+    if comm.rank == 0:
+        time.sleep(1)
+    MPI.Finalize()
+    print(f"finalized, done: {[r.done() for r in reqs]}", flush=True)
+    try:
+        comm.engine().submit(int, "local")
+    except RuntimeError as exc:
+        print(f"then: RuntimeError: {exc}", flush=True)
 
 
 def _inputs(rank: int):
@@ -158,19 +251,33 @@ def _skip_step() -> None:
     print("not reached", flush=True)
 
 
-def _serialized() -> None:
+def _low_level(level: str) -> None:
     import mpi4py
 
-    mpi4py.rc.thread_level = "serialized"
+    mpi4py.rc.thread_level = level
+    import numpy as np
+
     import sparsecoll
 
+    comm = sparsecoll.Communicator()
     try:
-        sparsecoll.iallreduce(sparsecoll.Communicator(), *_inputs(0), n=10**5)
+        sparsecoll.iallreduce(comm, *_inputs(comm.rank), n=10**5)
     except RuntimeError as exc:
-        print(exc)
+        print(exc, flush=True)
+    vals, idx = np.array([1.0, 2.0], np.float32), np.array([3, 4])
+    out = sparsecoll.allreduce(comm, vals, idx, n=9).values.tolist()
+    print(f"blocking: {out}", flush=True)  # (one write: the ranks share the output)
+    sparsecoll.set_timeout(60)
+    out = sparsecoll.allreduce(comm, vals, idx, n=9).values.tolist()
+    red = sparsecoll.GradientReducer(comm, 4, "allgather", 0.5)
+    step = red.step(np.array([0, 1, 0, 2], np.float32)).tolist()
+    print(f"blocking under the watchdog: {out} {step}", flush=True)
 
 
 if __name__ == "__main__":
     modes = {"pending": _pending, "skip": _skip, "skip_step": _skip_step, "raise": _raise}
-    modes["serialized"] = _serialized
-    modes[sys.argv[1]]()
+    modes.update(fork=_fork, finalize=_finalize)
+    if sys.argv[1] in ("single", "funneled", "serialized"):
+        _low_level(sys.argv[1])
+    else:
+        modes[sys.argv[1]]()

@@ -4,8 +4,10 @@ step_async equals step, wait(timeout=), byte accounting."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -308,3 +310,102 @@ def test_reducer_state_calls_wait_for_pending_steps(comm, call):
     if call == "reset":
         ok = red.steps == 0 and red.residual is None
     assert_all(comm, ok, f"{call} did not wait for the pending step")
+
+
+def _in_threads(comm, *targets, timeout=120.0):
+    """Run ``targets`` in threads started together; their errors, or a diagnostic and
+    MPI_Abort when one is stuck (a hang must fail the test, not block the job)."""
+    errors: list[str] = []
+    start = threading.Barrier(len(targets))
+
+    def run(fn):
+        try:
+            start.wait()
+            fn()
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=run, args=(fn,), daemon=True) for fn in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if any(t.is_alive() for t in threads):
+        print(f"rank {comm.rank}: threads still in their calls after {timeout} s", flush=True)
+        comm.abort(1)
+    return errors
+
+
+def test_blocking_calls_from_two_threads_at_once(comm):
+    """Two threads in blocking calls on one communicator at once, with the same input (so
+    their order cannot change the result): each rank runs them one at a time. Without that
+    they interleaved their MPI messages: MPICH aborted with "Message truncated" (P = 3)."""
+    from mpi4py import MPI
+
+    mine = sparsecoll.Communicator(MPI.COMM_WORLD.Dup())
+    vals, idx = _input(comm.rank, 7)
+    want = digest(sparsecoll.allreduce(comm, vals, idx, n=N))
+    red = [GradientReducer(mine, N, "allgather", 0.05) for _ in range(2)]
+    twin = GradientReducer(comm, N, "allgather", 0.05)
+    grad = np.random.default_rng([7, comm.rank]).standard_normal(N)
+    step_want = twin.step(grad)
+    got: list[object] = []
+
+    def calls():
+        for _ in range(10):
+            got.append(digest(sparsecoll.allreduce(mine, vals, idx, n=N)))
+
+    def step(i):
+        return lambda: got.append(np.array_equal(red[i].step(grad), step_want))
+
+    errors = _in_threads(comm, calls, calls) + _in_threads(comm, step(0), step(1))
+    assert_all(comm, not errors, errors)
+    assert_all(comm, got.count(want) == 20 and got.count(True) == 2, "wrong results")
+    mine.mpi_comm.Free()
+
+
+def test_first_nonblocking_calls_from_two_threads_at_once(comm):
+    """Two threads making the first nonblocking call on a communicator at once (same input):
+    one progress engine starts. Both started one, each duplicating the communicator twice
+    at the same time as the other: MPICH aborted ("Message truncated" in MPI_Comm_dup)."""
+    from mpi4py import MPI
+
+    vals, idx = _input(comm.rank, 8)
+    want = digest(sparsecoll.allreduce(comm, vals, idx, n=N))
+    for _ in range(3):
+        mine = MPI.COMM_WORLD.Dup()
+        reqs: list[sparsecoll.SparseRequest] = []
+
+        def submit(mine=mine, reqs=reqs):
+            reqs.append(sparsecoll.iallreduce(mine, vals, idx, n=N))
+
+        errors = _in_threads(comm, submit, submit)
+        assert_all(comm, not errors, errors)
+        got = [digest(r.wait(timeout=120)) for r in reqs]
+        engine = sparsecoll.Communicator(mine).engine()
+        assert_all(comm, got == [want, want] and engine.pending() == 0, "wrong results")
+        assert_all(comm, engine._submitted == 2, "the calls went to different engines")
+        mine.Free()
+
+
+def test_the_progress_thread_keeps_nothing_of_a_completed_call(comm):
+    """Once a request has completed and the caller has dropped it, its result and its
+    arguments are freed. The progress thread kept the last call's request (holding the
+    result, e.g. step_async's dense update) and function (holding the gradient) alive until
+    the next call."""
+    engine = comm.engine()
+
+    class Big:  # stands for a gradient and an update
+        pass
+
+    arg, result = Big(), Big()
+    refs = [weakref.ref(arg), weakref.ref(result)]
+    req = engine.submit(lambda arg=arg, out=result: out, "local")
+    assert req.wait(timeout=120) is result
+    del req, arg, result
+    for _ in range(200):  # the thread may still be finishing the call: give it 2 s
+        gc.collect()
+        if all(r() is None for r in refs):
+            break
+        time.sleep(0.01)
+    assert [r() is None for r in refs] == [True, True], "still alive after the call"
