@@ -780,13 +780,20 @@ class GradientReducer:
             taken[taken] = sent
         return result, sel, selected, (*prep.zeroed, taken)
 
-    def _take_back(self) -> None:
-        """The last step's update was not applied (the training loop skipped the batch):
-        put the residual and the velocity back as they were before it, so that what the
-        step sent is not lost (the batch's gradient counts as never fed). The step counter,
-        the algorithm's and the selection's state and the statistics stay advanced: the
-        step happened on every rank. Only right after a step that succeeded (its buffers
-        are the spare ones until the next step writes them); call it on every rank alike."""
+    def take_back(self) -> None:
+        """Undo the last step's effect on this reducer's memory, when its update was not
+        applied (the training loop skipped the batch, e.g. because another reducer's step
+        failed): the residual and the velocity go back to what they were before that step,
+        so nothing the step sent is lost and its gradient counts as never fed. The step
+        counter, the algorithm's and the selection's state and the statistics stay
+        advanced (the step happened, alike on every rank). Only right after a step that
+        succeeded; call it on every rank alike. Do not apply the taken-back update: its
+        entries are in the residual again.
+
+        Raises:
+            RuntimeError: no step to take back (none since the last reset, restore or
+            take-back).
+        """
         self._wait_pending()
         if not self._can_take_back:
             raise RuntimeError(

@@ -294,7 +294,7 @@ def _end_iteration(state: SparseHookState) -> None:
     buckets that stepped take their residual back and nothing they sent is lost."""
     if state._failed:
         for red in state._stepped:
-            red._take_back()
+            red.take_back()
     state._stepped, state._failed = [], False
 
 

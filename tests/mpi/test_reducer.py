@@ -411,6 +411,40 @@ def test_reset_equals_a_new_reducer(comm, algorithm):
     check_everywhere(comm, problems, [])
 
 
+@pytest.mark.parametrize("algorithm", ["dense", "allgather", "gtopk", "oktopk", "exdyna"])
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_take_back_restores_the_memory(comm, algorithm, momentum):
+    """take_back() after a step whose update is dropped puts the residual and the velocity
+    back bit for bit, so error feedback loses nothing over the steps kept; a second
+    take_back in a row (nothing to take back) raises."""
+    s = Stream(n=3000, kind="heavy", seed=6, steps=6, density=0.02, warmup=1, average=True)
+    red = GradientReducer(comm, s.n, algorithm, s.density, warmup=1, momentum=momentum)
+    problems, kept = [], []
+    for t in range(s.steps):
+        before = [np.zeros(s.n) if a is None else a.copy() for a in (red.residual, red.velocity)]
+        update = red.step(s.grad(comm.rank, t))
+        if t in (0, 2, 3):  # these batches are skipped (the warm-up step among them)
+            red.take_back()
+            for name, a, b in zip(("residual", "velocity"), (red.residual, red.velocity), before):
+                if not np.array_equal(np.zeros(s.n) if a is None else a, b):  # (None: zeros)
+                    problems.append(f"step {t}: {name} differs after take_back")
+            if t == 3:
+                with pytest.raises(RuntimeError, match="no step to take back"):
+                    red.take_back()
+        else:
+            kept.append((t, update))
+    if momentum == 0.0:
+        p = comm.size
+        applied = sum(u for _, u in kept) * p
+        residuals = comm.allreduce(np.asarray(red.residual, dtype=np.float64))
+        grads = sum(s.grad(r, t) for r in range(p) for t, _ in kept)
+        scale = sum(np.abs(s.grad(r, t)) for r in range(p) for t, _ in kept)
+        err = np.abs(applied + residuals - grads)
+        if not np.all(err <= 1e-12 * (scale + 1)):
+            problems.append(f"lost {err.max()!r} of the kept gradients")
+    check_everywhere(comm, problems, [u for _, u in kept])
+
+
 @pytest.mark.parametrize(
     ("algorithm", "selection"),
     [("allgather", "exact"), ("exdyna", "exact"), ("allgather", "reuse"), ("oktopk", "reuse")],
