@@ -116,7 +116,7 @@ def allreduce(
         # agreement: coalescing, and what the algorithm prepares (a dense buffer)
         with device_scope(vals), np.errstate(over="ignore", invalid="ignore"):
             x = coalesce(idx, vals, int(n))
-            algo.prepare(x)
+            algo.preflight(x)
         error = None
     except Exception as exc:  # (shared with every rank: none is left waiting)
         error, sig = exc, None

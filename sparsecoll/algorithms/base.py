@@ -67,7 +67,7 @@ class Algorithm(ABC):
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
         """Reduce ``x`` over ``comm``; see the module docstring for the contract."""
 
-    def prepare(self, x: SparseVector) -> None:
+    def preflight(self, x: SparseVector) -> None:
         """This rank's local work for :meth:`reduce` that can fail here alone (an O(n)
         allocation), done ahead: :func:`sparsecoll.allreduce` calls it before the ranks agree
         on their input, so that such an error is raised on every rank rather than leaving the
@@ -99,7 +99,7 @@ class Algorithm(ABC):
 
 
 def dense_of(x: SparseVector) -> Any:
-    """``x`` as a new dense array: the one :meth:`Algorithm.prepare` made, or made now."""
+    """``x`` as a new dense array: the one :meth:`Algorithm.preflight` made, or made now."""
     dense = x.info.pop("dense", None)
     return x.to_dense() if dense is None else dense
 

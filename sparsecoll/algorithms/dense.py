@@ -19,7 +19,7 @@ class Dense(Algorithm):
     name = "dense"
     densifies = True
 
-    def prepare(self, x: SparseVector) -> None:
+    def preflight(self, x: SparseVector) -> None:
         x.info["dense"] = x.to_dense()
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:

@@ -25,7 +25,7 @@ class Rabenseifner(Algorithm):
     name = "rabenseifner"
     densifies = True
 
-    def prepare(self, x: SparseVector) -> None:
+    def preflight(self, x: SparseVector) -> None:
         x.info["dense"] = x.to_dense()
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
