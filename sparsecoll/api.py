@@ -96,6 +96,7 @@ def _allreduce(
     algo: Any = None
     vals: Any = None
     idx: Any = None
+    x: Any = None
     wrap: Any = identity
     try:
         if isinstance(algorithm, Algorithm):
@@ -118,15 +119,19 @@ def _allreduce(
             # selection cannot rank NaN; agreeing here keeps a lone rank from raising alone
             raise ValueError("values contain NaN (a selecting algorithm cannot rank them)")
         sig = _signature(algo, vals, n)
+        # the local work that can fail on this rank alone (its allocations), before the
+        # agreement: coalescing, and what the algorithm prepares (a dense buffer)
+        with device_scope(vals), np.errstate(over="ignore", invalid="ignore"):
+            x = coalesce(idx, vals, int(n))
+            algo.preflight(x)
         error = None
     except Exception as exc:  # (shared with every rank: none is left waiting)
         error, sig = exc, None
     collective_check(c, error, sig, ("n", "values dtype", "algorithm"))
     # IEEE sums, as MPI_SUM's: inf + (-inf) is NaN and an overflow inf, without a warning
-    with device_scope(vals), np.errstate(over="ignore", invalid="ignore"):
-        x = coalesce(idx, vals, int(n))  # (device inputs: work and return on their own GPU)
-        with c.measure() as stats:
-            out = algo.reduce(c, x)
+    # (device inputs: work and return on their own GPU)
+    with device_scope(vals), np.errstate(over="ignore", invalid="ignore"), c.measure() as stats:
+        out = algo.reduce(c, x)
     out.info["stats"] = stats
     c.last_stats = stats
     if wrap is not identity:

@@ -24,6 +24,7 @@ from ..sparse import SparseVector, coalesce
 __all__ = [
     "Algorithm",
     "Fold",
+    "dense_of",
     "pack_pairs",
     "range_bounds",
     "recv_pairs",
@@ -66,6 +67,14 @@ class Algorithm(ABC):
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
         """Reduce ``x`` over ``comm``; see the module docstring for the contract."""
 
+    def preflight(self, x: SparseVector) -> None:
+        """This rank's local work for :meth:`reduce` that can fail here alone (an O(n)
+        allocation), done ahead: :func:`sparsecoll.allreduce` calls it before the ranks agree
+        on their input, so that such an error is raised on every rank rather than leaving the
+        others waiting in ``reduce``. What it makes goes in ``x.info`` (:func:`dense_of`);
+        ``reduce`` must work without it. Default: nothing."""
+        return None
+
     @classmethod
     def default_options(cls, n: int, k: int) -> dict[str, Any]:
         """Options for a problem of length ``n`` with about ``k`` nonzeros per rank
@@ -87,6 +96,12 @@ class Algorithm(ABC):
 
     def __repr__(self) -> str:
         return f"<sparsecoll algorithm {self.name!r}>"
+
+
+def dense_of(x: SparseVector) -> Any:
+    """``x`` as a new dense array: the one :meth:`Algorithm.preflight` made, or made now."""
+    dense = x.info.pop("dense", None)
+    return x.to_dense() if dense is None else dense
 
 
 def allclose_sparse(a: SparseVector, b: SparseVector, scale: float | None = None) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from .base import Algorithm
+from .base import Algorithm, dense_of
 
 __all__ = ["Dense"]
 
@@ -19,6 +19,9 @@ class Dense(Algorithm):
     name = "dense"
     densifies = True
 
+    def preflight(self, x: SparseVector) -> None:
+        x.info["dense"] = x.to_dense()
+
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
-        dense = x.to_dense()  # a new array: summed in place
+        dense = dense_of(x)  # a new array: summed in place
         return SparseVector.from_dense(comm.allreduce(dense, out=dense, check=False))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from .base import Algorithm, Fold, range_bounds
+from .base import Algorithm, Fold, dense_of, range_bounds
 
 __all__ = ["Rabenseifner"]
 
@@ -25,8 +25,11 @@ class Rabenseifner(Algorithm):
     name = "rabenseifner"
     densifies = True
 
+    def preflight(self, x: SparseVector) -> None:
+        x.info["dense"] = x.to_dense()
+
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
-        return SparseVector.from_dense(allreduce_dense(comm, x.to_dense()))
+        return SparseVector.from_dense(allreduce_dense(comm, dense_of(x)))
 
 
 def allreduce_dense(comm: Communicator, buf):

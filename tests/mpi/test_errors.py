@@ -302,3 +302,26 @@ def test_unexpected_local_error_on_one_rank_raises_everywhere(comm):
     assert_all(comm, red.steps == 0, "failed step counted")
     out = sparsecoll.allreduce(comm, np.ones(2, np.float32), [0, 1], n=4)  # the ranks go on
     assert_all(comm, out.values.tolist() == [comm.size] * 2)
+
+
+@pytest.mark.parametrize("where", ["coalesce", "dense", "rabenseifner"])
+def test_memory_running_out_on_one_rank_raises_everywhere(comm, monkeypatch, where):
+    """Memory running out on one rank in the call's local work (coalescing the input, or a
+    densifying algorithm's buffer of n values) is a CollectiveRuntimeError on every rank
+    naming it: that work is done before the ranks agree on their input (it used to come
+    after: that rank raised MemoryError alone, the others waited in the exchange)."""
+    bad = comm.size - 1
+    algorithm = "allgather" if where == "coalesce" else where
+
+    def out_of_memory(*args):
+        raise MemoryError("out of memory")
+
+    if comm.rank == bad:
+        owner = sparsecoll.api if where == "coalesce" else sparsecoll.SparseVector
+        monkeypatch.setattr(owner, "coalesce" if where == "coalesce" else "to_dense", out_of_memory)
+    values, indices = np.ones(3, np.float32), [0, 2, 0]
+    with pytest.raises(sparsecoll.CollectiveRuntimeError, match=f"out of memory on rank {bad}"):
+        sparsecoll.allreduce(comm, values, indices, n=5, algorithm=algorithm)
+    monkeypatch.undo()
+    out = sparsecoll.allreduce(comm, values, indices, n=5, algorithm=algorithm)
+    assert_all(comm, out.values.tolist() == [2 * comm.size, comm.size], "the ranks go on")
