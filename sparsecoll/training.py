@@ -274,6 +274,7 @@ class GradientReducer:
 
     def _step(self, grad: Any, out: Any, scope: contextlib.ExitStack) -> Any:
         arr, wrap, dest, error, prepared, saved = None, identity, None, None, None, None
+        self._can_take_back = False  # (a step failing on any rank leaves nothing to take back)
         try:
             arr, wrap = as_array(grad, "grad")
             # work on grad's GPU, whatever the current device (step_async's progress thread
@@ -286,7 +287,6 @@ class GradientReducer:
             # the selection (a ReuseThreshold's schedule, a sampler's generator) and the cut
             # prediction move in _prepare: given back below if the step fails on any rank
             saved = self._selection_snapshot()
-            self._can_take_back = False  # the pass writes into the spare buffers
             prepared = self._prepare(arr.reshape(-1), None if dest is None else dest.reshape(-1))
         except Exception as exc:  # (shared with every rank: none is left waiting)
             error = exc

@@ -34,6 +34,60 @@ def test_ddp_hook_two_ranks():
     assert proc.stdout.count("ddp hook ok") == 2, proc.stdout[-4000:]
 
 
+class _Bucket:
+    """A stand-in for dist.GradBucket: the hook state's own bookkeeping, in one process."""
+
+    def __init__(self, index: int, count: int, buf, params):
+        self.i, self.count, self.buf, self.params = index, count, buf, params
+
+    def buffer(self):
+        return self.buf
+
+    def index(self) -> int:
+        return self.i
+
+    def is_last(self) -> bool:
+        return self.i == self.count - 1
+
+    def parameters(self):
+        return self.params
+
+
+def test_an_iteration_cut_short_leaves_no_trace():
+    """An iteration whose backward ended before its last bucket (its bucket 0 stepped) must
+    not be taken back by a later failed iteration, nor make the clean ones after it fail:
+    before, bucket 0's reducer was taken back twice ('no step to take back' replaced the
+    NonFiniteError) and every later iteration took its steps back and raised."""
+    torch = pytest.importorskip("torch")
+    from mpi4py import MPI
+
+    from sparsecoll.integrations.torch import SparseHookState, sparse_allreduce_hook
+
+    state = SparseHookState(MPI.COMM_SELF, algorithm="allgather", density=0.25, warmup=1)
+    params = [[torch.zeros(8)], [torch.zeros(8)]]
+
+    def iteration(grad1, cut_short=False):
+        futures = [sparse_allreduce_hook(state, _Bucket(0, 2, torch.arange(8.0), params[0]))]
+        if not cut_short:
+            futures.append(sparse_allreduce_hook(state, _Bucket(1, 2, grad1, params[1])))
+        return futures
+
+    for _ in range(2):
+        for f in iteration(torch.ones(8)):
+            f.wait()
+    iteration(None, cut_short=True)
+    bad = torch.ones(8)
+    bad[3] = float("nan")
+    f0, f1 = iteration(bad)
+    f0.wait()
+    with pytest.raises(RuntimeError, match="NonFiniteError|not finite"):
+        f1.wait()
+    for _ in range(2):  # clean iterations go on
+        for f in iteration(torch.ones(8)):
+            f.wait()
+    assert [red.steps for red in state.reducers.values()] == [5, 3]  # (the NaN step: none)
+
+
 def _train(torch, ddp_cls, hook_state, hook, rank: int, steps: int = STEPS, dtype=None):
     """Train a tiny MLP on a learnable rule; return (parameters, losses, bucket count)."""
     torch.manual_seed(0)

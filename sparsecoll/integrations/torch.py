@@ -167,8 +167,11 @@ class SparseHookState:
         self._pending_layouts: dict[int, tuple[Any, ...]] = {}
         self._pending_until = 0
         self._dense_stats = CommStats()
-        self._stepped: list[GradientReducer] = []  # the reducers stepped in this iteration
-        self._failed = False  # whether a bucket's reduction failed in this iteration
+        # (iteration, reducer) for each bucket that stepped, and the iterations in which a
+        # bucket's reduction failed: an iteration that never reached its last bucket
+        # leaves entries that a later iteration's end ignores
+        self._stepped: list[tuple[int, GradientReducer]] = []
+        self._failed: set[int] = set()
         self._failures: list[tuple[Any, BaseException]] = []  # async: errors held back
         # fail early, on every rank alike, on a bad algorithm name or option
         GradientReducer(self.comm, 1, algorithm, self.density, **options)
@@ -257,7 +260,7 @@ class SparseHookState:
         for red in self.reducers.values():
             red.reset()
         self._pending.clear()
-        self._stepped, self._failed = [], False
+        self._stepped, self._failed, self._failures = [], set(), []
         self._dense_stats = CommStats()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -269,36 +272,42 @@ class SparseHookState:
         self.iteration = int(state["iteration"])
         self.reducers.clear()
         self._layouts.clear()
-        self._stepped, self._failed = [], False
+        self._stepped, self._failed = [], set()
         self._pending = dict(state["reducers"])
         self._pending_layouts = dict(state.get("layouts", {}))
         self._pending_until = self.iteration + 3
 
 
 def _reduce_bucket(
-    state: SparseHookState, buf: Any, red: GradientReducer | None, last: bool
+    state: SparseHookState, buf: Any, red: GradientReducer | None, iteration: int, last: bool
 ) -> None:
     """Overwrite ``buf`` with the bucket's average: dense during the warm-up (``red`` None),
     else ``red``'s sparse update. ``last``: the iteration's last bucket, after which an
     iteration in which a bucket failed is taken back."""
     try:
-        _reduce_one(state, buf, red)
+        _reduce_one(state, buf, red, iteration)
     finally:
         if last:
-            _end_iteration(state)
+            _end_iteration(state, iteration)
 
 
-def _end_iteration(state: SparseHookState) -> None:
+def _end_iteration(state: SparseHookState, iteration: int) -> None:
     """After the iteration's last bucket: if a bucket failed (on every rank alike), the
     training loop skips the batch (backward raised, or GradScaler saw the NaN), so the
     buckets that stepped take their residual back and nothing they sent is lost."""
-    if state._failed:
-        for red in state._stepped:
+    # (once each: a backward cut short before its last bucket leaves the iteration count
+    # where it was, so a bucket of it may have stepped twice under that number)
+    stepped = {id(red): red for it, red in state._stepped if it == iteration}.values()
+    failed = iteration in state._failed
+    state._stepped, state._failed = [], set()
+    if failed:
+        for red in stepped:
             red.take_back()
-    state._stepped, state._failed = [], False
 
 
-def _reduce_one(state: SparseHookState, buf: Any, red: GradientReducer | None) -> None:
+def _reduce_one(
+    state: SparseHookState, buf: Any, red: GradientReducer | None, iteration: int
+) -> None:
     # numpy has no bfloat16: such a bucket is reduced in float32 (exact widening), its
     # residual kept in float32, and the update rounded back into the bucket
     work = buf.float() if buf.dtype == _torch().bfloat16 else buf
@@ -315,15 +324,15 @@ def _reduce_one(state: SparseHookState, buf: Any, red: GradientReducer | None) -
         try:
             red.step(work, out=work)  # the update overwrites the gradient in place
         except NonFiniteError:  # (raised on every rank alike: every rank fills alike)
-            state._failed = True
+            state._failed.add(iteration)
             if state.nonfinite != "nan":
                 raise
             work.fill_(float("nan"))
         except Exception:  # (a step's errors are agreed: raised on every rank alike)
-            state._failed = True
+            state._failed.add(iteration)
             raise
         else:
-            state._stepped.append(red)
+            state._stepped.append((iteration, red))
     if work is not buf:
         buf.copy_(work)
 
@@ -351,9 +360,9 @@ def sparse_allreduce_hook(state: SparseHookState, bucket):
     torch = _torch()
     buf = bucket.buffer()
     fut = torch.futures.Future()
-    last = bucket.is_last()
+    iteration, last = state.iteration, bucket.is_last()
     try:
-        _reduce_bucket(state, buf, _bucket_reducer(state, bucket), last)
+        _reduce_bucket(state, buf, _bucket_reducer(state, bucket), iteration, last)
     except Exception as exc:
         # raised inside the hook, the error leaves DDP's reducer mid-iteration (the next
         # forward fails an internal assertion): like the asynchronous hook, hand it over in
@@ -381,7 +390,7 @@ def async_sparse_allreduce_hook(state: SparseHookState, bucket):
 
     def run() -> None:
         try:
-            _reduce_bucket(state, buf, red, last)
+            _reduce_bucket(state, buf, red, iteration, last)
         except BaseException as exc:
             # DDP's backward raises as soon as it sees a failed future, with the later
             # buckets still queued here (they would then write into buffers DDP has given

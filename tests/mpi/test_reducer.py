@@ -445,6 +445,21 @@ def test_take_back_restores_the_memory(comm, algorithm, momentum):
     check_everywhere(comm, problems, [u for _, u in kept])
 
 
+def test_no_take_back_after_a_failed_step(comm):
+    """A step that fails (here: a wrong size on the last rank, raised on every rank) leaves
+    nothing to take back on any rank: before, the ranks whose input passed its local checks
+    refused, the last rank took back the step before (already applied)."""
+    red = GradientReducer(comm, 6, "allgather", 0.5)
+    red.step(np.arange(6.0))
+    bad = comm.rank == comm.size - 1
+    with pytest.raises(CollectiveInputError):
+        red.step(np.arange(5.0 if bad else 6.0))
+    residual = red.residual.copy()
+    with pytest.raises(RuntimeError, match="no step to take back"):
+        red.take_back()
+    assert_all(comm, np.array_equal(red.residual, residual), "take_back changed the residual")
+
+
 @pytest.mark.parametrize(
     ("algorithm", "selection"),
     [("allgather", "exact"), ("exdyna", "exact"), ("allgather", "reuse"), ("oktopk", "reuse")],
