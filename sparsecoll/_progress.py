@@ -7,21 +7,23 @@ after the other, in submission order, on a duplicate of the communicator in poll
 Every rank must submit its calls in the same order, as with blocking collectives.
 
 The watchdog (off by default; :func:`set_timeout` or ``SPARSECOLL_TIMEOUT=seconds``) watches
-the call each engine is running: past the timeout it prints this rank's state to stderr,
-asks every other rank (a small message on a second duplicate, never a collective) to print
-theirs, and after a short grace period calls MPI_Abort.
+the call each engine is running, and the blocking calls the user's threads make on the
+communicator (:meth:`Engine.watching`, where they run): past the timeout it prints this
+rank's state to stderr, asks every other rank (a small message on a second duplicate, never
+a collective) to print theirs, and after a short grace period calls MPI_Abort.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -141,7 +143,13 @@ class Engine:
         self._closed = False
         self._current: SparseRequest | None = None
         self._started = 0.0
+        # every call, queued or blocking (watching), numbered in the order this rank makes
+        # them (the same on every rank): how many began, how many ended, the last to end
+        self._calls = 0
+        self._done = 0
         self._last = ""
+        self._last_call = 0
+        self._blocking: dict[int, tuple[SparseRequest, float]] = {}  # by thread: watching
         self._reported = False
         self._free = False  # free the duplicates when the thread ends (the user's comm was)
         self._ended = False  # the thread has left its loop
@@ -168,12 +176,51 @@ class Engine:
             if self._closed:
                 raise RuntimeError("the progress engine of this communicator is shut down")
             self._submitted += 1
-            req = SparseRequest(self._submitted, label)
+            self._calls += 1
+            req = SparseRequest(self._calls, label)
             self._queue.append((req, fn, owner))
             self._cond.notify_all()
         if self._watchdog is None and watch:
             self._start_watchdog()
         return req
+
+    @contextlib.contextmanager
+    def watching(self, label: str) -> Iterator[None]:
+        """Let the watchdog see a blocking call that the calling thread makes, where it runs
+        (on the user's communicator: in order with this thread's other calls, on its CUDA
+        stream), numbered among this engine's calls. A call inside a watched one counts
+        as part of it."""
+        self._check_process()
+        me = threading.get_ident()
+        if me in self._blocking:
+            yield
+            return
+        with self._cond:
+            self._calls += 1
+            req = SparseRequest(self._calls, label)
+            self._blocking[me] = (req, time.monotonic())
+        if self._watchdog is None:
+            self._start_watchdog()
+        try:
+            yield
+        finally:
+            with self._cond:
+                del self._blocking[me]
+                self._ended_call(req)
+
+    def _ended_call(self, req: SparseRequest) -> None:
+        # (under self._cond)
+        self._done += 1
+        if req.call > self._last_call:
+            self._last, self._last_call = req.label, req.call
+
+    def _running(self) -> list[tuple[SparseRequest, float]]:
+        """The calls in progress (queued and blocking) with their start times, oldest first."""
+        with self._cond:
+            running = list(self._blocking.values())
+            if self._current is not None:
+                running.append((self._current, self._started))
+        return sorted(running, key=lambda r: r[0].call)
 
     def drain(self) -> None:
         """Wait until every call submitted so far has completed."""
@@ -250,7 +297,7 @@ class Engine:
                 owner._add_stats(self.comm.stats - before)
             with self._cond:
                 self._current = None
-                self._last = req.label
+                self._ended_call(req)
                 self._completed += 1
                 # after the count: whoever sees the request done sees it no longer pending
                 # (the exit handler aborts the job when calls are pending)
@@ -279,26 +326,28 @@ class Engine:
         while self._thread.is_alive() and not self._ended:
             time.sleep(WATCH_PERIOD)
             timeout = get_timeout()
-            with self._cond:
-                current, started = self._current, self._started
-            if timeout and current is not None and time.monotonic() - started > timeout:
-                self._fire(timeout)
+            late = (
+                [r for r, t in self._running() if time.monotonic() - t > timeout] if timeout else []
+            )
+            if late:
+                self._fire(timeout, late[0].call)
             alarm = self._alarm.try_recv_ints(ALARM_TAG)
             if alarm is not None:
                 self._report(f"rank {alarm[0]} timed out in its call #{alarm[1][0]}")
 
     def state(self) -> str:
         """This rank's progress: which call it has reached, with which algorithm."""
+        running = self._running()
         with self._cond:
-            current, started = self._current, self._started
-            submitted, completed, last = self._submitted, self._completed, self._last
-        if current is not None:
-            now = f"in call #{current.call} {current.label} for {time.monotonic() - started:.1f} s"
-        elif completed:
-            now = f"idle after call #{completed} {last}"
+            calls, done, last, last_call = self._calls, self._done, self._last, self._last_call
+        if running:
+            req, started = running[0]
+            now = f"in call #{req.call} {req.label} for {time.monotonic() - started:.1f} s"
+        elif last_call:
+            now = f"idle after call #{last_call} {last}"
         else:
             now = "idle, no call yet"
-        return f"{now} ({submitted} submitted, {completed} completed)"
+        return f"{now} ({calls} started, {done} completed)"
 
     def _report(self, why: str) -> None:
         if self._reported:
@@ -307,9 +356,7 @@ class Engine:
         c = self.comm
         _stderr(f"sparsecoll watchdog: rank {c.rank} of {c.size}: {self.state()}; {why}")
 
-    def _fire(self, timeout: float) -> None:
-        with self._cond:
-            call = self._current.call if self._current is not None else self._completed
+    def _fire(self, timeout: float, call: int) -> None:
         c = self._alarm
         self._report(f"timeout {timeout:g} s expired (SPARSECOLL_TIMEOUT); aborting the job")
         msg = np.array([call], dtype=np.int64)

@@ -3,6 +3,7 @@ nonblocking twin ``sparsecoll.iallreduce``."""
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
 import zlib
@@ -19,7 +20,7 @@ from .errors import CollectiveInputError, CollectiveTypeError
 from .registry import get_algorithm
 from .sparse import VALUE_DTYPES, SparseVector, as_indices, check_local, coalesce
 
-__all__ = ["allreduce", "collective_check", "iallreduce", "watched"]
+__all__ = ["allreduce", "collective_check", "iallreduce", "watch"]
 
 SIGNATURE_LEN = 8
 
@@ -79,14 +80,14 @@ def allreduce(
         >>> sparsecoll.allreduce(MPI.COMM_WORLD, values, [7, 3, 7], n=10, algorithm="gtopk", k=k)
         SparseVector(n=10, nnz=1, dtype=float32)
 
-    With the watchdog on (:func:`sparsecoll.set_timeout`), the call runs through the
-    progress engine (``iallreduce(...).wait()``), so that a hang ends in a diagnostic
-    (except on an NCCLCommunicator, which has no progress engine: it runs as usual).
+    With the watchdog on (:func:`sparsecoll.set_timeout`), the communicator's progress
+    engine watches the call (it still runs here), so that a hang ends in a diagnostic
+    (except on an NCCLCommunicator, which has no progress engine: it runs unwatched).
     """
     c = Communicator.wrap(comm)
-    if watched(c):
-        return iallreduce(c, values, indices, n=n, algorithm=algorithm, **options).wait()
-    with c.serial():  # (this rank's other threads wait: their calls would interleave)
+    label = f"allreduce(algorithm={_name(algorithm)!r}, n={n!r})"
+    # (serial: this rank's other threads wait: their calls would interleave)
+    with watch(c, label), c.serial():
         return _allreduce(c, values, indices, n, algorithm, options)
 
 
@@ -161,8 +162,7 @@ def iallreduce(
         RuntimeError: MPI was not initialized with MPI_THREAD_MULTIPLE.
     """
     c = Communicator.wrap(comm)
-    name = algorithm if isinstance(algorithm, str) else type(algorithm).__name__
-    label = f"iallreduce(algorithm={name!r}, n={n!r})"
+    label = f"iallreduce(algorithm={_name(algorithm)!r}, n={n!r})"
 
     def call() -> SparseVector:
         return allreduce(c, values, indices, n=n, algorithm=algorithm, **options)
@@ -170,17 +170,22 @@ def iallreduce(
     return c.engine().submit(call, label, owner=c)
 
 
-def watched(c: Communicator) -> bool:
-    """Whether a blocking call on ``c`` goes through its progress thread, for the watchdog
-    to see: the watchdog is on, and ``c`` is not that thread's own. A Communicator subclass
-    (NCCLCommunicator) has no progress engine, and below MPI_THREAD_MULTIPLE there is none
-    either (warned once): those calls run unwatched."""
+def _name(algorithm: Any) -> str:
+    return algorithm if isinstance(algorithm, str) else type(algorithm).__name__
+
+
+def watch(c: Communicator, label: str) -> contextlib.AbstractContextManager[None]:
+    """Around a blocking call on ``c``: with the watchdog on, let ``c``'s progress engine
+    watch it (the call still runs in the calling thread, on ``c``). Unwatched: a call on the
+    progress thread itself (its engine watches it already), a Communicator subclass
+    (NCCLCommunicator has no engine), and below MPI_THREAD_MULTIPLE (the watchdog's thread
+    calls MPI; warned once)."""
     if not get_timeout() or type(c) is not Communicator or c.on_progress_thread():
-        return False
-    if thread_multiple():
-        return True
-    _unwatched()
-    return False
+        return contextlib.nullcontext()
+    if not thread_multiple():
+        _unwatched()
+        return contextlib.nullcontext()
+    return c.engine().watching(label)
 
 
 _warned: list[bool] = []

@@ -59,7 +59,7 @@ from ._array import (
     to_module,
 )
 from .algorithms.base import Algorithm
-from .api import collective_check, watched
+from .api import collective_check, watch
 from .comm import CommStats, Communicator
 from .errors import NonFiniteError
 from .registry import algorithm_class
@@ -262,14 +262,13 @@ class GradientReducer:
             message names the rank). The residual and the velocity are then unchanged on
             every rank; ``out`` may have been zeroed.
 
-        With the watchdog on (:func:`sparsecoll.set_timeout`), the step runs on the progress
-        thread (``step_async(...).wait()``), so that a rank left waiting for another ends
-        in the watchdog's diagnostic instead of a hang.
+        With the watchdog on (:func:`sparsecoll.set_timeout`), the communicator's progress
+        engine watches the step, so that a rank left waiting for another ends in the
+        watchdog's diagnostic instead of a hang.
         """
-        if watched(self.comm):
-            return self._submit(grad, out, "step").wait()
         self._wait_pending()
-        with self.comm.serial(), contextlib.ExitStack() as scope:
+        label = f"step({self.algorithm_name!r})"
+        with watch(self.comm, label), self.comm.serial(), contextlib.ExitStack() as scope:
             return self._step(grad, out, scope)
 
     def _step(self, grad: Any, out: Any, scope: contextlib.ExitStack) -> Any:
@@ -327,12 +326,9 @@ class GradientReducer:
         the reducer's state (a blocking :meth:`step`, :meth:`state_dict`,
         :meth:`load_state_dict` and :meth:`reset` wait for pending ones themselves).
         """
-        return self._submit(grad, out, "step_async")
-
-    def _submit(self, grad: Any, out: Any, label: str) -> Any:
         kw = {} if out is None else {"out": out}
         return self.comm.engine().submit(
-            lambda: self.step(grad, **kw), f"{label}({self.algorithm_name!r})", self.comm
+            lambda: self.step(grad, **kw), f"step_async({self.algorithm_name!r})", self.comm
         )
 
     def stats(self) -> dict[str, Any]:

@@ -268,7 +268,7 @@ class _Subclass(sparsecoll.Communicator):
 
 
 def test_watchdog_with_a_communicator_subclass(comm):
-    """With the watchdog on, blocking allreduce goes through the progress engine, which a
+    """With the watchdog on, blocking allreduce is watched by the progress engine, which a
     subclass (NCCLCommunicator) has not: it must run as without the watchdog, not raise
     NotImplementedError."""
     vals, idx = _input(comm.rank, 6)
@@ -362,6 +362,46 @@ def test_blocking_calls_from_two_threads_at_once(comm):
     assert_all(comm, not errors, errors)
     assert_all(comm, got.count(want) == 20 and got.count(True) == 2, "wrong results")
     mine.mpi_comm.Free()
+
+
+def test_watchdog_keeps_blocking_calls_apart_from_nonblocking_ones(comm):
+    """One thread in blocking reducer steps and allreduces, another in iallreduce calls (of
+    another n), on one communicator, with the watchdog on: the blocking calls run on the
+    user's communicator as without the watchdog (watched where they run), the nonblocking
+    ones on the progress thread's duplicate, so no rank pairs one kind with the other.
+    When the watchdog queued the blocking calls behind the other thread's, their order
+    differed between ranks: about 12 of 30 calls a thread failed (P = 2)."""
+    vals, idx = _input(comm.rank, 9)
+    want = digest(sparsecoll.allreduce(comm, vals, idx, n=N))
+    small = np.ones(3, np.float32), np.array([0, 1, 2])
+    red = GradientReducer(comm, N, "allgather", 0.05)
+    twin = GradientReducer(comm, N, "allgather", 0.05)
+    grad = np.random.default_rng([9, comm.rank]).standard_normal(N)
+    step_want = [twin.step(grad) for _ in range(10)]
+    rng = np.random.default_rng(comm.rank)  # different timings on each rank
+    got: list[object] = []
+
+    def blocking():
+        for t in range(10):
+            time.sleep(rng.random() * 0.003)
+            got.append(np.array_equal(red.step(grad), step_want[t]))
+            got.append(digest(sparsecoll.allreduce(comm, vals, idx, n=N)))
+
+    def nonblocking():
+        for _ in range(20):
+            time.sleep(rng.random() * 0.003)
+            got.append(sparsecoll.iallreduce(comm, *small, n=10).wait().values.tolist())
+
+    before = sparsecoll.get_timeout()
+    sparsecoll.set_timeout(600)
+    try:
+        errors = _in_threads(comm, blocking, nonblocking)
+    finally:
+        sparsecoll.set_timeout(before)
+    assert_all(comm, not errors, errors)
+    p = float(comm.size)
+    ok = got.count(True) == 10 and got.count(want) == 10 and got.count([p, p, p]) == 20
+    assert_all(comm, ok, "wrong results")
 
 
 def test_first_nonblocking_calls_from_two_threads_at_once(comm):
