@@ -87,7 +87,7 @@ def allreduce(
     c = Communicator.wrap(comm)
     label = f"allreduce(algorithm={_name(algorithm)!r}, n={n!r})"
     # (serial: this rank's other threads wait: their calls would interleave)
-    with watch(c, label), c.serial():
+    with c.serial(), watch(c, label):
         return _allreduce(c, values, indices, n, algorithm, options)
 
 

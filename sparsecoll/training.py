@@ -268,7 +268,7 @@ class GradientReducer:
         """
         self._wait_pending()
         label = f"step({self.algorithm_name!r})"
-        with watch(self.comm, label), self.comm.serial(), contextlib.ExitStack() as scope:
+        with self.comm.serial(), watch(self.comm, label), contextlib.ExitStack() as scope:
             return self._step(grad, out, scope)
 
     def _step(self, grad: Any, out: Any, scope: contextlib.ExitStack) -> Any:
