@@ -602,6 +602,11 @@ class GradientReducer:
                 prep.zeroed = None
         if prep.mode in ("topk", "reuse", "reuse-miss", "estimator"):
             prep.selected = self._select(acc, found, prep.mode, every_nonzero)
+            sel, sel_values, _ = prep.selected
+            prep.x = SparseVector(sel, sel_values, self.n)
+            # (its own O(n) buffers, before the ranks agree: running out of memory is then
+            # an error on every rank, not this rank's alone)
+            self.algorithm.preflight(prep.x)
         return prep
 
     def _reuse_misses(self, found: select.Accumulation) -> bool:
@@ -755,10 +760,9 @@ class GradientReducer:
     def _exchange_selected(self, prep: _Prepared) -> tuple[Any, Any, int, Any]:
         """The algorithm's collective on this rank's selection: (result, the indices sent,
         how many were selected, the pass's zeroed candidates with a mask of those sent)."""
-        sel, sel_values, taken = prep.selected
-        x = SparseVector(sel, sel_values, self.n)
+        sel, _, taken = prep.selected
         t0 = time.perf_counter()
-        result = self.algorithm.reduce(self.comm, x)
+        result = self.algorithm.reduce(self.comm, prep.x)
         self._last.comm_s += time.perf_counter() - t0
         selected = int(sel.shape[0])
         sent = result.contributed  # a mask over sel, or None: all of it
@@ -869,7 +873,7 @@ class _Prepared:
 
     __slots__ = (
         "acc", "found", "late_zero", "mode", "old_velocity", "res", "reused", "selected",
-        "update", "velocity", "zeroed",
+        "update", "velocity", "x", "zeroed",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -881,6 +885,7 @@ class _Prepared:
         self.found: Any = None
         self.mode = ""
         self.selected: Any = None
+        self.x: Any = None  # the selection as the algorithm's input
         self.update: Any = None
         self.velocity: Any = None
         self.zeroed: Any = None

@@ -325,3 +325,24 @@ def test_memory_running_out_on_one_rank_raises_everywhere(comm, monkeypatch, whe
     monkeypatch.undo()
     out = sparsecoll.allreduce(comm, values, indices, n=5, algorithm=algorithm)
     assert_all(comm, out.values.tolist() == [2 * comm.size, comm.size], "the ranks go on")
+
+
+def test_memory_running_out_on_one_rank_in_a_reducer_step(comm, monkeypatch):
+    """The same in GradientReducer.step: a densifying algorithm's buffer of n values is made
+    before the ranks agree (it was made in the exchange: that rank raised MemoryError alone,
+    the others waited). The failed step changes nothing, and the next one goes on."""
+    bad = comm.size - 1
+    red = sparsecoll.GradientReducer(comm, 6, "rabenseifner", 0.5)
+    grad = np.arange(6, dtype=np.float32)
+
+    def out_of_memory(*args):
+        raise MemoryError("out of memory")
+
+    if comm.rank == bad:
+        monkeypatch.setattr(sparsecoll.SparseVector, "to_dense", out_of_memory)
+    with pytest.raises(sparsecoll.CollectiveRuntimeError, match=f"out of memory on rank {bad}"):
+        red.step(grad)
+    monkeypatch.undo()
+    assert_all(comm, red.steps == 0, "a failed step counted")
+    update = red.step(grad)
+    assert_all(comm, update.tolist() == [0, 0, 0, 3, 4, 5], f"the ranks go on: {update}")
