@@ -189,6 +189,41 @@ def test_communicator_on_another_device_than_the_current(comm, xp, aware):
     assert_all(comm, ok, f"cuda_aware={aware}: {_host(got)}, {_host(buf)}")
 
 
+def test_allreduce_on_another_device_than_the_current(comm, xp):
+    """Inputs on GPU 1 while GPU 0 is current (in this thread, and in iallreduce's progress
+    thread, which starts on GPU 0 as every new CUDA host thread does) are checked, reduced
+    and returned on GPU 1 (docs/gpu.md), equal to the host run. Values and indices on two
+    GPUs (on one rank) raise the same CollectiveTypeError on every rank."""
+    if xp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    c = Communicator(comm.mpi_comm)
+    n, k = 3000, 40
+    rng = np.random.default_rng([21, comm.rank])
+    idx = rng.integers(0, n, 80)
+    vals = rng.standard_normal(80).astype(np.float32)
+    with xp.cuda.Device(1):
+        dv, di = xp.asarray(vals), xp.asarray(idx)
+    problems = []
+    for name in REPRESENTATIVE:
+        cls = algorithm_class(name)
+        host = _run(c, cls, vals, idx, n, k)
+        with xp.cuda.Device(0):
+            got = {"allreduce": _run(c, cls, dv, di, n, k)}
+            algo = cls(**cls.default_options(n, k))
+            got["iallreduce"] = sparsecoll.iallreduce(c, dv, di, n=n, algorithm=algo).wait()
+        for how, dev in got.items():
+            where = {dev.values.device.id, dev.indices.device.id}
+            why = f"result on GPU {where}" if where != {1} else _differs(dev, host)
+            if why:
+                problems.append(f"{name} {how}: {why}")
+    assert_all(comm, not problems, "; ".join(problems))
+    bad = comm.size - 1
+    with xp.cuda.Device(0 if comm.rank == bad else 1):
+        di = xp.asarray(idx)
+    with pytest.raises(CollectiveTypeError, match=f"same device.*GPU 1 and GPU 0 on rank {bad}"):
+        sparsecoll.allreduce(c, dv, di, n=n)
+
+
 @pytest.mark.parametrize("aware", [False, True], ids=["staged", "cuda_aware"])
 def test_communicator_device_primitives(comm, xp, aware):
     if aware not in _modes(xp, comm):
