@@ -167,7 +167,8 @@ def test_communicator_on_another_device_than_the_current(comm, xp, aware):
     """Buffers on GPU 1 while GPU 0 is current (as on a progress thread, which starts on
     device 0): staging, stream syncs and copy-backs happen on the buffers' own device (a
     strided send buffer is made contiguous by a kernel, which CuPy refuses to launch from
-    another device)."""
+    another device), and so do what the calls allocate and compute (allreduce's float16
+    copy, mean and result, allgatherv's receive buffer): results come back on GPU 1."""
     if aware not in _modes(xp, comm):
         pytest.skip("MPI is not CUDA-aware: device pointers must not reach it")
     if xp.cuda.runtime.getDeviceCount() < 2:
@@ -179,14 +180,21 @@ def test_communicator_on_another_device_than_the_current(comm, xp, aware):
         x = xp.asarray(np.arange(10, dtype=np.float32) + 10 * r)[::2]
         got = xp.zeros(5, dtype=np.float32)
         buf = xp.asarray(np.arange(6, dtype=np.float64) * (r + 1))
+        half = xp.asarray(np.arange(6, dtype=np.float16) * (r + 1))
     with xp.cuda.Device(0):
         reqs = [c.irecv(got, (r - 1) % P, 8), c.isend(x, (r + 1) % P, 8)]
         sparsecoll.comm.Request.waitall(reqs)
         c.allreduce(buf, out=buf)
+        mean = c.allreduce(half, op="mean")
+        gathered, _ = c.allgatherv(x)
     with xp.cuda.Device(1):
         ok = np.array_equal(_host(got), np.arange(0, 10, 2, dtype=np.float32) + 10 * ((r - 1) % P))
         ok = ok and np.array_equal(_host(buf), np.arange(6) * P * (P + 1) / 2)
-    assert_all(comm, ok, f"cuda_aware={aware}: {_host(got)}, {_host(buf)}")
+        ok = ok and np.array_equal(_host(mean), (np.arange(6) * (P + 1) / 2).astype(np.float16))
+        every = [np.arange(0, 10, 2, dtype=np.float32) + 10 * j for j in range(P)]
+        ok = ok and np.array_equal(_host(gathered), np.concatenate(every))
+    where = {a.device.id for a in (mean, gathered)}
+    assert_all(comm, ok and where == {1}, f"cuda_aware={aware}: results on GPU {where}")
 
 
 def test_allreduce_on_another_device_than_the_current(comm, xp):
