@@ -18,7 +18,14 @@ from .algorithms.base import Algorithm
 from .comm import Communicator, thread_multiple
 from .errors import CollectiveInputError, CollectiveTypeError
 from .registry import get_algorithm
-from .sparse import VALUE_DTYPES, SparseVector, as_indices, check_local, coalesce
+from .sparse import (
+    VALUE_DTYPES,
+    SparseVector,
+    as_indices,
+    check_local,
+    check_same_device,
+    coalesce,
+)
 
 __all__ = ["allreduce", "collective_check", "iallreduce", "watch"]
 
@@ -113,16 +120,18 @@ def _allreduce(
             raise TypeError(f"algorithm must be a name or an Algorithm, got {got}")
         vals, wrap = as_array(values, "values")
         idx = as_indices(indices)
-        check_local(idx, vals, n)
-        if get_array_module(vals) is not get_array_module(idx):
-            raise TypeError("values and indices must live on the same device")
-        if not algo.exact and bool(get_array_module(vals).isnan(vals).any()):
-            # selection cannot rank NaN; agreeing here keeps a lone rank from raising alone
-            raise ValueError("values contain NaN (a selecting algorithm cannot rank them)")
-        sig = _signature(algo, vals, n)
-        # the local work that can fail on this rank alone (its allocations), before the
-        # agreement: coalescing, and what the algorithm prepares (a dense buffer)
+        check_same_device(idx, vals)
+        # all of it on the inputs' GPU, the checks' kernels too: CuPy refuses (or, with peer
+        # access, runs from the current GPU) kernels on another GPU's arrays, and the current
+        # GPU is 0 in a thread that never chose one (iallreduce's progress thread)
         with device_scope(vals), np.errstate(over="ignore", invalid="ignore"):
+            check_local(idx, vals, n)
+            if not algo.exact and bool(get_array_module(vals).isnan(vals).any()):
+                # selection cannot rank NaN; agreeing here keeps a lone rank from raising alone
+                raise ValueError("values contain NaN (a selecting algorithm cannot rank them)")
+            sig = _signature(algo, vals, n)
+            # the local work that can fail on this rank alone (its allocations), before the
+            # agreement: coalescing, and what the algorithm prepares (a dense buffer)
             x = coalesce(idx, vals, int(n))
             algo.preflight(x)
         error = None

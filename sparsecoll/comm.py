@@ -346,10 +346,23 @@ def _routed(fn: Callable[..., Any]) -> Callable[..., Any]:
         engine = self._attached_engine()
         if engine is not None:
             self = engine.route(self)
-        with self.serial():
+        with self.serial(), _buffers_device(args):
             return fn(self, *args, **kwargs)
 
     return call
+
+
+def _buffers_device(args: tuple[Any, ...]) -> Any:
+    """The device scope of a call's first CuPy array argument (a nullcontext when there is
+    none): what the call allocates (a result or receive buffer) and the kernels it runs (a
+    copy, a cast) land on the buffers' GPU, whatever GPU is current (a thread that never
+    chose one is on GPU 0). Other device buffers (a torch tensor) are scoped once viewed."""
+    cp = cupy_or_none()
+    if cp is not None:
+        for a in args:
+            if isinstance(a, cp.ndarray):
+                return a.device
+    return contextlib.nullcontext()
 
 
 def _check_out(buf: Any, out: Any, op: str = "sum") -> Any:
@@ -903,6 +916,13 @@ class Communicator:
         """
         given = out
         buf, out, wrap, orig = self._allreduce_args(buf, out, op, check)
+        with device_scope(buf):  # (a torch tensor: its CuPy view, on the tensor's GPU)
+            total = self._allreduce_into(buf, out, op, orig)
+        return given if given is not None else wrap(total)
+
+    def _allreduce_into(self, buf: Any, out: Any, op: str, orig: Any) -> Any:
+        """:meth:`allreduce` on checked arguments (:meth:`_allreduce_args`): the sum (or
+        mean) in ``out`` or a new array, in ``orig``, buf's dtype before float16's widening."""
         xp = get_array_module(buf)
         half = orig == np.float16
         inplace = out is buf or half  # half: its float32 copy is summed in place
@@ -921,8 +941,7 @@ class Communicator:
             dest[...] = work
         if op == "mean" and self.size > 1:
             dest /= self.size
-        total = _in_dtype(dest, orig, out)
-        return given if given is not None else wrap(total)
+        return _in_dtype(dest, orig, out)
 
     def _allreduce_sum(self, send: Any, recv: Any, count: int, dtype: Any) -> None:
         """MPI_Allreduce (sum) of ``count`` elements of ``dtype`` from the byte view ``send``

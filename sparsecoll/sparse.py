@@ -21,7 +21,14 @@ from ._array import (
     stable_argsort,
 )
 
-__all__ = ["VALUE_DTYPES", "SparseVector", "as_indices", "check_local", "coalesce"]
+__all__ = [
+    "VALUE_DTYPES",
+    "SparseVector",
+    "as_indices",
+    "check_local",
+    "check_same_device",
+    "coalesce",
+]
 
 VALUE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -73,8 +80,9 @@ class SparseVector:
         kind ``values`` was (torch in, torch out)."""
         vals, wrap = as_array(values, "values")
         idx = as_indices(indices)
-        check_local(idx, vals, n)
-        with device_scope(vals):
+        check_same_device(idx, vals)
+        with device_scope(vals):  # (the checks' kernels too: on the inputs' GPU)
+            check_local(idx, vals, n)
             return _wrapped(coalesce(idx, vals, int(n)), wrap)
 
     @classmethod
@@ -145,6 +153,20 @@ _SWAPPED = (
     " (and indices are floats: swapped? allreduce(comm, values, indices, n=) takes values"
     " first, SparseVector.from_coo(indices, values, n) indices first)"
 )
+
+
+def check_same_device(indices: Any, values: Any) -> None:
+    """Raise TypeError unless ``indices`` and ``values`` (arrays) are both host arrays or
+    both device arrays on one GPU (kernels on arrays of two GPUs fail, or run slowly
+    through peer access)."""
+    xp = get_array_module(values)
+    if get_array_module(indices) is not xp:
+        raise TypeError("values and indices must live on the same device")
+    if xp is not np and indices.device.id != values.device.id:
+        raise TypeError(
+            f"values and indices must live on the same device, got GPU {values.device.id} "
+            f"and GPU {indices.device.id}"
+        )
 
 
 def check_local(indices: Any, values: Any, n: Any) -> None:

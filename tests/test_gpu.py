@@ -575,6 +575,22 @@ def test_accumulate_matches_cpu_backend(xp, x, data):
         np.testing.assert_array_equal(dv, hv)
 
 
+def test_from_coo_on_another_device_than_the_current(xp):
+    """SparseVector.from_coo checks, coalesces and returns inputs on GPU 1 on GPU 1 while GPU
+    0 is current; indices on another GPU than the values are refused."""
+    if xp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    with xp.cuda.Device(1):
+        idx, vals = xp.asarray(np.array([5, 1, 5])), xp.asarray(np.array([1.0, 2.0, 3.0]))
+    with xp.cuda.Device(0):
+        x = SparseVector.from_coo(idx, vals, 8)
+        with pytest.raises(TypeError, match="same device, got GPU 1 and GPU 0"):
+            SparseVector.from_coo(xp.asarray(np.array([1, 5, 6])), vals, 8)
+    assert x.values.device.id == 1 and x.indices.device.id == 1
+    np.testing.assert_array_equal(x.indices.get(), [1, 5])
+    np.testing.assert_array_equal(x.values.get(), [2.0, 4.0])
+
+
 def test_reducer_works_on_the_gradients_device(xp):
     """A gradient on GPU 1 is reduced on GPU 1 whatever the current device: from the main
     thread with device 0 current, and from step_async's progress thread, which (as every

@@ -167,7 +167,8 @@ def test_communicator_on_another_device_than_the_current(comm, xp, aware):
     """Buffers on GPU 1 while GPU 0 is current (as on a progress thread, which starts on
     device 0): staging, stream syncs and copy-backs happen on the buffers' own device (a
     strided send buffer is made contiguous by a kernel, which CuPy refuses to launch from
-    another device)."""
+    another device), and so do what the calls allocate and compute (allreduce's float16
+    copy, mean and result, allgatherv's receive buffer): results come back on GPU 1."""
     if aware not in _modes(xp, comm):
         pytest.skip("MPI is not CUDA-aware: device pointers must not reach it")
     if xp.cuda.runtime.getDeviceCount() < 2:
@@ -179,14 +180,56 @@ def test_communicator_on_another_device_than_the_current(comm, xp, aware):
         x = xp.asarray(np.arange(10, dtype=np.float32) + 10 * r)[::2]
         got = xp.zeros(5, dtype=np.float32)
         buf = xp.asarray(np.arange(6, dtype=np.float64) * (r + 1))
+        half = xp.asarray(np.arange(6, dtype=np.float16) * (r + 1))
     with xp.cuda.Device(0):
         reqs = [c.irecv(got, (r - 1) % P, 8), c.isend(x, (r + 1) % P, 8)]
         sparsecoll.comm.Request.waitall(reqs)
         c.allreduce(buf, out=buf)
+        mean = c.allreduce(half, op="mean")
+        gathered, _ = c.allgatherv(x)
     with xp.cuda.Device(1):
         ok = np.array_equal(_host(got), np.arange(0, 10, 2, dtype=np.float32) + 10 * ((r - 1) % P))
         ok = ok and np.array_equal(_host(buf), np.arange(6) * P * (P + 1) / 2)
-    assert_all(comm, ok, f"cuda_aware={aware}: {_host(got)}, {_host(buf)}")
+        ok = ok and np.array_equal(_host(mean), (np.arange(6) * (P + 1) / 2).astype(np.float16))
+        every = [np.arange(0, 10, 2, dtype=np.float32) + 10 * j for j in range(P)]
+        ok = ok and np.array_equal(_host(gathered), np.concatenate(every))
+    where = {a.device.id for a in (mean, gathered)}
+    assert_all(comm, ok and where == {1}, f"cuda_aware={aware}: results on GPU {where}")
+
+
+def test_allreduce_on_another_device_than_the_current(comm, xp):
+    """Inputs on GPU 1 while GPU 0 is current (in this thread, and in iallreduce's progress
+    thread, which starts on GPU 0 as every new CUDA host thread does) are checked, reduced
+    and returned on GPU 1 (docs/gpu.md), equal to the host run. Values and indices on two
+    GPUs (on one rank) raise the same CollectiveTypeError on every rank."""
+    if xp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    c = Communicator(comm.mpi_comm)
+    n, k = 3000, 40
+    rng = np.random.default_rng([21, comm.rank])
+    idx = rng.integers(0, n, 80)
+    vals = rng.standard_normal(80).astype(np.float32)
+    with xp.cuda.Device(1):
+        dv, di = xp.asarray(vals), xp.asarray(idx)
+    problems = []
+    for name in REPRESENTATIVE:
+        cls = algorithm_class(name)
+        host = _run(c, cls, vals, idx, n, k)
+        with xp.cuda.Device(0):
+            got = {"allreduce": _run(c, cls, dv, di, n, k)}
+            algo = cls(**cls.default_options(n, k))
+            got["iallreduce"] = sparsecoll.iallreduce(c, dv, di, n=n, algorithm=algo).wait()
+        for how, dev in got.items():
+            where = {dev.values.device.id, dev.indices.device.id}
+            why = f"result on GPU {where}" if where != {1} else _differs(dev, host)
+            if why:
+                problems.append(f"{name} {how}: {why}")
+    assert_all(comm, not problems, "; ".join(problems))
+    bad = comm.size - 1
+    with xp.cuda.Device(0 if comm.rank == bad else 1):
+        di = xp.asarray(idx)
+    with pytest.raises(CollectiveTypeError, match=f"same device.*GPU 1 and GPU 0 on rank {bad}"):
+        sparsecoll.allreduce(c, dv, di, n=n)
 
 
 @pytest.mark.parametrize("aware", [False, True], ids=["staged", "cuda_aware"])
