@@ -24,6 +24,7 @@ __all__ = [
     "is_device_array",
     "nccl_or_none",
     "pinned_empty",
+    "same_device",
     "segment_sum",
     "synchronize",
     "to_host",
@@ -203,6 +204,14 @@ def device_scope(x: Any) -> Any:
     if cp is not None and isinstance(x, cp.ndarray):
         return x.device
     return contextlib.nullcontext()
+
+
+def same_device(a: Any, b: Any) -> bool:
+    """Whether arrays ``a`` and ``b`` are both host arrays or both on one GPU."""
+    xp = get_array_module(a)
+    if get_array_module(b) is not xp:
+        return False
+    return xp is np or a.device.id == b.device.id
 
 
 def synchronize() -> None:

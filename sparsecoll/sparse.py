@@ -17,6 +17,7 @@ from ._array import (
     device_scope,
     get_array_module,
     index_dtype,
+    same_device,
     segment_sum,
     stable_argsort,
 )
@@ -159,10 +160,9 @@ def check_same_device(indices: Any, values: Any) -> None:
     """Raise TypeError unless ``indices`` and ``values`` (arrays) are both host arrays or
     both device arrays on one GPU (kernels on arrays of two GPUs fail, or run slowly
     through peer access)."""
-    xp = get_array_module(values)
-    if get_array_module(indices) is not xp:
+    if get_array_module(indices) is not get_array_module(values):
         raise TypeError("values and indices must live on the same device")
-    if xp is not np and indices.device.id != values.device.id:
+    if not same_device(indices, values):
         raise TypeError(
             f"values and indices must live on the same device, got GPU {values.device.id} "
             f"and GPU {indices.device.id}"

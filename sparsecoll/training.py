@@ -54,6 +54,7 @@ from ._array import (
     get_array_module,
     identity,
     is_device_array,
+    same_device,
     synchronize,
     to_host,
     to_module,
@@ -490,8 +491,9 @@ class GradientReducer:
                 f"out must have {int(arr.size)} elements of {arr.dtype}, got {int(dest.size)} "
                 f"of {dest.dtype}"
             )
-        if get_array_module(dest) is not get_array_module(arr):
-            raise TypeError("out must live on the same device as grad")
+        if not same_device(dest, arr):
+            where = "a host array" if get_array_module(dest) is np else f"GPU {dest.device.id}"
+            raise TypeError(f"out must live on the same device as grad, got it on {where}")
         if not dest.flags.c_contiguous:
             raise ValueError("out must be contiguous")
         if not getattr(dest.flags, "writeable", True):  # (CuPy arrays have no such flag)
@@ -506,12 +508,13 @@ class GradientReducer:
         def current(a: Any) -> Any:
             if a is None:
                 return xp.zeros(self.n, g.dtype)
-            if get_array_module(a) is xp and a.dtype == g.dtype:
+            if same_device(a, g) and a.dtype == g.dtype:
                 return a
+            # (kept on the host, or on another GPU than this step's gradient)
             return to_module(to_host(a), xp).astype(g.dtype)
 
         def spare(a: Any) -> Any:
-            ok = a is not None and get_array_module(a) is xp and a.dtype == g.dtype
+            ok = a is not None and same_device(a, g) and a.dtype == g.dtype
             return a if ok else xp.empty(self.n, g.dtype)
 
         res = self._residual if self._residual is not None else self._pending_residual
@@ -532,7 +535,7 @@ class GradientReducer:
         dense = self._is_dense or self.steps < self.warmup
         numba = _numba_host(g)
         if dest is None and self.reuse_update:
-            if self._update is None or get_array_module(self._update) is not xp:
+            if self._update is None or not same_device(self._update, g):
                 self._update, self._update_nnz = xp.zeros(self.n, g.dtype), None
             prep.update, prep.reused = self._update, True
         elif dense:

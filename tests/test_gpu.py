@@ -619,3 +619,38 @@ def test_reducer_works_on_the_gradients_device(xp):
     for a, w in zip(got, want):
         assert a.device.id == 1
         np.testing.assert_array_equal(a.get(), w)
+
+
+def test_reducer_state_follows_the_gradient_to_another_device(xp):
+    """A gradient that moves to another GPU between steps (a model moved with ``.to()``)
+    meets its residual, velocity and reused update there, and an ``out`` on another GPU
+    than the gradient is refused by name."""
+    from mpi4py import MPI
+
+    import sparsecoll
+
+    if xp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    n = 4000
+    g = np.random.default_rng(8).standard_normal(n).astype(np.float32)
+    comm = sparsecoll.Communicator(MPI.COMM_SELF)
+    opts = dict(momentum=0.9, reuse_update=True)
+    host = sparsecoll.GradientReducer(comm, n, "allgather", 0.01, **opts)
+    want = [host.step(g.copy()).copy() for _ in range(4)]
+    red = sparsecoll.GradientReducer(comm, n, "allgather", 0.01, **opts)
+    got = []
+    for dev in (0, 0, 1, 1):
+        with xp.cuda.Device(dev):
+            a = red.step(xp.asarray(g))
+            assert a.device.id == dev
+            got.append(a.get())
+    for a, w in zip(got, want):
+        np.testing.assert_array_equal(a, w)
+    with xp.cuda.Device(0):
+        out = xp.zeros(n, np.float32)
+    with xp.cuda.Device(1):
+        dg = xp.asarray(g)
+        with pytest.raises(
+            sparsecoll.CollectiveTypeError, match="same device as grad, got it on GPU 0"
+        ):
+            red.step(dg, out=out)
