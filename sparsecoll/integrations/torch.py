@@ -30,7 +30,7 @@ import socket
 import warnings
 from typing import Any
 
-from .._array import as_array, device_scope
+from .._array import as_array, device_scope, is_device_array, synchronize
 from ..comm import CommStats, Communicator
 from ..errors import NonFiniteError
 from ..training import GradientReducer, _add_totals
@@ -319,6 +319,11 @@ def _reduce_one(
             # the bucket's average overwrites it (float16: taken in float32, no overflow of
             # a sum whose average fits)
             state.comm.allreduce(arr, out=arr, op="mean", check=False)
+            if is_device_array(arr):
+                # its last writes (the mean, a float16 cast) are kernels on CuPy's stream
+                # into torch's memory: nothing orders torch's stream after them, so wait
+                # (as GradientReducer.step does for a foreign out)
+                synchronize()
         _add_totals(state._dense_stats, st)
     else:
         try:
