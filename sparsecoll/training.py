@@ -299,13 +299,15 @@ class GradientReducer:
                 collective_check(self.comm, error, sig, ("n", "grad dtype", "step", "algorithm"))
             elif error is not None:
                 raise error
+            self._last.comm_s = time.perf_counter() - t0
+            with self.comm.measure() as st:
+                # (an error the algorithm agrees on, e.g. auto's dense buffer, is raised on
+                # every rank: the step then changes nothing, as one failing above)
+                update = self._reduce(prepared)
         except BaseException:
             if saved is not None:
                 self._restore_selection(saved)
             raise
-        self._last.comm_s = time.perf_counter() - t0
-        with self.comm.measure() as st:
-            update = self._reduce(prepared)
         self._last.stats = st
         _add_totals(self._totals, st)
         self.steps += 1

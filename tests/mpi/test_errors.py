@@ -346,3 +346,39 @@ def test_memory_running_out_on_one_rank_in_a_reducer_step(comm, monkeypatch):
     assert_all(comm, red.steps == 0, "a failed step counted")
     update = red.step(grad)
     assert_all(comm, update.tolist() == [0, 0, 0, 3, 4, 5], f"the ranks go on: {update}")
+
+
+def test_memory_running_out_on_one_rank_when_auto_picks_dense(comm, monkeypatch):
+    """auto picks its algorithm after the call's agreement (from the agreed total nnz); when
+    it picks dense, dense's buffer of n values is made, and agreed on, before the exchange:
+    memory running out on one rank is then a CollectiveRuntimeError on every rank naming it,
+    in an allreduce and in a reducer step (that rank raised MemoryError alone, the others
+    waited in the dense allreduce). The failed calls change nothing: the ranks go on."""
+    bad, n = comm.size - 1, 64
+    # merging made costly: auto picks dense wherever it may (P > 1); P = 1 runs allgather
+    auto = sparsecoll.get_algorithm("auto", gamma_sort=1.0, gamma_merge=1.0)
+    red = sparsecoll.GradientReducer(comm, n, "auto", 1.0, gamma_sort=1.0, gamma_merge=1.0)
+    values, indices = np.ones(n, np.float32), np.arange(n)
+    grad = np.arange(1, n + 1, dtype=np.float32)
+
+    def out_of_memory(*args):
+        raise MemoryError("out of memory")
+
+    if comm.rank == bad:
+        monkeypatch.setattr(sparsecoll.SparseVector, "to_dense", out_of_memory)
+    if comm.size > 1:
+        text = f"MemoryError: out of memory on rank {bad}"
+        with pytest.raises(sparsecoll.CollectiveRuntimeError, match=text):
+            sparsecoll.allreduce(comm, values, indices, n=n, algorithm=auto)
+        with pytest.raises(sparsecoll.CollectiveRuntimeError, match=text):
+            red.step(grad)
+    monkeypatch.undo()
+    out = sparsecoll.allreduce(comm, values, indices, n=n, algorithm=auto)
+    choice = "dense" if comm.size > 1 else "allgather"
+    assert_all(comm, out.info["auto_choice"] == choice, f"auto chose {out.info['auto_choice']}")
+    assert_all(comm, out.values.tolist() == [comm.size] * n, "the ranks go on")
+    assert_all(comm, red.steps == 0, "a failed step counted")
+    full = red.stats()["full_topk_steps"]  # (the selection's state is given back too)
+    assert_all(comm, full == 0, f"the failed step's top-k counted: {full}")
+    update = red.step(grad)
+    assert_all(comm, np.array_equal(update, grad), f"the reducer goes on: {update}")
