@@ -266,15 +266,28 @@ class GradientReducer:
         engine watches the step, so that a rank left waiting for another ends in the
         watchdog's diagnostic instead of a hang.
         """
+        return self._run_step(grad, out)
+
+    def _fail_step(self, error: BaseException) -> None:
+        """Take part in a step that failed on this rank before it could start (the DDP
+        hook's widening of a bfloat16 bucket): enter the step's agreement with ``error``, so
+        that every rank raises the same error naming this rank, as for a bad gradient."""
+        self._run_step(None, None, error)
+
+    def _run_step(self, grad: Any, out: Any, failed: BaseException | None = None) -> Any:
         self._wait_pending()
         label = f"step({self.algorithm_name!r})"
         with self.comm.serial(), watch(self.comm, label), contextlib.ExitStack() as scope:
-            return self._step(grad, out, scope)
+            return self._step(grad, out, scope, failed)
 
-    def _step(self, grad: Any, out: Any, scope: contextlib.ExitStack) -> Any:
+    def _step(
+        self, grad: Any, out: Any, scope: contextlib.ExitStack, failed: BaseException | None
+    ) -> Any:
         arr, wrap, dest, error, prepared, saved = None, identity, None, None, None, None
         self._can_take_back = False  # (a step failing on any rank leaves nothing to take back)
         try:
+            if failed is not None:
+                raise failed
             arr, wrap = as_array(grad, "grad")
             # work on grad's GPU, whatever the current device (step_async's progress thread
             # starts on device 0, as every new CUDA host thread does)

@@ -382,3 +382,58 @@ def test_memory_running_out_on_one_rank_when_auto_picks_dense(comm, monkeypatch)
     assert_all(comm, full == 0, f"the failed step's top-k counted: {full}")
     update = red.step(grad)
     assert_all(comm, np.array_equal(update, grad), f"the reducer goes on: {update}")
+
+
+@pytest.mark.parametrize("hook_name", ["sparse_allreduce_hook", "async_sparse_allreduce_hook"])
+def test_memory_running_out_on_one_rank_widening_a_bfloat16_bucket(comm, monkeypatch, hook_name):
+    """The DDP hooks widen a bfloat16 bucket to float32 (numpy has none) before reducing it:
+    memory running out there on one rank is a CollectiveRuntimeError on every rank naming
+    it, in a dense warm-up iteration and in a sparse one (that rank raised MemoryError
+    alone, the others waited in the dense allreduce or in the step's agreement). The failed
+    iteration is taken back on every rank (the bucket that stepped before it gets its
+    residual back), and the next iteration goes on."""
+    torch = pytest.importorskip("torch")
+    from sparsecoll.integrations import torch as sc_torch
+
+    from ..test_torch_hook import _Bucket  # (a stand-in for torch's GradBucket)
+
+    hook = getattr(sc_torch, hook_name)
+    bad, sizes = comm.size - 1, (8, 16)  # the second bucket's widening fails on rank `bad`
+    state = sc_torch.SparseHookState(comm, "allgather", density=0.25, warmup=1)
+    params = [[torch.zeros(m)] for m in sizes]
+    widen = torch.Tensor.float
+
+    def out_of_memory(self, *args, **kwargs):
+        if self.numel() == sizes[1]:
+            raise MemoryError("out of memory")
+        return widen(self, *args, **kwargs)
+
+    def iteration() -> list[str]:
+        """Both buckets through the hook (1..m in bfloat16): each one's value or error."""
+        futures = []
+        for i, m in enumerate(sizes):
+            buf = torch.arange(1, m + 1, dtype=torch.bfloat16)
+            futures.append(hook(state, _Bucket(i, len(sizes), buf, params[i])))
+        got = []
+        for f in futures:
+            try:
+                got.append(f.wait().float().tolist())
+            except Exception as exc:
+                got.append(f"{type(exc).__name__}: {exc}")
+        return got
+
+    if comm.rank == bad:
+        monkeypatch.setattr(torch.Tensor, "float", out_of_memory)
+    text = f"MemoryError: out of memory on rank {bad}"
+    for what in ("dense warm-up", "sparse"):
+        first, second = iteration()
+        assert_all(comm, text in str(second), f"{what}: bucket 1 gave {second!r:.300}")
+        assert_all(comm, isinstance(first, list), f"{what}: bucket 0 gave {first!r:.300}")
+    monkeypatch.undo()
+    red0, red1 = state.reducers[0], state.reducers[1]
+    assert_all(comm, (red0.steps, red1.steps) == (1, 0), f"steps {red0.steps}, {red1.steps}")
+    assert_all(comm, not red0.residual.any(), "the failed iteration's step was not taken back")
+    first, second = iteration()
+    # with nothing carried over, each bucket's update is its top quarter, 1..m
+    assert_all(comm, first == [0.0] * 6 + [7.0, 8.0], f"the ranks go on: {first}")
+    assert_all(comm, second == [0.0] * 12 + [13.0, 14.0, 15.0, 16.0], f"then: {second}")
