@@ -550,12 +550,11 @@ class GradientReducer:
             if self._update is None or get_array_module(self._update) is not xp:
                 self._update, self._update_nnz = xp.zeros(self.n, g.dtype), None
             prep.update, prep.reused = self._update, True
-        elif dense:
-            prep.update = dest
-        else:  # the update is scattered into zeros: zeroed in the same pass, or (Numba)
-            # written whole after the collective, each line once (prep.late_zero)
+        else:  # (made here, before the ranks agree: n values can run out on this rank alone)
             prep.update = dest if dest is not None else xp.empty(self.n, g.dtype)
-            prep.late_zero = numba
+            # a sparse update is scattered into zeros: zeroed in the same pass, or (Numba)
+            # written whole after the collective, each line once (prep.late_zero)
+            prep.late_zero = numba and not dense
         # the pass's cut, the range it selects from, and (Numba) the cut from which its
         # candidates leave acc (from the predicted k-th value up, for an exact top-k):
         # _finish gives back those not sent
@@ -714,7 +713,7 @@ class GradientReducer:
     def _reduce_dense(self, prep: _Prepared) -> Any:
         """A dense step (warm-up, or the dense algorithm): all of acc is reduced and sent."""
         t0 = time.perf_counter()
-        # (out None: a new array; the mean is taken in float32 for float16)
+        # (the mean is taken in float32 for float16)
         op = "mean" if self.average else "sum"
         update = self.comm.allreduce(prep.acc, out=prep.update, op=op, check=False)
         self._last.comm_s += time.perf_counter() - t0
@@ -723,8 +722,7 @@ class GradientReducer:
         if self._is_dense and self.steps >= self.warmup:  # ("dense" past its warm-up)
             self._sparse_steps += 1
             self._density_sum += 1.0
-        if prep.update is not None:
-            self._update_nnz = None
+        self._update_nnz = None  # (the reused update buffer, if it was that, is full)
         return update
 
     def _reduce_sparse(self, prep: _Prepared) -> Any:

@@ -384,6 +384,39 @@ def test_memory_running_out_on_one_rank_when_auto_picks_dense(comm, monkeypatch)
     assert_all(comm, np.array_equal(update, grad), f"the reducer goes on: {update}")
 
 
+@pytest.mark.parametrize("algorithm", ["dense", "warm-up"])
+def test_memory_running_out_on_one_rank_for_a_dense_steps_update(comm, monkeypatch, algorithm):
+    """A dense reducer step (the dense algorithm, or any algorithm's warm-up) given no
+    ``out`` makes its update's n values before the ranks agree (they were made by the dense
+    allreduce, after the agreement: that rank raised MemoryError alone, the others waited
+    in the allreduce). The failed step changes nothing, and the next one goes on."""
+    bad, n = comm.size - 1, 4099  # (an n that no other array of the step has)
+    name, warmup = ("dense", 0) if algorithm == "dense" else ("allgather", 3)
+    red = sparsecoll.GradientReducer(comm, n, name, 0.01, warmup=warmup)
+    grad = np.arange(n, dtype=np.float32)
+    red.step(grad)  # (the first step makes the reducer's own buffers)
+    empty, empty_like = np.empty, np.empty_like
+
+    def out_of_memory(make):
+        def made(shape, *args, **kwargs):
+            if np.prod(getattr(shape, "shape", shape)) == n:
+                raise MemoryError("out of memory")
+            return make(shape, *args, **kwargs)
+
+        return made
+
+    if comm.rank == bad:
+        monkeypatch.setattr(np, "empty", out_of_memory(empty))
+        monkeypatch.setattr(np, "empty_like", out_of_memory(empty_like))
+    with pytest.raises(sparsecoll.CollectiveRuntimeError, match=f"out of memory on rank {bad}"):
+        red.step(grad)
+    monkeypatch.undo()
+    assert_all(comm, red.steps == 1, "a failed step counted")
+    update = red.step(grad)
+    assert_all(comm, np.array_equal(update, grad), "the ranks go on")
+    assert_all(comm, not red.residual.any(), "a dense step leaves no residual")
+
+
 @pytest.mark.parametrize("hook_name", ["sparse_allreduce_hook", "async_sparse_allreduce_hook"])
 def test_memory_running_out_on_one_rank_widening_a_bfloat16_bucket(comm, monkeypatch, hook_name):
     """The DDP hooks widen a bfloat16 bucket to float32 (numpy has none) before reducing it:
