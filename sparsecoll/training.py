@@ -267,15 +267,28 @@ class GradientReducer:
         engine watches the step, so that a rank left waiting for another ends in the
         watchdog's diagnostic instead of a hang.
         """
+        return self._run_step(grad, out)
+
+    def _fail_step(self, error: BaseException) -> None:
+        """Take part in a step that failed on this rank before it could start (the DDP
+        hook's widening of a bfloat16 bucket): enter the step's agreement with ``error``, so
+        that every rank raises the same error naming this rank, as for a bad gradient."""
+        self._run_step(None, None, error)
+
+    def _run_step(self, grad: Any, out: Any, failed: BaseException | None = None) -> Any:
         self._wait_pending()
         label = f"step({self.algorithm_name!r})"
         with self.comm.serial(), watch(self.comm, label), contextlib.ExitStack() as scope:
-            return self._step(grad, out, scope)
+            return self._step(grad, out, scope, failed)
 
-    def _step(self, grad: Any, out: Any, scope: contextlib.ExitStack) -> Any:
+    def _step(
+        self, grad: Any, out: Any, scope: contextlib.ExitStack, failed: BaseException | None
+    ) -> Any:
         arr, wrap, dest, error, prepared, saved = None, identity, None, None, None, None
         self._can_take_back = False  # (a step failing on any rank leaves nothing to take back)
         try:
+            if failed is not None:
+                raise failed
             arr, wrap = as_array(grad, "grad")
             # work on grad's GPU, whatever the current device (step_async's progress thread
             # starts on device 0, as every new CUDA host thread does)
@@ -300,13 +313,15 @@ class GradientReducer:
                 collective_check(self.comm, error, sig, ("n", "grad dtype", "step", "algorithm"))
             elif error is not None:
                 raise error
+            self._last.comm_s = time.perf_counter() - t0
+            with self.comm.measure() as st:
+                # (an error the algorithm agrees on, e.g. auto's dense buffer, is raised on
+                # every rank: the step then changes nothing, as one failing above)
+                update = self._reduce(prepared)
         except BaseException:
             if saved is not None:
                 self._restore_selection(saved)
             raise
-        self._last.comm_s = time.perf_counter() - t0
-        with self.comm.measure() as st:
-            update = self._reduce(prepared)
         self._last.stats = st
         _add_totals(self._totals, st)
         self.steps += 1
@@ -538,12 +553,11 @@ class GradientReducer:
             if self._update is None or not same_device(self._update, g):
                 self._update, self._update_nnz = xp.zeros(self.n, g.dtype), None
             prep.update, prep.reused = self._update, True
-        elif dense:
-            prep.update = dest
-        else:  # the update is scattered into zeros: zeroed in the same pass, or (Numba)
-            # written whole after the collective, each line once (prep.late_zero)
+        else:  # (made here, before the ranks agree: n values can run out on this rank alone)
             prep.update = dest if dest is not None else xp.empty(self.n, g.dtype)
-            prep.late_zero = numba
+            # a sparse update is scattered into zeros: zeroed in the same pass, or (Numba)
+            # written whole after the collective, each line once (prep.late_zero)
+            prep.late_zero = numba and not dense
         # the pass's cut, the range it selects from, and (Numba) the cut from which its
         # candidates leave acc (from the predicted k-th value up, for an exact top-k):
         # _finish gives back those not sent
@@ -702,7 +716,7 @@ class GradientReducer:
     def _reduce_dense(self, prep: _Prepared) -> Any:
         """A dense step (warm-up, or the dense algorithm): all of acc is reduced and sent."""
         t0 = time.perf_counter()
-        # (out None: a new array; the mean is taken in float32 for float16)
+        # (the mean is taken in float32 for float16)
         op = "mean" if self.average else "sum"
         update = self.comm.allreduce(prep.acc, out=prep.update, op=op, check=False)
         self._last.comm_s += time.perf_counter() - t0
@@ -711,8 +725,7 @@ class GradientReducer:
         if self._is_dense and self.steps >= self.warmup:  # ("dense" past its warm-up)
             self._sparse_steps += 1
             self._density_sum += 1.0
-        if prep.update is not None:
-            self._update_nnz = None
+        self._update_nnz = None  # (the reused update buffer, if it was that, is full)
         return update
 
     def _reduce_sparse(self, prep: _Prepared) -> Any:

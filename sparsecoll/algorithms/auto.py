@@ -23,6 +23,10 @@ Predicted seconds, with lg = ⌈log2 P⌉, pair = index + value bytes, v = value
 - dense: 2·lg·α + β·2(P−1)/P·n·v + 3·δ·n; only considered when n ≤ 4·N (it needs O(n)
   memory, never worth it for very sparse inputs of a huge n).
 
+When the pick is ``dense`` (P > 1), its buffer of n values is made before the exchange and
+the ranks agree on it (one more small allreduce, only on that path): memory running out on
+one rank is then a CollectiveRuntimeError on every rank, not that rank's alone.
+
 P = 1 always gives ``allgather`` (no communication at all). The default constants describe a
 cluster node pair (5 µs, 10 GB/s) and this library's measured merge speeds; pass your own
 (``Auto(alpha=…, beta=…)``) to fit another machine. The choice is in
@@ -38,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from ..api import collective_check
 from ..comm import Communicator
 from ..registry import algorithm_class, register_algorithm
 from ..sparse import SparseVector
@@ -176,10 +181,26 @@ class Auto(Algorithm):
         P = comm.size
         total = int(comm.allreduce_ints([x.nnz])[0]) if P > 1 else x.nnz
         name = choose(P, x.n, total, x.indices.dtype, x.dtype, self.theta, self.model)
-        out = algorithm_class(name)().reduce(comm, x)
+        inner = algorithm_class(name)()
+        if P > 1 and type(inner).preflight is not Algorithm.preflight:
+            _preflight_agreed(comm, inner, x)
+        out = inner.reduce(comm, x)
         out.info["auto_choice"] = name
         out.info["auto_nnz_total"] = total
         if P > 1 and total > 0 and out.nnz > 0:
             kbar = total / P
             self.theta = min(1.0, max(0.0, math.log(out.nnz / kbar) / math.log(P)))
         return out
+
+
+def _preflight_agreed(comm: Communicator, algo: Algorithm, x: SparseVector) -> None:
+    """Run the chosen algorithm's preflight (dense: its buffer of n values), then agree on
+    its outcome: the choice comes after the call's own agreement, so memory running out on
+    one rank would otherwise leave the others waiting in the exchange. One small allreduce,
+    only on this path (beside an n-value allreduce, nothing)."""
+    error = None
+    try:
+        algo.preflight(x)
+    except Exception as exc:  # (shared with every rank: none is left waiting)
+        error = exc
+    collective_check(comm, error, None)

@@ -31,6 +31,7 @@ import warnings
 from typing import Any
 
 from .._array import as_array, device_scope, is_device_array, synchronize
+from ..api import collective_check
 from ..comm import CommStats, Communicator
 from ..errors import NonFiniteError
 from ..training import GradientReducer, _add_totals
@@ -309,37 +310,59 @@ def _reduce_one(
     state: SparseHookState, buf: Any, red: GradientReducer | None, iteration: int
 ) -> None:
     # numpy has no bfloat16: such a bucket is reduced in float32 (exact widening), its
-    # residual kept in float32, and the update rounded back into the bucket
-    work = buf.float() if buf.dtype == _torch().bfloat16 else buf
-    if red is None:
-        arr, _ = as_array(work, "bucket", writable=True)
-        # on the bucket's GPU: the asynchronous hook runs this on the progress thread,
-        # whose current device is 0 (as every new CUDA host thread's)
-        with device_scope(arr), state.comm.measure() as st:
-            # the bucket's average overwrites it (float16: taken in float32, no overflow of
-            # a sum whose average fits)
-            state.comm.allreduce(arr, out=arr, op="mean", check=False)
-            if is_device_array(arr):
-                # its last writes (the mean, a float16 cast) are kernels on CuPy's stream
-                # into torch's memory: nothing orders torch's stream after them, so wait
-                # (as GradientReducer.step does for a foreign out)
-                synchronize()
-        _add_totals(state._dense_stats, st)
-    else:
-        try:
-            red.step(work, out=work)  # the update overwrites the gradient in place
-        except NonFiniteError:  # (raised on every rank alike: every rank fills alike)
-            state._failed.add(iteration)
-            if state.nonfinite != "nan":
-                raise
-            work.fill_(float("nan"))
-        except Exception:  # (a step's errors are agreed: raised on every rank alike)
-            state._failed.add(iteration)
-            raise
+    # residual kept in float32, and the update rounded back into the bucket. The widening
+    # (n floats) can fail on one rank alone (out of memory): its error joins the ranks'
+    # agreement (the step's, or the warm-up's), so that every rank raises it alike
+    work, error = buf, None
+    try:
+        if buf.dtype == _torch().bfloat16:
+            work = buf.float()
+    except Exception as exc:  # (shared with every rank: none is left waiting)
+        error = exc
+    try:
+        if red is None:
+            _reduce_dense(state, work, error)
         else:
+            if error is not None:
+                red._fail_step(error)  # (raises, on every rank)
+            red.step(work, out=work)  # the update overwrites the gradient in place
+    except NonFiniteError:  # (raised on every rank alike: every rank fills alike)
+        state._failed.add(iteration)
+        if state.nonfinite != "nan":
+            raise
+        work.fill_(float("nan"))
+    except Exception:  # (agreed errors: raised on every rank alike)
+        state._failed.add(iteration)
+        raise
+    else:
+        if red is not None:
             state._stepped.append((iteration, red))
     if work is not buf:
         buf.copy_(work)
+
+
+def _reduce_dense(state: SparseHookState, work: Any, error: BaseException | None) -> None:
+    """Overwrite ``work`` with its average over the ranks (the warm-up), after the ranks
+    agree that every one has its bucket ready (``error``: this rank's failure to)."""
+    arr = None
+    if error is None:
+        try:
+            arr, _ = as_array(work, "bucket", writable=True)
+        except Exception as exc:  # (shared with every rank: none is left waiting)
+            error = exc
+    collective_check(state.comm, error, None)
+    # on the bucket's GPU: the asynchronous hook runs this on the progress thread, whose
+    # current device is 0 (as every new CUDA host thread's)
+    with device_scope(arr), state.comm.measure() as st:
+        # the bucket's average overwrites it (float16: taken in float32, no overflow of a
+        # sum whose average fits)
+        state.comm.allreduce(arr, out=arr, op="mean", check=False)
+        if is_device_array(arr):
+            # its last writes (the mean, a float16 cast) are kernels on CuPy's stream into
+            # torch's memory: nothing orders torch's stream after them, so wait (as
+            # GradientReducer.step does for a foreign out)
+            synchronize()
+    _add_totals(state._dense_stats, st)
 
 
 def _bucket_reducer(state: SparseHookState, bucket: Any) -> GradientReducer | None:

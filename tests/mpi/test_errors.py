@@ -346,3 +346,127 @@ def test_memory_running_out_on_one_rank_in_a_reducer_step(comm, monkeypatch):
     assert_all(comm, red.steps == 0, "a failed step counted")
     update = red.step(grad)
     assert_all(comm, update.tolist() == [0, 0, 0, 3, 4, 5], f"the ranks go on: {update}")
+
+
+def test_memory_running_out_on_one_rank_when_auto_picks_dense(comm, monkeypatch):
+    """auto picks its algorithm after the call's agreement (from the agreed total nnz); when
+    it picks dense, dense's buffer of n values is made, and agreed on, before the exchange:
+    memory running out on one rank is then a CollectiveRuntimeError on every rank naming it,
+    in an allreduce and in a reducer step (that rank raised MemoryError alone, the others
+    waited in the dense allreduce). The failed calls change nothing: the ranks go on."""
+    bad, n = comm.size - 1, 64
+    # merging made costly: auto picks dense wherever it may (P > 1); P = 1 runs allgather
+    auto = sparsecoll.get_algorithm("auto", gamma_sort=1.0, gamma_merge=1.0)
+    red = sparsecoll.GradientReducer(comm, n, "auto", 1.0, gamma_sort=1.0, gamma_merge=1.0)
+    values, indices = np.ones(n, np.float32), np.arange(n)
+    grad = np.arange(1, n + 1, dtype=np.float32)
+
+    def out_of_memory(*args):
+        raise MemoryError("out of memory")
+
+    if comm.rank == bad:
+        monkeypatch.setattr(sparsecoll.SparseVector, "to_dense", out_of_memory)
+    if comm.size > 1:
+        text = f"MemoryError: out of memory on rank {bad}"
+        with pytest.raises(sparsecoll.CollectiveRuntimeError, match=text):
+            sparsecoll.allreduce(comm, values, indices, n=n, algorithm=auto)
+        with pytest.raises(sparsecoll.CollectiveRuntimeError, match=text):
+            red.step(grad)
+    monkeypatch.undo()
+    out = sparsecoll.allreduce(comm, values, indices, n=n, algorithm=auto)
+    choice = "dense" if comm.size > 1 else "allgather"
+    assert_all(comm, out.info["auto_choice"] == choice, f"auto chose {out.info['auto_choice']}")
+    assert_all(comm, out.values.tolist() == [comm.size] * n, "the ranks go on")
+    assert_all(comm, red.steps == 0, "a failed step counted")
+    full = red.stats()["full_topk_steps"]  # (the selection's state is given back too)
+    assert_all(comm, full == 0, f"the failed step's top-k counted: {full}")
+    update = red.step(grad)
+    assert_all(comm, np.array_equal(update, grad), f"the reducer goes on: {update}")
+
+
+@pytest.mark.parametrize("algorithm", ["dense", "warm-up"])
+def test_memory_running_out_on_one_rank_for_a_dense_steps_update(comm, monkeypatch, algorithm):
+    """A dense reducer step (the dense algorithm, or any algorithm's warm-up) given no
+    ``out`` makes its update's n values before the ranks agree (they were made by the dense
+    allreduce, after the agreement: that rank raised MemoryError alone, the others waited
+    in the allreduce). The failed step changes nothing, and the next one goes on."""
+    bad, n = comm.size - 1, 4099  # (an n that no other array of the step has)
+    name, warmup = ("dense", 0) if algorithm == "dense" else ("allgather", 3)
+    red = sparsecoll.GradientReducer(comm, n, name, 0.01, warmup=warmup)
+    grad = np.arange(n, dtype=np.float32)
+    red.step(grad)  # (the first step makes the reducer's own buffers)
+    empty, empty_like = np.empty, np.empty_like
+
+    def out_of_memory(make):
+        def made(shape, *args, **kwargs):
+            if np.prod(getattr(shape, "shape", shape)) == n:
+                raise MemoryError("out of memory")
+            return make(shape, *args, **kwargs)
+
+        return made
+
+    if comm.rank == bad:
+        monkeypatch.setattr(np, "empty", out_of_memory(empty))
+        monkeypatch.setattr(np, "empty_like", out_of_memory(empty_like))
+    with pytest.raises(sparsecoll.CollectiveRuntimeError, match=f"out of memory on rank {bad}"):
+        red.step(grad)
+    monkeypatch.undo()
+    assert_all(comm, red.steps == 1, "a failed step counted")
+    update = red.step(grad)
+    assert_all(comm, np.array_equal(update, grad), "the ranks go on")
+    assert_all(comm, not red.residual.any(), "a dense step leaves no residual")
+
+
+@pytest.mark.parametrize("hook_name", ["sparse_allreduce_hook", "async_sparse_allreduce_hook"])
+def test_memory_running_out_on_one_rank_widening_a_bfloat16_bucket(comm, monkeypatch, hook_name):
+    """The DDP hooks widen a bfloat16 bucket to float32 (numpy has none) before reducing it:
+    memory running out there on one rank is a CollectiveRuntimeError on every rank naming
+    it, in a dense warm-up iteration and in a sparse one (that rank raised MemoryError
+    alone, the others waited in the dense allreduce or in the step's agreement). The failed
+    iteration is taken back on every rank (the bucket that stepped before it gets its
+    residual back), and the next iteration goes on."""
+    torch = pytest.importorskip("torch")
+    from sparsecoll.integrations import torch as sc_torch
+
+    from ..test_torch_hook import _Bucket  # (a stand-in for torch's GradBucket)
+
+    hook = getattr(sc_torch, hook_name)
+    bad, sizes = comm.size - 1, (8, 16)  # the second bucket's widening fails on rank `bad`
+    state = sc_torch.SparseHookState(comm, "allgather", density=0.25, warmup=1)
+    params = [[torch.zeros(m)] for m in sizes]
+    widen = torch.Tensor.float
+
+    def out_of_memory(self, *args, **kwargs):
+        if self.numel() == sizes[1]:
+            raise MemoryError("out of memory")
+        return widen(self, *args, **kwargs)
+
+    def iteration() -> list[str]:
+        """Both buckets through the hook (1..m in bfloat16): each one's value or error."""
+        futures = []
+        for i, m in enumerate(sizes):
+            buf = torch.arange(1, m + 1, dtype=torch.bfloat16)
+            futures.append(hook(state, _Bucket(i, len(sizes), buf, params[i])))
+        got = []
+        for f in futures:
+            try:
+                got.append(f.wait().float().tolist())
+            except Exception as exc:
+                got.append(f"{type(exc).__name__}: {exc}")
+        return got
+
+    if comm.rank == bad:
+        monkeypatch.setattr(torch.Tensor, "float", out_of_memory)
+    text = f"MemoryError: out of memory on rank {bad}"
+    for what in ("dense warm-up", "sparse"):
+        first, second = iteration()
+        assert_all(comm, text in str(second), f"{what}: bucket 1 gave {second!r:.300}")
+        assert_all(comm, isinstance(first, list), f"{what}: bucket 0 gave {first!r:.300}")
+    monkeypatch.undo()
+    red0, red1 = state.reducers[0], state.reducers[1]
+    assert_all(comm, (red0.steps, red1.steps) == (1, 0), f"steps {red0.steps}, {red1.steps}")
+    assert_all(comm, not red0.residual.any(), "the failed iteration's step was not taken back")
+    first, second = iteration()
+    # with nothing carried over, each bucket's update is its top quarter, 1..m
+    assert_all(comm, first == [0.0] * 6 + [7.0, 8.0], f"the ranks go on: {first}")
+    assert_all(comm, second == [0.0] * 12 + [13.0, 14.0, 15.0, 16.0], f"then: {second}")
