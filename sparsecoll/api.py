@@ -126,13 +126,19 @@ def _allreduce(
         # GPU is 0 in a thread that never chose one (iallreduce's progress thread)
         with device_scope(vals), np.errstate(over="ignore", invalid="ignore"):
             check_local(idx, vals, n)
-            if not algo.exact and bool(get_array_module(vals).isnan(vals).any()):
-                # selection cannot rank NaN; agreeing here keeps a lone rank from raising alone
-                raise ValueError("values contain NaN (a selecting algorithm cannot rank them)")
             sig = _signature(algo, vals, n)
             # the local work that can fail on this rank alone (its allocations), before the
             # agreement: coalescing, and what the algorithm prepares (a dense buffer)
             x = coalesce(idx, vals, int(n))
+            if not algo.exact and bool(get_array_module(vals).isnan(x.values).any()):
+                # selection cannot rank NaN (given, or made by coalescing inf and -inf at one
+                # index); agreeing here keeps a lone rank from raising alone
+                made = not bool(get_array_module(vals).isnan(vals).any())
+                raise ValueError(
+                    "values contain NaN"
+                    + (" once repeated indices are summed (inf + -inf)" if made else "")
+                    + " (a selecting algorithm cannot rank them)"
+                )
             algo.preflight(x)
         error = None
     except Exception as exc:  # (shared with every rank: none is left waiting)
@@ -301,7 +307,9 @@ def _raise_mismatch(comm: Communicator, sig: list[int], names: tuple[str, ...]) 
                 raise (CollectiveTypeError if dtype else CollectiveInputError)(
                     f"{what} must be the same on every rank: rank {r} has {a}, rank 0 has {b}"
                 )
+            # (options, or a stateful algorithm's state: one instance used for other calls)
+            state = " (and the state of earlier calls)" if what == "algorithm options" else ""
             raise CollectiveInputError(
-                f"{what} must be the same on every rank: rank {r} differs from rank 0"
+                f"{what}{state} must be the same on every rank: rank {r} differs from rank 0"
             )
     raise AssertionError("signature mismatch not found")  # pragma: no cover

@@ -294,8 +294,15 @@ class ExDyna(Algorithm):
     def signature(self) -> list[int]:
         # rebalance and tolerance move the partition bounds: ranks that differ in them
         # would own overlapping ranges (repeated indices) or leave gaps
-        knobs = zlib.crc32(repr((self.rule, self.rebalance, self.tolerance)).encode())
-        return [self.k, self.blocks or 0, self.step & 0x7FFFFFFF, knobs]
+        # and the state the calls left (every rank's alike: it comes from gathered data),
+        # so that an instance set up elsewhere (another n, P or stream) is an error on every
+        # rank, not a rank raising alone or selecting from another partition (a hang)
+        knobs = (self.rule, self.rebalance, self.tolerance)
+        state = (self.n, self.size, self.block_size, self.threshold, self.growth, self.swing)
+        crc = zlib.crc32(repr((knobs, state, self.trend_calls)).encode())
+        if self.bounds is not None:
+            crc = zlib.crc32(np.ascontiguousarray(self.bounds, np.int64).tobytes(), crc)
+        return [self.k, self.blocks or 0, self.step & 0x7FFFFFFF, crc]
 
     # -- partitions -------------------------------------------------------------------------
     def prepare(self, comm: Communicator, n: int) -> None:

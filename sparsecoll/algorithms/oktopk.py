@@ -263,8 +263,22 @@ class OkTopk(Algorithm):
 
     def signature(self) -> list[int]:
         knobs = (self.rule, self.nudge, self.band, self.adaptive, self.imbalance)
-        knobs = zlib.crc32(repr(knobs).encode())
-        return [self.k, self.tau, self.tau_prime, knobs, self.step]
+        # with the state the calls left (every rank's alike: it comes from gathered data),
+        # so that an instance used elsewhere (another n, P or stream) is an error on every
+        # rank, not a rank resetting alone or reusing another threshold (a hang, or results
+        # that differ); in the 4 values a GradientReducer compares
+        state = (
+            self._shape,
+            self.threshold,
+            self.streak,
+            self._regions_from_data,
+            self._repartition_due,
+            self._trigger_rests,
+        )
+        crc = zlib.crc32(repr((knobs, state)).encode())
+        if self.boundaries is not None:
+            crc = zlib.crc32(np.ascontiguousarray(self.boundaries, np.int64).tobytes(), crc)
+        return [self.k, self.tau, self.tau_prime, crc, self.step]
 
     def next_threshold(self, threshold: float, kept: int) -> float:
         """The threshold after a reuse call that kept ``kept`` entries in all (updates the

@@ -109,14 +109,50 @@ def test_unknown_algorithm_lists_known(comm):
         )
 
 
-@pytest.mark.parametrize("name", [a for a in NAMES if not algorithm_class(a).exact])
-def test_nan_on_one_rank_raises_everywhere_for_selecting(comm, name):
+SELECTING = [a for a in NAMES if not algorithm_class(a).exact]
+
+
+@pytest.mark.parametrize("name", SELECTING)
+@pytest.mark.parametrize("how", ["given", "summed"])
+def test_nan_on_one_rank_raises_everywhere_for_selecting(comm, name, how):
+    """A NaN on one rank, given or made by coalescing (+inf and -inf at one index: the raw
+    values hold no NaN), is the same error on every rank (gtopk's selection raised on that
+    rank alone, the others hung; oktopk returned the NaN)."""
     vals, idx = _good(comm.rank)
     if comm.rank == comm.size - 1:
-        vals[2] = np.nan
+        if how == "given":
+            vals[2] = np.nan
+        else:
+            vals[2], vals[3], idx[3] = np.inf, -np.inf, idx[2]
     cls = algorithm_class(name)
-    with pytest.raises(sparsecoll.CollectiveInputError, match=f"NaN.* on rank {comm.size - 1}"):
-        sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=name, **cls.default_options(N, 20))
+    for k in (1, 20):
+        opts = {**cls.default_options(N, 20), "k": k}
+        with pytest.raises(sparsecoll.CollectiveInputError, match=f"NaN.* on rank {comm.size - 1}"):
+            sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=name, **opts)
+
+
+@pytest.mark.parametrize("name", ["oktopk", "exdyna"])
+@pytest.mark.parametrize("how", ["n", "stream"])
+def test_an_instance_used_for_other_calls_on_one_rank_raises_everywhere(comm, name, how):
+    """Two instances with the same options and call count, used for other calls (another n,
+    or the same n with a stream 100x larger): the last rank passing the other one is an
+    error on every rank (exdyna raised on that rank alone and oktopk reset there alone: the
+    others hung; with the same n, oktopk's ranks went on with different thresholds)."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    n_b, scale_b = (2 * N, 1.0) if how == "n" else (N, 100.0)
+    a, b = (sparsecoll.get_algorithm(name, k=20) for _ in range(2))
+    vals, idx = _good(comm.rank)
+    for _ in range(3):
+        sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=a)
+        sparsecoll.allreduce(comm, vals * np.float32(scale_b), idx, n=n_b, algorithm=b)
+    mine = b if comm.rank == comm.size - 1 else a
+    with pytest.raises(
+        sparsecoll.CollectiveInputError, match=f"state of earlier calls.*rank {comm.size - 1}"
+    ):
+        sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=mine)
+    out = sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=a)  # (a is still usable)
+    assert_all(comm, out.nnz == 20 or name == "exdyna", f"kept {out.nnz}")
 
 
 class _CustomSignature(sparsecoll.Algorithm):

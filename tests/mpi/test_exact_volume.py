@@ -247,7 +247,9 @@ def test_auto_state_mismatch_raises_everywhere(comm):
     auto.theta = 0.5 if comm.rank == comm.size - 1 else None
     vals = np.ones(3, np.float32)
     idx = np.arange(3)
-    with pytest.raises(ValueError, match="algorithm options must be the same"):
+    with pytest.raises(
+        ValueError, match=r"algorithm options \(and the state of earlier calls\) must be the same"
+    ):
         sparsecoll.allreduce(comm, vals, idx, n=10, algorithm=auto)
 
 
