@@ -75,6 +75,9 @@ CAP_FACTOR = 4  # candidates kept at most, in multiples of k (more: the predicti
 # every nonzero and the next step needs no exact top-k while that lasts (an embedding's
 # gradient: a few rows per step)
 EVERY_NONZERO = math.ulp(0.0)
+# what each step's signature holds first, named in a mismatch's message (the last: a CRC of
+# the algorithm's name and the options that change what the ranks do together)
+AGREED = ("n", "grad dtype", "step", "algorithm, warmup or average")
 # local selection policies for the algorithms that take a local top-k (not dense, not exdyna)
 SELECTIONS = {
     "exact": None,  # select.topk every step
@@ -191,7 +194,10 @@ class GradientReducer:
         opts = cls.default_options(self.n, self.k)
         opts.update(options)
         self.algorithm: Algorithm = cls(**opts)
-        self._crc = zlib.crc32(algorithm.encode())
+        # agreed at every step with the algorithm: a rank whose warm-up lasted longer made
+        # a dense allreduce while the others ran the sparse algorithm (the job hung), and
+        # average on some ranks only made their updates differ
+        self._crc = zlib.crc32(f"{algorithm} warmup={self.warmup} average={self.average}".encode())
         self._is_dense = algorithm == "dense"
         self._has_dense_path = hasattr(self.algorithm, "reduce_dense")
         self._selector_args = selection_options or {}
@@ -296,7 +302,7 @@ class GradientReducer:
                 if error is None:
                     sig = [self.n, VALUE_DTYPES.index(arr.dtype), self.steps, self._crc]
                     sig += self.algorithm.signature()[:4]
-                collective_check(self.comm, error, sig, ("n", "grad dtype", "step", "algorithm"))
+                collective_check(self.comm, error, sig, AGREED)
             elif error is not None:
                 raise error
         except BaseException:
