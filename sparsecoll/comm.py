@@ -94,6 +94,22 @@ def _mpi() -> Any:
     return MPI
 
 
+def _usable_mpi() -> Any:
+    """``MPI``, once it is known to be running: any MPI call before MPI_Init or after
+    MPI_Finalize ends the process (MPICH: "Attempting to use an MPI routine ... after
+    finalizing MPICH", no Python error), so sparsecoll's calls raise RuntimeError instead
+    (checked by every Communicator before it calls MPI: two cheap queries)."""
+    MPI = _mpi()
+    if MPI.Is_finalized():
+        raise RuntimeError("MPI is finalized (MPI.Finalize() was called): no more MPI calls")
+    if not MPI.Is_initialized():
+        raise RuntimeError(
+            "MPI is not initialized (mpi4py.rc.initialize is False): call MPI.Init() or "
+            "MPI.Init_thread() first"
+        )
+    return MPI
+
+
 def mpi_library_version() -> str:
     """First line of the MPI library's version string."""
     return _mpi().Get_library_version().strip().splitlines()[0].strip()
@@ -431,7 +447,7 @@ class Communicator:
     """
 
     def __init__(self, comm: Any = None, *, poll: bool | None = None) -> None:
-        MPI = _mpi()
+        MPI = _usable_mpi()
         if comm is None:
             comm = MPI.COMM_WORLD
         if isinstance(comm, Communicator):
@@ -506,6 +522,8 @@ class Communicator:
         return engine
 
     def _attached_engine(self) -> Any:
+        # (the first step of every call on the communicator: checks that MPI still runs)
+        _usable_mpi()
         # kept once found: the calls queued before the user frees the MPI communicator
         # (whose handle becomes MPI_COMM_NULL) still run, on the engine's duplicate
         if self._engine is not None or _ENGINE_KEYVAL is None:  # (None: no engine anywhere)
