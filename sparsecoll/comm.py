@@ -453,7 +453,9 @@ class Communicator:
         if isinstance(comm, Communicator):
             comm = comm.mpi_comm
         if comm == MPI.COMM_NULL:  # e.g. Split with MPI.UNDEFINED: this rank is not a member
-            raise TypeError("comm is MPI.COMM_NULL: this rank is not in the communicator")
+            raise TypeError(
+                "comm is MPI.COMM_NULL: this rank is not in the communicator, or it was freed"
+            )
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(
                 f"comm must be an mpi4py Intracomm or a sparsecoll.Communicator, "
@@ -522,12 +524,17 @@ class Communicator:
         return engine
 
     def _attached_engine(self) -> Any:
-        # (the first step of every call on the communicator: checks that MPI still runs)
-        _usable_mpi()
+        # (the first step of every call on the communicator: checks that MPI still runs, and
+        # that the communicator was not freed, before any MPI call on it)
+        MPI = _usable_mpi()
+        engine = self._engine
+        if self.mpi_comm == MPI.COMM_NULL and (engine is None or not engine.is_worker_thread()):
+            # (MPI's error on a null handle aborted the job under ERRORS_ARE_FATAL)
+            raise TypeError("the communicator was freed (its handle is MPI.COMM_NULL now)")
         # kept once found: the calls queued before the user frees the MPI communicator
         # (whose handle becomes MPI_COMM_NULL) still run, on the engine's duplicate
-        if self._engine is not None or _ENGINE_KEYVAL is None:  # (None: no engine anywhere)
-            return self._engine
+        if engine is not None or _ENGINE_KEYVAL is None:  # (None: no engine anywhere)
+            return engine
         self._engine = self.mpi_comm.Get_attr(_ENGINE_KEYVAL)
         return self._engine
 

@@ -1,5 +1,5 @@
 """Communicators a user of mpi4py may pass: sub-communicators used at once, derived and
-subclassed ones, an intercommunicator."""
+subclassed ones, an intercommunicator, a freed one, a fatal error handler."""
 
 from __future__ import annotations
 
@@ -133,3 +133,49 @@ def test_intercommunicator_is_refused_on_every_rank(comm):
     inter.Free()
     half.Free()
     assert_all(comm, got == ["ok"] * 4, f"{got}")
+
+
+def test_fatal_error_handler_and_a_freed_communicator(comm):
+    """With ERRORS_ARE_FATAL (on the communicator and on COMM_WORLD and COMM_SELF, where
+    MPI reports errors on a null handle): bad input on one rank is the usual error on every
+    rank (it is checked before MPI sees it), and a call on a communicator freed under a
+    Communicator or a GradientReducer raises TypeError. That call used to reach MPI with
+    the null handle: mpi4py's Exception by default, under a fatal handler the job aborted
+    ("Fatal error in MPII_Comm_get_attr: Invalid communicator")."""
+    world, self_comm = MPI.COMM_WORLD, MPI.COMM_SELF
+    saved = world.Get_errhandler(), self_comm.Get_errhandler()
+    mine = comm.mpi_comm.Dup()
+    got = []
+    try:
+        for c in (mine, world, self_comm):
+            c.Set_errhandler(MPI.ERRORS_ARE_FATAL)
+        vals, idx = local_input(_case(0), comm.rank, comm.size)
+        spoiled = idx.copy()
+        if comm.rank == comm.size - 1:
+            spoiled[0] = N + 3
+        try:
+            sparsecoll.allreduce(mine, vals, spoiled, n=N)
+            got.append("bad input accepted")
+        except sparsecoll.CollectiveInputError as exc:
+            got.append("ok" if f"on rank {comm.size - 1}" in str(exc) else str(exc))
+        wrapped = sparsecoll.Communicator(mine)
+        red = GradientReducer(mine, N, "gtopk", 0.05)
+        got.append(_wrong(_reduce(mine, 1, "rabenseifner", via=wrapped), mine, 1) or "ok")
+        mine.Free()
+        for call in (
+            lambda: sparsecoll.allreduce(wrapped, vals, idx, n=N),
+            lambda: sparsecoll.iallreduce(wrapped, vals, idx, n=N),
+            lambda: red.step(np.ones(N)),
+            lambda: wrapped.barrier(),
+        ):
+            try:
+                call()
+                got.append("accepted")
+            except TypeError as exc:
+                got.append("ok" if "freed" in str(exc) else str(exc))
+    finally:
+        world.Set_errhandler(saved[0])
+        self_comm.Set_errhandler(saved[1])
+        for h in saved:
+            h.Free()
+    assert_all(comm, got == ["ok"] * 6, f"{got}")
