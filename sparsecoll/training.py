@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import numbers
 import time
 import zlib
 from typing import Any
@@ -162,12 +163,12 @@ class GradientReducer:
                 f"algorithm must be a registered name, got {type(algorithm).__name__} (the"
                 " reducer builds its own: k from density, other options as keywords)"
             )
-        density = float(density)
+        density = _real("density", density)
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
         if isinstance(warmup, bool) or not isinstance(warmup, (int, np.integer)) or warmup < 0:
             raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
-        momentum = float(momentum)
+        momentum = _real("momentum", momentum)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         self.n = int(n)
@@ -854,6 +855,14 @@ def _finish(
     if late_zero:
         update[...] = 0
     update[indices] = values / values.dtype.type(divisor) if divisor != 1 else values
+
+
+def _real(name: str, value: Any) -> float:
+    """``value`` (a Python or numpy real number) as a float. float() also took True (as
+    1.0: density=True made a dense reducer) and strings ("0.1")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
 
 
 def _kth(vals: Any, k: int) -> float:

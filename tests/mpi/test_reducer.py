@@ -390,6 +390,21 @@ def test_options_are_validated(comm):
         GradientReducer(comm, 10, "allgather", 0.1, tau=3)
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("density", True), ("density", "0.5"), ("momentum", True), ("momentum", "0.5")],
+)
+def test_real_options_refuse_bools_and_strings(comm, option, value):
+    """density and momentum are real numbers (numpy's too): density=True made a dense
+    reducer (float(True) is 1.0) and strings were parsed, with no error."""
+    kw = {"density": 0.5, option: value}
+    with pytest.raises(TypeError, match=f"{option} must be a real number, got"):
+        GradientReducer(comm, 10, "gtopk", **kw)
+    kw[option] = np.float32(0.5)
+    red = GradientReducer(comm, 10, "gtopk", **kw)
+    assert_all(comm, getattr(red, option) == 0.5, "numpy scalar refused")
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("bad_value", [np.nan, np.inf])
 def test_nan_gradient_on_one_rank_raises_everywhere(comm, algorithm, bad_value):
