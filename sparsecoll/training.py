@@ -63,7 +63,7 @@ from .algorithms.base import Algorithm
 from .api import collective_check, watch
 from .comm import CommStats, Communicator
 from .errors import NonFiniteError
-from .registry import algorithm_class
+from .registry import algorithm_class, get_algorithm
 from .sparse import VALUE_DTYPES, SparseVector
 
 __all__ = ["GradientReducer"]
@@ -194,7 +194,8 @@ class GradientReducer:
             )
         opts = cls.default_options(self.n, self.k)
         opts.update(options)
-        self.algorithm: Algorithm = cls(**opts)
+        # (through the registry: an unknown option is named with the ones it takes)
+        self.algorithm: Algorithm = get_algorithm(algorithm, **opts)
         # agreed at every step with the algorithm: a rank whose warm-up lasted longer made
         # a dense allreduce while the others ran the sparse algorithm (the job hung), and
         # average on some ranks only made their updates differ

@@ -388,6 +388,9 @@ def test_options_are_validated(comm):
         GradientReducer(comm, 10, "nope", 0.1)
     with pytest.raises(TypeError, match="takes no options"):
         GradientReducer(comm, 10, "allgather", 0.1, tau=3)
+    # (it was Python's "OkTopk.__init__() got an unexpected keyword argument 'tua'")
+    with pytest.raises(TypeError, match=r"'oktopk' takes k, tau, .*got tua \(did you mean 'tau'"):
+        GradientReducer(comm, 10, "oktopk", 0.1, tua=3)
 
 
 @pytest.mark.parametrize(
