@@ -94,6 +94,22 @@ def _mpi() -> Any:
     return MPI
 
 
+def _usable_mpi() -> Any:
+    """``MPI``, once it is known to be running: any MPI call before MPI_Init or after
+    MPI_Finalize ends the process (MPICH: "Attempting to use an MPI routine ... after
+    finalizing MPICH", no Python error), so sparsecoll's calls raise RuntimeError instead
+    (checked by every Communicator before it calls MPI: two cheap queries)."""
+    MPI = _mpi()
+    if MPI.Is_finalized():
+        raise RuntimeError("MPI is finalized (MPI.Finalize() was called): no more MPI calls")
+    if not MPI.Is_initialized():
+        raise RuntimeError(
+            "MPI is not initialized (mpi4py.rc.initialize is False): call MPI.Init() or "
+            "MPI.Init_thread() first"
+        )
+    return MPI
+
+
 def mpi_library_version() -> str:
     """First line of the MPI library's version string."""
     return _mpi().Get_library_version().strip().splitlines()[0].strip()
@@ -444,13 +460,15 @@ class Communicator:
     """
 
     def __init__(self, comm: Any = None, *, poll: bool | None = None) -> None:
-        MPI = _mpi()
+        MPI = _usable_mpi()
         if comm is None:
             comm = MPI.COMM_WORLD
         if isinstance(comm, Communicator):
             comm = comm.mpi_comm
         if comm == MPI.COMM_NULL:  # e.g. Split with MPI.UNDEFINED: this rank is not a member
-            raise TypeError("comm is MPI.COMM_NULL: this rank is not in the communicator")
+            raise TypeError(
+                "comm is MPI.COMM_NULL: this rank is not in the communicator, or it was freed"
+            )
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(
                 f"comm must be an mpi4py Intracomm or a sparsecoll.Communicator, "
@@ -519,10 +537,17 @@ class Communicator:
         return engine
 
     def _attached_engine(self) -> Any:
+        # (the first step of every call on the communicator: checks that MPI still runs, and
+        # that the communicator was not freed, before any MPI call on it)
+        MPI = _usable_mpi()
+        engine = self._engine
+        if self.mpi_comm == MPI.COMM_NULL and (engine is None or not engine.is_worker_thread()):
+            # (MPI's error on a null handle aborted the job under ERRORS_ARE_FATAL)
+            raise TypeError("the communicator was freed (its handle is MPI.COMM_NULL now)")
         # kept once found: the calls queued before the user frees the MPI communicator
         # (whose handle becomes MPI_COMM_NULL) still run, on the engine's duplicate
-        if self._engine is not None or _ENGINE_KEYVAL is None:  # (None: no engine anywhere)
-            return self._engine
+        if engine is not None or _ENGINE_KEYVAL is None:  # (None: no engine anywhere)
+            return engine
         self._engine = self.mpi_comm.Get_attr(_ENGINE_KEYVAL)
         return self._engine
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import numbers
 import time
 import zlib
 from typing import Any
@@ -63,7 +64,7 @@ from .algorithms.base import Algorithm
 from .api import collective_check, watch
 from .comm import CommStats, Communicator
 from .errors import NonFiniteError
-from .registry import algorithm_class
+from .registry import algorithm_class, get_algorithm
 from .sparse import VALUE_DTYPES, SparseVector
 
 __all__ = ["GradientReducer"]
@@ -76,6 +77,9 @@ CAP_FACTOR = 4  # candidates kept at most, in multiples of k (more: the predicti
 # every nonzero and the next step needs no exact top-k while that lasts (an embedding's
 # gradient: a few rows per step)
 EVERY_NONZERO = math.ulp(0.0)
+# what each step's signature holds first, named in a mismatch's message (the last: a CRC of
+# the algorithm's name and the options that change what the ranks do together)
+AGREED = ("n", "grad dtype", "step", "algorithm, warmup or average")
 # local selection policies for the algorithms that take a local top-k (not dense, not exdyna)
 SELECTIONS = {
     "exact": None,  # select.topk every step
@@ -160,12 +164,12 @@ class GradientReducer:
                 f"algorithm must be a registered name, got {type(algorithm).__name__} (the"
                 " reducer builds its own: k from density, other options as keywords)"
             )
-        density = float(density)
+        density = _real("density", density)
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
         if isinstance(warmup, bool) or not isinstance(warmup, (int, np.integer)) or warmup < 0:
             raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
-        momentum = float(momentum)
+        momentum = _real("momentum", momentum)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         self.n = int(n)
@@ -191,8 +195,12 @@ class GradientReducer:
             )
         opts = cls.default_options(self.n, self.k)
         opts.update(options)
-        self.algorithm: Algorithm = cls(**opts)
-        self._crc = zlib.crc32(algorithm.encode())
+        # (through the registry: an unknown option is named with the ones it takes)
+        self.algorithm: Algorithm = get_algorithm(algorithm, **opts)
+        # agreed at every step with the algorithm: a rank whose warm-up lasted longer made
+        # a dense allreduce while the others ran the sparse algorithm (the job hung), and
+        # average on some ranks only made their updates differ
+        self._crc = zlib.crc32(f"{algorithm} warmup={self.warmup} average={self.average}".encode())
         self._is_dense = algorithm == "dense"
         self._has_dense_path = hasattr(self.algorithm, "reduce_dense")
         self._selector_args = selection_options or {}
@@ -310,7 +318,7 @@ class GradientReducer:
                 if error is None:
                     sig = [self.n, VALUE_DTYPES.index(arr.dtype), self.steps, self._crc]
                     sig += self.algorithm.signature()[:4]
-                collective_check(self.comm, error, sig, ("n", "grad dtype", "step", "algorithm"))
+                collective_check(self.comm, error, sig, AGREED)
             elif error is not None:
                 raise error
             self._last.comm_s = time.perf_counter() - t0
@@ -864,6 +872,14 @@ def _finish(
     if late_zero:
         update[...] = 0
     update[indices] = values / values.dtype.type(divisor) if divisor != 1 else values
+
+
+def _real(name: str, value: Any) -> float:
+    """``value`` (a Python or numpy real number) as a float. float() also took True (as
+    1.0: density=True made a dense reducer) and strings ("0.1")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
 
 
 def _kth(vals: Any, k: int) -> float:

@@ -275,6 +275,59 @@ def test_an_algorithm_class_instead_of_an_instance(self_comm):
         sparsecoll.allreduce(self_comm, [1.0], [0], n=2, algorithm=cls)
 
 
+AFTER_FINALIZE = """
+import numpy as np
+from mpi4py import MPI
+import sparsecoll
+c = sparsecoll.Communicator()
+red = sparsecoll.GradientReducer(c, n=4, density=0.5)
+args = (np.ones(2), [0, 3])
+MPI.Finalize()
+for name, call in [
+    ("allreduce", lambda: sparsecoll.allreduce(MPI.COMM_WORLD, *args, n=4)),
+    ("allreduce(Communicator)", lambda: sparsecoll.allreduce(c, *args, n=4)),
+    ("iallreduce", lambda: sparsecoll.iallreduce(c, *args, n=4)),
+    ("step", lambda: red.step(np.ones(4))),
+    ("step_async", lambda: red.step_async(np.ones(4))),
+    ("GradientReducer", lambda: sparsecoll.GradientReducer(None, n=4)),
+    ("Communicator.allreduce", lambda: c.allreduce(np.ones(3))),
+]:
+    try:
+        call()
+    except RuntimeError as exc:
+        print(name, "raised:", exc, flush=True)
+"""
+BEFORE_INIT = """
+import mpi4py
+mpi4py.rc.initialize = False
+from mpi4py import MPI
+import sparsecoll
+try:
+    sparsecoll.allreduce(MPI.COMM_WORLD, [1.0], [0], n=2)
+except RuntimeError as exc:
+    print("allreduce raised:", exc, flush=True)
+"""
+
+
+def test_calls_after_finalize_or_before_init_raise():
+    """After MPI.Finalize() (or before MPI is initialized) every entry point raises
+    RuntimeError: its first MPI call ended the process (MPICH: "Attempting to use an MPI
+    routine (internal_Comm_rank) before initializing or after finalizing MPICH", no
+    traceback, nothing after it ran)."""
+    calls = ["allreduce", "allreduce(Communicator)", "iallreduce", "step", "step_async"]
+    calls += ["GradientReducer", "Communicator.allreduce"]
+    for code, want, names in [
+        (AFTER_FINALIZE, "MPI is finalized", calls),
+        (BEFORE_INIT, "MPI is not initialized", ["allreduce"]),
+    ]:
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        )
+        lines = out.stdout.splitlines()
+        assert [line.split(" raised: ")[0] for line in lines] == names, out.stdout + out.stderr
+        assert all(want in line for line in lines), out.stdout
+
+
 def test_import_is_light():
     """``import sparsecoll`` loads neither MPI nor Numba (nor torch, CuPy): they come with
     the first call that needs them, so a script's --help or a worker that never calls stays

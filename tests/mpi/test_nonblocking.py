@@ -4,6 +4,7 @@ step_async equals step, wait(timeout=), byte accounting."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -138,6 +139,44 @@ def test_bad_input_raises_everywhere_through_wait(comm, name):
     # the engine goes on
     out = sparsecoll.iallreduce(comm, *_input(comm.rank, 2), n=N).wait()
     assert_all(comm, out.n == N)
+
+
+def test_many_requests_waited_in_any_order_or_dropped(comm):
+    """120 requests outstanding at once (three algorithms), each rank completing them in its
+    own random order (by wait, by a test() loop, or after a wait(timeout=0) that may time
+    out), and a quarter dropped without a wait: every completed one has the blocking
+    result, and the communicator goes on (the dropped ones still ran, in order)."""
+    names = ["allgather", "dsa", "gtopk"]
+    inputs = [_input(comm.rank, seed) for seed in range(3)]
+    want = {
+        (name, seed): digest(sparsecoll.allreduce(comm, v, i, n=N, algorithm=name, **_opts(name)))
+        for name in names
+        for seed, (v, i) in enumerate(inputs)
+    }
+    keys = [(names[j % 3], (j // 3) % 3) for j in range(120)]
+    reqs = [
+        sparsecoll.iallreduce(comm, *inputs[seed], n=N, algorithm=name, **_opts(name))
+        for name, seed in keys
+    ]
+    rng = np.random.default_rng(comm.rank)  # (each rank its own order)
+    bad = []
+    for pos, j in enumerate(rng.permutation(120)):
+        if j % 4 == 3:
+            reqs[j] = None  # dropped
+            continue
+        if pos % 3 == 0:
+            while not reqs[j].test():
+                time.sleep(0.001)
+        elif pos % 3 == 1:
+            with contextlib.suppress(TimeoutError):
+                reqs[j].wait(timeout=0)
+        if digest(reqs[j].wait(timeout=120)) != want[keys[j]]:
+            bad.append(j)
+    del reqs
+    gc.collect()
+    after = sparsecoll.allreduce(comm, *inputs[0], n=N)
+    assert_all(comm, not bad, f"requests {bad} differ from the blocking results")
+    assert_all(comm, digest(after) == want[("allgather", 0)], "the call after them differs")
 
 
 @pytest.mark.parametrize("name", NAMES)

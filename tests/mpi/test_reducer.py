@@ -348,6 +348,27 @@ def test_step_differing_across_ranks(comm):
         red.step(np.ones(20))
 
 
+@pytest.mark.parametrize("option", ["warmup", "average"])
+@pytest.mark.parametrize("algorithm", ["gtopk", "allgather", "dense"])
+def test_reducer_options_differing_across_ranks(comm, option, algorithm):
+    """A reducer built with another ``warmup`` or ``average`` on one rank raises on every
+    rank at its first step. A longer warm-up made that rank's step a dense allreduce while
+    the others ran gtopk's exchange: the job hung; ``average`` on some ranks only gave
+    them another update (no error)."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    bad = comm.size - 1
+    odd = comm.rank == bad
+    kw = {"warmup": int(odd)} if option == "warmup" else {"average": not odd}
+    red = GradientReducer(comm, 40, algorithm, 0.1, **kw)
+    with pytest.raises(
+        CollectiveInputError,
+        match=f"algorithm, warmup or average must be the same on every rank: rank {bad} differs",
+    ):
+        red.step(np.arange(40.0) + comm.rank)
+    assert_all(comm, red.steps == 0, "failed step counted")
+
+
 def test_dtype_change_and_shape(comm):
     red = GradientReducer(comm, 12, "allgather", 1.0)
     out = red.step(np.ones((3, 4), dtype=np.float32))
@@ -367,6 +388,24 @@ def test_options_are_validated(comm):
         GradientReducer(comm, 10, "nope", 0.1)
     with pytest.raises(TypeError, match="takes no options"):
         GradientReducer(comm, 10, "allgather", 0.1, tau=3)
+    # (it was Python's "OkTopk.__init__() got an unexpected keyword argument 'tua'")
+    with pytest.raises(TypeError, match=r"'oktopk' takes k, tau, .*got tua \(did you mean 'tau'"):
+        GradientReducer(comm, 10, "oktopk", 0.1, tua=3)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("density", True), ("density", "0.5"), ("momentum", True), ("momentum", "0.5")],
+)
+def test_real_options_refuse_bools_and_strings(comm, option, value):
+    """density and momentum are real numbers (numpy's too): density=True made a dense
+    reducer (float(True) is 1.0) and strings were parsed, with no error."""
+    kw = {"density": 0.5, option: value}
+    with pytest.raises(TypeError, match=f"{option} must be a real number, got"):
+        GradientReducer(comm, 10, "gtopk", **kw)
+    kw[option] = np.float32(0.5)
+    red = GradientReducer(comm, 10, "gtopk", **kw)
+    assert_all(comm, getattr(red, option) == 0.5, "numpy scalar refused")
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

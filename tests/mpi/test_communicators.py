@@ -1,0 +1,181 @@
+"""Communicators a user of mpi4py may pass: sub-communicators used at once, derived and
+subclassed ones, an intercommunicator, a freed one, a fatal error handler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import sparsecoll
+from sparsecoll.training import GradientReducer
+
+from .cases import Case, assert_all, local_input, mismatch
+
+N = 1000
+EXACT = ["allgather", "dsa", "recursive_doubling", "rabenseifner", "dense", "auto"]
+
+
+def _case(seed: int) -> Case:
+    return Case(N, "random", "float64", seed, 0.05, False)
+
+
+def _reduce(mpi_comm, seed: int, algorithm: str = "allgather", nonblocking=False, via=None):
+    """This rank's input of ``_case(seed)`` (by its rank in ``mpi_comm``), reduced over
+    ``mpi_comm`` (or ``via``, a Communicator wrapping it)."""
+    case = _case(seed)
+    vals, idx = local_input(case, mpi_comm.Get_rank(), mpi_comm.Get_size())
+    call = sparsecoll.iallreduce if nonblocking else sparsecoll.allreduce
+    return call(via or mpi_comm, vals, idx, n=N, algorithm=algorithm)
+
+
+def _wrong(result, mpi_comm, seed: int) -> str | None:
+    return mismatch(result, _case(seed), mpi_comm.Get_size())
+
+
+def test_split_communicators_at_once_and_with_the_world(comm):
+    """Sub-communicators of Split (a different exact algorithm and size per colour), their
+    calls blocking and nonblocking, interleaved with calls on the whole communicator and
+    waited for in reverse order: every result is the exact sum over its own ranks. A
+    GradientReducer on each sub-communicator steps between them."""
+    world = comm.mpi_comm
+    colour = comm.rank % 3 if comm.size > 3 else comm.rank % 2
+    sub = world.Split(colour, comm.rank)
+    algorithm = EXACT[colour]
+    red = GradientReducer(sub, N, "oktopk", 0.01)
+    pending, bad = [], []
+    for seed in range(3):
+        pending.append((sub, seed, _reduce(sub, seed, algorithm, nonblocking=True)))
+        pending.append((world, seed, _reduce(world, 10 + seed, "dsa", nonblocking=True)))
+        grad = np.random.default_rng([seed, comm.rank]).standard_normal(N)
+        update = red.step(grad)  # waits for the sub-communicator's pending calls
+        same = sub.allgather(update.tobytes())
+        bad += [] if all(u == same[0] for u in same) else ["reducer updates differ"]
+        bad.append(_wrong(_reduce(sub, 20 + seed, algorithm), sub, 20 + seed))
+        bad.append(_wrong(_reduce(world, 30 + seed), world, 30 + seed))
+    for mpi_comm, seed, req in reversed(pending):
+        offset = 0 if mpi_comm is sub else 10
+        bad.append(_wrong(req.wait(timeout=120), mpi_comm, offset + seed))
+    sub.Free()
+    bad = [b for b in bad if b]
+    assert_all(comm, not bad, f"colour {colour} ({algorithm}): {bad}")
+
+
+class _Intracomm(MPI.Intracomm):
+    """A user's subclass of mpi4py's Intracomm."""
+
+
+def _derived(world, kind: str):
+    """(communicator, whether to free it) for ``kind``; COMM_NULL on ranks left out."""
+    if kind == "dup":
+        return world.Dup(), True
+    if kind == "cart":
+        return world.Create_cart([world.Get_size()], periods=[True]), True
+    if kind == "group":  # the even ranks; the odd ones get COMM_NULL
+        group = world.Get_group().Incl(list(range(0, world.Get_size(), 2)))
+        out = world.Create_group(group)
+        group.Free()
+        return out, out != MPI.COMM_NULL
+    if kind == "subclass":
+        return _Intracomm(world), False
+    return MPI.COMM_SELF, False
+
+
+@pytest.mark.parametrize("kind", ["dup", "cart", "group", "subclass", "self"])
+def test_derived_communicators(comm, kind):
+    """A Dup, a Cartesian communicator, one from Create_group, an Intracomm subclass and
+    COMM_SELF: exact sums over their ranks (blocking, nonblocking, several algorithms), a
+    reducer step; the ranks Create_group leaves out get a TypeError saying why."""
+    mine, free = _derived(comm.mpi_comm, kind)
+    bad = []
+    if mine == MPI.COMM_NULL:
+        try:
+            sparsecoll.allreduce(mine, [1.0], [0], n=N)
+            bad.append("COMM_NULL accepted")
+        except TypeError as exc:
+            if "not in the communicator" not in str(exc):
+                bad.append(str(exc))
+    else:
+        for seed, algorithm in enumerate(EXACT):
+            bad.append(_wrong(_reduce(mine, seed, algorithm), mine, seed))
+        bad.append(_wrong(_reduce(mine, 9, "dsa", nonblocking=True).wait(timeout=120), mine, 9))
+        red = GradientReducer(mine, N, "exdyna", 0.05)
+        update = red.step(np.ones(N))
+        same = mine.allgather(update.tobytes())
+        bad.append(None if all(u == same[0] for u in same) else "reducer updates differ")
+    if free:
+        mine.Free()
+    bad = [b for b in bad if b]
+    assert_all(comm, not bad, f"{kind}: {bad}")
+
+
+def test_intercommunicator_is_refused_on_every_rank(comm):
+    """An intercommunicator (two groups, no allreduce of one vector over both) is refused
+    with a TypeError naming it, on every rank, by every entry point."""
+    if comm.size == 1:
+        pytest.skip("an intercommunicator needs two groups")
+    world = comm.mpi_comm
+    half = world.Split(comm.rank % 2, comm.rank)
+    inter = half.Create_intercomm(0, world, 1 - comm.rank % 2, 7)
+    vals, idx = local_input(_case(0), comm.rank, comm.size)
+    got = []
+    for call in (
+        lambda: sparsecoll.allreduce(inter, vals, idx, n=N),
+        lambda: sparsecoll.iallreduce(inter, vals, idx, n=N),
+        lambda: GradientReducer(inter, N),
+        lambda: sparsecoll.Communicator(inter),
+    ):
+        try:
+            call()
+            got.append("accepted")
+        except TypeError as exc:
+            got.append("ok" if "Intracomm" in str(exc) and "Intercomm" in str(exc) else str(exc))
+    inter.Free()
+    half.Free()
+    assert_all(comm, got == ["ok"] * 4, f"{got}")
+
+
+def test_fatal_error_handler_and_a_freed_communicator(comm):
+    """With ERRORS_ARE_FATAL (on the communicator and on COMM_WORLD and COMM_SELF, where
+    MPI reports errors on a null handle): bad input on one rank is the usual error on every
+    rank (it is checked before MPI sees it), and a call on a communicator freed under a
+    Communicator or a GradientReducer raises TypeError. That call used to reach MPI with
+    the null handle: mpi4py's Exception by default, under a fatal handler the job aborted
+    ("Fatal error in MPII_Comm_get_attr: Invalid communicator")."""
+    world, self_comm = MPI.COMM_WORLD, MPI.COMM_SELF
+    saved = world.Get_errhandler(), self_comm.Get_errhandler()
+    mine = comm.mpi_comm.Dup()
+    got = []
+    try:
+        for c in (mine, world, self_comm):
+            c.Set_errhandler(MPI.ERRORS_ARE_FATAL)
+        vals, idx = local_input(_case(0), comm.rank, comm.size)
+        spoiled = idx.copy()
+        if comm.rank == comm.size - 1:
+            spoiled[0] = N + 3
+        try:
+            sparsecoll.allreduce(mine, vals, spoiled, n=N)
+            got.append("bad input accepted")
+        except sparsecoll.CollectiveInputError as exc:
+            got.append("ok" if f"on rank {comm.size - 1}" in str(exc) else str(exc))
+        wrapped = sparsecoll.Communicator(mine)
+        red = GradientReducer(mine, N, "gtopk", 0.05)
+        got.append(_wrong(_reduce(mine, 1, "rabenseifner", via=wrapped), mine, 1) or "ok")
+        mine.Free()
+        for call in (
+            lambda: sparsecoll.allreduce(wrapped, vals, idx, n=N),
+            lambda: sparsecoll.iallreduce(wrapped, vals, idx, n=N),
+            lambda: red.step(np.ones(N)),
+            lambda: wrapped.barrier(),
+        ):
+            try:
+                call()
+                got.append("accepted")
+            except TypeError as exc:
+                got.append("ok" if "freed" in str(exc) else str(exc))
+    finally:
+        world.Set_errhandler(saved[0])
+        self_comm.Set_errhandler(saved[1])
+        for h in saved:
+            h.Free()
+    assert_all(comm, got == ["ok"] * 6, f"{got}")
