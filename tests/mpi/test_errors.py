@@ -561,3 +561,34 @@ def test_memory_running_out_on_one_rank_widening_a_float16_bucket(comm, monkeypa
     got = hook(state, bucket()).wait()  # (the warm-up's average)
     want = torch.arange(n, dtype=torch.float32).remainder(7).to(torch.float16)
     assert_all(comm, torch.equal(got, want), f"the ranks go on: {got[:5]}")
+
+
+def test_memory_running_out_on_one_rank_for_rabenseifners_scratch(comm, monkeypatch):
+    """rabenseifner's scratch, where the received parts land (n values for a fold partner,
+    n/2, n/4, ... for the others), is made in its preflight, before the ranks agree: memory
+    running out there on one rank is a CollectiveRuntimeError on every rank naming it (it
+    was made between the exchanges: that rank raised MemoryError alone, the others waited
+    for it). On the fake CuPy, whose copies and allocations a test can intercept."""
+    bad, n = comm.size - 1, 4099
+    with fakecupy.installed() as cp:
+        values = cp.asarray((np.arange(n) % 7).astype(np.float32))
+        indices = cp.asarray(np.arange(n))
+
+        def runs_out(make):
+            def made(a, *args, **kwargs):
+                if n // 4 <= a.size <= n:  # (the call's only such copies: its scratch)
+                    raise MemoryError("out of memory")
+                return make(a, *args, **kwargs)
+
+            return made
+
+        if comm.rank == bad:
+            monkeypatch.setattr(cp, "empty_like", runs_out(cp.empty_like))
+            copy = runs_out(lambda a, *args, **kwargs: a.__getattr__("copy")(*args, **kwargs))
+            monkeypatch.setattr(fakecupy.ndarray, "copy", copy, raising=False)
+        with pytest.raises(sparsecoll.CollectiveRuntimeError, match=f"out of memory on rank {bad}"):
+            sparsecoll.allreduce(comm, values, indices, n=n, algorithm="rabenseifner")
+        monkeypatch.undo()
+        out = sparsecoll.allreduce(comm, values, indices, n=n, algorithm="rabenseifner")
+        want = (np.arange(n) % 7 * comm.size).astype(np.float32)
+        assert_all(comm, np.array_equal(out.to_dense().get(), want), "the ranks go on")
