@@ -592,3 +592,31 @@ def test_memory_running_out_on_one_rank_for_rabenseifners_scratch(comm, monkeypa
         out = sparsecoll.allreduce(comm, values, indices, n=n, algorithm="rabenseifner")
         want = (np.arange(n) % 7 * comm.size).astype(np.float32)
         assert_all(comm, np.array_equal(out.to_dense().get(), want), "the ranks go on")
+
+
+def test_memory_running_out_on_one_rank_for_recursive_doublings_dense_start(comm, monkeypatch):
+    """recursive_doubling turns an input already past its switch point into n values
+    before its first exchange: that is done in its preflight, before the ranks agree, so
+    memory running out there on one rank is a CollectiveRuntimeError on every rank naming
+    it (it was done after the agreement: that rank raised MemoryError alone, the others
+    waited in the first exchange). A sparse input makes nothing there."""
+    bad, n = comm.size - 1, 4099
+    zeros = np.zeros
+
+    def runs_out(shape, *args, **kwargs):
+        if shape == n:
+            raise MemoryError("out of memory")
+        return zeros(shape, *args, **kwargs)
+
+    values = (np.arange(n) % 7 + 1).astype(np.float32)
+    if comm.rank == bad:
+        monkeypatch.setattr(np, "zeros", runs_out)
+    with pytest.raises(sparsecoll.CollectiveRuntimeError, match=f"out of memory on rank {bad}"):
+        sparsecoll.allreduce(comm, values, np.arange(n), n=n, algorithm="recursive_doubling")
+    sparse = sparsecoll.allreduce(
+        comm, values[:5], np.arange(5), n=n, algorithm="recursive_doubling"
+    )
+    monkeypatch.undo()
+    assert_all(comm, sparse.values.tolist() == (values[:5] * comm.size).tolist(), "sparse input")
+    out = sparsecoll.allreduce(comm, values, np.arange(n), n=n, algorithm="recursive_doubling")
+    assert_all(comm, np.array_equal(out.to_dense(), values * comm.size), "the ranks go on")
