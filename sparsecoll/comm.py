@@ -430,13 +430,54 @@ def _same_memory(a: Any, b: Any) -> bool:
 
 def _in_dtype(total: Any, orig: Any, out: Any) -> Any:
     """An allreduce's result in the caller's dtype: ``total`` itself, or (float16 summed
-    in float32) cast into ``out`` or a new array."""
+    in float32) cast into ``out``."""
     if total.dtype == orig:
         return total
-    if out is None:
-        return total.astype(orig)
     out[...] = total
     return out
+
+
+def widening_buffer(buf: Any) -> Any:
+    """The float32 array that the allreduce of a float16 ``buf`` sums in (MPI has no
+    portable half type), made on ``buf``'s device; None for another dtype. Callers that
+    agree with the other ranks before their allreduce (``check=False``) make it before
+    that agreement and hand it over as ``work``: memory running out here is then theirs
+    to share, not this rank's alone after the agreement."""
+    if buf.dtype != np.float16:
+        return None
+    with device_scope(buf):
+        return get_array_module(buf).empty(buf.shape, np.float32)
+
+
+def _sum_buffers(buf: Any, out: Any, work: Any) -> tuple[Any, Any, Any]:
+    """The arrays an allreduce of the checked ``buf`` (:func:`_check_out`) works with:
+    ``(send, dest, out)``, the sum of ``send`` landing in ``dest`` (``send`` itself: in
+    place) and the result in ``out`` (made here when None). float16 is copied into the
+    float32 ``work`` (made here when None) and summed there in place, then rounded into
+    ``out`` once. Everything allocated is made here: :meth:`Communicator._allreduce_args`
+    calls it before the ranks agree."""
+    xp = get_array_module(buf)
+    half = buf.dtype == np.float16
+    if work is not None and (
+        not half
+        or get_array_module(work) is not xp
+        or work.shape != buf.shape
+        or work.dtype != np.float32
+        or not work.flags.c_contiguous
+    ):
+        raise ValueError(
+            f"work must be a contiguous float32 {type(buf).__name__} of shape {buf.shape}, "
+            f"for a float16 buf only; got {getattr(work, 'dtype', type(work).__name__)} "
+            f"{getattr(work, 'shape', '?')} for {buf.dtype}"
+        )
+    with device_scope(buf):
+        if out is None:
+            out = xp.empty(buf.shape, buf.dtype)
+        if half:
+            work = widening_buffer(buf) if work is None else work
+            work[...] = buf
+            return work, work, out
+        return buf if out is buf else xp.ascontiguousarray(buf), out, out
 
 
 def _free(dtype: Any) -> None:
@@ -920,7 +961,9 @@ class Communicator:
         self.stats.messages_recv += sum(1 for j, c in enumerate(rb) if c and j != me)
 
     @_routed
-    def allreduce(self, buf: Any, out: Any = None, op: str = "sum", *, check: bool = True) -> Any:
+    def allreduce(
+        self, buf: Any, out: Any = None, op: str = "sum", *, check: bool = True, work: Any = None
+    ) -> Any:
         """Sum a dense float array over all ranks (MPI_Allreduce) into ``out`` (default: a
         new array) and return it; ``op="mean"`` divides the sum by the number of ranks, in
         the precision it was summed in (float32 for float16: an average that fits in float16
@@ -938,21 +981,24 @@ class Communicator:
         across ranks, raises the same CollectiveInputError/CollectiveTypeError on every
         rank (MPI would sum the raw bytes of float32 against float64, or hang). Callers
         that agreed on them already pass ``check=False``.
+
+        What the call allocates (a new ``out``, float16's float32 copy) is made before that
+        agreement: memory running out on one rank is then the same CollectiveRuntimeError
+        on every rank. ``work`` (float16 ``buf`` only): a contiguous float32 array of
+        ``buf``'s shape to sum in instead of a new one, e.g. made by a ``check=False``
+        caller before its own agreement (:func:`widening_buffer`); the result is the same.
         """
         given = out
-        buf, out, wrap, orig = self._allreduce_args(buf, out, op, check)
-        with device_scope(buf):  # (a torch tensor: its CuPy view, on the tensor's GPU)
-            total = self._allreduce_into(buf, out, op, orig)
+        work, dest, out, wrap, orig = self._allreduce_args(buf, out, op, check, work)
+        with device_scope(work):  # (a torch tensor: its CuPy view, on the tensor's GPU)
+            self._allreduce_into(work, dest, op)
+            total = _in_dtype(dest, orig, out)
         return given if given is not None else wrap(total)
 
-    def _allreduce_into(self, buf: Any, out: Any, op: str, orig: Any) -> Any:
-        """:meth:`allreduce` on checked arguments (:meth:`_allreduce_args`): the sum (or
-        mean) in ``out`` or a new array, in ``orig``, buf's dtype before float16's widening."""
-        xp = get_array_module(buf)
-        half = orig == np.float16
-        inplace = out is buf or half  # half: its float32 copy is summed in place
-        work = buf.astype(np.float32) if half else buf if inplace else xp.ascontiguousarray(buf)
-        dest = work if inplace else xp.empty_like(work) if out is None else out
+    def _allreduce_into(self, work: Any, dest: Any, op: str) -> None:
+        """:meth:`allreduce` on the arrays :meth:`_allreduce_args` made: the sum (or mean)
+        of ``work`` in ``dest`` (``work`` itself: in place)."""
+        inplace = dest is work
         if self.size > 1:
             rview, finish = self._recv_view(dest)
             sview = None if inplace else self._send_view(work)
@@ -966,7 +1012,6 @@ class Communicator:
             dest[...] = work
         if op == "mean" and self.size > 1:
             dest /= self.size
-        return _in_dtype(dest, orig, out)
 
     def _allreduce_sum(self, send: Any, recv: Any, count: int, dtype: Any) -> None:
         """MPI_Allreduce (sum) of ``count`` elements of ``dtype`` from the byte view ``send``
@@ -983,16 +1028,22 @@ class Communicator:
             src = MPI.IN_PLACE if send is None else [send[part], n, mpitype]
             self._complete("Allreduce", src, [recv[part], n, mpitype], MPI.SUM)
 
-    def _allreduce_args(self, buf: Any, out: Any, op: str, check: bool) -> tuple[Any, ...]:
-        """``allreduce``'s arguments as arrays: ``(buf to sum, out, wrap, buf's dtype)``
-        (:func:`_check_out`), agreed across ranks when ``check``."""
-        error, wrap, orig = None, None, None
+    def _allreduce_args(
+        self, buf: Any, out: Any, op: str, check: bool, work: Any = None
+    ) -> tuple[Any, ...]:
+        """``allreduce``'s arguments as arrays, and what it sums in (:func:`_sum_buffers`,
+        made before the ranks agree): ``(send, dest, out, wrap, buf's dtype)``, agreed
+        across ranks when ``check``."""
+        error, wrap, orig, send, dest = None, None, None, None, None
         try:
             buf, wrap = as_array(buf, "buf")
             if out is not None:
                 out, _ = as_array(out, "out", writable=True)
             orig = buf.dtype
             buf = _check_out(buf, out, op)
+            if work is not None:
+                work, _ = as_array(work, "work", writable=True)
+            send, dest, out = _sum_buffers(buf, out, work)
         except Exception as exc:  # (shared with every rank: none is left waiting)
             error = exc
         if check:
@@ -1004,7 +1055,7 @@ class Communicator:
             collective_check(self, error, sig, ("buf dtype", "buf size", "op"))
         elif error is not None:
             raise error
-        return buf, out, wrap, orig
+        return send, dest, out, wrap, orig
 
     def _count_allreduce(self, nbytes: int) -> None:
         moved = 2 * (self.size - 1) * nbytes // self.size

@@ -155,16 +155,16 @@ class NCCLCommunicator(Communicator):
         self._count_alltoallv(sb, rb)
         return out, recvcounts
 
-    def allreduce(self, buf: Any, out: Any = None, op: str = "sum", *, check: bool = True) -> Any:
+    def allreduce(
+        self, buf: Any, out: Any = None, op: str = "sum", *, check: bool = True, work: Any = None
+    ) -> Any:
         if not is_device_array(buf):
-            return super().allreduce(buf, out, op, check=check)
-        cp, nccl, nc = cupy_or_none(), self._nccl, self._live()
+            return super().allreduce(buf, out, op, check=check, work=work)
+        nccl, nc = self._nccl, self._live()
         given = out
-        buf, out, wrap, orig = self._allreduce_args(buf, out, op, check)
-        half = orig == np.float16
-        work = cp.ascontiguousarray(buf.astype(np.float32) if half else buf)
-        # NCCL sums in place when both pointers are the same (out is buf: contiguous)
-        dest = work if out is buf or half else cp.empty_like(work) if out is None else out
+        # (what it allocates is made before the ranks agree, as Communicator.allreduce's)
+        work, dest, out, wrap, orig = self._allreduce_args(buf, out, op, check, work)
+        # NCCL sums in place when both pointers are the same (dest is work: contiguous)
         dtype = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64}
         if work.size:
             stream = self._stream()

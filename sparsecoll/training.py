@@ -62,7 +62,7 @@ from ._array import (
 )
 from .algorithms.base import Algorithm
 from .api import collective_check, watch
-from .comm import CommStats, Communicator
+from .comm import CommStats, Communicator, widening_buffer
 from .errors import NonFiniteError
 from .registry import algorithm_class, get_algorithm
 from .sparse import VALUE_DTYPES, SparseVector
@@ -572,6 +572,7 @@ class GradientReducer:
         cut, lo, hi, zero_cut = math.inf, 0, self.n, math.inf
         if dense:
             prep.mode = "dense"
+            prep.work = widening_buffer(acc)  # (float16: made before the ranks agree too)
         elif self._has_dense_path:  # exdyna selects in its own partition
             prep.mode = "exdyna"
             self.algorithm.prepare(self.comm, self.n)
@@ -726,7 +727,7 @@ class GradientReducer:
         t0 = time.perf_counter()
         # (the mean is taken in float32 for float16)
         op = "mean" if self.average else "sum"
-        update = self.comm.allreduce(prep.acc, out=prep.update, op=op, check=False)
+        update = self.comm.allreduce(prep.acc, out=prep.update, op=op, check=False, work=prep.work)
         self._last.comm_s += time.perf_counter() - t0
         prep.acc[...] = 0
         self._last.record(self.n, self.n)
@@ -905,7 +906,7 @@ class _Prepared:
 
     __slots__ = (
         "acc", "found", "late_zero", "mode", "old_velocity", "res", "reused", "selected",
-        "update", "velocity", "x", "zeroed",
+        "update", "velocity", "work", "x", "zeroed",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -919,6 +920,7 @@ class _Prepared:
         self.selected: Any = None
         self.x: Any = None  # the selection as the algorithm's input
         self.update: Any = None
+        self.work: Any = None  # (a dense float16 step) the float32 array it is summed in
         self.velocity: Any = None
         self.zeroed: Any = None
 

@@ -25,7 +25,9 @@ Predicted seconds, with lg = ⌈log2 P⌉, pair = index + value bytes, v = value
 
 When the pick is ``dense`` (P > 1), its buffer of n values is made before the exchange and
 the ranks agree on it (one more small allreduce, only on that path): memory running out on
-one rank is then a CollectiveRuntimeError on every rank, not that rank's alone.
+one rank is then a CollectiveRuntimeError on every rank, not that rank's alone. So is
+``recursive_doubling``'s dense start when N is past its switch point (below it, no rank's
+input is, and nothing is made or agreed).
 
 P = 1 always gives ``allgather`` (no communication at all). The default constants describe a
 cluster node pair (5 µs, 10 GB/s) and this library's measured merge speeds; pass your own
@@ -42,11 +44,12 @@ from typing import Any
 
 import numpy as np
 
+from .._array import index_dtype
 from ..api import collective_check
 from ..comm import Communicator
 from ..registry import algorithm_class, register_algorithm
 from ..sparse import SparseVector
-from .base import Algorithm
+from .base import Algorithm, sparse_is_cheaper
 
 __all__ = ["CANDIDATES", "Auto", "CostModel", "choose", "predict", "union_size"]
 
@@ -182,7 +185,7 @@ class Auto(Algorithm):
         total = int(comm.allreduce_ints([x.nnz])[0]) if P > 1 else x.nnz
         name = choose(P, x.n, total, x.indices.dtype, x.dtype, self.theta, self.model)
         inner = algorithm_class(name)()
-        if P > 1 and type(inner).preflight is not Algorithm.preflight:
+        if P > 1 and _preflight_may_allocate(inner, x, total):
             _preflight_agreed(comm, inner, x)
         out = inner.reduce(comm, x)
         out.info["auto_choice"] = name
@@ -191,6 +194,17 @@ class Auto(Algorithm):
             kbar = total / P
             self.theta = min(1.0, max(0.0, math.log(out.nnz / kbar) / math.log(P)))
         return out
+
+
+def _preflight_may_allocate(algo: Algorithm, x: SparseVector, total: int) -> bool:
+    """Whether the pick has a preflight that may make something on some rank (known alike
+    on every rank): recursive_doubling's makes n values only for an input past its switch
+    point, and no rank's input holds more than the agreed total nnz."""
+    if type(algo).preflight is Algorithm.preflight:
+        return False
+    if algo.name == "recursive_doubling":
+        return not sparse_is_cheaper(total, x.n, index_dtype(x.n), x.dtype)
+    return True
 
 
 def _preflight_agreed(comm: Communicator, algo: Algorithm, x: SparseVector) -> None:

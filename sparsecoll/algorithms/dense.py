@@ -6,7 +6,7 @@ Result: the nonzeros of the dense sum (entries that cancel to exactly 0 are drop
 
 from __future__ import annotations
 
-from ..comm import Communicator
+from ..comm import Communicator, widening_buffer
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from .base import Algorithm, dense_of
@@ -20,8 +20,11 @@ class Dense(Algorithm):
     densifies = True
 
     def preflight(self, x: SparseVector) -> None:
-        x.info["dense"] = x.to_dense()
+        # the dense array, and (float16) the float32 one the allreduce sums it in
+        x.info["dense"] = dense = x.to_dense()
+        x.info["work"] = widening_buffer(dense)
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
         dense = dense_of(x)  # a new array: summed in place
-        return SparseVector.from_dense(comm.allreduce(dense, out=dense, check=False))
+        work = x.info.pop("work", None)
+        return SparseVector.from_dense(comm.allreduce(dense, out=dense, check=False, work=work))

@@ -6,10 +6,17 @@ vector to odd) and unfold after (odd returns the result), as MPICH does.
 Volume per rank (n values, p = 2^⌊log2 P⌋): 2·(p−1)/p·n for ranks in the power-of-two
 group (+ n for the odd ranks that return the result to their folded partner), n for the
 folded even ranks. Result: the nonzeros of the dense sum.
+
+Memory: the dense vector and a scratch of n values that the received parts land in (a fold
+partner receives n, the others n/2, n/4, ...), both made in ``preflight``, before the ranks
+agree, so that memory running out on one rank is an error on every rank. Every rank holds
+both (2n values), a folded one too (the preflight does not know the rank); before, the
+scratch was made in the exchange and a rank not folding held at most n/2 of it at a time.
 """
 
 from __future__ import annotations
 
+from .._array import get_array_module
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
@@ -26,14 +33,18 @@ class Rabenseifner(Algorithm):
     densifies = True
 
     def preflight(self, x: SparseVector) -> None:
-        x.info["dense"] = x.to_dense()
+        x.info["dense"] = dense = x.to_dense()
+        x.info["scratch"] = get_array_module(dense).empty_like(dense)
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
-        return SparseVector.from_dense(allreduce_dense(comm, dense_of(x)))
+        scratch = x.info.pop("scratch", None)
+        return SparseVector.from_dense(allreduce_dense(comm, dense_of(x), scratch))
 
 
-def allreduce_dense(comm: Communicator, buf):
-    """Sum the dense array ``buf`` over ``comm`` in place (Rabenseifner); returns it."""
+def allreduce_dense(comm: Communicator, buf, scratch=None):
+    """Sum the dense array ``buf`` over ``comm`` in place (Rabenseifner); returns it.
+    ``scratch``: an array like ``buf`` that the received parts land in (made here when
+    None and this rank receives any)."""
     fold = Fold.plan(comm.rank, comm.size)
     if comm.size == 1:
         return buf
@@ -41,10 +52,11 @@ def allreduce_dense(comm: Communicator, buf):
         comm.send(buf, fold.partner, TAG)
         comm.recv(buf, fold.partner, TAG)
         return buf
+    if scratch is None:
+        scratch = get_array_module(buf).empty_like(buf)
     if fold.partner >= 0:
-        tmp = buf.copy()
-        comm.recv(tmp, fold.partner, TAG)
-        buf += tmp
+        comm.recv(scratch, fold.partner, TAG)
+        buf += scratch
     p, v = fold.pof2, fold.newrank
     bounds = range_bounds(buf.shape[0], p)
     lo, hi = 0, p  # block range this rank is responsible for
@@ -53,7 +65,7 @@ def allreduce_dense(comm: Communicator, buf):
         peer = fold.real_rank(v ^ mask)
         mid = (lo + hi) // 2
         (klo, khi), (slo, shi) = ((lo, mid), (mid, hi)) if not v & mask else ((mid, hi), (lo, mid))
-        recv = buf[bounds[klo] : bounds[khi]].copy()
+        recv = scratch[: bounds[khi] - bounds[klo]]
         comm.sendrecv(buf[bounds[slo] : bounds[shi]], peer, recv, peer, TAG)
         buf[bounds[klo] : bounds[khi]] += recv
         lo, hi = klo, khi

@@ -19,6 +19,9 @@ return the result to a folded partner; a folded rank sends only bytes(its input)
 identical indices that is k·log2 p pairs; with disjoint ones Σ_i 2^i·k ≈ k(p−1) pairs, capped
 at n values per round. Latency: log2 p messages (+2 when folding): best for small messages.
 
+An input already past the switch point is made dense in ``preflight``, before the ranks agree
+(memory running out there on one rank is then an error on every rank).
+
 Contract: exact, bit-identical on every rank. Entries of a vector that went dense are
 returned only where the sum is nonzero.
 """
@@ -45,11 +48,21 @@ TAG = 31
 class RecursiveDoubling(Algorithm):
     name = "recursive_doubling"
 
+    def preflight(self, x: SparseVector) -> None:
+        # an input already past the switch point starts dense: its n values, made here
+        # (before the ranks agree) rather than before the first exchange
+        if not sparse_is_cheaper(x.nnz, x.n, index_dtype(x.n), x.dtype):
+            x.info["dense"] = x.to_dense()
+
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
+        dense = x.info.pop("dense", None)
         if comm.size == 1:
             return SparseVector(x.indices.copy(), x.values.copy(), x.n)
         fold = Fold.plan(comm.rank, comm.size)
-        state = _Vector.sparse(x.indices, x.values, x.n)
+        if dense is not None:
+            state = _Vector(None, dense, x.n, True)
+        else:
+            state = _Vector.sparse(x.indices, x.values, x.n)
         if fold.folded:
             _exchange(comm, fold.partner, state.encode(), x)
             return _exchange(comm, fold.partner, None, x).result()

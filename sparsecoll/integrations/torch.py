@@ -32,7 +32,7 @@ from typing import Any
 
 from .._array import as_array, device_scope, is_device_array, synchronize
 from ..api import collective_check
-from ..comm import CommStats, Communicator
+from ..comm import CommStats, Communicator, widening_buffer
 from ..errors import NonFiniteError
 from ..training import GradientReducer, _add_totals
 
@@ -344,10 +344,11 @@ def _reduce_one(
 def _reduce_dense(state: SparseHookState, work: Any, error: BaseException | None) -> None:
     """Overwrite ``work`` with its average over the ranks (the warm-up), after the ranks
     agree that every one has its bucket ready (``error``: this rank's failure to)."""
-    arr = None
+    arr, wide = None, None
     if error is None:
         try:
             arr, _ = as_array(work, "bucket", writable=True)
+            wide = widening_buffer(arr)  # (float16: the float32 array it is summed in)
         except Exception as exc:  # (shared with every rank: none is left waiting)
             error = exc
     collective_check(state.comm, error, None)
@@ -356,7 +357,7 @@ def _reduce_dense(state: SparseHookState, work: Any, error: BaseException | None
     with device_scope(arr), state.comm.measure() as st:
         # the bucket's average overwrites it (float16: taken in float32, no overflow of a
         # sum whose average fits)
-        state.comm.allreduce(arr, out=arr, op="mean", check=False)
+        state.comm.allreduce(arr, out=arr, op="mean", check=False, work=wide)
         if is_device_array(arr):
             # its last writes (the mean, a float16 cast) are kernels on CuPy's stream into
             # torch's memory: nothing orders torch's stream after them, so wait (as

@@ -53,6 +53,41 @@ def test_dense_references_send_2_p_minus_1_over_p_n(comm, name, dtype):
         assert_all(comm, got == 2 * (P - 1) * n * item // P)
 
 
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_dense_allreduce_float16_in_a_given_work_buffer(comm, op):
+    """float16 summed in a float32 ``work`` array made ahead (as the callers that agree
+    before their allreduce make it): the same bits as a float16 allreduce without it (the
+    float32 sum, and mean, rounded once to float16), the same bytes moved; a ``work`` that
+    does not fit is refused."""
+    c = sparsecoll.Communicator(comm)
+    P, n = comm.size, 1000
+    rng = np.random.default_rng(comm.rank)
+    # multiples of 1/16 below 128: their float32 sums are exact in any order, so that the
+    # rounding to float16 (and the mean's division) is all that rounds
+    mine = (rng.integers(-2048, 2048, n) / 16).astype(np.float16)
+    total = np.array(comm.allgather_object(mine)).astype(np.float32).sum(axis=0)
+    want = (total / np.float32(P) if op == "mean" else total).astype(np.float16)
+    moved = 2 * (P - 1) * n * 4 // P
+    plain = c.allreduce(mine, op=op)
+    work = np.full(n, np.nan, np.float32)
+    with c.measure() as st:
+        got = c.allreduce(mine, op=op, work=work)
+    buf = mine.copy()
+    c.allreduce(buf, out=buf, op=op, work=np.empty(n, np.float32))
+    for what, a in (("without work", plain), ("with work", got), ("in place", buf)):
+        same = a.dtype == np.float16 and np.array_equal(a.view(np.uint16), want.view(np.uint16))
+        assert_all(comm, same, f"{what}: {a[:5]}, want {want[:5]}")
+    assert_all(comm, st.bytes_sent == moved, f"with work: {st.bytes_sent} bytes, not {moved}")
+    for bad_buf, bad in (
+        (mine, np.empty(n, np.float64)),
+        (mine, np.empty(n + 1, np.float32)),
+        (mine, np.empty(2 * n, np.float32)[::2]),
+        (mine.astype(np.float32), np.empty(n, np.float32)),  # (float16 only)
+    ):
+        with pytest.raises(ValueError, match="work must be a contiguous float32"):
+            c.allreduce(bad_buf, work=bad)
+
+
 @pytest.mark.parametrize("poll", [False, True], ids=["blocking", "polling"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
 def test_dense_allreduce_into_out_and_in_place(comm, dtype, poll):

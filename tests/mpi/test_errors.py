@@ -8,6 +8,7 @@ import pytest
 import sparsecoll
 from sparsecoll.registry import algorithm_class
 
+from .. import fakecupy
 from .cases import assert_all
 
 NAMES = sparsecoll.available_algorithms()
@@ -506,3 +507,152 @@ def test_memory_running_out_on_one_rank_widening_a_bfloat16_bucket(comm, monkeyp
     # with nothing carried over, each bucket's update is its top quarter, 1..m
     assert_all(comm, first == [0.0] * 6 + [7.0, 8.0], f"the ranks go on: {first}")
     assert_all(comm, second == [0.0] * 12 + [13.0, 14.0, 15.0, 16.0], f"then: {second}")
+
+
+def _widening_runs_out(n: int):
+    """A maker of arrays that runs out of memory for float16's widening: a float32 array
+    of ``n`` values (made by ``astype`` or by an allocation; nothing else in a float16 call
+    is float32)."""
+
+    def patched(make):
+        def made(*args, **kwargs):
+            got = make(*args, **kwargs)
+            if got.dtype == np.float32 and got.size == n:
+                raise MemoryError("out of memory")
+            return got
+
+        return made
+
+    return patched
+
+
+@pytest.mark.parametrize("caller", ["allreduce", "allreduce into out", "dense", "reducer"])
+def test_memory_running_out_on_one_rank_widening_float16(comm, monkeypatch, caller):
+    """float16 is summed in float32 (MPI has no portable half type): that float32 copy of n
+    values is made before the ranks agree, in Communicator.allreduce (check=True) and by the
+    callers that agree themselves (the dense algorithm, a reducer's dense step): memory
+    running out there on one rank is a CollectiveRuntimeError on every rank naming it (it
+    was made after the agreement: that rank raised MemoryError alone, the others waited in
+    the allreduce). On the fake CuPy, whose allocations and casts a test can intercept
+    (numpy's ``astype`` cannot be patched). The failed call changes nothing."""
+    bad, n = comm.size - 1, 4099  # (an n that no other array of the call has)
+    c = sparsecoll.Communicator(comm)
+    with fakecupy.installed() as cp:
+        grad = cp.asarray((np.arange(n) % 7).astype(np.float16))
+        red = sparsecoll.GradientReducer(comm, n, "dense", 0.01)
+
+        def call():
+            if caller == "allreduce":
+                return c.allreduce(grad)
+            if caller == "allreduce into out":
+                return c.allreduce(grad, out=cp.zeros(n, np.float16))
+            if caller == "dense":
+                indices = cp.asarray(np.arange(n))
+                return sparsecoll.allreduce(comm, grad, indices, n=n, algorithm="dense")
+            return red.step(grad)
+
+        runs_out = _widening_runs_out(n)
+        if comm.rank == bad:
+            for name in ("empty", "empty_like", "zeros"):
+                monkeypatch.setattr(cp, name, runs_out(getattr(cp, name)))
+            monkeypatch.setattr(fakecupy.ndarray, "astype", runs_out(fakecupy.ndarray.astype))
+        with pytest.raises(sparsecoll.CollectiveRuntimeError, match=f"out of memory on rank {bad}"):
+            call()
+        monkeypatch.undo()
+        assert_all(comm, red.steps == 0, "a failed step counted")
+        got = call()
+        dense = got.to_dense() if caller == "dense" else got
+        times = 1 if caller == "reducer" else comm.size  # (a reducer averages)
+        want = (np.arange(n) % 7 * times).astype(np.float16)
+        assert_all(comm, np.array_equal(dense.get(), want), f"the ranks go on: {dense[:5]}")
+
+
+@pytest.mark.parametrize("hook_name", ["sparse_allreduce_hook", "async_sparse_allreduce_hook"])
+def test_memory_running_out_on_one_rank_widening_a_float16_bucket(comm, monkeypatch, hook_name):
+    """The DDP hooks' dense warm-up averages a float16 bucket in float32: that float32 copy
+    is made before the warm-up's agreement, so memory running out there on one rank is a
+    CollectiveRuntimeError on every rank naming it. (numpy's ``astype``, which made it after
+    the agreement, cannot be intercepted: without the change this test fails by no rank
+    raising; test_memory_running_out_on_one_rank_widening_float16 shows the hang.)"""
+    torch = pytest.importorskip("torch")
+    from sparsecoll.integrations import torch as sc_torch
+
+    from ..test_torch_hook import _Bucket  # (a stand-in for torch's GradBucket)
+
+    hook = getattr(sc_torch, hook_name)
+    bad, n = comm.size - 1, 4099
+    state = sc_torch.SparseHookState(comm, "allgather", density=0.25, warmup=2)
+    params = [torch.zeros(n)]
+
+    def bucket():
+        buf = torch.arange(n, dtype=torch.float32).remainder(7).to(torch.float16)
+        return _Bucket(0, 1, buf, params)
+
+    if comm.rank == bad:
+        monkeypatch.setattr(np, "empty", _widening_runs_out(n)(np.empty))
+    # (torch's future wraps the hook's error in a RuntimeError naming it)
+    with pytest.raises(Exception, match=f"MemoryError: out of memory on rank {bad}"):
+        hook(state, bucket()).wait()
+    monkeypatch.undo()
+    got = hook(state, bucket()).wait()  # (the warm-up's average)
+    want = torch.arange(n, dtype=torch.float32).remainder(7).to(torch.float16)
+    assert_all(comm, torch.equal(got, want), f"the ranks go on: {got[:5]}")
+
+
+def test_memory_running_out_on_one_rank_for_rabenseifners_scratch(comm, monkeypatch):
+    """rabenseifner's scratch, where the received parts land (n values for a fold partner,
+    n/2, n/4, ... for the others), is made in its preflight, before the ranks agree: memory
+    running out there on one rank is a CollectiveRuntimeError on every rank naming it (it
+    was made between the exchanges: that rank raised MemoryError alone, the others waited
+    for it). On the fake CuPy, whose copies and allocations a test can intercept."""
+    bad, n = comm.size - 1, 4099
+    with fakecupy.installed() as cp:
+        values = cp.asarray((np.arange(n) % 7).astype(np.float32))
+        indices = cp.asarray(np.arange(n))
+
+        def runs_out(make):
+            def made(a, *args, **kwargs):
+                if n // 4 <= a.size <= n:  # (the call's only such copies: its scratch)
+                    raise MemoryError("out of memory")
+                return make(a, *args, **kwargs)
+
+            return made
+
+        if comm.rank == bad:
+            monkeypatch.setattr(cp, "empty_like", runs_out(cp.empty_like))
+            copy = runs_out(lambda a, *args, **kwargs: a.__getattr__("copy")(*args, **kwargs))
+            monkeypatch.setattr(fakecupy.ndarray, "copy", copy, raising=False)
+        with pytest.raises(sparsecoll.CollectiveRuntimeError, match=f"out of memory on rank {bad}"):
+            sparsecoll.allreduce(comm, values, indices, n=n, algorithm="rabenseifner")
+        monkeypatch.undo()
+        out = sparsecoll.allreduce(comm, values, indices, n=n, algorithm="rabenseifner")
+        want = (np.arange(n) % 7 * comm.size).astype(np.float32)
+        assert_all(comm, np.array_equal(out.to_dense().get(), want), "the ranks go on")
+
+
+def test_memory_running_out_on_one_rank_for_recursive_doublings_dense_start(comm, monkeypatch):
+    """recursive_doubling turns an input already past its switch point into n values
+    before its first exchange: that is done in its preflight, before the ranks agree, so
+    memory running out there on one rank is a CollectiveRuntimeError on every rank naming
+    it (it was done after the agreement: that rank raised MemoryError alone, the others
+    waited in the first exchange). A sparse input makes nothing there."""
+    bad, n = comm.size - 1, 4099
+    zeros = np.zeros
+
+    def runs_out(shape, *args, **kwargs):
+        if shape == n:
+            raise MemoryError("out of memory")
+        return zeros(shape, *args, **kwargs)
+
+    values = (np.arange(n) % 7 + 1).astype(np.float32)
+    if comm.rank == bad:
+        monkeypatch.setattr(np, "zeros", runs_out)
+    with pytest.raises(sparsecoll.CollectiveRuntimeError, match=f"out of memory on rank {bad}"):
+        sparsecoll.allreduce(comm, values, np.arange(n), n=n, algorithm="recursive_doubling")
+    sparse = sparsecoll.allreduce(
+        comm, values[:5], np.arange(5), n=n, algorithm="recursive_doubling"
+    )
+    monkeypatch.undo()
+    assert_all(comm, sparse.values.tolist() == (values[:5] * comm.size).tolist(), "sparse input")
+    out = sparsecoll.allreduce(comm, values, np.arange(n), n=n, algorithm="recursive_doubling")
+    assert_all(comm, np.array_equal(out.to_dense(), values * comm.size), "the ranks go on")
