@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import numbers
 import time
 import zlib
 from typing import Any
@@ -60,6 +59,7 @@ from ._array import (
     to_host,
     to_module,
 )
+from ._options import flag, integer, real
 from .algorithms.base import Algorithm
 from .api import collective_check, watch
 from .comm import CommStats, Communicator
@@ -164,12 +164,11 @@ class GradientReducer:
                 f"algorithm must be a registered name, got {type(algorithm).__name__} (the"
                 " reducer builds its own: k from density, other options as keywords)"
             )
-        density = _real("density", density)
+        density = real("density", density)
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
-        if isinstance(warmup, bool) or not isinstance(warmup, (int, np.integer)) or warmup < 0:
-            raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
-        momentum = _real("momentum", momentum)
+        warmup = integer("warmup", warmup, 0)
+        momentum = real("momentum", momentum)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         self.n = int(n)
@@ -177,14 +176,19 @@ class GradientReducer:
         self.momentum = momentum
         self.k = min(self.n, max(1, round(density * self.n))) if self.n else 0
         self.warmup = int(warmup)
-        self.average = bool(average)
-        self.error_feedback = bool(error_feedback)
-        self.check = bool(check)
-        self.reuse_update = bool(reuse_update)
+        self.average = flag("average", average)
+        self.error_feedback = flag("error_feedback", error_feedback)
+        self.check = flag("check", check)
+        self.reuse_update = flag("reuse_update", reuse_update)
         self.algorithm_name = algorithm
-        if selection not in SELECTIONS:
+        if not isinstance(selection, str) or selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}")
         self.selection = selection
+        if selection_options is not None and not isinstance(selection_options, dict):
+            raise TypeError(
+                f"selection_options must be a dict of the estimator's options or None, got "
+                f"{type(selection_options).__name__}"
+            )
         if SELECTIONS[selection] is not None:  # bad estimator options fail here, early
             SELECTIONS[selection](k=self.k, **(selection_options or {}))
         cls = algorithm_class(algorithm)
@@ -872,14 +876,6 @@ def _finish(
     if late_zero:
         update[...] = 0
     update[indices] = values / values.dtype.type(divisor) if divisor != 1 else values
-
-
-def _real(name: str, value: Any) -> float:
-    """``value`` (a Python or numpy real number) as a float. float() also took True (as
-    1.0: density=True made a dense reducer) and strings ("0.1")."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    return float(value)
 
 
 def _kth(vals: Any, k: int) -> float:

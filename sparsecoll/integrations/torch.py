@@ -31,6 +31,7 @@ import warnings
 from typing import Any
 
 from .._array import as_array, device_scope, is_device_array, synchronize
+from .._options import real
 from ..api import collective_check
 from ..comm import CommStats, Communicator
 from ..errors import NonFiniteError
@@ -157,7 +158,7 @@ class SparseHookState:
             raise TypeError("the hook always averages and handles the warm-up itself")
         self.comm = Communicator.wrap(comm)
         self.algorithm = algorithm
-        self.density = float(density)
+        self.density = real("density", density)
         self.warmup = warmup
         self.nonfinite = nonfinite
         self.options = options
