@@ -77,9 +77,11 @@ CAP_FACTOR = 4  # candidates kept at most, in multiples of k (more: the predicti
 # every nonzero and the next step needs no exact top-k while that lasts (an embedding's
 # gradient: a few rows per step)
 EVERY_NONZERO = math.ulp(0.0)
-# what each step's signature holds first, named in a mismatch's message (the last: a CRC of
-# the algorithm's name and the options that change what the ranks do together)
-AGREED = ("n", "grad dtype", "step", "algorithm, warmup or average")
+# what each step's signature holds first, named in a mismatch's message (the third: a CRC of
+# the algorithm's name and the options that change what the ranks do together; before the
+# step count, so that the DDP hook's dense warm-up, which holds -1 there, differs from a
+# step there first)
+AGREED = ("n", "grad dtype", "algorithm, warmup or average", "step")
 # local selection policies for the algorithms that take a local top-k (not dense, not exdyna)
 SELECTIONS = {
     "exact": None,  # select.topk every step
@@ -205,6 +207,7 @@ class GradientReducer:
         # a dense allreduce while the others ran the sparse algorithm (the job hung), and
         # average on some ranks only made their updates differ
         self._crc = zlib.crc32(f"{algorithm} warmup={self.warmup} average={self.average}".encode())
+        self._agreed = AGREED  # (the DDP hook's reducers: its own names, as its warm-up's)
         self._is_dense = algorithm == "dense"
         self._has_dense_path = hasattr(self.algorithm, "reduce_dense")
         self._selector_args = selection_options or {}
@@ -320,9 +323,9 @@ class GradientReducer:
             if self.check:
                 sig = None
                 if error is None:
-                    sig = [self.n, VALUE_DTYPES.index(arr.dtype), self.steps, self._crc]
+                    sig = [self.n, VALUE_DTYPES.index(arr.dtype), self._crc, self.steps]
                     sig += self.algorithm.signature()[:4]
-                collective_check(self.comm, error, sig, AGREED)
+                collective_check(self.comm, error, sig, self._agreed)
             elif error is not None:
                 raise error
             self._last.comm_s = time.perf_counter() - t0
