@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import numbers
 import time
 import zlib
 from typing import Any
@@ -60,6 +59,7 @@ from ._array import (
     to_host,
     to_module,
 )
+from ._options import flag, integer, real
 from .algorithms.base import Algorithm
 from .api import collective_check, watch
 from .comm import CommStats, Communicator, widening_buffer
@@ -77,9 +77,11 @@ CAP_FACTOR = 4  # candidates kept at most, in multiples of k (more: the predicti
 # every nonzero and the next step needs no exact top-k while that lasts (an embedding's
 # gradient: a few rows per step)
 EVERY_NONZERO = math.ulp(0.0)
-# what each step's signature holds first, named in a mismatch's message (the last: a CRC of
-# the algorithm's name and the options that change what the ranks do together)
-AGREED = ("n", "grad dtype", "step", "algorithm, warmup or average")
+# what each step's signature holds first, named in a mismatch's message (the third: a CRC of
+# the algorithm's name and the options that change what the ranks do together; before the
+# step count, so that the DDP hook's dense warm-up, which holds -1 there, differs from a
+# step there first)
+AGREED = ("n", "grad dtype", "algorithm, warmup or average", "step")
 # local selection policies for the algorithms that take a local top-k (not dense, not exdyna)
 SELECTIONS = {
     "exact": None,  # select.topk every step
@@ -164,12 +166,11 @@ class GradientReducer:
                 f"algorithm must be a registered name, got {type(algorithm).__name__} (the"
                 " reducer builds its own: k from density, other options as keywords)"
             )
-        density = _real("density", density)
+        density = real("density", density)
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
-        if isinstance(warmup, bool) or not isinstance(warmup, (int, np.integer)) or warmup < 0:
-            raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
-        momentum = _real("momentum", momentum)
+        warmup = integer("warmup", warmup, 0)
+        momentum = real("momentum", momentum)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         self.n = int(n)
@@ -177,14 +178,19 @@ class GradientReducer:
         self.momentum = momentum
         self.k = min(self.n, max(1, round(density * self.n))) if self.n else 0
         self.warmup = int(warmup)
-        self.average = bool(average)
-        self.error_feedback = bool(error_feedback)
-        self.check = bool(check)
-        self.reuse_update = bool(reuse_update)
+        self.average = flag("average", average)
+        self.error_feedback = flag("error_feedback", error_feedback)
+        self.check = flag("check", check)
+        self.reuse_update = flag("reuse_update", reuse_update)
         self.algorithm_name = algorithm
-        if selection not in SELECTIONS:
+        if not isinstance(selection, str) or selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}")
         self.selection = selection
+        if selection_options is not None and not isinstance(selection_options, dict):
+            raise TypeError(
+                f"selection_options must be a dict of the estimator's options or None, got "
+                f"{type(selection_options).__name__}"
+            )
         if SELECTIONS[selection] is not None:  # bad estimator options fail here, early
             SELECTIONS[selection](k=self.k, **(selection_options or {}))
         cls = algorithm_class(algorithm)
@@ -201,6 +207,7 @@ class GradientReducer:
         # a dense allreduce while the others ran the sparse algorithm (the job hung), and
         # average on some ranks only made their updates differ
         self._crc = zlib.crc32(f"{algorithm} warmup={self.warmup} average={self.average}".encode())
+        self._agreed = AGREED  # (the DDP hook's reducers: its own names, as its warm-up's)
         self._is_dense = algorithm == "dense"
         self._has_dense_path = hasattr(self.algorithm, "reduce_dense")
         self._selector_args = selection_options or {}
@@ -316,9 +323,9 @@ class GradientReducer:
             if self.check:
                 sig = None
                 if error is None:
-                    sig = [self.n, VALUE_DTYPES.index(arr.dtype), self.steps, self._crc]
+                    sig = [self.n, VALUE_DTYPES.index(arr.dtype), self._crc, self.steps]
                     sig += self.algorithm.signature()[:4]
-                collective_check(self.comm, error, sig, AGREED)
+                collective_check(self.comm, error, sig, self._agreed)
             elif error is not None:
                 raise error
             self._last.comm_s = time.perf_counter() - t0
@@ -873,14 +880,6 @@ def _finish(
     if late_zero:
         update[...] = 0
     update[indices] = values / values.dtype.type(divisor) if divisor != 1 else values
-
-
-def _real(name: str, value: Any) -> float:
-    """``value`` (a Python or numpy real number) as a float. float() also took True (as
-    1.0: density=True made a dense reducer) and strings ("0.1")."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    return float(value)
 
 
 def _kth(vals: Any, k: int) -> float:

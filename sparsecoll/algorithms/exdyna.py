@@ -60,6 +60,7 @@ import numpy as np
 
 from .. import select
 from .._array import get_array_module, index_dtype, to_host
+from .._options import flag, integer, real
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
@@ -257,16 +258,12 @@ class ExDyna(Algorithm):
         tolerance: float = 0.05,
     ) -> None:
         self.k = check_k(self.name, k)
-        if blocks is not None and (
-            isinstance(blocks, bool) or not isinstance(blocks, (int, np.integer)) or blocks < 1
-        ):
-            raise ValueError(f"blocks must be an integer >= 1, got {blocks!r}")
-        self.blocks = None if blocks is None else int(blocks)
-        if rule not in RULES:
+        self.blocks = None if blocks is None else integer("blocks", blocks, 1)
+        if not isinstance(rule, str) or rule not in RULES:
             raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
         self.rule = rule
-        self.rebalance = bool(rebalance)
-        self.tolerance = float(tolerance)
+        self.rebalance = flag("rebalance", rebalance)
+        self.tolerance = real("tolerance", tolerance)
         if not 0.0 <= self.tolerance < 1.0:
             raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
         self.reset()

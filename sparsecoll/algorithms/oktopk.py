@@ -84,12 +84,14 @@ value is in the result); the rest go back to the residual.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any
 
 import numpy as np
 
 from .._array import get_array_module, to_host
+from .._options import count_band, flag, integer, real
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
@@ -221,25 +223,19 @@ class OkTopk(Algorithm):
     ) -> None:
         self.k = check_k(self.name, k)
         if imbalance is not None:
-            if isinstance(imbalance, bool) or not float(imbalance) > 0.0:
+            imbalance = real("imbalance", imbalance)
+            if not imbalance > 0.0:  # (inf: never, as None)
                 raise ValueError(f"imbalance must be a number > 0 or None, got {imbalance!r}")
-            imbalance = float(imbalance)
         self.imbalance = imbalance
-        if rule not in RULES:
+        if not isinstance(rule, str) or rule not in RULES:
             raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
         self.rule = rule
-        self.adaptive = bool(adaptive)
-        for name, v in (("tau", tau), ("tau_prime", tau_prime)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        self.tau, self.tau_prime = int(tau), int(tau_prime)
-        self.nudge = float(nudge)
-        if not self.nudge >= 1.0:
-            raise ValueError(f"nudge must be >= 1, got {nudge!r}")
-        lo, hi = (float(b) for b in band)
-        if not 0.0 <= lo <= 1.0 <= hi:
-            raise ValueError(f"band must satisfy 0 <= low <= 1 <= high, got {band!r}")
-        self.band = (lo, hi)
+        self.adaptive = flag("adaptive", adaptive)
+        self.tau, self.tau_prime = integer("tau", tau, 1), integer("tau_prime", tau_prime, 1)
+        self.nudge = real("nudge", nudge)
+        if not 1.0 <= self.nudge < math.inf:
+            raise ValueError(f"nudge must be a finite number >= 1, got {nudge!r}")
+        self.band = count_band("band", band)
         self.reset()
 
     def reset(self) -> None:

@@ -31,9 +31,11 @@ import warnings
 from typing import Any
 
 from .._array import as_array, device_scope, is_device_array, synchronize
+from .._options import real
 from ..api import collective_check
 from ..comm import CommStats, Communicator, widening_buffer
 from ..errors import NonFiniteError
+from ..sparse import VALUE_DTYPES
 from ..training import GradientReducer, _add_totals
 
 __all__ = [
@@ -42,6 +44,18 @@ __all__ = [
     "init_process_group",
     "sparse_allreduce_hook",
 ]
+
+
+# what the warm-up's agreement and each bucket reducer's step agreement hold first, named
+# alike on every rank: a rank still in its dense warm-up (a longer ``warmup``) while another
+# steps differs from it in the third (the warm-up's -1, a step's CRC of its options: >= 0)
+HOOK_AGREED = (
+    "bucket size",
+    "bucket dtype",
+    "warmup (a rank in its dense warm-up while another steps), algorithm or options",
+    "step",
+)
+WARMUP_MARK = -1
 
 
 def _torch() -> Any:
@@ -100,7 +114,9 @@ class SparseHookState:
     Args:
         comm: an mpi4py Intracomm or a sparsecoll Communicator (default: COMM_WORLD).
         algorithm, density: as for :class:`~sparsecoll.training.GradientReducer`.
-        warmup: iterations reduced densely first (>= 1: DDP's buckets change after the first).
+        warmup: iterations reduced densely first (>= 1: DDP's buckets change after the first),
+            the same on every rank (a rank still in its warm-up while another steps raises
+            a CollectiveInputError on every rank saying so).
         nonfinite: what a bucket whose gradient holds NaN or Inf (on any rank) comes back as:
             ``"raise"`` (default): ``backward()`` raises on every rank (a RuntimeError naming
             the :class:`~sparsecoll.NonFiniteError`); ``"nan"``: the bucket is filled with
@@ -157,7 +173,7 @@ class SparseHookState:
             raise TypeError("the hook always averages and handles the warm-up itself")
         self.comm = Communicator.wrap(comm)
         self.algorithm = algorithm
-        self.density = float(density)
+        self.density = real("density", density)
         self.warmup = warmup
         self.nonfinite = nonfinite
         self.options = options
@@ -212,6 +228,7 @@ class SparseHookState:
                     saved = None
                 self._pending.pop(index)
             red = GradientReducer(self.comm, numel, self.algorithm, self.density, **self.options)
+            red._agreed = HOOK_AGREED
             if saved is not None:
                 red.load_state_dict(saved)
             self.reducers[index] = red
@@ -344,14 +361,15 @@ def _reduce_one(
 def _reduce_dense(state: SparseHookState, work: Any, error: BaseException | None) -> None:
     """Overwrite ``work`` with its average over the ranks (the warm-up), after the ranks
     agree that every one has its bucket ready (``error``: this rank's failure to)."""
-    arr, wide = None, None
+    arr, wide, sig = None, None, None
     if error is None:
         try:
             arr, _ = as_array(work, "bucket", writable=True)
+            sig = [int(arr.size), VALUE_DTYPES.index(arr.dtype), WARMUP_MARK]
             wide = widening_buffer(arr)  # (float16: the float32 array it is summed in)
         except Exception as exc:  # (shared with every rank: none is left waiting)
             error = exc
-    collective_check(state.comm, error, None)
+    collective_check(state.comm, error, sig, HOOK_AGREED)
     # on the bucket's GPU: the asynchronous hook runs this on the progress thread, whose
     # current device is 0 (as every new CUDA host thread's)
     with device_scope(arr), state.comm.measure() as st:

@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .._array import get_array_module, identity, to_module
+from .._options import count_band, flag, integer, real
 from ..sparse import SparseVector
 from ._dispatch import _prepare, count_ge, kth_largest_abs, moments, threshold, topk
 
@@ -121,8 +122,10 @@ class ThresholdEstimator(ABC):
             if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
                 raise ValueError(f"k must be a non-negative integer, got {k!r}")
             k = int(k)
-        if density is not None and not 0.0 <= density <= 1.0:
-            raise ValueError(f"density must be in [0, 1], got {density!r}")
+        if density is not None:
+            density = real("density", density)
+            if not 0.0 <= density <= 1.0:
+                raise ValueError(f"density must be in [0, 1], got {density!r}")
         self.k = k
         self.density = density
 
@@ -147,12 +150,6 @@ class ThresholdEstimator(ABC):
     @abstractmethod
     def _select(self, x: Any, n: int, k: int) -> Selection:
         """Select from the numpy/CuPy array x of length n, about k entries."""
-
-
-def _check_retries(retries: Any) -> int:
-    if isinstance(retries, bool) or not isinstance(retries, (int, np.integer)) or retries < 0:
-        raise ValueError(f"retries must be a non-negative integer, got {retries!r}")
-    return int(retries)
 
 
 def _exact(x: Any, n: int, k: int, method: str, tries: int = 1) -> Selection:
@@ -204,16 +201,12 @@ class ReuseThreshold(ThresholdEstimator):
         hold_band: bool = True,
     ) -> None:
         super().__init__(k, density=density)
-        if interval < 1:
-            raise ValueError(f"interval must be >= 1, got {interval}")
-        if not nudge > 1.0:
-            raise ValueError(f"nudge must be > 1, got {nudge}")
-        if not 0.0 <= band[0] <= 1.0 <= band[1]:
-            raise ValueError(f"band must satisfy lo <= 1 <= hi, got {band}")
-        self.interval = int(interval)
-        self.nudge = float(nudge)
-        self.lo, self.hi = float(band[0]), float(band[1])
-        self.hold_band = bool(hold_band)
+        self.interval = integer("interval", interval, 1)
+        self.nudge = real("nudge", nudge)
+        if not 1.0 < self.nudge < math.inf:
+            raise ValueError(f"nudge must be a finite number > 1, got {nudge!r}")
+        self.lo, self.hi = count_band("band", band)
+        self.hold_band = flag("hold_band", hold_band)
         self.step = 0
         self.recomputes = 0
         self._t: float | None = None
@@ -301,13 +294,20 @@ class SamplingThreshold(ThresholdEstimator):
         seed: int = 0,
     ) -> None:
         super().__init__(k, density=density)
-        if not 0.0 < sample <= 1.0:
-            raise ValueError(f"sample must be in (0, 1], got {sample}")
-        self.sample = float(sample)
-        self.min_sample = int(min_sample)
-        self.lo, self.hi = float(band[0]), float(band[1])
-        self.retries = _check_retries(retries)
-        self.rng = np.random.default_rng(seed)
+        self.sample = real("sample", sample)
+        if not 0.0 < self.sample <= 1.0:
+            raise ValueError(f"sample must be in (0, 1], got {sample!r}")
+        self.min_sample = integer("min_sample", min_sample, 0)
+        self.lo, self.hi = count_band("band", band)
+        self.retries = integer("retries", retries, 0)
+        if isinstance(seed, (bool, np.bool_)):
+            raise TypeError("seed must be an integer >= 0, a sequence of them, or None, got bool")
+        try:
+            self.rng = np.random.default_rng(seed)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(
+                f"seed must be an integer >= 0, a sequence of them, or None, got {seed!r}"
+            ) from exc
 
     def _draw(self, x: Any, n: int) -> Any:
         s = min(n, max(self.min_sample, math.ceil(self.sample * n)))
@@ -390,8 +390,8 @@ class GaussianThreshold(ThresholdEstimator):
         retries: int = 6,
     ) -> None:
         super().__init__(k, density=density)
-        self.lo, self.hi = float(band[0]), float(band[1])
-        self.retries = _check_retries(retries)
+        self.lo, self.hi = count_band("band", band)
+        self.retries = integer("retries", retries, 0)
 
     def _select(self, x: Any, n: int, k: int) -> Selection:
         if k == 0 or k == n:

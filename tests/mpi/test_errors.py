@@ -656,3 +656,38 @@ def test_memory_running_out_on_one_rank_for_recursive_doublings_dense_start(comm
     assert_all(comm, sparse.values.tolist() == (values[:5] * comm.size).tolist(), "sparse input")
     out = sparsecoll.allreduce(comm, values, np.arange(n), n=n, algorithm="recursive_doubling")
     assert_all(comm, np.array_equal(out.to_dense(), values * comm.size), "the ranks go on")
+
+
+@pytest.mark.parametrize("hook_name", ["sparse_allreduce_hook", "async_sparse_allreduce_hook"])
+def test_hook_warmup_differing_across_ranks(comm, hook_name):
+    """A DDP hook state built with a longer ``warmup`` on one rank: in the iteration where
+    that rank still reduces densely and the others step their reducers, every rank raises
+    the same error saying so, naming the rank. The warm-up's agreement carried no signature
+    and the step's names differ from it: the ranks raised unlike errors ("n must be the
+    same" on the stepping ranks, "algorithm options" on the other)."""
+    torch = pytest.importorskip("torch")
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    from sparsecoll.integrations import torch as sc_torch
+
+    from ..test_torch_hook import _Bucket  # (a stand-in for torch's GradBucket)
+
+    hook = getattr(sc_torch, hook_name)
+    bad = comm.size - 1
+    warmup = 2 if comm.rank == bad else 1
+    state = sc_torch.SparseHookState(comm, "allgather", density=0.25, warmup=warmup)
+    params = [torch.zeros(8)]
+    got = []
+    for _ in range(2):  # iteration 0: a warm-up everywhere; 1: on rank `bad` only
+        try:
+            got.append(hook(state, _Bucket(0, 1, torch.arange(8.0), params)).wait().tolist())
+        except Exception as exc:  # (torch adds the callback's traceback: the first line)
+            got.append(str(exc).split("\n")[0])
+    assert_all(comm, got[0] == [float(i) for i in range(8)], f"the warm-up gave {got[0]}")
+    want = (
+        "warmup (a rank in its dense warm-up while another steps), algorithm or options must"
+        f" be the same on every rank: rank {bad} differs from rank 0"
+    )
+    texts = comm.allgather_object(got[1])
+    assert_all(comm, isinstance(got[1], str) and want in got[1], f"{got[1]!r:.300}")
+    assert_all(comm, all(t == texts[0] for t in texts), f"unlike errors: {texts}")

@@ -1,0 +1,46 @@
+"""Checks of constructor options: a wrong type raises TypeError, a wrong value ValueError, each
+naming the option and what it takes (float() and bool() took strings, None and True)."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+__all__ = ["count_band", "flag", "integer", "real"]
+
+
+def real(name: str, value: Any) -> float:
+    """``value`` (a Python or numpy real number, not a bool) as a float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def integer(name: str, value: Any, low: int) -> int:
+    """``value`` (a Python or numpy integer, not a bool, at least ``low``) as an int; else a
+    ValueError, whatever the type (as the integer options have always raised)."""
+    integral = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    if not integral or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def flag(name: str, value: Any) -> bool:
+    """``value`` (True or False, a numpy bool too) as a bool: bool() took any object ("no")."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
+    return bool(value)
+
+
+def count_band(name: str, value: Any) -> tuple[float, float]:
+    """``value`` (a pair of real numbers ``(low, high)`` with ``0 <= low <= 1 <= high``: a
+    band of counts as multiples of k) as a tuple of floats."""
+    what = f"{name} must be a pair (low, high) of real numbers with 0 <= low <= 1 <= high"
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:
+        raise TypeError(f"{what}, got {value!r}")
+    lo, hi = (real(f"{name}[{i}]", v) for i, v in enumerate(value))
+    if not 0.0 <= lo <= 1.0 <= hi:
+        raise ValueError(f"{what}, got {value!r}")
+    return lo, hi

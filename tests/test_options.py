@@ -1,0 +1,113 @@
+"""Constructor options of every algorithm, estimator, GradientReducer and the DDP hook state:
+a wrong type raises TypeError and a wrong value ValueError, each naming the option (float()
+and bool() took strings, None and True; a band that was not a pair failed unpacking it)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from mpi4py import MPI
+
+from sparsecoll import GradientReducer, get_algorithm, select
+
+NOT_REAL = [None, "0.5", True, [1.0]]
+NOT_FLAG = [None, "no", 1, 0.0]
+NOT_BAND = [None, "x", 1.0, [1.0], (0.8, "2"), (0.8, None), (1.5, 2.0), (0.5, 0.9), (math.nan, 2)]
+NOT_INT = [None, "3", True, 1.5, math.nan, [3]]
+
+
+def _algo(name, **base):
+    def build(**kw):
+        return get_algorithm(name, **base, **kw)
+
+    build.__name__ = name
+    return build
+
+
+def _reducer(**kw):
+    return GradientReducer(MPI.COMM_WORLD, 16, "oktopk", **kw)
+
+
+def _hook_state(**kw):
+    pytest.importorskip("torch")
+    from sparsecoll.integrations.torch import SparseHookState
+
+    return SparseHookState(MPI.COMM_WORLD, "oktopk", **kw)
+
+
+OKTOPK, EXDYNA = _algo("oktopk", k=4), _algo("exdyna", k=4)
+REUSE, SAMPLING = select.ReuseThreshold, select.SamplingThreshold
+CASES = [
+    # (build, option, bad values, extra options)
+    (OKTOPK, "nudge", [*NOT_REAL, math.nan, math.inf, 0.5, -1], {}),
+    (OKTOPK, "band", NOT_BAND, {}),
+    (OKTOPK, "imbalance", ["2", True, [2.0], math.nan, 0, -1], {}),
+    (OKTOPK, "adaptive", NOT_FLAG, {}),
+    (OKTOPK, "rule", [None, ["window"], 1], {}),
+    (OKTOPK, "tau", [*NOT_INT, 0, -1], {}),
+    (EXDYNA, "tolerance", [*NOT_REAL, math.nan, math.inf, -0.1, 1.0], {}),
+    (EXDYNA, "rebalance", NOT_FLAG, {}),
+    (EXDYNA, "rule", [None, ["window"]], {}),
+    (EXDYNA, "blocks", ["3", True, 1.5, 0, -1], {}),
+    (_algo("gtopk"), "k", [*NOT_INT, -1], {}),
+    (_algo("auto"), "alpha", [*NOT_REAL, math.nan, math.inf, -1.0], {}),
+    (REUSE, "density", [*NOT_REAL, math.nan, 1.5, -0.1], {}),
+    (REUSE, "interval", [*NOT_INT, 0, -1, math.inf], {"k": 4}),
+    (REUSE, "nudge", [*NOT_REAL, math.nan, math.inf, 1.0], {"k": 4}),
+    (REUSE, "band", NOT_BAND, {"k": 4}),
+    (REUSE, "hold_band", NOT_FLAG, {"k": 4}),
+    (SAMPLING, "sample", [*NOT_REAL, math.nan, 0.0, 1.5], {"k": 4}),
+    (SAMPLING, "min_sample", [*NOT_INT, -1], {"k": 4}),
+    (SAMPLING, "band", NOT_BAND, {"k": 4}),
+    (SAMPLING, "retries", [*NOT_INT, -1], {"k": 4}),
+    (SAMPLING, "seed", ["x", True, 1.5, -1], {"k": 4}),
+    (select.GaussianThreshold, "band", NOT_BAND, {"k": 4}),
+    (_reducer, "density", [*NOT_REAL, math.nan, math.inf, 0.0, 1.5], {}),
+    (_reducer, "momentum", [*NOT_REAL, math.nan, 1.0, -0.1], {}),
+    (_reducer, "warmup", [*NOT_INT, -1], {}),
+    (_reducer, "selection", [None, ["reuse"], 1], {}),
+    (_reducer, "selection_options", ["x", [("interval", 3)], 3], {"selection": "reuse"}),
+    (_reducer, "average", NOT_FLAG, {}),
+    (_reducer, "error_feedback", NOT_FLAG, {}),
+    (_reducer, "reuse_update", NOT_FLAG, {}),
+    (_reducer, "check", NOT_FLAG, {}),
+    (_hook_state, "density", [*NOT_REAL, math.nan, math.inf, 0.0, 1.5], {}),
+    (_hook_state, "warmup", [*NOT_INT, 0], {}),
+    (_hook_state, "nonfinite", [None, "warn", 1], {}),
+]
+
+
+@pytest.mark.parametrize(
+    ("build", "option", "value", "extra"),
+    [
+        pytest.param(build, option, v, extra, id=f"{getattr(build, '__name__', '')}-{option}-{v!r}")
+        for build, option, values, extra in CASES
+        for v in values
+    ],
+)
+def test_a_bad_option_is_named(build, option, value, extra):
+    with pytest.raises((TypeError, ValueError)) as info:
+        build(**extra, **{option: value})
+    # TypeError or ValueError themselves (or the library's subclasses), never a numpy or
+    # unpacking error that happens to derive from them; the message names the option
+    assert info.type.__module__ in ("builtins", "sparsecoll.errors"), info.value
+    assert option in str(info.value), info.value
+
+
+@pytest.mark.parametrize(
+    ("build", "option", "value"),
+    [
+        (OKTOPK, "imbalance", None),
+        (OKTOPK, "imbalance", math.inf),
+        (OKTOPK, "band", [0.5, 2]),
+        (EXDYNA, "blocks", None),
+        (_algo("auto"), "alpha", 1),
+        (SAMPLING, "seed", None),
+        (SAMPLING, "seed", [1, 2]),
+        (SAMPLING, "min_sample", 0),
+    ],
+)
+def test_good_options_still_taken(build, option, value):
+    extra = {"k": 4} if build in (REUSE, SAMPLING) else {}
+    build(**extra, **{option: value})
