@@ -65,6 +65,7 @@ from .api import collective_check, watch
 from .comm import CommStats, Communicator, widening_buffer
 from .errors import NonFiniteError
 from .registry import algorithm_class, get_algorithm
+from .select._common import round_threshold
 from .sparse import VALUE_DTYPES, SparseVector
 
 __all__ = ["GradientReducer"]
@@ -628,7 +629,11 @@ class GradientReducer:
         if prep.mode == "reuse" and self._reuse_misses(found):
             prep.mode = "reuse-miss"  # below the reuse band: the exact top-k of acc instead
         if zero_cut < math.inf and found.complete:
-            prep.zeroed = (found.indices, found.values, zero_cut)
+            # the cut as the pass compared with it (rounded up to g's dtype): the fix-ups
+            # compare in that dtype too, and a cut rounded to nearest there would take an
+            # entry just below it, which the pass left in acc, for one it zeroed
+            zc = round_threshold(zero_cut, g.dtype)
+            prep.zeroed = (found.indices, found.values, zc)
             missed = prep.mode == "topk" and found.hits < self.k and not every_nonzero
             if missed or prep.mode == "reuse-miss":  # a top-k of all of acc: made whole again
                 acc[found.indices] = found.values
