@@ -141,6 +141,7 @@ class SparseHookState:
         "_pending",
         "_pending_layouts",
         "_pending_until",
+        "_retired_stats",
         "_stepped",
         "algorithm",
         "comm",
@@ -184,6 +185,7 @@ class SparseHookState:
         self._pending_layouts: dict[int, tuple[Any, ...]] = {}
         self._pending_until = 0
         self._dense_stats = CommStats()
+        self._retired_stats = CommStats()  # reducers replaced when their bucket changed
         # (iteration, reducer) for each bucket that stepped, and the iterations in which a
         # bucket's reduction failed: an iteration that never reached its last bucket
         # leaves entries that a later iteration's end ignores
@@ -211,6 +213,7 @@ class SparseHookState:
                 RuntimeWarning,
                 stacklevel=3,
             )
+            _add_totals(self._retired_stats, red._totals)  # (its traffic stays counted)
             red = None
         if red is None:
             saved = self._pending.get(index)
@@ -239,8 +242,9 @@ class SparseHookState:
         """Iterations, bytes per rank (warm-up included) and densities over every bucket."""
         reds = list(self.reducers.values())
         each = [r.stats() for r in reds]  # (one call a reducer: each builds a dict)
-        sent = self._dense_stats.bytes_sent + sum(s["bytes_sent_total"] for s in each)
-        recv = self._dense_stats.bytes_recv + sum(s["bytes_recv_total"] for s in each)
+        gone = (self._dense_stats, self._retired_stats)  # (warm-up, replaced reducers)
+        sent = sum(g.bytes_sent for g in gone) + sum(s["bytes_sent_total"] for s in each)
+        recv = sum(g.bytes_recv for g in gone) + sum(s["bytes_recv_total"] for s in each)
         n = sum(r.n for r in reds)
         last = sum(s["achieved_density"] * r.n for s, r in zip(each, reds))
         return {
@@ -279,7 +283,7 @@ class SparseHookState:
             red.reset()
         self._pending.clear()
         self._stepped, self._failed, self._failures = [], set(), []
-        self._dense_stats = CommStats()
+        self._dense_stats, self._retired_stats = CommStats(), CommStats()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore; each bucket's reducer is rebuilt when the bucket next comes by laid out

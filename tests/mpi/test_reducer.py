@@ -616,6 +616,27 @@ def test_hook_state_reset(comm):
     assert red.algorithm.step == 0 and state.stats()["bytes_sent_total"] == 0
 
 
+def test_hook_state_stats_keep_a_replaced_buckets_traffic(comm):
+    """A bucket whose layout changes after the warm-up gets a new reducer: the old one's
+    bytes stay in SparseHookState.stats()'s totals (they went down: 1200 to 480 at P = 2)."""
+    from sparsecoll.integrations.torch import SparseHookState
+
+    state = SparseHookState(comm, "allgather", density=0.1)
+    red = state.reducer(0, 500, "torch.float32")
+    for t in range(3):
+        red.step(np.random.default_rng([t, comm.rank]).standard_normal(500).astype(np.float32))
+    before = state.stats()
+    with pytest.warns(RuntimeWarning, match="changed"):
+        new = state.reducer(0, 600, "torch.float32")
+    new.step(np.ones(600, np.float32))
+    after = state.stats()
+    sent = before["bytes_sent_total"] + new.stats()["bytes_sent_total"]
+    recv = before["bytes_recv_total"] + new.stats()["bytes_recv_total"]
+    assert after["bytes_sent_total"] == sent and after["bytes_recv_total"] == recv
+    state.reset()
+    assert state.stats()["bytes_sent_total"] == 0
+
+
 @pytest.mark.parametrize(
     ("algorithm", "selection"),
     [("allgather", "reuse"), ("oktopk", "reuse"), ("allgather", "sampling")],
