@@ -565,6 +565,9 @@ class GradientReducer:
         acc = prep.acc
         dense = self._is_dense or self.steps < self.warmup
         numba = _numba_host(g)
+        # a float16 average: the P-sum may overflow float16 where the mean does not, so the
+        # sparse step's collective returns the mean itself (dense steps: op="mean")
+        prep.averaged = self.average and self.comm.size > 1 and g.dtype == np.float16
         if dest is None and self.reuse_update:
             if self._update is None or not same_device(self._update, g):
                 self._update, self._update_nnz = xp.zeros(self.n, g.dtype), None
@@ -641,6 +644,8 @@ class GradientReducer:
         if prep.mode in ("topk", "reuse", "reuse-miss", "estimator"):
             prep.selected = self._select(acc, found, prep.mode, every_nonzero)
             sel, sel_values, _ = prep.selected
+            if prep.averaged:  # (float16: each value's share, so that the sum fits)
+                sel_values = _shares(sel_values, self.comm.size)
             prep.x = SparseVector(sel, sel_values, self.n)
             # (its own O(n) buffers, before the ranks agree: running out of memory is then
             # an error on every rank, not this rank's alone)
@@ -770,9 +775,10 @@ class GradientReducer:
         # masking; exdyna dropped it from acc already); the update's old entries are
         # zeroed, the result scattered
         p = self.comm.size
+        divisor = p if self.average and p > 1 and not prep.averaged else 1
         _finish(
             prep.acc, prep.velocity, sent, update, old, result.indices, result.values,
-            p if self.average and p > 1 else 1, zeroed, prep.late_zero, exdyna,
+            divisor, zeroed, prep.late_zero, exdyna,
         )  # fmt: skip
         self._last.record(result.nnz, selected)
         self._sparse_steps += 1
@@ -789,7 +795,7 @@ class GradientReducer:
         # acc is the spare buffer: dropping the sent entries as they are read (or in the
         # pass: zc) is safe even if the call fails (the residual is untouched)
         result = self.algorithm.reduce_dense(
-            self.comm, prep.acc, candidates=cand, drop=True, zeroed=zc
+            self.comm, prep.acc, candidates=cand, drop=True, zeroed=zc, mean=prep.averaged
         )
         self._last.comm_s += time.perf_counter() - t0
         return result, result.indices, int(result.info["selected"]), None
@@ -887,6 +893,16 @@ def _finish(
     update[indices] = values / values.dtype.type(divisor) if divisor != 1 else values
 
 
+def _shares(values: Any, p: int) -> Any:
+    """float16 ``values / p``, each rounded once (divided in float32, exact for any p), so
+    that the sum of P ranks' shares is their average: it fits in float16 where the average
+    does, as DDP's own hook divides before it sums. No bytes more on the wire (widening the
+    values to float32 instead costs a third more: docs/training.md); each share rounds
+    where p is no power of two, and a share below float16's subnormals is 0."""
+    xp = get_array_module(values)
+    return (values.astype(xp.float32) / xp.float32(p)).astype(values.dtype)
+
+
 def _kth(vals: Any, k: int) -> float:
     """The k-th largest |value| of a top-k selection's ``vals`` (0.0 when it holds fewer
     than k)."""
@@ -909,12 +925,13 @@ class _Prepared:
     """One step between its pass over the gradient and its collective."""
 
     __slots__ = (
-        "acc", "found", "late_zero", "mode", "old_velocity", "res", "reused", "selected",
-        "update", "velocity", "work", "x", "zeroed",
+        "acc", "averaged", "found", "late_zero", "mode", "old_velocity", "res", "reused",
+        "selected", "update", "velocity", "work", "x", "zeroed",
     )  # fmt: skip
 
     def __init__(self) -> None:
         self.reused = False
+        self.averaged = False  # (float16) the collective returns the average, not the sum
         self.late_zero = False
         self.acc: Any = None
         self.res: Any = None

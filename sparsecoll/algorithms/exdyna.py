@@ -403,6 +403,7 @@ class ExDyna(Algorithm):
         candidates: tuple[Any, Any] | None = None,
         drop: bool = False,
         zeroed: float | None = None,
+        mean: bool = False,
     ) -> SparseVector:
         """Select from this rank's dense accumulated gradient ``acc`` and reduce.
 
@@ -422,7 +423,9 @@ class ExDyna(Algorithm):
         The call gives back those it does not select, zeroes those it selects below the
         cut, and takes the values of this rank's own range from the candidates: no
         scattered read or write of ``acc`` in the owned range. ``acc`` is whole again if
-        the call must read its range itself.
+        the call must read its range itself. ``mean``: the result's values are divided by
+        the number of ranks, in the precision they are summed in (float32 for float16, so
+        an average that fits in float16 comes back where the sum would overflow it).
         """
         n = int(acc.shape[0])
         self.prepare(comm, n)
@@ -456,10 +459,12 @@ class ExDyna(Algorithm):
             out[b:] = gather(acc, idx[b:], drop)
             return out
 
-        return self._run(comm, n, part, to_index, values_at, acc.dtype, xp, found)
+        return self._run(comm, n, part, to_index, values_at, acc.dtype, xp, found, mean)
 
     # -- the call ---------------------------------------------------------------------------
-    def _run(self, comm, n, part, to_index, values_at, dtype, xp, found=None) -> SparseVector:
+    def _run(
+        self, comm, n, part, to_index, values_at, dtype, xp, found=None, mean=False
+    ) -> SparseVector:
         p = comm.size
         if self.k == 0 or n == 0:
             self.step += 1
@@ -480,7 +485,7 @@ class ExDyna(Algorithm):
             idx = xp.concatenate(chunks) if chunks else xp.zeros(0, index_dtype(n))
             sums = values_at(idx) if idx.shape[0] else xp.zeros(0, dtype)
             if idx.shape[0]:  # (the same on every rank) values_at's new array, summed in place
-                comm.allreduce(sums, out=sums, check=False)
+                comm.allreduce(sums, out=sums, op="mean" if mean else "sum", check=False)
         part_counts = [int(counts[r]) for r in owner]
         if self.rebalance and p > 1:
             self.bounds = rebalance(self.bounds, np.asarray(part_counts), self.tolerance)

@@ -268,6 +268,60 @@ def test_dense_float16_average_does_not_overflow(comm):
         assert_all(comm, ok, f"{algorithm}: {update[:4]}")
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (the sum's)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_sparse_float16_average_does_not_overflow(comm, algorithm):
+    """float16 sparse steps whose sum overflows float16 where the average fits (30000 at one
+    index on every rank, small values around it): the update holds the average there, not
+    inf (each rank sends its share, value / P), the same on every rank, and the sent entry
+    leaves the residual. Summed instead (average=False) it is inf once 30000·P passes
+    float16's largest value, without an error (the loss scaler's cue to skip the batch);
+    take_back() then puts the residual back as it was before that step."""
+    n, p = 64, comm.size
+    grad = (np.random.default_rng([7, comm.rank]).standard_normal(n) / 4).astype(np.float16)
+    grad[3] = 30000
+    red = GradientReducer(comm, n, algorithm, 0.125)
+    update = red.step(grad)
+    problems = []
+    if update.dtype != np.float16 or update[3] != 30000 or not np.isfinite(update).all():
+        problems.append(f"{algorithm}: average at 3 is {update[3]!r}, {update.dtype}")
+    if red.residual[3] != 0:
+        problems.append(f"{algorithm}: residual at 3 is {red.residual[3]!r}")
+    summed = GradientReducer(comm, n, algorithm, 0.125, average=False)
+    summed.step(grad[::-1].copy())
+    before = summed.residual.copy()
+    total = summed.step(grad)
+    if bool(np.isinf(total[3])) != (30000 * p > 65504):
+        problems.append(f"{algorithm}: sum at 3 is {total[3]!r} on {p} ranks")
+    summed.take_back()
+    if not np.array_equal(summed.residual, before):
+        problems.append(f"{algorithm}: take_back did not restore the residual")
+    check_everywhere(comm, problems, [update, total])
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(s=streams(dtype="float16"))
+def test_error_feedback_float16(comm, algorithm, s):
+    """float16: what the update (× P when averaging) and the residuals miss of the gradients
+    is rounding only: each grad + residual, each share value / P, each partial sum in
+    float16 rounds once (2⁻¹¹ relative), a share may fall below the subnormals (2⁻²⁵)."""
+    red, updates = run(comm, s, algorithm)
+    p = comm.size
+    wide = [np.asarray(u, dtype=np.float64) for u in updates]
+    applied = np.sum(wide, axis=0) * (p if s.average else 1)
+    residuals = comm.allreduce(np.asarray(red.residual, dtype=np.float64))
+    grads = sum(s.grad(r, t).astype(np.float64) for r in range(p) for t in range(s.steps))
+    scale = sum(np.abs(s.grad(r, t)).astype(np.float64) for r in range(p) for t in range(s.steps))
+    tol = 2.0**-10 * (p + 2) * (s.steps + 1) * scale + s.steps * p * p * 2.0**-24
+    problems = []
+    err = np.abs(applied + residuals - grads)
+    if not np.all(err <= tol):
+        problems.append(f"{algorithm}: lost {err.max()!r} of the float16 gradient")
+    if red.residual.dtype != np.float16 or any(u.dtype != np.float16 for u in updates):
+        problems.append("residual/update dtype")
+    check_everywhere(comm, problems, updates)
+
+
 @pytest.mark.parametrize("algorithm", ["dense", "allgather", "exdyna"])
 def test_stats_count_bytes(comm, algorithm):
     n, p = 4000, comm.size
