@@ -567,6 +567,70 @@ def test_reuse_threshold_after_fewer_than_k_nonzeros() -> None:
     assert est.threshold > 0.0
 
 
+@pytest.mark.parametrize("hold_band", [True, False])
+def test_reuse_threshold_never_nudged_to_zero_or_stuck_at_inf(hold_band: bool) -> None:
+    """A nudge of 2 or more divided the smallest positive threshold (fewer than k nonzeros)
+    to 0.0, and the next reuse call took every entry, zeros included; a threshold of inf
+    (an exact call whose k-th |x| is inf) stayed inf, and the reuse calls took nothing."""
+    x = np.zeros(1000, np.float32)
+    x[::50] = 1.0  # 20 nonzeros, k = 50
+    est = sel.ReuseThreshold(50, interval=8, nudge=2.0, hold_band=hold_band)
+    for _ in range(6):
+        s = est.select(x)
+        assert est.threshold > 0.0 and not np.any(s.values[s.values == 0].shape[0] > 30)
+        if s.method == "reuse":
+            assert s.indices.tolist() == list(range(0, 1000, 50))
+    est = sel.ReuseThreshold(3, interval=6, hold_band=hold_band)
+    y = np.arange(1, 101, dtype=np.float32)
+    est.select(np.where(np.arange(100) < 3, np.float32(np.inf), y))
+    assert est.threshold == math.inf
+    counts, ts = [], []
+    for _ in range(4):
+        counts.append(est.select(y).count)
+        ts.append(est.threshold)
+    # (without hold_band the nudge walks down from the largest finite value, as published;
+    # with it, a reuse call below the band takes the exact top-k)
+    assert all(math.isfinite(t) for t in ts) and ts == sorted(ts, reverse=True), ts
+    assert not hold_band or counts == [3] * 4, counts
+
+
+def test_reuse_threshold_with_k_zero() -> None:
+    """k = 0 on a reuse call whose threshold selects entries (an infinity; or a density
+    rounding k to 0 on a shorter vector): an empty selection, not a ValueError from the
+    minimum of nothing."""
+    for backend in ("numpy", "numba"):
+        with sel.use_backend(backend):
+            est = sel.ReuseThreshold(0, interval=4)
+            x = np.array([1.0, np.inf, 2.0], np.float32)
+            assert [est.select(x).count for _ in range(2)] == [0, 0]
+            est = sel.ReuseThreshold(density=0.01, interval=4)
+            rng = np.random.default_rng(0)
+            est.select(rng.standard_normal(1000).astype(np.float32))
+            s = est.select((10 * rng.standard_normal(40)).astype(np.float32))
+            assert s.count == 0 and s.threshold == math.inf
+
+
+def test_sampling_threshold_takes_no_zeros() -> None:
+    """A sampled threshold of 0 (density so high that the sample's r-th |x| is 0) took every
+    entry, zeros included, when that count fell in the band; now the nonzeros only."""
+    n, k = 100_000, 80_000
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        x = np.zeros(n, np.float32)
+        x[rng.choice(n, k, replace=False)] = rng.standard_normal(k).astype(np.float32) + 3
+        s = sel.SamplingThreshold(k, seed=seed).select(x)
+        assert np.count_nonzero(s.values == 0) == 0, (seed, s.method, s.threshold)
+
+
+def test_trimmed_selections_report_their_smallest_kept_value() -> None:
+    """A selection trimmed to its top k reports the smallest |value| it kept as its
+    threshold (the Gaussian estimator reported its search's cut, below it)."""
+    x = np.random.default_rng(0).standard_t(2, 200_000).astype(np.float32)  # heavy tails
+    s = sel.GaussianThreshold(2000, retries=0).select(x)  # the normal fit's cut: too low
+    assert s.method == "gaussian-topk" and s.count == 2000
+    assert s.threshold == float(np.abs(s.values).min()) and sel.count_ge(x, s.threshold) == 2000
+
+
 def quantised(kind: str, n: int, seed: int) -> np.ndarray:
     """Few distinct |values|: signs plus one step of residual (0, +-1, +-2, the +-2 rare),
     small integers, multiples of 1/4."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from abc import ABC, abstractmethod
 from statistics import NormalDist
 from typing import Any, ClassVar
@@ -234,7 +235,11 @@ class ReuseThreshold(ThresholdEstimator):
         if self._t is None:
             raise ValueError("observe(count) before any exact threshold")
         if count < self.lo * k:
-            self._t /= self.nudge
+            # (from inf, an exact step's k-th value: the largest finite value instead; never
+            # below the smallest positive one, which a nudge >= 2 would round to 0: reusing 0
+            # selects every entry)
+            t = min(self._t, sys.float_info.max) / self.nudge
+            self._t = max(t, math.ulp(0.0))
         elif count > self.hi * k:
             # A zero threshold cannot be scaled up: restart from the smallest positive value.
             self._t = self._t * self.nudge if self._t > 0.0 else math.ulp(0.0)
@@ -254,7 +259,7 @@ class ReuseThreshold(ThresholdEstimator):
         self.observe(c, k)
         if self.hold_band and c > self.hi * k:
             keep, vals = topk(vals, k)
-            t = float(get_array_module(vals).abs(vals).min())
+            t = _smallest_kept(vals)
             return Selection(idx[keep], vals, t, k, n, "reuse-topk")
         return Selection(idx, vals, t, k, n, "reuse")
 
@@ -263,6 +268,12 @@ class ReuseThreshold(ThresholdEstimator):
         find: its threshold is above the smallest positive value (which selects every
         nonzero, so that fewer than k nonzeros is not a miss)."""
         return count < self.lo * k and self._t is not None and self._t > math.ulp(0.0)
+
+
+def _smallest_kept(vals: Any) -> float:
+    """The threshold a trimmed selection reports: its smallest |value| (inf when it kept
+    nothing, as for k = 0)."""
+    return float(get_array_module(vals).abs(vals).min()) if vals.shape[0] else math.inf
 
 
 class SamplingThreshold(ThresholdEstimator):
@@ -323,12 +334,13 @@ class SamplingThreshold(ThresholdEstimator):
         s = int(sample.shape[0])
         r = min(s, max(1, round(k * s / n)))
         for tries in range(1, self.retries + 2):
-            t = kth_largest_abs(sample, r)
+            # (a sampled 0, as ReuseThreshold's: the smallest positive value, never zeros)
+            t = max(kth_largest_abs(sample, r), math.ulp(0.0))
             idx, vals = threshold(x, t)
             c = int(idx.shape[0])
             if c > self.hi * k:
                 pos, vals = topk(vals, k)
-                t = float(get_array_module(vals).abs(vals).min())
+                t = _smallest_kept(vals)
                 return Selection(idx[pos], vals, t, k, n, "sample-topk", tries)
             if c >= self.lo * k:
                 return Selection(idx, vals, t, k, n, "sample", tries)
@@ -411,8 +423,9 @@ class GaussianThreshold(ThresholdEstimator):
         tries = len(search.tried) + 1
         if c > self.hi * k:  # retries ran out above the band: keep the top k of the selection
             idx, vals = threshold(x, t)
-            keep, _ = topk(vals, k)
-            return Selection(idx[keep], vals[keep], t, k, n, "gaussian-topk", tries)
+            keep, kept = topk(vals, k)
+            # (its threshold: the smallest |value| kept, as the other trimmed selections)
+            return Selection(idx[keep], kept, _smallest_kept(kept), k, n, "gaussian-topk", tries)
         if c < self.lo * k:  # below the band: the exact top-k
             return _exact(x, n, k, "gaussian-topk", tries + 1)
         idx, vals = threshold(x, t)
