@@ -51,6 +51,7 @@ import functools
 import math
 import os
 import pickle
+import re
 import sys
 import threading
 import time
@@ -275,8 +276,15 @@ def _query_cuda_aware(comm: Any = None) -> bool:
 
 @functools.cache
 def _large_counts() -> bool:
-    """Whether the MPI library has the MPI-4 large-count calls (MPICH 4+, not Open MPI
+    """Whether counts past :data:`COUNT_MAX` reach MPI's large-count calls: mpi4py 4 or
+    later (which routes them to the ``_c`` calls; mpi4py 3, which pyproject allows, has
+    only the int ones) and an MPI library that has those calls (MPICH 4+, not Open MPI
     5.0), looked up as :func:`_query_cuda_aware` looks up its extension."""
+    import mpi4py
+
+    major = re.match(r"\d+", str(getattr(mpi4py, "__version__", "")))
+    if major is None or int(major.group()) < 4:
+        return False
     try:
         return hasattr(ctypes.CDLL(_mpi().__file__), "MPI_Allgatherv_c")
     except OSError:  # pragma: no cover
