@@ -137,7 +137,8 @@ class Engine:
         self.comm = comm
         self._alarm = alarm
         self._cond = threading.Condition()
-        self._queue: deque[tuple[SparseRequest, Callable[[], Any], Any]] = deque()
+        # (request, call, owner, the owner's measure() scopes open in the submitting thread)
+        self._queue: deque[tuple[SparseRequest, Callable[[], Any], Any, Any]] = deque()
         self._submitted = 0
         self._completed = 0
         self._closed = False
@@ -169,16 +170,19 @@ class Engine:
     # -- the user's side ------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any], label: str, owner: Any = None) -> SparseRequest:
         """Queue ``fn`` (it calls collectives; every rank submits the same calls in the same
-        order); its traffic is added to ``owner``'s stats (a Communicator) when it ends."""
+        order); its traffic is added to ``owner``'s stats (a Communicator) when it ends,
+        and to the ``owner.measure()`` scopes the calling thread has open now, if still open
+        then (not to another thread's: their calls moved none of it)."""
         self._check_process()
         watch = get_timeout()  # (a bad SPARSECOLL_TIMEOUT raises here, before anything is queued)
+        scopes = () if owner is None else tuple(owner._open_scopes())
         with self._cond:
             if self._closed:
                 raise RuntimeError("the progress engine of this communicator is shut down")
             self._submitted += 1
             self._calls += 1
             req = SparseRequest(self._calls, label)
-            self._queue.append((req, fn, owner))
+            self._queue.append((req, fn, owner, scopes))
             self._cond.notify_all()
         if self._watchdog is None and watch:
             self._start_watchdog()
@@ -286,7 +290,7 @@ class Engine:
                     self._ended = True
                     free, watchdog = self._free, self._watchdog
                     break
-                req, fn, owner = self._queue.popleft()
+                req, fn, owner, scopes = self._queue.popleft()
                 self._current, self._started = req, time.monotonic()
             before = self.comm.stats.copy()
             try:
@@ -294,7 +298,7 @@ class Engine:
             except BaseException as exc:  # the error belongs to the request
                 value, error = None, exc
             if owner is not None and owner is not self.comm:
-                owner._add_stats(self.comm.stats - before)
+                owner._add_stats(self.comm.stats - before, scopes)
             with self._cond:
                 self._current = None
                 self._ended_call(req)
@@ -305,7 +309,7 @@ class Engine:
                 self._cond.notify_all()
             # the thread waits for the next call with nothing of this one: its result (a
             # dense update) and its arguments (a gradient) were kept alive until then
-            del req, fn, owner, value, error
+            del req, fn, owner, scopes, value, error
         if free:  # every rank frees the user's communicator, so every rank gets here
             if watchdog is not None:
                 watchdog.join()  # it stops once _ended is set

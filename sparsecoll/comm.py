@@ -51,6 +51,7 @@ import functools
 import math
 import os
 import pickle
+import re
 import sys
 import threading
 import time
@@ -136,6 +137,16 @@ class CommStats:
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
+
+
+class _Scope:
+    """One open :meth:`Communicator.measure` scope: what it has counted so far."""
+
+    __slots__ = ("open", "stats")
+
+    def __init__(self) -> None:
+        self.stats = CommStats()
+        self.open = True
 
 
 def _poll(test: Callable[[], Any]) -> Any:
@@ -265,8 +276,15 @@ def _query_cuda_aware(comm: Any = None) -> bool:
 
 @functools.cache
 def _large_counts() -> bool:
-    """Whether the MPI library has the MPI-4 large-count calls (MPICH 4+, not Open MPI
+    """Whether counts past :data:`COUNT_MAX` reach MPI's large-count calls: mpi4py 4 or
+    later (which routes them to the ``_c`` calls; mpi4py 3, which pyproject allows, has
+    only the int ones) and an MPI library that has those calls (MPICH 4+, not Open MPI
     5.0), looked up as :func:`_query_cuda_aware` looks up its extension."""
+    import mpi4py
+
+    major = re.match(r"\d+", str(getattr(mpi4py, "__version__", "")))
+    if major is None or int(major.group()) < 4:
+        return False
     try:
         return hasattr(ctypes.CDLL(_mpi().__file__), "MPI_Allgatherv_c")
     except OSError:  # pragma: no cover
@@ -518,8 +536,10 @@ class Communicator:
         self.mpi_comm = comm
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
-        self.stats = CommStats()
+        self.stats = CommStats()  # running totals: every call's traffic, requests' included
         self.last_stats = CommStats()  # what the last sparsecoll.allreduce moved
+        self._stats_lock = threading.Lock()  # (the progress thread adds its requests' traffic)
+        self._scopes = threading.local()  # each thread's open measure() scopes
         self._cuda_aware: bool | None = None
         self._engine: Any = None  # the progress engine, once found (see _attached_engine)
         self._lock: Any = None  # see serial()
@@ -636,18 +656,38 @@ class Communicator:
 
     # -- accounting ---------------------------------------------------------------------
     def reset_stats(self) -> None:
-        self.stats = CommStats()
+        with self._stats_lock:
+            self.stats = CommStats()
 
-    def _add_stats(self, delta: CommStats) -> None:
-        """Count traffic that ran elsewhere on this Communicator's behalf (its engine)."""
-        for f in dataclasses.fields(delta):
-            setattr(self.stats, f.name, getattr(self.stats, f.name) + getattr(delta, f.name))
+    def _count(self, **fields: int) -> None:
+        """Count traffic that the calling thread's call moved: in the running totals and in
+        the thread's open :meth:`measure` scopes on this Communicator."""
+        self._add_stats(CommStats(**fields), self._open_scopes())
+
+    def _add_stats(self, delta: CommStats, scopes: Sequence[_Scope] = ()) -> None:
+        """Add ``delta`` to the running totals, and to those of ``scopes`` still open (a
+        request's: the scopes of the thread that submitted it, open then; the progress
+        thread adds its traffic when it completes)."""
+        with self._stats_lock:
+            for into in (self.stats, *(s.stats for s in scopes if s.open)):
+                for f in dataclasses.fields(delta):
+                    setattr(into, f.name, getattr(into, f.name) + getattr(delta, f.name))
+
+    def _open_scopes(self) -> list[_Scope]:
+        """The calling thread's open :meth:`measure` scopes on this Communicator."""
+        scopes = getattr(self._scopes, "open", None)
+        if scopes is None:
+            scopes = self._scopes.open = []
+        return scopes
 
     def measure(self) -> contextlib.AbstractContextManager[CommStats]:
-        """Context manager yielding a CommStats filled with what ran inside it.
+        """Context manager yielding a CommStats filled with what the calling thread's calls
+        made inside it moved: its blocking calls, and its requests (submitted inside it)
+        that complete before it ends. Not the traffic of other threads' calls, nor of
+        requests submitted before it (a blocking call waits for those to complete first;
+        they are counted in ``stats`` only). Scopes nest: each counts what ran inside it.
 
-        On the progress thread it measures the engine's duplicate; elsewhere it does not
-        wait for pending requests (their traffic is counted when they complete).
+        On the progress thread it measures the engine's duplicate.
         """
         engine = self._attached_engine()
         if engine is not None and engine.is_worker_thread():
@@ -656,14 +696,15 @@ class Communicator:
 
     @contextlib.contextmanager
     def _measure(self) -> Iterator[CommStats]:
-        before = self.stats.copy()
-        out = CommStats()
+        scope = _Scope()
+        scopes = self._open_scopes()
+        scopes.append(scope)
         try:
-            yield out
+            yield scope.stats
         finally:
-            delta = self.stats - before
-            for f in dataclasses.fields(out):
-                setattr(out, f.name, getattr(delta, f.name))
+            with self._stats_lock:  # (a request completing now adds to it or not at all)
+                scope.open = False
+            scopes.remove(scope)
 
     def _log2(self) -> int:
         return math.ceil(math.log2(self.size)) if self.size > 1 else 0
@@ -826,13 +867,11 @@ class Communicator:
 
     def _count_send(self, buf: Any, dest: int) -> None:
         if dest != self.rank:
-            self.stats.bytes_sent += self._nbytes(buf)
-            self.stats.messages_sent += 1
+            self._count(bytes_sent=self._nbytes(buf), messages_sent=1)
 
     def _count_recv(self, buf: Any, source: int) -> None:
         if source != self.rank:
-            self.stats.bytes_recv += self._nbytes(buf)
-            self.stats.messages_recv += 1
+            self._count(bytes_recv=self._nbytes(buf), messages_recv=1)
 
     # -- payload collectives ------------------------------------------------------------
     @_routed
@@ -887,10 +926,8 @@ class Communicator:
                 self._complete("Bcast", [piece, MPI.BYTE], root)
 
     def _count_allgatherv(self, others: int) -> None:
-        self.stats.bytes_sent += others
-        self.stats.bytes_recv += others
-        self.stats.messages_sent += self._log2()
-        self.stats.messages_recv += self._log2()
+        log2 = self._log2()
+        self._count(bytes_sent=others, bytes_recv=others, messages_sent=log2, messages_recv=log2)
 
     @_routed
     def alltoallv(self, sendbuf: Any, sendcounts: Sequence[int]) -> tuple[Any, list[int]]:
@@ -955,10 +992,12 @@ class Communicator:
 
     def _count_alltoallv(self, sb: list[int], rb: list[int]) -> None:
         me = self.rank
-        self.stats.bytes_sent += sum(sb) - sb[me]
-        self.stats.bytes_recv += sum(rb) - rb[me]
-        self.stats.messages_sent += sum(1 for j, c in enumerate(sb) if c and j != me)
-        self.stats.messages_recv += sum(1 for j, c in enumerate(rb) if c and j != me)
+        self._count(
+            bytes_sent=sum(sb) - sb[me],
+            bytes_recv=sum(rb) - rb[me],
+            messages_sent=sum(1 for j, c in enumerate(sb) if c and j != me),
+            messages_recv=sum(1 for j, c in enumerate(rb) if c and j != me),
+        )
 
     @_routed
     def allreduce(
@@ -1059,16 +1098,13 @@ class Communicator:
 
     def _count_allreduce(self, nbytes: int) -> None:
         moved = 2 * (self.size - 1) * nbytes // self.size
-        self.stats.bytes_sent += moved
-        self.stats.bytes_recv += moved
-        self.stats.messages_sent += 2 * self._log2()
-        self.stats.messages_recv += 2 * self._log2()
+        rounds = 2 * self._log2()
+        self._count(bytes_sent=moved, bytes_recv=moved, messages_sent=rounds, messages_recv=rounds)
 
     # -- metadata (small, host) -----------------------------------------------------------
     def _meta(self, nbytes: int, messages: int) -> None:
         if self.size > 1:
-            self.stats.meta_bytes_sent += nbytes
-            self.stats.meta_messages_sent += messages
+            self._count(meta_bytes_sent=nbytes, meta_messages_sent=messages)
 
     @_routed
     def allreduce_ints(self, values: Sequence[int] | np.ndarray, op: str = "sum") -> np.ndarray:

@@ -93,6 +93,32 @@ def test_polling_wait_schedule(monkeypatch):
     assert C._poll(lambda: 7) == 7  # done at once: no sleep
 
 
+@pytest.mark.parametrize("version", ["3.1.6", "3.2.0.dev0", "4.0.0", "4.1.2", "10.0", "?"])
+@pytest.mark.parametrize("library", [True, False])
+def test_large_counts_need_mpi4py_4_and_the_library(monkeypatch, version, library):
+    """Counts past COUNT_MAX go in one call only when mpi4py >= 4 (which routes them to
+    MPI's ``_c`` calls) and the MPI library has those calls; mpi4py 3 (pyproject allows
+    >= 3.1) got no split when the library had them."""
+    import ctypes
+    import types
+
+    import mpi4py
+    from mpi4py import MPI  # noqa: F401  (loaded first: loading looks the library up with CDLL)
+
+    from sparsecoll import comm as C
+
+    calls = {"MPI_Allgatherv_c": ctypes.pythonapi} if library else {}
+    monkeypatch.setattr(mpi4py, "__version__", version)
+    monkeypatch.setattr(C.ctypes, "CDLL", lambda *a, **k: types.SimpleNamespace(**calls))
+    C._large_counts.cache_clear()
+    try:
+        got = C._large_counts()
+    finally:
+        monkeypatch.undo()
+        C._large_counts.cache_clear()  # (the real answer, for later tests)
+    assert got == (library and version[0].isdigit() and int(version.split(".")[0]) >= 4)
+
+
 @pytest.mark.parametrize("algorithm", ["allgather", "gtopk", "oktopk"])
 def test_fewer_nonzeros_than_k_needs_no_exact_topk(self_comm, monkeypatch, algorithm):
     """A gradient with fewer than k nonzeros (an embedding's: a few rows per step) sends all

@@ -24,10 +24,10 @@ N = 3000
 K = 60
 
 
-def _input(rank: int, seed: int):
+def _input(rank: int, seed: int, k: int = K):
     rng = np.random.default_rng([seed, rank])
-    idx = rng.integers(0, N, K).astype(np.int64)
-    return rng.standard_normal(K).astype(np.float32), idx
+    idx = rng.integers(0, N, k).astype(np.int64)
+    return rng.standard_normal(k).astype(np.float32), idx
 
 
 def _opts(name: str) -> dict:
@@ -488,3 +488,126 @@ def test_the_progress_thread_keeps_nothing_of_a_completed_call(comm):
             break
         time.sleep(0.01)
     assert [r() is None for r in refs] == [True, True], "still alive after the call"
+
+
+def _blocking_call(kind: str, c):
+    """A blocking call of ``kind`` on ``c`` (what came before it, such as the hook's dense
+    warm-up iteration before its sparse one, done here): returns a function that makes it
+    and returns the stats it reports."""
+    rng = np.random.default_rng([11, c.rank])
+    if kind == "allreduce":
+        vals, idx = _input(c.rank, 8)
+
+        def call():  # (dsa measures its phases inside allreduce's measure)
+            info = sparsecoll.allreduce(c, vals, idx, n=N, algorithm="dsa").info
+            phases = {k: v.as_dict() for k, v in info["phases"].items()}
+            return {"info": info["stats"], "last_stats": c.last_stats, "phases": phases}
+
+        return call
+    if kind == "step":
+        red = GradientReducer(c, N, "allgather", density=0.02)
+        grad = rng.standard_normal(N).astype(np.float32)
+
+        def step():
+            red.step(grad)
+            return {k: v for k, v in red.stats().items() if "bytes" in k}
+
+        return step
+    torch = pytest.importorskip("torch")
+    from sparsecoll.integrations.torch import SparseHookState, sparse_allreduce_hook
+
+    state = SparseHookState(c, "allgather", density=0.02)
+    grads = [torch.from_numpy(rng.standard_normal(N).astype(np.float32)) for _ in range(2)]
+
+    def hook(grad):
+        sparse_allreduce_hook(state, _Bucket(grad)).wait()
+        return {k: v for k, v in state.stats().items() if "bytes" in k}
+
+    if kind == "hook step":
+        hook(grads[0])  # the dense warm-up iteration: the next one steps its reducer
+    return lambda: hook(grads[1])
+
+
+class _Bucket:
+    """A stand-in for DDP's only bucket."""
+
+    def __init__(self, buf):
+        self.buf = buf
+
+    def buffer(self):
+        return self.buf
+
+    def index(self):
+        return 0
+
+    def is_last(self):
+        return True
+
+    def parameters(self):
+        return [self.buf]
+
+
+@contextlib.contextmanager
+def _request_inside_measure(c, submit):
+    """Make a request of another thread complete inside ``c``'s next measure() scope, as
+    it may by chance: the scope opens, the thread calls ``submit(c)`` (which submits a
+    request), and only then does the scope's first call run (which first waits for the
+    pending request). Yields a dict that gets the request's result."""
+    inside, submitted = threading.Event(), threading.Event()
+    measure = c.measure
+
+    @contextlib.contextmanager
+    def first_measure():
+        del c.measure  # (the scopes nested in it measure as ever)
+        with measure() as st:
+            inside.set()
+            submitted.wait(120)
+            yield st
+
+    def other():
+        if inside.wait(120):
+            req = submit(c)
+            submitted.set()
+            got["value"] = req.wait(120)
+
+    got: dict = {}
+    c.measure = first_measure
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    try:
+        yield got
+    finally:
+        inside.set()
+        thread.join(120)
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "step", "hook warm-up", "hook step"])
+def test_stats_leave_out_another_threads_request(comm, kind):
+    """A blocking call's stats count its own traffic only, not that of a request another
+    thread submitted meanwhile (which its first call waits for): the allreduce's
+    info["stats"] and last_stats (and dsa's phases), GradientReducer.stats() and
+    SparseHookState.stats() read the sum of both. The
+    Communicator's totals count both, the request's own info["stats"] its own."""
+    big = _input(comm.rank, 9, 10 * K)  # (a request moving more bytes)
+
+    def submit(c):
+        return sparsecoll.iallreduce(c, *big, n=N)
+
+    alone = sparsecoll.Communicator(comm.mpi_comm)
+    call = _blocking_call(kind, alone)
+    before = alone.stats.copy()
+    want = call()
+    want_request = submit(alone).wait(120).info["stats"]
+    want_total = alone.stats - before
+
+    c = sparsecoll.Communicator(comm.mpi_comm)
+    call = _blocking_call(kind, c)
+    before = c.stats.copy()
+    with _request_inside_measure(c, submit) as request:
+        got = call()
+    assert_all(comm, "value" in request, "the request did not complete")
+    got_request = request["value"].info["stats"]
+    assert_all(comm, got == want, f"{kind}: {got} != {want} (alone)")
+    assert_all(comm, got_request == want_request, f"{got_request} != {want_request}")
+    total = c.stats - before
+    assert_all(comm, total == want_total, f"the totals count {total}, not {want_total}")
