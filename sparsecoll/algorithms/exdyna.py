@@ -686,7 +686,7 @@ class ExDyna(Algorithm):
         pos = np.minimum(np.searchsorted(refi, ri), max(refi.shape[0] - 1, 0))
         hit = refi[pos] == ri if refi.shape[0] else np.zeros(ri.shape[0], bool)
         want = np.where(hit, refv[pos] if refi.shape[0] else 0, 0).astype(reference.dtype)
-        return allclose_sparse(result, SparseVector(ri, want, result.n))
+        return allclose_sparse(result, SparseVector(ri, want, result.n), inputs)
 
     def __repr__(self) -> str:
         return f"<sparsecoll algorithm 'exdyna' k={self.k} rule={self.rule!r}>"

@@ -605,8 +605,7 @@ class OkTopk(Algorithm):
         if ri.shape[0] and not np.all(isin_sorted(ri, fi)):
             return False
         at = np.searchsorted(fi, ri)
-        scale = float(np.abs(fv).max(initial=0.0))
-        if not allclose_sparse(result, SparseVector(ri, fv[at], reference.n), scale):
+        if not allclose_sparse(result, SparseVector(ri, fv[at], reference.n), inputs):
             return False
         if not result.info.get("recomputed"):
             return True
