@@ -3,6 +3,9 @@ run through ``verify_all`` (in-process, one rank, with the inputs of several ran
 
 from __future__ import annotations
 
+import csv
+import io
+
 import numpy as np
 import pytest
 
@@ -65,3 +68,41 @@ def test_one_small_term_missing_fails(comm):
     wrong.values[1] = 0.5  # b's 0.25 lost at index 5
     assert verify_all(comm, "allgather", reference, reference, [a, b], n, 0)
     assert not verify_all(comm, "allgather", wrong, reference, [a, b], n, 0)
+
+
+@pytest.fixture
+def doubled_dense(monkeypatch):
+    """The dense baseline made wrong: its sum doubled."""
+    from sparsecoll.algorithms.dense import Dense
+
+    reduce = Dense.reduce
+
+    def wrong(self, comm, x):
+        out = reduce(self, comm, x)
+        return SparseVector(out.indices, out.values * 2, out.n)
+
+    monkeypatch.setattr(Dense, "reduce", wrong)
+
+
+def test_a_wrong_dense_baseline_fails_the_main_bench(doubled_dense, capsys):
+    """The reference is the inputs' sum, not dense's result: before, dense was checked
+    against itself ('sum ok') and the correct algorithms failed against it."""
+    from sparsecoll.benchmarks import main
+
+    rc = main.main(["-m", "2048", "--algorithm", "allgather,dsa", "-i", "1", "-x", "0"])
+    rows = {line.split()[0]: line.split()[2] for line in capsys.readouterr().out.splitlines()}
+    assert rc == 1
+    assert (rows["dense"], rows["allgather"], rows["dsa"]) == ("FAIL", "ok", "ok")
+
+
+def test_a_wrong_dense_baseline_fails_the_osu_bench(doubled_dense, capsys):
+    from sparsecoll.benchmarks import osu
+
+    argv = ["-m", "2048", "--algorithm", "dense,allgather", "-c", "-q", "--format", "csv"]
+    argv += ["-i", "1", "-x", "0"]
+    rc = osu.main(argv)
+    rows = {
+        r["algorithm"]: r["valid"] for r in csv.DictReader(io.StringIO(capsys.readouterr().out))
+    }
+    assert rc == 1
+    assert rows == {"dense": "no", "allgather": "yes"}
