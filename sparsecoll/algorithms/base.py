@@ -24,10 +24,13 @@ from ..sparse import SparseVector, coalesce
 __all__ = [
     "Algorithm",
     "Fold",
+    "allclose_sparse",
     "dense_of",
+    "input_mass",
     "pack_pairs",
     "range_bounds",
     "recv_pairs",
+    "reference_sum",
     "sparse_is_cheaper",
     "unpack_pairs",
 ]
@@ -91,8 +94,10 @@ class Algorithm(ABC):
         self, result: SparseVector, reference: SparseVector, inputs: list[SparseVector]
     ) -> bool:
         """Whether ``result`` meets this algorithm's contract, given the exact ``reference``
-        sum and every rank's coalesced ``inputs`` (used by benchmarks and tests)."""
-        return allclose_sparse(result, reference)
+        sum (:func:`reference_sum`) and every rank's coalesced ``inputs`` (used by
+        benchmarks and tests). Exact algorithms: the reference sum at every index, within
+        the rounding :func:`allclose_sparse` allows index by index."""
+        return allclose_sparse(result, reference, inputs)
 
     def __repr__(self) -> str:
         return f"<sparsecoll algorithm {self.name!r}>"
@@ -104,21 +109,62 @@ def dense_of(x: SparseVector) -> Any:
     return x.to_dense() if dense is None else dense
 
 
-def allclose_sparse(a: SparseVector, b: SparseVector, scale: float | None = None) -> bool:
-    """Whether two sparse vectors are equal as dense vectors, within the dtype's tolerance."""
+def _dense_on(union: np.ndarray, indices: Any, values: Any) -> np.ndarray:
+    """``values`` (float64) placed at ``indices`` among the ascending ``union``, 0 elsewhere."""
+    out = np.zeros(union.shape[0])
+    out[np.searchsorted(union, np.asarray(to_host(indices)).astype(np.int64))] = np.asarray(
+        to_host(values), dtype=np.float64
+    )
+    return out
+
+
+def input_mass(inputs: list[SparseVector], at: np.ndarray) -> np.ndarray:
+    """Σ_r |x_r[i]| over every rank's coalesced input, in float64, at each index of the
+    ascending int64 array ``at``: what bounds the rounding of any sum of them at ``i``."""
+    mass = np.zeros(at.shape[0])
+    for x in inputs:
+        xi = np.asarray(to_host(x.indices)).astype(np.int64)
+        pos = np.minimum(np.searchsorted(at, xi), max(at.shape[0] - 1, 0))
+        hit = at[pos] == xi if at.shape[0] else np.zeros(xi.shape[0], bool)
+        np.add.at(mass, pos[hit], np.abs(np.asarray(to_host(x.values), np.float64)[hit]))
+    return mass
+
+
+def reference_sum(inputs: list[SparseVector]) -> SparseVector:
+    """The exact sum of every rank's input, built apart from any algorithm: summed in
+    float64 (exact for the benchmarks' few terms of at most float32 precision, and within
+    float64 rounding otherwise) and rounded once to the inputs' dtype. Every index held by
+    some input is present (a sum that cancels is an explicit 0)."""
+    n, dtype = inputs[0].n, inputs[0].values.dtype
+    idx = [np.asarray(to_host(x.indices)).astype(np.int64) for x in inputs]
+    union, inverse = np.unique(np.concatenate(idx), return_inverse=True)
+    vals = np.concatenate([np.asarray(to_host(x.values), np.float64) for x in inputs])
+    sums = np.bincount(inverse, weights=vals, minlength=union.shape[0])
+    return SparseVector(union.astype(index_dtype(n)), sums.astype(dtype), n)
+
+
+def allclose_sparse(a: SparseVector, b: SparseVector, inputs: list[SparseVector]) -> bool:
+    """Whether ``a`` and ``b``, two ways of summing ``inputs`` (P of them) at the same
+    indices, are equal as dense vectors up to the rounding a sum may do, index by index:
+    ``|a[i] - b[i]| <= P·eps·Σ_r |x_r[i]|`` (plus P of the dtype's smallest subnormals).
+
+    Summing P terms in any order, each partial sum rounded in the dtype (the multi-hop
+    algorithms round in float16 on float16 input), is within (P - 1)·u·Σ|x_r[i]| of the
+    exact sum (u = eps/2), and a reference rounded once within u·|sum|: P·eps is twice
+    their total. Equal values (infinities included) always match. The bound is per index:
+    an entry is never excused by the size of others (a result missing a small term fails).
+    """
     if a.n != b.n:
         return False
-    ia, va = to_host(a.indices), np.asarray(to_host(a.values), dtype=np.float64)
-    ib, vb = to_host(b.indices), np.asarray(to_host(b.values), dtype=np.float64)
+    ia = np.asarray(to_host(a.indices)).astype(np.int64)
+    ib = np.asarray(to_host(b.indices)).astype(np.int64)
     union = np.union1d(ia, ib)
-    da = np.zeros(union.shape[0])
-    db = np.zeros(union.shape[0])
-    da[np.searchsorted(union, ia)] = va
-    db[np.searchsorted(union, ib)] = vb
-    eps = float(np.finfo(a.values.dtype).eps)
-    if scale is None:
-        scale = float(np.max(np.abs(db), initial=0.0))
-    return bool(np.all(np.abs(da - db) <= 64 * eps * (np.abs(db) + scale) + 1e-300))
+    da, db = _dense_on(union, ia, a.values), _dense_on(union, ib, b.values)
+    finfo = np.finfo(a.values.dtype)
+    p = max(len(inputs), 1)
+    tol = p * float(finfo.eps) * input_mass(inputs, union) + p * float(finfo.smallest_subnormal)
+    with np.errstate(invalid="ignore"):
+        return bool(np.all((da == db) | (np.abs(da - db) <= tol)))
 
 
 # -- shared building blocks --------------------------------------------------------------

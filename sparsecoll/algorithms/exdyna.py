@@ -47,7 +47,9 @@ indices (all of them reach the result: every rank's residual drops all K entries
 ``result.info`` has ``threshold``, ``counts`` (per partition), ``selected`` (this rank's
 count), ``rederived`` and ``bucket`` (``(lo, hi, start)`` when the call cut a tie: every
 |value| >= hi and, of those in ``[lo, hi)`` in index order, the run from position start,
-wrapping around, that completes k; else None).
+wrapping around, that completes k; else None), ``owners`` (the rank that selected each
+partition, partitions in index order) and ``ranges`` (each partition's index range
+``(lo, hi)`` on this call).
 """
 
 from __future__ import annotations
@@ -466,15 +468,18 @@ class ExDyna(Algorithm):
         self, comm, n, part, to_index, values_at, dtype, xp, found=None, mean=False
     ) -> SparseVector:
         p = comm.size
+        owner = self._owners()
+        # this call's partitions, in index order: who selects from each, and its range
+        layout = dict(owners=owner, ranges=[self.owned_range(r) for r in owner])
         if self.k == 0 or n == 0:
             self.step += 1
             out = SparseVector.empty(n, dtype, xp)
             out.info.update(
                 threshold=math.inf, counts=[0] * p, selected=0, rederived=False, bucket=None
             )
+            out.info.update(layout)
             return out
         mine, counts, used, rederived, cut = self._select(comm, n, part, to_index, found)
-        owner = self._owners()
         if p == 1:  # the gather and the sum are identities: no copies of the k entries
             idx, sums = mine, values_at(mine)
         else:
@@ -497,6 +502,7 @@ class ExDyna(Algorithm):
             selected=int(mine.shape[0]),
             rederived=rederived,
             bucket=None if cut is None else (cut.lo, cut.hi, cut.start),
+            **layout,
         )
         return out
 
@@ -677,16 +683,41 @@ class ExDyna(Algorithm):
     def verify(
         self, result: SparseVector, reference: SparseVector, inputs: list[SparseVector]
     ) -> bool:
-        """Sorted unique indices, and at each the exact sum of every rank's input."""
-        ri = np.asarray(to_host(result.indices))
-        if ri.shape[0] > 1 and np.any(np.diff(ri.astype(np.int64)) <= 0):
+        """Sorted unique indices, at each the exact sum of every rank's input, and in each
+        partition of the call (``info["ranges"]``, selected by ``info["owners"]``) the
+        owner's selection: ``info["counts"]`` entries, every index where its input has
+        |value| >= the threshold and no other (with a cut through a bucket
+        ``(lo, hi, start)``: every |value| >= hi, none below lo, exactly k in all)."""
+        ri = np.asarray(to_host(result.indices)).astype(np.int64)
+        if ri.shape[0] > 1 and np.any(np.diff(ri) <= 0):
             return False
         refi = np.asarray(to_host(reference.indices))
         refv = np.asarray(to_host(reference.values))
         pos = np.minimum(np.searchsorted(refi, ri), max(refi.shape[0] - 1, 0))
         hit = refi[pos] == ri if refi.shape[0] else np.zeros(ri.shape[0], bool)
         want = np.where(hit, refv[pos] if refi.shape[0] else 0, 0).astype(reference.dtype)
-        return allclose_sparse(result, SparseVector(ri, want, result.n))
+        if not allclose_sparse(result, SparseVector(ri, want, result.n), inputs):
+            return False
+        info = result.info
+        bucket = info.get("bucket")
+        low, high = (bucket[0], bucket[1]) if bucket else (info["threshold"],) * 2
+        if bucket and ri.shape[0] != self.k:
+            return False
+        seen = 0
+        for owner, (lo, hi), count in zip(info["owners"], info["ranges"], info["counts"]):
+            x = inputs[owner]
+            xi = np.asarray(to_host(x.indices)).astype(np.int64)
+            mag = np.abs(np.asarray(to_host(x.values), np.float64))
+            inside = (xi >= lo) & (xi < hi)
+            got = ri[(ri >= lo) & (ri < hi)]
+            must = xi[inside & (mag >= high)]
+            may = xi[inside & (mag >= low) & (mag > 0)]
+            if got.shape[0] != count or not np.all(np.isin(must, got)):
+                return False
+            if not np.all(np.isin(got, may)):
+                return False
+            seen += got.shape[0]
+        return seen == ri.shape[0]
 
     def __repr__(self) -> str:
         return f"<sparsecoll algorithm 'exdyna' k={self.k} rule={self.rule!r}>"

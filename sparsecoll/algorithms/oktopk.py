@@ -100,6 +100,7 @@ from ._window import bracket_edge, bucket_shares, bucket_start, edge_totals, win
 from .base import (
     Algorithm,
     allclose_sparse,
+    input_mass,
     pack_pairs,
     range_bounds,
     region_cuts,
@@ -597,23 +598,36 @@ class OkTopk(Algorithm):
     def verify(
         self, result: SparseVector, reference: SparseVector, inputs: list[SparseVector]
     ) -> bool:
-        """Kept values equal the reference there; on a recompute call, the kept set is the
-        top-k of the reference (up to rounding at near-ties)."""
+        """Kept values equal the reference there, none of them 0, and the kept set is the
+        call's: on a recompute call the top-k of the reference (up to rounding at
+        near-ties); on a window call (``info["window"] = (lo, hi)``) exactly k, every
+        |sum| >= hi and none below lo; on a ``rule="paper"`` reuse call every |sum| >= the
+        threshold in force and none below it. A sum not kept is compared with the reference,
+        which may differ from the owner's sum by rounding: within that, it is let pass."""
         ri = np.asarray(to_host(result.indices)).astype(np.int64)
         fi = np.asarray(to_host(reference.indices)).astype(np.int64)
         fv = np.asarray(to_host(reference.values)).astype(np.float64)
         if ri.shape[0] and not np.all(isin_sorted(ri, fi)):
             return False
         at = np.searchsorted(fi, ri)
-        scale = float(np.abs(fv).max(initial=0.0))
-        if not allclose_sparse(result, SparseVector(ri, fv[at], reference.n), scale):
+        if not allclose_sparse(result, SparseVector(ri, fv[at], reference.n), inputs):
             return False
-        if not result.info.get("recomputed"):
-            return True
-        if ri.shape[0] != topk_positions(fv, self.k).shape[0]:
+        kept = np.abs(np.asarray(to_host(result.values), np.float64))
+        if np.any(kept == 0):
             return False
         dropped = np.ones(fi.shape[0], dtype=bool)
         dropped[at] = False
+        info = result.info
+        if not info.get("recomputed"):
+            window = info.get("window")
+            low, high = window if window is not None else (info["threshold"],) * 2
+            if window is not None and ri.shape[0] != self.k:
+                return False
+            eps = float(np.finfo(result.values.dtype).eps)
+            slack = len(inputs) * eps * input_mass(inputs, fi[dropped])
+            return bool(np.all(kept >= low) and np.all(np.abs(fv[dropped]) < high + slack))
+        if ri.shape[0] != topk_positions(fv, self.k).shape[0]:
+            return False
         worst_dropped = np.abs(fv[dropped]).max(initial=0.0)
         least_kept = np.abs(fv[at]).min(initial=np.inf)
         eps = float(np.finfo(result.values.dtype).eps)

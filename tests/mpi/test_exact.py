@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given
 
 import sparsecoll
+from sparsecoll.algorithms.base import reference_sum
 from sparsecoll.registry import algorithm_class
+from sparsecoll.sparse import coalesce
 
 from .cases import KINDS, assert_all, assert_identical, cases, digest, local_input, mismatch
 
@@ -32,6 +34,28 @@ def test_equals_dense_sum(comm, name, case):
     # the input arrays are not modified
     vals2, idx2 = local_input(case, comm.rank, comm.size)
     assert_all(comm, (vals2 == vals).all() and (idx2 == idx).all(), "input modified")
+
+
+def spread_input(case, rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``local_input`` with magnitudes spread over 2^-12 .. 2^8 (float16's whole precision
+    in play: large terms round the small ones away in partial sums, then cancel)."""
+    vals, idx = local_input(case, rank, size)
+    rng = np.random.default_rng([case.seed, rank, 7])
+    scale = np.exp2(rng.integers(-12, 9, size=vals.shape[0]))
+    return (vals.astype(np.float64) * scale).astype(vals.dtype), idx
+
+
+@pytest.mark.parametrize("name", EXACT)
+@given(case=cases(kinds=("random", "same", "repeated", "skewed", "one_dense"), max_n=100_000))
+def test_verify_accepts_exact_results(comm, name, case):
+    """What the benchmarks check (``verify`` against :func:`reference_sum`, the tolerance
+    per index from the inputs) passes every exact algorithm, on inputs whose partial sums
+    round the most (float16 multi-hop sums in dsa, recursive_doubling)."""
+    inputs = [coalesce(*spread_input(case, r, comm.size)[::-1], case.n) for r in range(comm.size)]
+    vals, idx = spread_input(case, comm.rank, comm.size)
+    out = sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=case.n, algorithm=name)
+    ok = algorithm_class(name)().verify(out, reference_sum(inputs), inputs)
+    assert_all(comm, ok, f"{name}: verify refused an exact result ({case})")
 
 
 @pytest.mark.parametrize("layout", ["strided", "readonly"])

@@ -16,8 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import sparsecoll
-from sparsecoll.algorithms.base import range_bounds
+from sparsecoll.algorithms.base import range_bounds, reference_sum
 from sparsecoll.algorithms.gtopk import gtopk_tree
+from sparsecoll.benchmarks.main import gather_inputs
 from sparsecoll.benchmarks.problems import make_problem
 
 from .cases import Case, assert_all, cases, digest, mismatch
@@ -463,3 +464,33 @@ def test_oktopk_state_mismatch_raises_everywhere(comm):
             sparsecoll.allreduce(
                 comm.mpi_comm, x.values, x.indices, n=50, algorithm="oktopk", k=5, **option
             )
+
+
+@pytest.mark.parametrize(
+    ("name", "opts"),
+    [("oktopk", {}), ("oktopk", {"rule": "paper"}), ("exdyna", {}), ("gtopk", {})],
+)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_verify_checks_the_selection_on_every_call(comm, name, opts, dtype):
+    """The benchmarks' contract check, on a reused instance (window, paper-rule and
+    exdyna calls, not only recomputes): every real result passes, and the same result
+    with nothing kept, or only its first entry, fails (before, oktopk's verify passed
+    any reuse call and exdyna's any sorted subset with exact sums)."""
+    n, density = 4096, 0.02
+    k = round(density * n)
+    algo = sparsecoll.get_algorithm(name, k=k, **opts)
+    check = sparsecoll.get_algorithm(name, k=k, **opts)
+    reused = 0  # oktopk calls that reused a threshold (window or paper rule)
+    for call in range(6):
+        vals, idx = make_problem(n, density, comm.rank, comm.size, "random", dtype, seed=call)
+        inputs = gather_inputs(comm, vals, idx, n)
+        reference = reference_sum(inputs)
+        out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=algo)
+        assert_all(comm, check.verify(out, reference, inputs), f"call {call}: {out.info}")
+        assert_all(comm, out.nnz > 1, f"call {call}: {out.nnz} kept")
+        reused += name == "oktopk" and not out.info["recomputed"]
+        for keep in (0, 1):
+            bad = sparsecoll.SparseVector(out.indices[:keep], out.values[:keep], n)
+            bad.info.update(out.info)
+            assert_all(comm, not check.verify(bad, reference, inputs), f"call {call} {keep}")
+    assert_all(comm, name != "oktopk" or reused >= 3, f"{reused} reuse calls")
