@@ -160,8 +160,7 @@ class GradientReducer:
         **options: Any,
     ) -> None:
         self.comm = Communicator.wrap(comm)
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"n must be a non-negative integer, got {n!r}")
+        n = integer("n", n, 0)
         if not isinstance(algorithm, str):
             raise TypeError(
                 f"algorithm must be a registered name, got {type(algorithm).__name__} (the"

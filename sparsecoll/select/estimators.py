@@ -120,9 +120,7 @@ class ThresholdEstimator(ABC):
         if (k is None) == (density is None):
             raise ValueError("give exactly one of k and density")
         if k is not None:
-            if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
-                raise ValueError(f"k must be a non-negative integer, got {k!r}")
-            k = int(k)
+            k = integer("k", k, 0)
         if density is not None:
             density = real("density", density)
             if not 0.0 <= density <= 1.0:
