@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import zlib
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -32,6 +33,7 @@ __all__ = [
     "recv_pairs",
     "reference_sum",
     "sparse_is_cheaper",
+    "state_crc",
     "unpack_pairs",
 ]
 
@@ -101,6 +103,16 @@ class Algorithm(ABC):
 
     def __repr__(self) -> str:
         return f"<sparsecoll algorithm {self.name!r}>"
+
+
+def state_crc(values: Any, bounds: Any = None) -> int:
+    """A CRC of ``values`` (their repr: options and the scalar state of earlier calls) and
+    of the int64 array ``bounds`` (partition bounds; None: none yet), for a stateful
+    algorithm's :meth:`Algorithm.signature`."""
+    crc = zlib.crc32(repr(values).encode())
+    if bounds is not None:
+        crc = zlib.crc32(np.ascontiguousarray(bounds, np.int64).tobytes(), crc)
+    return crc
 
 
 def dense_of(x: SparseVector) -> Any:

@@ -55,7 +55,6 @@ partition, partitions in index order) and ``ranges`` (each partition's index ran
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Any
 
 import numpy as np
@@ -76,7 +75,7 @@ from ._window import (
     pick_edge,
     window_edges,
 )
-from .base import Algorithm, allclose_sparse, range_bounds
+from .base import Algorithm, allclose_sparse, range_bounds, state_crc
 from .gtopk import check_k
 
 __all__ = ["WINDOW_OFFSETS", "ExDyna", "authors_rule", "rebalance"]
@@ -298,9 +297,7 @@ class ExDyna(Algorithm):
         # rank, not a rank raising alone or selecting from another partition (a hang)
         knobs = (self.rule, self.rebalance, self.tolerance)
         state = (self.n, self.size, self.block_size, self.threshold, self.growth, self.swing)
-        crc = zlib.crc32(repr((knobs, state, self.trend_calls)).encode())
-        if self.bounds is not None:
-            crc = zlib.crc32(np.ascontiguousarray(self.bounds, np.int64).tobytes(), crc)
+        crc = state_crc((knobs, state, self.trend_calls), self.bounds)
         return [self.k, self.blocks or 0, self.step & 0x7FFFFFFF, crc]
 
     # -- partitions -------------------------------------------------------------------------

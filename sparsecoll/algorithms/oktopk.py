@@ -85,7 +85,6 @@ value is in the result); the rest go back to the residual.
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Any
 
 import numpy as np
@@ -104,6 +103,7 @@ from .base import (
     pack_pairs,
     range_bounds,
     region_cuts,
+    state_crc,
     unpack_pairs,
 )  # fmt: skip
 from .gtopk import check_k, topk_positions
@@ -272,9 +272,7 @@ class OkTopk(Algorithm):
             self._repartition_due,
             self._trigger_rests,
         )
-        crc = zlib.crc32(repr((knobs, state)).encode())
-        if self.boundaries is not None:
-            crc = zlib.crc32(np.ascontiguousarray(self.boundaries, np.int64).tobytes(), crc)
+        crc = state_crc((knobs, state), self.boundaries)
         return [self.k, self.tau, self.tau_prime, crc, self.step]
 
     def next_threshold(self, threshold: float, kept: int) -> float:
