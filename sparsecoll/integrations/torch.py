@@ -134,14 +134,13 @@ class SparseHookState:
     """
 
     __slots__ = (
-        "_dense_stats",
         "_failed",
         "_failures",
         "_layouts",
+        "_outside_stats",
         "_pending",
         "_pending_layouts",
         "_pending_until",
-        "_retired_stats",
         "_stepped",
         "algorithm",
         "comm",
@@ -184,8 +183,9 @@ class SparseHookState:
         self._pending: dict[int, dict[str, Any]] = {}
         self._pending_layouts: dict[int, tuple[Any, ...]] = {}
         self._pending_until = 0
-        self._dense_stats = CommStats()
-        self._retired_stats = CommStats()  # reducers replaced when their bucket changed
+        # traffic that no current reducer counts: dense warm-ups, and reducers replaced
+        # when their bucket changed
+        self._outside_stats = CommStats()
         # (iteration, reducer) for each bucket that stepped, and the iterations in which a
         # bucket's reduction failed: an iteration that never reached its last bucket
         # leaves entries that a later iteration's end ignores
@@ -213,7 +213,7 @@ class SparseHookState:
                 RuntimeWarning,
                 stacklevel=3,
             )
-            _add_totals(self._retired_stats, red._totals)  # (its traffic stays counted)
+            _add_totals(self._outside_stats, red._totals)  # (its traffic stays counted)
             red = None
         if red is None:
             saved = self._pending.get(index)
@@ -242,9 +242,9 @@ class SparseHookState:
         """Iterations, bytes per rank (warm-up included) and densities over every bucket."""
         reds = list(self.reducers.values())
         each = [r.stats() for r in reds]  # (one call a reducer: each builds a dict)
-        gone = (self._dense_stats, self._retired_stats)  # (warm-up, replaced reducers)
-        sent = sum(g.bytes_sent for g in gone) + sum(s["bytes_sent_total"] for s in each)
-        recv = sum(g.bytes_recv for g in gone) + sum(s["bytes_recv_total"] for s in each)
+        outside = self._outside_stats
+        sent = outside.bytes_sent + sum(s["bytes_sent_total"] for s in each)
+        recv = outside.bytes_recv + sum(s["bytes_recv_total"] for s in each)
         n = sum(r.n for r in reds)
         last = sum(s["achieved_density"] * r.n for s, r in zip(each, reds))
         return {
@@ -283,7 +283,7 @@ class SparseHookState:
             red.reset()
         self._pending.clear()
         self._stepped, self._failed, self._failures = [], set(), []
-        self._dense_stats, self._retired_stats = CommStats(), CommStats()
+        self._outside_stats = CommStats()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore; each bucket's reducer is rebuilt when the bucket next comes by laid out
@@ -385,7 +385,7 @@ def _reduce_dense(state: SparseHookState, work: Any, error: BaseException | None
             # torch's memory: nothing orders torch's stream after them, so wait (as
             # GradientReducer.step does for a foreign out)
             synchronize()
-    _add_totals(state._dense_stats, st)
+    _add_totals(state._outside_stats, st)
 
 
 def _bucket_reducer(state: SparseHookState, bucket: Any) -> GradientReducer | None:
