@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import signal
 import subprocess
 import sys
 
@@ -54,7 +55,33 @@ def main(argv: list[str] | None = None) -> int:
     if under_mpi():
         return int(module.run(args) or 0)
     cmd = [*mpiexec_command(args.np), sys.executable, "-m", "sparsecoll", "bench"]
-    return subprocess.call(cmd + ([] if suite == "main" else [suite]) + rest)
+    return relaunch(cmd + ([] if suite == "main" else [suite]) + rest)
+
+
+def relaunch(cmd: list[str]) -> int:
+    """Run ``cmd`` (an mpiexec) to its end and return its exit status, as a shell reports it.
+
+    A signal that would end this process is passed on to mpiexec, which stops its ranks,
+    and mpiexec is waited for: SIGTERM and SIGHUP (``kill PID``, a closed terminal) used to
+    end this process alone, leaving mpiexec and every rank running the benchmark to its end,
+    and SIGINT (Ctrl-C, or ``kill -INT PID``) made ``subprocess.call`` SIGKILL mpiexec,
+    which then could not stop its ranks. A Ctrl-C typed in a terminal reaches mpiexec too;
+    the copy passed on counts as the second Ctrl-C that makes MPICH's mpiexec abort at once.
+    """
+    proc = subprocess.Popen(cmd)
+    forward = {signal.SIGTERM, signal.SIGHUP}
+    old = {sig: signal.signal(sig, lambda sig, _: proc.send_signal(sig)) for sig in forward}
+    try:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:
+                proc.send_signal(signal.SIGINT)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return code if code >= 0 else 128 - code  # killed by signal S: 128 + S, as a shell says
 
 
 if __name__ == "__main__":

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -181,3 +184,53 @@ def test_gpu_bench_takes_the_same_sizes(capsys) -> None:
         gpu.main(["select", "-m", "16X"])
     assert exc.value.code == 2
     assert "expecting a size like 4096, 64K or 16M, got '16X'" in capsys.readouterr().err
+
+
+def _fake_launcher(tmp_path, body: str):
+    """An executable ``mpiexec`` script (``--version``: MPICH's Hydra) running ``body``."""
+    fake = tmp_path / "mpiexec"
+    fake.write_text(
+        '#!/bin/bash\nif [ "$1" = --version ]; then echo "HYDRA"; exit 0; fi\n' + body + "\n"
+    )
+    fake.chmod(0o755)
+    return fake
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=str)
+def test_a_signal_to_bench_reaches_mpiexec(tmp_path, sig: signal.Signals) -> None:
+    """`kill PID` (or a closed terminal) used to end the relaunching process alone: mpiexec
+    and its ranks ran the benchmark on to its end; Ctrl-C SIGKILLed mpiexec, which then could
+    not stop its ranks. Now the signal is passed on and mpiexec waited for."""
+    fake = _fake_launcher(
+        tmp_path,
+        "".join(f"trap 'echo {s} > {tmp_path}/got; exit 99' {s}\n" for s in ("TERM", "HUP", "INT"))
+        + f"echo $$ > {tmp_path}/pid\nwhile true; do sleep 0.05; done",
+    )
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env.update(SPARSECOLL_MPIEXEC=str(fake), PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sparsecoll", "bench", "--np", "2", "-m", "4K"],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        # a shell's background job ignores SIGINT, and so would Python started from it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    pid_file = tmp_path / "pid"
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        if pid_file.exists():  # the fake mpiexec, when the signal did not stop it
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    got = tmp_path / "got"
+    assert got.exists(), f"mpiexec never got {sig.name} (bench exited {code})"
+    assert got.read_text().strip() == sig.name.removeprefix("SIG")
+    assert code == 99  # mpiexec's exit status, once it had stopped
