@@ -54,8 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     args = module.parse_args(rest)
     if under_mpi():
         return int(module.run(args) or 0)
-    cmd = [*mpiexec_command(args.np), sys.executable, "-m", "sparsecoll", "bench"]
-    return relaunch(cmd + ([] if suite == "main" else [suite]) + rest)
+    try:
+        cmd = [*mpiexec_command(args.np), sys.executable, "-m", "sparsecoll", "bench"]
+        return relaunch(cmd + ([] if suite == "main" else [suite]) + rest)
+    except (RuntimeError, OSError) as exc:  # no mpiexec, or one that cannot be started
+        print(f"python -m sparsecoll bench: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def relaunch(cmd: list[str]) -> int:

@@ -23,7 +23,10 @@ def find_mpiexec() -> str:
     """mpiexec next to the running interpreter first (the ``mpich`` wheel), then on PATH."""
     env = os.environ.get("SPARSECOLL_MPIEXEC")
     if env:
-        return env
+        found = shutil.which(env)  # a path, or a command's name to look up on PATH
+        if not found:
+            raise RuntimeError(f"SPARSECOLL_MPIEXEC={env!r} is not an executable file")
+        return found
     here = Path(sys.executable).parent / "mpiexec"
     if here.exists():
         return str(here)

@@ -234,3 +234,30 @@ def test_a_signal_to_bench_reaches_mpiexec(tmp_path, sig: signal.Signals) -> Non
     assert got.exists(), f"mpiexec never got {sig.name} (bench exited {code})"
     assert got.read_text().strip() == sig.name.removeprefix("SIG")
     assert code == 99  # mpiexec's exit status, once it had stopped
+
+
+@pytest.mark.parametrize("kind", ["missing", "not executable", "a directory", "blank"])
+def test_a_bad_mpiexec_is_named_without_a_traceback(tmp_path, kind: str) -> None:
+    """SPARSECOLL_MPIEXEC naming no executable used to end in a FileNotFoundError or
+    PermissionError traceback from subprocess."""
+    path = {"missing": tmp_path / "nosuch", "a directory": tmp_path, "blank": " "}
+    path["not executable"] = tmp_path / "mpiexec"
+    (tmp_path / "mpiexec").write_text("#!/bin/sh\necho launched\n")
+    proc = cli("bench", "-m", "4K", env={"SPARSECOLL_MPIEXEC": str(path[kind])})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    message = f"bench: error: SPARSECOLL_MPIEXEC={str(path[kind])!r} is not an executable file"
+    assert proc.stderr.strip().endswith(message), proc.stderr
+
+
+def test_no_mpiexec_anywhere_is_an_error_without_a_traceback(tmp_path, monkeypatch, capsys):
+    """Neither next to the interpreter nor on PATH: one line saying how to get one."""
+    from sparsecoll import __main__ as entry
+
+    for var in (*_LAUNCHER_VARS, "SPARSECOLL_MPIEXEC"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert entry.main(["bench", "-m", "4K"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m sparsecoll bench: error: mpiexec not found: pip install")
