@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from ._launch import mpiexec_command, under_mpi
+from ._launch import launcher_mismatch, mpiexec_command, under_mpi
 
 USAGE = """usage: python -m sparsecoll bench [SUITE] [--np P] [options]
        python -m sparsecoll algorithms
@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     # parse here, before relaunching: help and usage errors print once, not once per rank
     args = module.parse_args(rest)
     if under_mpi():
+        from .comm import Communicator, mpi_library_version
+
+        mismatch = launcher_mismatch(Communicator().size, mpi_library_version())
+        if mismatch:  # every process is a rank 0 of its own: each says so
+            print(f"python -m sparsecoll bench: error: {mismatch}", file=sys.stderr)
+            return 2
         return int(module.run(args) or 0)
     try:
         cmd = [*mpiexec_command(args.np), sys.executable, "-m", "sparsecoll", "bench"]

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["find_mpiexec", "mpiexec_command", "under_mpi"]
+__all__ = ["find_mpiexec", "launcher_mismatch", "mpiexec_command", "under_mpi"]
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 
@@ -17,6 +17,26 @@ _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LO
 def under_mpi() -> bool:
     """True when this process was started by an MPI launcher."""
     return any(v in os.environ for v in _MPI_ENV)
+
+
+def launcher_mismatch(world_size: int, library: str) -> str | None:
+    """Why the launcher cannot be this MPI's (None when it can be), from its environment.
+
+    A launcher of another MPI (Open MPI's mpiexec in front of an MPICH mpi4py, or the
+    reverse) starts P processes that each find no launcher of their own and run as a world
+    of one: P copies of the job, not one job of P ranks. ``world_size`` is what this MPI's
+    COMM_WORLD holds, ``library`` its version line (for the message).
+    """
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        started = os.environ.get(var, "")
+        if started.isdigit() and int(started) != world_size:
+            return (
+                f"the launcher started {started} processes ({var}={started}) but MPI "
+                f"({library}) sees {world_size} rank(s) in each: that mpiexec is another MPI's "
+                "than mpi4py's; use the mpiexec of mpi4py's MPI (SPARSECOLL_MPIEXEC) or "
+                "build mpi4py against the launcher's MPI"
+            )
+    return None
 
 
 def find_mpiexec() -> str:

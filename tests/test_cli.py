@@ -261,3 +261,20 @@ def test_no_mpiexec_anywhere_is_an_error_without_a_traceback(tmp_path, monkeypat
     assert entry.main(["bench", "-m", "4K"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m sparsecoll bench: error: mpiexec not found: pip install")
+
+
+def test_another_mpis_launcher_is_an_error_not_p_copies(tmp_path) -> None:
+    """Open MPI's mpiexec in front of an MPICH mpi4py (or the reverse) starts P processes
+    that each run as a world of one: bench used to print P tables of "P=1" and exit 0."""
+    fake = _fake_launcher(  # as Open MPI's would: each process told the world's size
+        tmp_path,
+        "n=$2; shift 2; for ((i = 0; i < n; i++)); do\n"
+        '  OMPI_COMM_WORLD_SIZE=$n OMPI_COMM_WORLD_RANK=$i "$@" & pids+=($!)\ndone\n'
+        'rc=0; for p in "${pids[@]}"; do wait $p || rc=$?; done; exit $rc',
+    )
+    args = ("bench", "--np", "2", "-m", "4K", "-i", "1", "-x", "0", "--algorithm", "allgather")
+    proc = cli(*args, env={"SPARSECOLL_MPIEXEC": str(fake)})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "# P=" not in proc.stdout
+    message = "the launcher started 2 processes (OMPI_COMM_WORLD_SIZE=2) but MPI"
+    assert proc.stderr.count(message) == 2, proc.stderr
