@@ -60,6 +60,9 @@ def test_bench_help_prints_once_and_shows_np(suite: list[str]) -> None:
     assert "K = 2**10" in proc.stdout
 
 
+SHORT = ("--np", "1", "-m", "1K", "-i", "1", "-x", "0")  # should a check let a run start
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -72,6 +75,9 @@ def test_bench_help_prints_once_and_shows_np(suite: list[str]) -> None:
         (["osu", "-n", "4"], "-n is ambiguous here"),
         (["osu", "--algorithm", "dense,nosuch"], "unknown algorithm 'nosuch'"),
         (["--algorithm", "oktop"], "unknown algorithm 'oktop' (did you mean 'oktopk'?)"),
+        # no name at all: osu printed nothing and exited 0; the main job ran dense alone
+        (["osu", "--algorithm", "", *SHORT], "expecting algorithm names or 'all', got --algo"),
+        (["--algorithm", " , ", *SHORT], "expecting algorithm names or 'all', got --algorithm"),
     ],
 )
 def test_usage_errors_print_once_before_any_launch(args: list[str], message: str) -> None:

@@ -92,6 +92,8 @@ def parse_algorithms(values: list[str] | None, known: list[str]) -> list[str]:
                     raise ValueError(f"unknown algorithm {add!r}{hint}; known: {', '.join(known)}")
                 if add not in names:
                     names.append(add)
+    if not names:  # osu would print nothing, the main job dense alone
+        raise ValueError(f"expecting algorithm names or 'all', got --algorithm {values[0]!r}")
     return names
 
 
