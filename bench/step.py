@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import csv
+import os
 import pstats
 import resource
 import sys
@@ -226,6 +227,15 @@ def print_profile(name: str, prof: cProfile.Profile, top: int, steps: int) -> No
         print(f"#   {own / steps * 1e3:8.2f} {total / steps * 1e3:8.2f} {calls:6d}  {where}")
 
 
+def writable(path: str) -> bool:
+    """Whether a file can be created (or overwritten) at ``path``: its folder exists and
+    takes new files, and the path, if present, is a writable file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(path):
+        return os.path.isfile(path) and os.access(path, os.W_OK)
+    return os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)
+
+
 def main(argv: list[str] | None = None) -> None:
     from sparsecoll import Communicator, __version__, select
     from sparsecoll.benchmarks.cli import add_timing_arguments, parse_size
@@ -267,6 +277,14 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     args.size = parse_size(args.size)
     comm = Communicator()
+    # an output that cannot be written fails now, on every rank, not after the whole run
+    unwritable = (
+        [f for f in (args.csv, args.plot) if f and not writable(f)] if not comm.rank else []
+    )
+    if comm.allreduce_ints([len(unwritable)], "max")[0]:
+        if not comm.rank:
+            print(f"{sys.argv[0]}: error: cannot write {unwritable[0]}", file=sys.stderr)
+        sys.exit(2)
     select.warmup(parallel=True)
     fresh = args.stream == "fresh" and not args.rows
     grads = gradients(

@@ -117,3 +117,16 @@ def test_pass_processes_benchmark_runs() -> None:
     assert rows[0][0] == "process" and [r[0] for r in rows[1:]] == ["0", "1"]
     assert all(float(x) > 0 for r in rows[1:] for x in r[1:])
     assert "of 2 processes slow" in proc.stdout.splitlines()[-1]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("option", ["--csv", "--plot"])
+def test_step_benchmark_refuses_an_output_it_cannot_write(tmp_path, option: str) -> None:
+    """An output in a missing folder used to fail after the whole run (a FileNotFoundError
+    traceback once every step had run): now every rank stops before the first step."""
+    out = tmp_path / "missing" / "out"
+    args = [str(ROOT / "bench" / "step.py"), "-m", "4K", "-i", "1", "-x", "0", option, str(out)]
+    proc = run_mpi(2, args, timeout=300, env={"SPARSECOLL_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    assert proc.stdout.count(f"error: cannot write {out}") == 1, proc.stdout[-4000:]
+    assert "algorithm" not in proc.stdout  # no table: no step ran
