@@ -193,12 +193,15 @@ class Engine:
         """Let the watchdog see a blocking call that the calling thread makes, where it runs
         (on the user's communicator: in order with this thread's other calls, on its CUDA
         stream), numbered among this engine's calls. A call inside a watched one counts
-        as part of it."""
+        as part of it. Its clock starts once the requests submitted before it have
+        completed (it waits for them first, as its communication would): each of those is
+        watched on its own, and their time is not the blocking call's."""
         self._check_process()
         me = threading.get_ident()
         if me in self._blocking:
             yield
             return
+        self.drain()
         with self._cond:
             self._calls += 1
             req = SparseRequest(self._calls, label)

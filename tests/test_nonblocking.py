@@ -101,6 +101,39 @@ def test_fork_after_the_progress_thread_started():
     assert out.count("parent: [2.0, 4.0]") == 2, out[-6000:]
 
 
+@pytest.mark.mpi
+def test_watchdog_times_a_blocking_call_from_when_the_requests_before_it_end():
+    """A blocking call made while requests are pending waits for them first; the watchdog
+    timed it from its start, that wait included: requests of a quarter of the timeout
+    each, twice the timeout in all, aborted the job in the blocking call after them."""
+    from .mpirun import run_mpi
+
+    env = {"SPARSECOLL_TIMEOUT": str(WATCHDOG_SECONDS)}
+    proc = run_mpi(2, [__file__, "queued"], timeout=120, env=env)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
+    assert "sparsecoll watchdog" not in out, out[-6000:]
+    assert out.count("blocking after the requests: [2.0, 4.0], 8 done") == 2, out[-6000:]
+
+
+def _queued() -> None:
+    import numpy as np
+
+    import sparsecoll
+
+    comm = sparsecoll.Communicator()
+    engine = comm.engine()
+    vals, idx = np.array([1.0, 2.0], np.float32), np.array([3, 4])
+    sparsecoll.set_timeout(None)  # the first call loads the kernels: not watched
+    sparsecoll.allreduce(comm, vals, idx, n=9)
+    sparsecoll.set_timeout(WATCHDOG_SECONDS)
+    # local calls (no MPI) that each take a quarter of the timeout
+    reqs = [engine.submit(lambda: time.sleep(WATCHDOG_SECONDS / 4), "sleep") for _ in range(8)]
+    out = sparsecoll.allreduce(comm, vals, idx, n=9).values.tolist()
+    done = sum(r.done() for r in reqs)
+    print(f"blocking after the requests: {out}, {done} done", flush=True)
+
+
 def _fork() -> None:
     import os
     import threading
@@ -269,7 +302,7 @@ def _low_level(level: str) -> None:
 
 if __name__ == "__main__":
     modes = {"pending": _pending, "skip": _skip, "skip_step": _skip_step, "raise": _raise}
-    modes.update(fork=_fork, finalize=_finalize)
+    modes.update(fork=_fork, finalize=_finalize, queued=_queued)
     if sys.argv[1] in ("single", "funneled", "serialized"):
         _low_level(sys.argv[1])
     else:
