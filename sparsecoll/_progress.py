@@ -81,7 +81,7 @@ class SparseRequest:
     ``done()`` say whether it has completed, without waiting.
     """
 
-    __slots__ = ("_error", "_event", "_value", "call", "label")
+    __slots__ = ("__weakref__", "_error", "_event", "_taken", "_value", "call", "label")
 
     def __init__(self, call: int, label: str) -> None:
         self.call = call  # 1-based position among the engine's calls
@@ -89,6 +89,7 @@ class SparseRequest:
         self._event = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None
+        self._taken = False  # a wait() has returned the result (see GradientReducer.step_async)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block (without spinning) until the call completes; return its result.
@@ -104,6 +105,7 @@ class SparseRequest:
             )
         if self._error is not None:
             raise self._error
+        self._taken = True
         return self._value
 
     result = wait
