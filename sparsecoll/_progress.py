@@ -81,7 +81,7 @@ class SparseRequest:
     ``done()`` say whether it has completed, without waiting.
     """
 
-    __slots__ = ("__weakref__", "_error", "_event", "_taken", "_value", "call", "label")
+    __slots__ = ("__weakref__", "_error", "_event", "_pid", "_taken", "_value", "call", "label")
 
     def __init__(self, call: int, label: str) -> None:
         self.call = call  # 1-based position among the engine's calls
@@ -90,6 +90,7 @@ class SparseRequest:
         self._value: Any = None
         self._error: BaseException | None = None
         self._taken = False  # a wait() has returned the result (see GradientReducer.step_async)
+        self._pid = os.getpid()  # (a child made by fork() would wait for ever)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block (without spinning) until the call completes; return its result.
@@ -98,7 +99,14 @@ class SparseRequest:
             TimeoutError: not complete within ``timeout`` seconds; the call goes on, and a
                 later ``wait()`` can still complete it.
             The call's own error (e.g. CollectiveInputError), on every rank alike.
+            RuntimeError: called in a child made by fork() while the call was pending in
+                the parent (no thread completes it there).
         """
+        if not self._event.is_set() and os.getpid() != self._pid:
+            raise RuntimeError(
+                f"{self.label} (call #{self.call}) was pending in process {self._pid} when "
+                f"process {os.getpid()} was forked from it: it completes in the parent only"
+            )
         if not self._event.wait(timeout):
             raise TimeoutError(
                 f"{self.label} (call #{self.call}) did not complete within {timeout} s"

@@ -88,7 +88,8 @@ def test_thread_level_is_checked(level):
 @pytest.mark.mpi
 def test_fork_after_the_progress_thread_started():
     """A child forked with a request pending: its calls raise instead of hanging (they
-    were queued to a thread the child does not have), and its exit handler, for an uncaught
+    were queued to a thread the child does not have; waiting for the parent's request hung
+    too), and its exit handler, for an uncaught
     exception, leaves the job alone (it called MPI_Abort, ending the parent's job)."""
     from .mpirun import run_mpi
 
@@ -97,6 +98,7 @@ def test_fork_after_the_progress_thread_started():
     assert proc.returncode == 0, out[-6000:]
     assert out.count("child: submit raised RuntimeError: process") == 2, out[-6000:]
     assert out.count("child: drain raised RuntimeError: process") == 2, out[-6000:]
+    assert out.count("child: wait raised RuntimeError: gate (call #1) was pending") == 2, out
     assert out.count("child: exit handler returned") == 2, out[-6000:]
     assert out.count("parent: [2.0, 4.0]") == 2, out[-6000:]
 
@@ -152,6 +154,7 @@ def _fork() -> None:
         for name, call in (
             ("submit", lambda: engine.submit(int, "local")),
             ("drain", engine.drain),
+            ("wait", pending.wait),
         ):
             try:
                 call()
