@@ -66,7 +66,8 @@ def get_timeout() -> float | None:
             set_timeout(float(env) if env else None)
         except ValueError:
             raise ValueError(
-                f"SPARSECOLL_TIMEOUT must be a number of seconds, got {env!r}"
+                f"SPARSECOLL_TIMEOUT must be a number of seconds >= 0 (0 or empty: off), "
+                f"got {env!r}"
             ) from None
         _timeout_read = True
     return _timeout

@@ -269,17 +269,20 @@ def test_a_completed_request_is_no_longer_pending(comm):
     assert not both, "the request was done while the engine still counted it pending"
 
 
-def test_bad_timeout_setting_queues_nothing(comm, monkeypatch):
-    """A SPARSECOLL_TIMEOUT that is not a number raises from submit before the call is
-    queued (it was queued, and ran, while the caller got the ValueError and no request)."""
+@pytest.mark.parametrize("setting", ["soon", "-1", "nan"])
+def test_bad_timeout_setting_queues_nothing(comm, monkeypatch, setting):
+    """A SPARSECOLL_TIMEOUT that is not a number >= 0 raises from submit before the call is
+    queued (it was queued, and ran, while the caller got the ValueError and no request);
+    the message says what is allowed (for "-1" it said "must be a number")."""
     from sparsecoll import _progress
 
     engine = comm.engine()
     ran = threading.Event()
     before = engine.pending(), engine._submitted
-    monkeypatch.setenv("SPARSECOLL_TIMEOUT", "soon")
+    monkeypatch.setenv("SPARSECOLL_TIMEOUT", setting)
     monkeypatch.setattr(_progress, "_timeout_read", False)
-    with pytest.raises(ValueError, match="SPARSECOLL_TIMEOUT must be a number"):
+    want = f"SPARSECOLL_TIMEOUT must be a number of seconds >= 0 .*, got '{setting}'"
+    with pytest.raises(ValueError, match=want):
         engine.submit(ran.set, "local")
     engine.drain()
     assert not ran.is_set(), "the call ran although submit raised"
