@@ -66,7 +66,8 @@ def get_timeout() -> float | None:
             set_timeout(float(env) if env else None)
         except ValueError:
             raise ValueError(
-                f"SPARSECOLL_TIMEOUT must be a number of seconds, got {env!r}"
+                f"SPARSECOLL_TIMEOUT must be a number of seconds >= 0 (0 or empty: off), "
+                f"got {env!r}"
             ) from None
         _timeout_read = True
     return _timeout
@@ -81,7 +82,7 @@ class SparseRequest:
     ``done()`` say whether it has completed, without waiting.
     """
 
-    __slots__ = ("_error", "_event", "_value", "call", "label")
+    __slots__ = ("__weakref__", "_error", "_event", "_pid", "_taken", "_value", "call", "label")
 
     def __init__(self, call: int, label: str) -> None:
         self.call = call  # 1-based position among the engine's calls
@@ -89,6 +90,8 @@ class SparseRequest:
         self._event = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None
+        self._taken = False  # a wait() has returned the result (see GradientReducer.step_async)
+        self._pid = os.getpid()  # (a child made by fork() would wait for ever)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block (without spinning) until the call completes; return its result.
@@ -97,13 +100,21 @@ class SparseRequest:
             TimeoutError: not complete within ``timeout`` seconds; the call goes on, and a
                 later ``wait()`` can still complete it.
             The call's own error (e.g. CollectiveInputError), on every rank alike.
+            RuntimeError: called in a child made by fork() while the call was pending in
+                the parent (no thread completes it there).
         """
+        if not self._event.is_set() and os.getpid() != self._pid:
+            raise RuntimeError(
+                f"{self.label} (call #{self.call}) was pending in process {self._pid} when "
+                f"process {os.getpid()} was forked from it: it completes in the parent only"
+            )
         if not self._event.wait(timeout):
             raise TimeoutError(
                 f"{self.label} (call #{self.call}) did not complete within {timeout} s"
             )
         if self._error is not None:
             raise self._error
+        self._taken = True
         return self._value
 
     result = wait
@@ -193,12 +204,15 @@ class Engine:
         """Let the watchdog see a blocking call that the calling thread makes, where it runs
         (on the user's communicator: in order with this thread's other calls, on its CUDA
         stream), numbered among this engine's calls. A call inside a watched one counts
-        as part of it."""
+        as part of it. Its clock starts once the requests submitted before it have
+        completed (it waits for them first, as its communication would): each of those is
+        watched on its own, and their time is not the blocking call's."""
         self._check_process()
         me = threading.get_ident()
         if me in self._blocking:
             yield
             return
+        self.drain()
         with self._cond:
             self._calls += 1
             req = SparseRequest(self._calls, label)

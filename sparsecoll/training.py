@@ -42,6 +42,7 @@ import contextlib
 import copy
 import math
 import time
+import weakref
 import zlib
 from typing import Any
 
@@ -118,7 +119,8 @@ class GradientReducer:
             ``out`` is given) instead of a new array: the previous update's entries are
             zeroed and the new ones scattered, O(k) instead of writing all n. The returned
             array is then valid until the next step (copy it to keep it) and must not be
-            written to. Default False.
+            written to; a :meth:`step_async` update, until a step submitted after its
+            ``wait()`` (steps submitted before write new arrays). Default False.
         check: agree on every step's input collectively (one small allreduce), so a bad
             gradient on one rank raises the same error on every rank instead of hanging.
         **options: more constructor options for the algorithm (e.g. ``tau=`` for oktopk);
@@ -227,6 +229,9 @@ class GradientReducer:
         self._spare_velocity: Any = None
         self._update: Any = None  # the reused update buffer (reuse_update)
         self._update_nnz: Any = None  # its nonzero positions; None: unknown, zero it all
+        # the step_async request whose update is that buffer (a weak reference), until a
+        # wait() hands it over: steps submitted before then must not overwrite it
+        self._update_lent: weakref.ref[Any] | None = None
         # where the pass leaves its hits (select.accumulate's workspace), reused every step
         self._workspace: dict[str, Any] = {}
         self._cut: float | None = None  # predicted candidate cut of the exact local top-k
@@ -282,7 +287,19 @@ class GradientReducer:
         engine watches the step, so that a rank left waiting for another ends in the
         watchdog's diagnostic instead of a hang.
         """
-        return self._run_step(grad, out)
+        reuse = out is None and self._update_free()
+        if reuse:
+            self._update_lent = None  # (this step returns the buffer itself)
+        return self._run_step(grad, out, reuse=reuse)
+
+    def _update_free(self) -> bool:
+        """Whether a step made now may write the reused update buffer: reuse_update is on,
+        and no step_async's update in it is still to be handed over (by wait(); a request
+        dropped unwaited hands over nothing)."""
+        if not self.reuse_update:
+            return False
+        req = None if self._update_lent is None else self._update_lent()
+        return req is None or req._taken or req.exception() is not None
 
     def _fail_step(self, error: BaseException) -> None:
         """Take part in a step that failed on this rank before it could start (the DDP
@@ -290,14 +307,21 @@ class GradientReducer:
         that every rank raises the same error naming this rank, as for a bad gradient."""
         self._run_step(None, None, error)
 
-    def _run_step(self, grad: Any, out: Any, failed: BaseException | None = None) -> Any:
+    def _run_step(
+        self, grad: Any, out: Any, failed: BaseException | None = None, reuse: bool = False
+    ) -> Any:
         self._wait_pending()
         label = f"step({self.algorithm_name!r})"
         with self.comm.serial(), watch(self.comm, label), contextlib.ExitStack() as scope:
-            return self._step(grad, out, scope, failed)
+            return self._step(grad, out, scope, failed, reuse)
 
     def _step(
-        self, grad: Any, out: Any, scope: contextlib.ExitStack, failed: BaseException | None
+        self,
+        grad: Any,
+        out: Any,
+        scope: contextlib.ExitStack,
+        failed: BaseException | None,
+        reuse: bool,
     ) -> Any:
         arr, wrap, dest, error, prepared, saved = None, identity, None, None, None, None
         self._can_take_back = False  # (a step failing on any rank leaves nothing to take back)
@@ -315,7 +339,8 @@ class GradientReducer:
             # the selection (a ReuseThreshold's schedule, a sampler's generator) and the cut
             # prediction move in _prepare: given back below if the step fails on any rank
             saved = self._selection_snapshot()
-            prepared = self._prepare(arr.reshape(-1), None if dest is None else dest.reshape(-1))
+            flat = None if dest is None else dest.reshape(-1)
+            prepared = self._prepare(arr.reshape(-1), flat, reuse)
         except Exception as exc:  # (shared with every rank: none is left waiting)
             error = exc
         t0 = time.perf_counter()
@@ -356,11 +381,21 @@ class GradientReducer:
         reducer's state is in use, until the request completes: wait for it before reading
         the reducer's state (a blocking :meth:`step`, :meth:`state_dict`,
         :meth:`load_state_dict` and :meth:`reset` wait for pending ones themselves).
+
+        With ``reuse_update``, the update is the reducer's own buffer only if every earlier
+        step's update in it has been handed over by ``wait()`` when this step is submitted
+        (else this step's is a new array): so it stays valid until a step submitted after
+        its own ``wait()``, as a blocking step's until the next step.
         """
-        kw = {} if out is None else {"out": out}
-        return self.comm.engine().submit(
-            lambda: self.step(grad, **kw), f"step_async({self.algorithm_name!r})", self.comm
+        reuse = out is None and self._update_free()
+        req = self.comm.engine().submit(
+            lambda: self._run_step(grad, out, reuse=reuse),
+            f"step_async({self.algorithm_name!r})",
+            self.comm,
         )
+        if reuse:
+            self._update_lent = weakref.ref(req)
+        return req
 
     def stats(self) -> dict[str, Any]:
         """Requested and achieved density, and bytes per rank (last step and in total).
@@ -553,7 +588,7 @@ class GradientReducer:
             prep.old_velocity = current(self._velocity)
             prep.velocity = spare(self._spare_velocity)
 
-    def _prepare(self, g: Any, dest: Any) -> _Prepared:
+    def _prepare(self, g: Any, dest: Any, reuse: bool) -> _Prepared:
         """One pass over ``g``: the accumulated vector (in the spare buffer), the new
         velocity, the update buffer zeroed (or marked to be written whole after the
         collective), and this step's selection or its candidates.
@@ -567,7 +602,7 @@ class GradientReducer:
         # a float16 average: the P-sum may overflow float16 where the mean does not, so the
         # sparse step's collective returns the mean itself (dense steps: op="mean")
         prep.averaged = self.average and self.comm.size > 1 and g.dtype == np.float16
-        if dest is None and self.reuse_update:
+        if dest is None and reuse:
             if self._update is None or not same_device(self._update, g):
                 self._update, self._update_nnz = xp.zeros(self.n, g.dtype), None
             prep.update, prep.reused = self._update, True

@@ -88,7 +88,8 @@ def test_thread_level_is_checked(level):
 @pytest.mark.mpi
 def test_fork_after_the_progress_thread_started():
     """A child forked with a request pending: its calls raise instead of hanging (they
-    were queued to a thread the child does not have), and its exit handler, for an uncaught
+    were queued to a thread the child does not have; waiting for the parent's request hung
+    too), and its exit handler, for an uncaught
     exception, leaves the job alone (it called MPI_Abort, ending the parent's job)."""
     from .mpirun import run_mpi
 
@@ -97,8 +98,42 @@ def test_fork_after_the_progress_thread_started():
     assert proc.returncode == 0, out[-6000:]
     assert out.count("child: submit raised RuntimeError: process") == 2, out[-6000:]
     assert out.count("child: drain raised RuntimeError: process") == 2, out[-6000:]
+    assert out.count("child: wait raised RuntimeError: gate (call #1) was pending") == 2, out
     assert out.count("child: exit handler returned") == 2, out[-6000:]
     assert out.count("parent: [2.0, 4.0]") == 2, out[-6000:]
+
+
+@pytest.mark.mpi
+def test_watchdog_times_a_blocking_call_from_when_the_requests_before_it_end():
+    """A blocking call made while requests are pending waits for them first; the watchdog
+    timed it from its start, that wait included: requests of a quarter of the timeout
+    each, twice the timeout in all, aborted the job in the blocking call after them."""
+    from .mpirun import run_mpi
+
+    env = {"SPARSECOLL_TIMEOUT": str(WATCHDOG_SECONDS)}
+    proc = run_mpi(2, [__file__, "queued"], timeout=120, env=env)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
+    assert "sparsecoll watchdog" not in out, out[-6000:]
+    assert out.count("blocking after the requests: [2.0, 4.0], 8 done") == 2, out[-6000:]
+
+
+def _queued() -> None:
+    import numpy as np
+
+    import sparsecoll
+
+    comm = sparsecoll.Communicator()
+    engine = comm.engine()
+    vals, idx = np.array([1.0, 2.0], np.float32), np.array([3, 4])
+    sparsecoll.set_timeout(None)  # the first call loads the kernels: not watched
+    sparsecoll.allreduce(comm, vals, idx, n=9)
+    sparsecoll.set_timeout(WATCHDOG_SECONDS)
+    # local calls (no MPI) that each take a quarter of the timeout
+    reqs = [engine.submit(lambda: time.sleep(WATCHDOG_SECONDS / 4), "sleep") for _ in range(8)]
+    out = sparsecoll.allreduce(comm, vals, idx, n=9).values.tolist()
+    done = sum(r.done() for r in reqs)
+    print(f"blocking after the requests: {out}, {done} done", flush=True)
 
 
 def _fork() -> None:
@@ -119,6 +154,7 @@ def _fork() -> None:
         for name, call in (
             ("submit", lambda: engine.submit(int, "local")),
             ("drain", engine.drain),
+            ("wait", pending.wait),
         ):
             try:
                 call()
@@ -269,7 +305,7 @@ def _low_level(level: str) -> None:
 
 if __name__ == "__main__":
     modes = {"pending": _pending, "skip": _skip, "skip_step": _skip_step, "raise": _raise}
-    modes.update(fork=_fork, finalize=_finalize)
+    modes.update(fork=_fork, finalize=_finalize, queued=_queued)
     if sys.argv[1] in ("single", "funneled", "serialized"):
         _low_level(sys.argv[1])
     else:

@@ -179,18 +179,23 @@ def test_many_requests_waited_in_any_order_or_dropped(comm):
     assert_all(comm, digest(after) == want[("allgather", 0)], "the call after them differs")
 
 
+def _steps(comm, name: str, seed: int, n: int, steps: int):
+    """Gradients, and a reducer's blocking updates of them, made with the MPI calls the
+    progress thread makes (a library's blocking and nonblocking allreduce may add in
+    different orders: Open MPI 5.0's do)."""
+    grads = [
+        np.random.default_rng([seed, comm.rank, t]).standard_normal(n).astype(np.float32)
+        for t in range(steps)
+    ]
+    same_calls = sparsecoll.Communicator(comm.mpi_comm, poll=comm.engine().comm.poll)
+    sync = GradientReducer(same_calls, n, name, 0.05, warmup=1)
+    return grads, sync, [sync.step(g) for g in grads]
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_step_async_equals_step(comm, name):
     n, steps = 2000, 4
-    grads = [
-        np.random.default_rng([9, comm.rank, t]).standard_normal(n).astype(np.float32)
-        for t in range(steps)
-    ]
-    # the blocking steps make the MPI calls the progress thread makes (a library's blocking
-    # and nonblocking allreduce may add in different orders: Open MPI 5.0's do)
-    same_calls = sparsecoll.Communicator(comm.mpi_comm, poll=comm.engine().comm.poll)
-    sync = GradientReducer(same_calls, n, name, 0.05, warmup=1)
-    want = [sync.step(g) for g in grads]
+    grads, sync, want = _steps(comm, name, 9, n, steps)
     red = GradientReducer(comm, n, name, 0.05, warmup=1)
     reqs = [red.step_async(g) for g in grads]  # all outstanding at once
     got = [r.wait() for r in reqs]
@@ -198,6 +203,31 @@ def test_step_async_equals_step(comm, name):
     assert_all(comm, same, f"{name}: step_async updates differ from step's")
     assert_all(comm, np.array_equal(red.residual, sync.residual) and red.steps == steps)
     assert_all(comm, red.stats()["bytes_sent_total"] == sync.stats()["bytes_sent_total"])
+
+
+@pytest.mark.parametrize("name", ["allgather", "exdyna"])
+def test_reused_update_of_step_async_outlives_later_submissions(comm, name):
+    """reuse_update: a step's update is the reducer's own buffer, valid until the next
+    step. step_async submitted steps before the earlier ones' updates were waited for, and
+    every step wrote the one buffer: three steps outstanding gave the third's update three
+    times. A step submitted (or a blocking one made) while an update is not yet handed over
+    by wait() gets an array of its own; once it is, the buffer is reused again."""
+    n = 2000
+    grads, _, want = _steps(comm, name, 11, n, 6)
+    red = GradientReducer(comm, n, name, 0.05, warmup=1, reuse_update=True)
+    reqs = [red.step_async(g) for g in grads[:3]]  # outstanding at once
+    reqs[-1].wait()  # (all three have completed: the updates are read after the last)
+    got = [r.wait().copy() for r in reqs]
+    first = reqs[0].wait()
+    later = red.step_async(grads[3]).wait()  # after every update was handed over
+    got.append(later.copy())
+    reused = np.shares_memory(first, later)
+    pending = red.step_async(grads[4])
+    got.append(red.step(grads[5], out=None).copy())  # blocking, the update above not taken
+    got.insert(4, pending.wait().copy())
+    same = [bool(np.array_equal(a, b)) for a, b in zip(got, want)]
+    assert_all(comm, all(same), f"{name}: updates equal to step's: {same}")
+    assert_all(comm, reused, "the buffer was not reused once its update was handed over")
 
 
 def test_wait_timeout_leaves_the_request_running(comm):
@@ -239,17 +269,20 @@ def test_a_completed_request_is_no_longer_pending(comm):
     assert not both, "the request was done while the engine still counted it pending"
 
 
-def test_bad_timeout_setting_queues_nothing(comm, monkeypatch):
-    """A SPARSECOLL_TIMEOUT that is not a number raises from submit before the call is
-    queued (it was queued, and ran, while the caller got the ValueError and no request)."""
+@pytest.mark.parametrize("setting", ["soon", "-1", "nan"])
+def test_bad_timeout_setting_queues_nothing(comm, monkeypatch, setting):
+    """A SPARSECOLL_TIMEOUT that is not a number >= 0 raises from submit before the call is
+    queued (it was queued, and ran, while the caller got the ValueError and no request);
+    the message says what is allowed (for "-1" it said "must be a number")."""
     from sparsecoll import _progress
 
     engine = comm.engine()
     ran = threading.Event()
     before = engine.pending(), engine._submitted
-    monkeypatch.setenv("SPARSECOLL_TIMEOUT", "soon")
+    monkeypatch.setenv("SPARSECOLL_TIMEOUT", setting)
     monkeypatch.setattr(_progress, "_timeout_read", False)
-    with pytest.raises(ValueError, match="SPARSECOLL_TIMEOUT must be a number"):
+    want = f"SPARSECOLL_TIMEOUT must be a number of seconds >= 0 .*, got '{setting}'"
+    with pytest.raises(ValueError, match=want):
         engine.submit(ran.set, "local")
     engine.drain()
     assert not ran.is_set(), "the call ran although submit raised"
