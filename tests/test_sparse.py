@@ -14,6 +14,8 @@ from sparsecoll import SparseVector
 from sparsecoll._array import index_dtype
 from sparsecoll.sparse import check_local, coalesce
 
+from .mpi.cases import DLPackOnly
+
 
 @given(
     n=st.integers(1, 200),
@@ -160,3 +162,33 @@ def test_masked_entries_are_refused(which):
     unmasked = SparseVector.from_coo(np.ma.masked_array(idx), np.ma.masked_array(vals), 5)
     assert type(unmasked.values) is np.ndarray
     assert unmasked.to_dense().tolist() == [1, 0, 2, 0, 3]
+
+
+def test_dlpack_only_host_arrays_are_taken():
+    """numpy wraps such an object in a 0-d object array without raising, so the DLPack
+    fallback never ran: "values must be 1-D, got shape ()"."""
+    vals = np.array([1.0, 2.0, 3.0], np.float32)
+    v = SparseVector.from_coo(DLPackOnly(np.array([4, 1, 4])), DLPackOnly(vals), 6)
+    assert v.indices.tolist() == [1, 4] and v.values.tolist() == [2.0, 4.0]
+    assert v.values.dtype == np.float32
+    assert SparseVector.from_dense(DLPackOnly(vals)).to_dense().tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("indices", "values", "text"),
+    [
+        (None, [1.0], "indices must be an array, got NoneType"),
+        ("0123", [1.0], "indices must be an array, got str"),
+        ({1, 2}, [1.0], "indices must be an array, got set"),
+        ([1], None, "values must be an array, got NoneType"),
+        ([1], {1: 2.0}, "values must be an array, got dict"),
+        ([1], b"\x00" * 8, "values must be an array, got bytes"),
+        ([1], (x for x in [1.0]), "values must be an array, got generator"),
+    ],
+)
+def test_what_numpy_only_wraps_is_not_an_array(indices, values, text):
+    """numpy wraps None, a str, a set in a 0-d object or string array: refused as "values
+    must be 1-D, got shape ()", a ValueError for what is a wrong type (TypeError, as
+    docs/api.md's table says of non-float values)."""
+    with pytest.raises(TypeError, match=text):
+        SparseVector.from_coo(indices, values, 3)

@@ -42,6 +42,8 @@ def _spoil(what: str, vals, idx, n):
         vals = vals.reshape(4, 5)
     elif what == "n_beyond_int64":
         n = 2**63
+    elif what == "not_an_array":
+        vals = None
     return vals, idx, n
 
 
@@ -56,6 +58,8 @@ CASES = {
     "int_values": (TypeError, "values must be float", False),
     "two_d": (ValueError, "1-D", False),
     "n_beyond_int64": (ValueError, "n must be below 2**63", False),
+    # (was a ValueError "values must be 1-D, got shape ()": numpy wraps None in a 0-d array)
+    "not_an_array": (TypeError, "values must be an array, got NoneType", False),
 }
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import sparsecoll
 from sparsecoll.registry import algorithm_class
 
-from .cases import assert_all, cases, digest, local_input
+from .cases import DLPackOnly, assert_all, cases, digest, local_input
 
 LAYOUTS = (
     "native",
@@ -24,6 +24,7 @@ LAYOUTS = (
     "fortran_column",
     "negative_stride",
     "masked_without_mask",
+    "dlpack_only",
     "torch",
 )
 
@@ -47,6 +48,8 @@ def represent(layout: str, vals: np.ndarray, idx: np.ndarray, n: int):
         return vals[::-1].copy()[::-1], idx[::-1].copy()[::-1]
     if layout == "masked_without_mask":
         return np.ma.masked_array(vals, mask=False), np.ma.masked_array(idx)
+    if layout == "dlpack_only":  # (was "values must be 1-D, got shape ()")
+        return DLPackOnly(vals), DLPackOnly(idx)
     if layout == "torch":
         torch = pytest.importorskip("torch")
         return torch.from_numpy(vals.copy()).requires_grad_(False), torch.from_numpy(idx.copy())
