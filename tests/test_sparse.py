@@ -164,6 +164,25 @@ def test_masked_entries_are_refused(which):
     assert unmasked.to_dense().tolist() == [1, 0, 2, 0, 3]
 
 
+@pytest.mark.parametrize(
+    ("indices", "etype", "text"),
+    [
+        ([2**63, 1], ValueError, r"index 9223372036854775808 out of range \(indices lie"),
+        ((1, -1, 2**64 - 1), ValueError, "index 18446744073709551615 out of range"),
+        ([2**70], ValueError, "index 1180591620717411303424 out of range"),
+        ([np.uint64(2**63), np.int64(-1)], ValueError, "index 9223372036854775808 out of"),
+        ([1.0, 2], TypeError, "indices must be integers, got float64"),
+        ([True, 2**70], TypeError, "indices must be integers, got object"),
+    ],
+)
+def test_integers_beyond_int64_in_a_list_are_out_of_range(indices, etype, text):
+    """A list of integers one of which fits neither int64 nor uint64 is float64 to numpy
+    (rounded) or object: it was refused as "indices must be integers, got float64", of
+    integers (a TypeError, where an index out of range is a ValueError)."""
+    with pytest.raises(etype, match=text):
+        SparseVector.from_coo(indices, np.ones(len(indices)), 10)
+
+
 def test_dlpack_only_host_arrays_are_taken():
     """numpy wraps such an object in a 0-d object array without raising, so the DLPack
     fallback never ran: "values must be 1-D, got shape ()"."""
