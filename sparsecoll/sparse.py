@@ -84,7 +84,14 @@ class SparseVector:
         check_same_device(idx, vals)
         with device_scope(vals):  # (the checks' kernels too: on the inputs' GPU)
             check_local(idx, vals, n)
-            return _wrapped(coalesce(idx, vals, int(n)), wrap)
+            x = coalesce(idx, vals, int(n))
+            # (coalesce returns input already coalesced as is: the vector gets arrays of its
+            # own, as allreduce's results have, so that writing to one leaves the other)
+            if x.indices is idx:
+                x.indices = idx.copy()
+            if x.values is vals:
+                x.values = vals.copy()
+            return _wrapped(x, wrap)
 
     @classmethod
     def from_dense(cls, x: Any) -> SparseVector:

@@ -164,6 +164,27 @@ def test_masked_entries_are_refused(which):
     assert unmasked.to_dense().tolist() == [1, 0, 2, 0, 3]
 
 
+@pytest.mark.parametrize("writeable", [True, False])
+def test_from_coo_owns_its_arrays(writeable):
+    """Input already coalesced (sorted, unique, of the index dtype) came back as is: the
+    vector's arrays were the caller's, so writing to one changed the other, and a read-only
+    input gave a read-only vector (unsorted input gave arrays of its own)."""
+    idx = np.array([0, 2, 4], np.int32)
+    vals = np.array([1.0, 2.0, 3.0], np.float32)
+    idx.flags.writeable = vals.flags.writeable = writeable
+    v = SparseVector.from_coo(idx, vals, 5)
+    assert not np.shares_memory(v.values, vals) and not np.shares_memory(v.indices, idx)
+    v.values *= 2
+    v.indices[0] = 1
+    assert vals.tolist() == [1, 2, 3] and idx.tolist() == [0, 2, 4]
+    d = SparseVector.from_dense(vals)
+    assert d.values.flags.writeable and not np.shares_memory(d.values, vals)
+    torch = pytest.importorskip("torch")
+    t = torch.tensor([1.0, 2.0])
+    SparseVector.from_coo(torch.tensor([0, 3]), t, 4).values.mul_(2)
+    assert t.tolist() == [1.0, 2.0]
+
+
 @pytest.mark.parametrize(
     ("indices", "etype", "text"),
     [
