@@ -93,7 +93,8 @@ def as_array(x: Any, name: str, *, writable: bool = False) -> tuple[Any, Any]:
     Raises:
         TypeError: ``x`` cannot be viewed as an array (whatever the converter raised, e.g.
             a BufferError for a torch "meta" tensor, so that callers agree on it across
-            ranks as the input error it is), or is a masked array with masked entries
+            ranks as the input error it is; or what numpy only wraps in a 0-d object or
+            string array: None, a str, a dict), or is a masked array with masked entries
             (numpy's conversion would drop the mask and sum what it hides).
     """
     try:
@@ -171,11 +172,18 @@ def _as_array(x: Any, name: str, writable: bool) -> tuple[Any, Any]:
             kind = type(x).__name__
             raise TypeError(f"{name} must be an array written in place, got a {kind}") from None
     try:
-        return np.asarray(x), wrap
+        a = np.asarray(x)
     except Exception:
+        if not hasattr(x, "__dlpack__"):
+            raise
+        a = None
+    if a is None or (a.ndim == 0 and a.dtype.kind in "OSUV"):
+        # numpy wraps what it cannot read as an array (None, a str, a dict, an object that
+        # offers DLPack alone) in a 0-d array: refused as the "1-D" ValueError before
         if hasattr(x, "__dlpack__"):
             return np.from_dlpack(x), wrap
-        raise
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    return a, wrap
 
 
 def identity(a: Any) -> Any:

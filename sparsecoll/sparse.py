@@ -84,7 +84,14 @@ class SparseVector:
         check_same_device(idx, vals)
         with device_scope(vals):  # (the checks' kernels too: on the inputs' GPU)
             check_local(idx, vals, n)
-            return _wrapped(coalesce(idx, vals, int(n)), wrap)
+            x = coalesce(idx, vals, int(n))
+            # (coalesce returns input already coalesced as is: the vector gets arrays of its
+            # own, as allreduce's results have, so that writing to one leaves the other)
+            if x.indices is idx:
+                x.indices = idx.copy()
+            if x.values is vals:
+                x.values = vals.copy()
+            return _wrapped(x, wrap)
 
     @classmethod
     def from_dense(cls, x: Any) -> SparseVector:
@@ -145,9 +152,26 @@ def as_indices(indices: Any) -> Any:
     """``indices`` as an array (:func:`as_array`); an empty list or tuple is an empty
     index array, as in numpy's own ``x[[]]`` (``np.asarray([])`` is float64)."""
     idx, _ = as_array(indices, "indices")
-    if isinstance(indices, (list, tuple)) and not len(indices):
-        idx = idx.astype(np.int64)
+    if isinstance(indices, (list, tuple)):
+        if not len(indices):
+            idx = idx.astype(np.int64)
+        elif idx.dtype.kind not in "iu":
+            _beyond_int64(indices)
     return idx
+
+
+def _beyond_int64(indices: list[Any] | tuple[Any, ...]) -> None:
+    """Raise ValueError when ``indices`` holds only integers: numpy made floats (or objects)
+    of them because one lies beyond int64 and uint64 both (``[2**63, 1]`` is float64,
+    rounded), and "indices must be integers, got float64" would misname the problem."""
+    ints = []
+    for i in indices:
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+            return
+        ints.append(int(i))
+    bad = next((i for i in ints if not -(2**63) <= i < 2**63), None)
+    if bad is not None:
+        raise ValueError(f"index {bad} out of range (indices lie in [0, n), n < 2**63)")
 
 
 _SWAPPED = (

@@ -14,6 +14,8 @@ from sparsecoll import SparseVector
 from sparsecoll._array import index_dtype
 from sparsecoll.sparse import check_local, coalesce
 
+from .mpi.cases import DLPackOnly
+
 
 @given(
     n=st.integers(1, 200),
@@ -160,3 +162,73 @@ def test_masked_entries_are_refused(which):
     unmasked = SparseVector.from_coo(np.ma.masked_array(idx), np.ma.masked_array(vals), 5)
     assert type(unmasked.values) is np.ndarray
     assert unmasked.to_dense().tolist() == [1, 0, 2, 0, 3]
+
+
+@pytest.mark.parametrize("writeable", [True, False])
+def test_from_coo_owns_its_arrays(writeable):
+    """Input already coalesced (sorted, unique, of the index dtype) came back as is: the
+    vector's arrays were the caller's, so writing to one changed the other, and a read-only
+    input gave a read-only vector (unsorted input gave arrays of its own)."""
+    idx = np.array([0, 2, 4], np.int32)
+    vals = np.array([1.0, 2.0, 3.0], np.float32)
+    idx.flags.writeable = vals.flags.writeable = writeable
+    v = SparseVector.from_coo(idx, vals, 5)
+    assert not np.shares_memory(v.values, vals) and not np.shares_memory(v.indices, idx)
+    v.values *= 2
+    v.indices[0] = 1
+    assert vals.tolist() == [1, 2, 3] and idx.tolist() == [0, 2, 4]
+    d = SparseVector.from_dense(vals)
+    assert d.values.flags.writeable and not np.shares_memory(d.values, vals)
+    torch = pytest.importorskip("torch")
+    t = torch.tensor([1.0, 2.0])
+    SparseVector.from_coo(torch.tensor([0, 3]), t, 4).values.mul_(2)
+    assert t.tolist() == [1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    ("indices", "etype", "text"),
+    [
+        ([2**63, 1], ValueError, r"index 9223372036854775808 out of range \(indices lie"),
+        ((1, -1, 2**64 - 1), ValueError, "index 18446744073709551615 out of range"),
+        ([2**70], ValueError, "index 1180591620717411303424 out of range"),
+        ([np.uint64(2**63), np.int64(-1)], ValueError, "index 9223372036854775808 out of"),
+        ([1.0, 2], TypeError, "indices must be integers, got float64"),
+        ([True, 2**70], TypeError, "indices must be integers, got object"),
+    ],
+)
+def test_integers_beyond_int64_in_a_list_are_out_of_range(indices, etype, text):
+    """A list of integers one of which fits neither int64 nor uint64 is float64 to numpy
+    (rounded) or object: it was refused as "indices must be integers, got float64", of
+    integers (a TypeError, where an index out of range is a ValueError)."""
+    with pytest.raises(etype, match=text):
+        SparseVector.from_coo(indices, np.ones(len(indices)), 10)
+
+
+def test_dlpack_only_host_arrays_are_taken():
+    """numpy wraps such an object in a 0-d object array without raising, so the DLPack
+    fallback never ran: "values must be 1-D, got shape ()"."""
+    vals = np.array([1.0, 2.0, 3.0], np.float32)
+    v = SparseVector.from_coo(DLPackOnly(np.array([4, 1, 4])), DLPackOnly(vals), 6)
+    assert v.indices.tolist() == [1, 4] and v.values.tolist() == [2.0, 4.0]
+    assert v.values.dtype == np.float32
+    assert SparseVector.from_dense(DLPackOnly(vals)).to_dense().tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("indices", "values", "text"),
+    [
+        (None, [1.0], "indices must be an array, got NoneType"),
+        ("0123", [1.0], "indices must be an array, got str"),
+        ({1, 2}, [1.0], "indices must be an array, got set"),
+        ([1], None, "values must be an array, got NoneType"),
+        ([1], {1: 2.0}, "values must be an array, got dict"),
+        ([1], b"\x00" * 8, "values must be an array, got bytes"),
+        ([1], (x for x in [1.0]), "values must be an array, got generator"),
+    ],
+)
+def test_what_numpy_only_wraps_is_not_an_array(indices, values, text):
+    """numpy wraps None, a str, a set in a 0-d object or string array: refused as "values
+    must be 1-D, got shape ()", a ValueError for what is a wrong type (TypeError, as
+    docs/api.md's table says of non-float values)."""
+    with pytest.raises(TypeError, match=text):
+        SparseVector.from_coo(indices, values, 3)

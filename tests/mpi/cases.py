@@ -161,6 +161,20 @@ def digest(result: SparseVector) -> str:
     return h.hexdigest()
 
 
+class DLPackOnly:
+    """A host array producer that offers DLPack alone (no buffer, no ``__array__``), as
+    some libraries' arrays do."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self._a = a
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
 def assert_all(comm, ok: bool, msg: str = "") -> None:
     """Collective assertion: every rank fails together, naming the ranks that failed."""
     flags = comm.allgather_object((bool(ok), msg))

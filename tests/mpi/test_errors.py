@@ -42,6 +42,10 @@ def _spoil(what: str, vals, idx, n):
         vals = vals.reshape(4, 5)
     elif what == "n_beyond_int64":
         n = 2**63
+    elif what == "not_an_array":
+        vals = None
+    elif what == "list_beyond_int64":
+        idx = [*idx.tolist()[:-1], 2**63]
     return vals, idx, n
 
 
@@ -56,6 +60,10 @@ CASES = {
     "int_values": (TypeError, "values must be float", False),
     "two_d": (ValueError, "1-D", False),
     "n_beyond_int64": (ValueError, "n must be below 2**63", False),
+    # (were a ValueError "values must be 1-D, got shape ()" and a TypeError "indices must be
+    # integers, got float64": numpy wraps None in a 0-d array, takes [.., 2**63] as floats)
+    "not_an_array": (TypeError, "values must be an array, got NoneType", False),
+    "list_beyond_int64": (ValueError, "index 9223372036854775808 out of range", False),
 }
 
 

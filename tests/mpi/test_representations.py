@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import sparsecoll
 from sparsecoll.registry import algorithm_class
 
-from .cases import assert_all, cases, digest, local_input
+from .cases import DLPackOnly, assert_all, cases, digest, local_input
 
 LAYOUTS = (
     "native",
@@ -24,6 +24,7 @@ LAYOUTS = (
     "fortran_column",
     "negative_stride",
     "masked_without_mask",
+    "dlpack_only",
     "torch",
 )
 
@@ -47,6 +48,8 @@ def represent(layout: str, vals: np.ndarray, idx: np.ndarray, n: int):
         return vals[::-1].copy()[::-1], idx[::-1].copy()[::-1]
     if layout == "masked_without_mask":
         return np.ma.masked_array(vals, mask=False), np.ma.masked_array(idx)
+    if layout == "dlpack_only":  # (was "values must be 1-D, got shape ()")
+        return DLPackOnly(vals), DLPackOnly(idx)
     if layout == "torch":
         torch = pytest.importorskip("torch")
         return torch.from_numpy(vals.copy()).requires_grad_(False), torch.from_numpy(idx.copy())
@@ -70,3 +73,18 @@ def test_representations_equal_native_arrays(comm, name, case, layouts):
     if layout == "torch":
         same = same and type(got.values).__name__ == "Tensor"
     assert_all(comm, same, f"{name} {layout}: {got!r} vs {want!r}")
+
+
+@pytest.mark.parametrize("name", sparsecoll.available_algorithms())
+def test_results_own_their_arrays(comm, name):
+    """Input already coalesced (sorted, unique, int32, contiguous, read-only) on every rank:
+    the result shares no memory with it and is writable (docs/api.md, Ownership)."""
+    cls = algorithm_class(name)
+    opts = {} if cls.exact else cls.default_options(100, 10)
+    idx = np.arange(comm.rank, 100, 7, dtype=np.int32)
+    vals = np.linspace(1.0, 2.0, idx.shape[0])
+    idx.flags.writeable = vals.flags.writeable = False
+    out = sparsecoll.allreduce(comm, vals, idx, n=100, algorithm=name, **opts)
+    shared = np.shares_memory(out.values, vals) or np.shares_memory(out.indices, idx)
+    writable = out.values.flags.writeable and out.indices.flags.writeable
+    assert_all(comm, not shared and writable, f"{name}: shared {shared}, writable {writable}")
