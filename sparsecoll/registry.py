@@ -39,6 +39,8 @@ def register_algorithm(cls: type[Algorithm], name: str | None = None) -> type[Al
 
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         raise TypeError(f"expecting an Algorithm subclass, got {cls!r}")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"algorithm name must be a str, got {type(name).__name__}")
     key = name or cls.name
     if not key or not isinstance(key, str):
         raise ValueError(f"algorithm {cls.__name__} has no name")
@@ -71,6 +73,8 @@ def available_algorithms() -> list[str]:
 
 def algorithm_class(name: str) -> type[Algorithm]:
     _load()
+    if not isinstance(name, str):
+        raise TypeError(f"algorithm must be a name (str), got {type(name).__name__}")
     try:
         return _REGISTRY[name]
     except KeyError:

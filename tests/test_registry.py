@@ -117,6 +117,22 @@ def test_not_an_algorithm():
         register_algorithm(int)
 
 
+@pytest.mark.parametrize("name", [["allgather"], 5, None, b"allgather"])
+def test_a_name_that_is_not_a_str_is_a_type_error(name):
+    with pytest.raises(TypeError, match="must be a name"):
+        sparsecoll.get_algorithm(name)
+
+
+def test_registering_under_a_name_that_is_not_a_str_is_a_type_error():
+    class Unnamed(Algorithm):
+        def reduce(self, comm, x):
+            return x
+
+    with pytest.raises(TypeError, match="name must be a str, got int"):
+        register_algorithm(Unnamed, name=5)
+    assert 5 not in _REGISTRY
+
+
 def test_every_option_and_default_is_documented():
     """get_algorithm's docstring and describe_algorithms() list each algorithm's options,
     read from the constructors, with their defaults."""
