@@ -320,6 +320,37 @@ def _bfloat16_buckets(torch, ddp_cls, comm) -> list[str]:
     return problems
 
 
+def _one_state_two_models(torch, ddp_cls, comm) -> list[str]:
+    """One state registered on two DDP models: the second model's backward raises on every
+    rank, naming the misuse, and the first model trains on, its iterations counted once.
+    Before, each model's backward counted as an iteration and the second model's buckets
+    were taken for the first's changed ones: a warning and the residual dropped every step."""
+    from sparsecoll.integrations.torch import (
+        SparseHookState,
+        async_sparse_allreduce_hook,
+        sparse_allreduce_hook,
+    )
+
+    problems = []
+    for hook in (sparse_allreduce_hook, async_sparse_allreduce_hook):
+        torch.manual_seed(0)
+        first, second = (ddp_cls(torch.nn.Linear(6, 3)) for _ in range(2))
+        state = SparseHookState(comm, "allgather", density=0.25)
+        for ddp in (first, second):
+            ddp.register_comm_hook(state, hook)
+        x, got = torch.randn(4, 6), []
+        for _ in range(3):
+            for ddp in (first, second):
+                try:
+                    ddp(x).sum().backward()
+                    got.append("ok")
+                except RuntimeError as exc:
+                    got.append("refused" if "serves another DDP model" in str(exc) else str(exc))
+        if got != ["ok", "refused"] * 3 or state.iteration != 3:
+            problems.append(f"{hook.__name__}, one state for two models: {got}, {state.iteration}")
+    return problems
+
+
 def _worker() -> None:
     from mpi4py import MPI
 
@@ -384,6 +415,7 @@ def _worker() -> None:
         problems += _resume_into_fresh_ddp(torch, DistributedDataParallel, comm)
         problems += _skipped_iteration_loses_nothing(torch, DistributedDataParallel, comm)
         problems += _bfloat16_buckets(torch, DistributedDataParallel, comm)
+        problems += _one_state_two_models(torch, DistributedDataParallel, comm)
 
         # a reduction error (NaN on rank 0) reaches backward() on every rank with its type
         # and message (a future completed by set_exception gave "Unable to cast ... to

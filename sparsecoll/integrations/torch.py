@@ -127,7 +127,8 @@ class SparseHookState:
             batch is skipped: nothing they sent is lost; do not apply their updates).
         **options: more GradientReducer options (``error_feedback``, algorithm options).
 
-    Every rank must build the same state. ``stats()`` sums the byte counts over buckets;
+    Every rank must build the same state, one per DDP model (a bucket of another model
+    raises a RuntimeError). ``stats()`` sums the byte counts over buckets;
     ``state_dict()``/``load_state_dict()`` save and restore every bucket's reducer (with the
     asynchronous hook: after the iteration's backward, when no bucket is in flight);
     ``reset()`` drops their state.
@@ -137,10 +138,12 @@ class SparseHookState:
         "_failed",
         "_failures",
         "_layouts",
+        "_model",
         "_outside_stats",
         "_pending",
         "_pending_layouts",
         "_pending_until",
+        "_seen",
         "_stepped",
         "algorithm",
         "comm",
@@ -192,6 +195,10 @@ class SparseHookState:
         self._stepped: list[tuple[int, GradientReducer]] = []
         self._failed: set[int] = set()
         self._failures: list[tuple[Any, BaseException]] = []  # async: errors held back
+        # the ids of the parameters of the DDP model this state serves: collected over its
+        # first iteration, then fixed (None: not yet complete)
+        self._model: set[int] | None = None
+        self._seen: set[int] = set()
         # fail early, on every rank alike, on a bad algorithm name or option
         GradientReducer(self.comm, 1, algorithm, self.density, **options)
 
@@ -298,6 +305,7 @@ class SparseHookState:
         self._pending = dict(state["reducers"])
         self._pending_layouts = dict(state.get("layouts", {}))
         self._pending_until = self.iteration + 3
+        self._model, self._seen = None, set()  # (a restarted job's fresh DDP model)
 
 
 def _reduce_bucket(
@@ -392,12 +400,31 @@ def _bucket_reducer(state: SparseHookState, bucket: Any) -> GradientReducer | No
     """The bucket's reducer (None during the warm-up); counts the iteration on its last
     bucket."""
     buf = bucket.buffer()
+    _check_model(state, bucket)
     red = None
     if state.iteration >= state.warmup:
         red = state.reducer(bucket.index(), int(buf.numel()), str(buf.dtype), bucket.parameters())
     if bucket.is_last():
         state.iteration += 1
     return red
+
+
+def _check_model(state: SparseHookState, bucket: Any) -> None:
+    """Refuse a bucket of another DDP model than the one this state served first: one state
+    registered on two models counted each backward as an iteration and took one model's
+    buckets for the other's changed ones (a warning, the residual dropped every step). The
+    same on every rank (each rank's models alike), raised before any collective."""
+    ids = {id(p) for p in bucket.parameters()}
+    if state._model is None:
+        state._seen |= ids
+        if bucket.is_last():
+            state._model, state._seen = state._seen, set()
+    elif not ids <= state._model:
+        raise RuntimeError(
+            f"this SparseHookState serves another DDP model: bucket {bucket.index()} holds "
+            f"parameters that model's buckets did not (one state per DDP model; to restart "
+            f"with another model, build a new state, or load_state_dict() a saved one)"
+        )
 
 
 # DDP checks a hook's annotations against dist.GradBucket / Future[Tensor] at registration;
@@ -436,11 +463,17 @@ def async_sparse_allreduce_hook(state: SparseHookState, bucket):
     torch = _torch()
     buf = bucket.buffer()
     iteration, last = state.iteration, bucket.is_last()
-    red = _bucket_reducer(state, bucket)
+    red, error = None, None
+    try:
+        red = _bucket_reducer(state, bucket)
+    except Exception as exc:  # (raised in turn, as a reduction's error, on every rank)
+        error = exc
     fut = torch.futures.Future()
 
     def run() -> None:
         try:
+            if error is not None:
+                raise error
             _reduce_bucket(state, buf, red, iteration, last)
         except BaseException as exc:
             # DDP's backward raises as soon as it sees a failed future, with the later
