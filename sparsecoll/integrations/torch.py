@@ -56,6 +56,9 @@ HOOK_AGREED = (
     "step",
 )
 WARMUP_MARK = -1
+# what a bucket reducer's state holds for its density (its k): taken from a fresh reducer
+# when the state was saved at another density
+DENSITY_STATE = ("density", "algorithm_state", "selection_state")
 
 
 def _torch() -> Any:
@@ -135,6 +138,7 @@ class SparseHookState:
     """
 
     __slots__ = (
+        "_density",
         "_failed",
         "_failures",
         "_layouts",
@@ -147,7 +151,6 @@ class SparseHookState:
         "_stepped",
         "algorithm",
         "comm",
-        "density",
         "iteration",
         "nonfinite",
         "options",
@@ -176,7 +179,7 @@ class SparseHookState:
             raise TypeError("the hook always averages and handles the warm-up itself")
         self.comm = Communicator.wrap(comm)
         self.algorithm = algorithm
-        self.density = real("density", density)
+        self.density = density
         self.warmup = warmup
         self.nonfinite = nonfinite
         self.options = options
@@ -202,6 +205,34 @@ class SparseHookState:
         # fail early, on every rank alike, on a bad algorithm name or option
         GradientReducer(self.comm, 1, algorithm, self.density, **options)
 
+    @property
+    def density(self) -> float:
+        """The requested density. Set it (on every rank alike, between iterations) to change
+        it during training, e.g. a sparsity warm-up: each bucket's reducer is rebuilt at the
+        new density when the bucket next comes by, its residual, velocity, step count and
+        byte counts carried over (its algorithm's and selection's state start afresh: they
+        are k's)."""
+        return self._density
+
+    @density.setter
+    def density(self, value: float) -> None:
+        value = real("density", value)
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {value!r}")
+        self._density = value
+
+    def _new_reducer(self, numel: int, saved: dict[str, Any] | None = None) -> GradientReducer:
+        """A bucket reducer at the current density, with ``saved``'s state (a reducer's
+        state_dict); saved at another density, all but its algorithm's and selection's."""
+        red = GradientReducer(self.comm, numel, self.algorithm, self.density, **self.options)
+        red._agreed = HOOK_AGREED
+        if saved is not None:
+            if saved.get("density", self.density) != self.density:
+                fresh = red.state_dict()
+                saved = {**saved, **{key: fresh[key] for key in DENSITY_STATE}}
+            red.load_state_dict(saved)
+        return red
+
     def reducer(
         self, index: int, numel: int, dtype: str, params: Any = ()
     ) -> GradientReducer | None:
@@ -222,6 +253,8 @@ class SparseHookState:
             )
             _add_totals(self._outside_stats, red._totals)  # (its traffic stays counted)
             red = None
+        if red is not None and red.density != self.density:  # (a new density was set)
+            red = self.reducers[index] = self._new_reducer(numel, red.state_dict())
         if red is None:
             saved = self._pending.get(index)
             if saved is not None:
@@ -237,10 +270,7 @@ class SparseHookState:
                     )
                     saved = None
                 self._pending.pop(index)
-            red = GradientReducer(self.comm, numel, self.algorithm, self.density, **self.options)
-            red._agreed = HOOK_AGREED
-            if saved is not None:
-                red.load_state_dict(saved)
+            red = self._new_reducer(numel, saved)
             self.reducers[index] = red
             self._layouts[index] = layout
         return red

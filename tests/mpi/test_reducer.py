@@ -692,6 +692,43 @@ def test_hook_state_stats_keep_a_replaced_buckets_traffic(comm):
 
 
 @pytest.mark.parametrize(
+    ("algorithm", "options"),
+    [("allgather", {}), ("oktopk", {"selection": "reuse"}), ("exdyna", {"momentum": 0.5})],
+)
+def test_hook_state_density_change_carries_the_residual(comm, algorithm, options):
+    """Setting SparseHookState.density between iterations (a sparsity warm-up) rebuilds the
+    bucket's reducer at the new density (k 50 -> 150 of 500) with its residual, velocity,
+    step count and byte counts: without momentum, error feedback loses nothing across the
+    change. Before, the new density was ignored (k stayed 50) while stats() reported it
+    as requested."""
+    from sparsecoll.integrations.torch import SparseHookState
+
+    n, p = 500, comm.size
+    state = SparseHookState(comm, algorithm, density=0.1, **options)
+    fed, applied, problems = np.zeros(n), np.zeros(n), []
+    for t in range(6):
+        red = state.reducer(0, n, "torch.float64")
+        if t == 3:
+            kept = (red.residual.copy(), red.velocity, red.steps, red.stats()["bytes_sent_total"])
+            state.density = 0.3
+            red = state.reducer(0, n, "torch.float64")
+            now = (red.residual, red.velocity, red.steps, state.stats()["bytes_sent_total"])
+            if red.k != 150 or not all(np.array_equal(a, b) for a, b in zip(kept, now)):
+                problems.append(f"after the change: k {red.k}, {now[2:]} against {kept[2:]}")
+        grad = np.random.default_rng([t, comm.rank]).standard_normal(n)
+        fed += grad
+        applied += red.step(grad)
+    if state.stats()["requested_density"] != 0.3:
+        problems.append(f"requested density {state.stats()['requested_density']}")
+    lost = applied * p + comm.allreduce(red.residual) - comm.allreduce(fed)
+    if "momentum" not in options and not np.abs(lost).max() < 1e-9:
+        problems.append(f"lost {np.abs(lost).max()!r} of the gradient")
+    check_everywhere(comm, problems, [applied])
+    with pytest.raises(ValueError, match="density must be in"):
+        state.density = 1.5
+
+
+@pytest.mark.parametrize(
     ("algorithm", "selection"),
     [("allgather", "reuse"), ("oktopk", "reuse"), ("allgather", "sampling")],
 )
