@@ -327,8 +327,26 @@ class SparseHookState:
         as when saved. Into a fresh DDP (a restarted job) that is after DDP's bucket rebuild
         (after its first iteration; its second with ``static_graph=True``): until then a
         bucket whose saved state does not match is reduced densely, nothing lost; a saved
-        state no bucket matches within 3 iterations is dropped with a RuntimeWarning."""
-        self.iteration = int(state["iteration"])
+        state no bucket matches within 3 iterations is dropped with a RuntimeWarning.
+
+        Collective: call it on every rank. A state saved at another density is taken (each
+        bucket's residual carried over to this state's density). One that a bucket's
+        reducer would refuse (another algorithm, number of ranks, selection or momentum),
+        or whose iteration differs between the ranks, raises the same error on every rank
+        (a CollectiveInputError naming the rank), and this state is left as it was."""
+        error, sig = None, None
+        try:
+            iteration = int(state["iteration"])
+            for index, saved in state["reducers"].items():
+                try:  # (as the bucket's reducer will take it)
+                    self._new_reducer(int(saved["n"]), saved)
+                except Exception as exc:
+                    raise ValueError(f"the saved state of bucket {index}: {exc}") from exc
+            sig = [iteration, len(state["reducers"])]
+        except Exception as exc:  # (shared with every rank: none is left waiting)
+            error = exc
+        collective_check(self.comm, error, sig, ("iteration", "saved buckets"))
+        self.iteration = iteration
         self.reducers.clear()
         self._layouts.clear()
         self._stepped, self._failed = [], set()

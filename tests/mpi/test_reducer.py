@@ -728,6 +728,42 @@ def test_hook_state_density_change_carries_the_residual(comm, algorithm, options
         state.density = 1.5
 
 
+def test_hook_state_checkpoint_is_checked_where_it_is_loaded(comm):
+    """SparseHookState.load_state_dict() checks the saved state on every rank alike: one
+    rank loading a state of another algorithm, or of another iteration, raises the same
+    CollectiveInputError on every rank, naming it, and every state is left as it was; a
+    state saved at another density is taken, residual and step count carried over. Before,
+    any state loaded, and the bucket's first sparse iteration raised a ValueError inside the
+    hook on that rank alone (the others waited in the step's agreement)."""
+    from sparsecoll.integrations.torch import SparseHookState
+
+    n, bad = 300, comm.size - 1
+
+    def trained(algorithm):
+        state = SparseHookState(comm, algorithm, density=0.1)
+        red = state.reducer(0, n, "torch.float32")
+        for t in range(3):
+            red.step(np.random.default_rng([t, comm.rank]).standard_normal(n).astype(np.float32))
+        return state, pickle.loads(pickle.dumps(state.state_dict()))
+
+    state, saved = trained("allgather")
+    _, other = trained("gtopk")
+    red = state.reducers[0]
+    cases = [(other, f"bucket 0: state is for algorithm='gtopk'.* on rank {bad}")]
+    if comm.size > 1:
+        cases.append(({**saved, "iteration": 7}, "iteration must be the same on every rank"))
+    for wrong, match in cases:
+        state.iteration = 5
+        with pytest.raises(CollectiveInputError, match=match):
+            state.load_state_dict(wrong if comm.rank == bad else saved)
+        assert_all(comm, state.iteration == 5 and state.reducers == {0: red}, "state changed")
+    denser = SparseHookState(comm, "allgather", density=0.2)
+    denser.load_state_dict(saved)
+    got = denser.reducer(0, n, "torch.float32")
+    ok = got.k == 60 and got.steps == 3 and np.array_equal(got.residual, red.residual)
+    assert_all(comm, ok, f"restored at density 0.2: k {got.k}, {got.steps} steps")
+
+
 @pytest.mark.parametrize(
     ("algorithm", "selection"),
     [("allgather", "reuse"), ("oktopk", "reuse"), ("allgather", "sampling")],
