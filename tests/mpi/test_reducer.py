@@ -423,6 +423,15 @@ def test_reducer_options_differing_across_ranks(comm, option, algorithm):
     assert_all(comm, red.steps == 0, "failed step counted")
 
 
+def test_density_is_read_only(comm):
+    """A reducer's density cannot be set: before, setting it changed nothing but what
+    stats() reported as requested (k, the algorithm and the selection kept the old one)."""
+    red = GradientReducer(comm, 100, "allgather", 0.1)
+    with pytest.raises(AttributeError):
+        red.density = 0.5
+    assert red.density == red.stats()["requested_density"] == 0.1 and red.k == 10
+
+
 def test_dtype_change_and_shape(comm):
     red = GradientReducer(comm, 12, "allgather", 1.0)
     out = red.step(np.ones((3, 4), dtype=np.float32))
