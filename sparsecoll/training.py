@@ -176,7 +176,7 @@ class GradientReducer:
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         self.n = int(n)
-        self.density = density
+        self._density = density
         self.momentum = momentum
         self.k = min(self.n, max(1, round(density * self.n))) if self.n else 0
         self.warmup = int(warmup)
@@ -251,6 +251,15 @@ class GradientReducer:
         self._can_take_back = False  # the spare buffers hold the residual before the last step
 
     # -- public ---------------------------------------------------------------------------
+    @property
+    def density(self) -> float:
+        """The requested density, fixed at construction (k, the algorithm's and the
+        selection's state follow from it): a new density takes a new reducer, e.g. one
+        that loads this one's state_dict() with the new density and the fresh reducer's
+        algorithm and selection state (what the DDP hook's state does when its density is
+        set)."""
+        return self._density
+
     @property
     def residual(self) -> Any:
         """This rank's error-feedback memory (dense and flat, the array module and dtype of the

@@ -320,6 +320,108 @@ def _bfloat16_buckets(torch, ddp_cls, comm) -> list[str]:
     return problems
 
 
+def _one_state_two_models(torch, ddp_cls, comm) -> list[str]:
+    """One state registered on two DDP models: the second model's backward raises on every
+    rank, naming the misuse, and the first model trains on, its iterations counted once.
+    Before, each model's backward counted as an iteration and the second model's buckets
+    were taken for the first's changed ones: a warning and the residual dropped every step."""
+    from sparsecoll.integrations.torch import (
+        SparseHookState,
+        async_sparse_allreduce_hook,
+        sparse_allreduce_hook,
+    )
+
+    problems = []
+    for hook in (sparse_allreduce_hook, async_sparse_allreduce_hook):
+        torch.manual_seed(0)
+        first, second = (ddp_cls(torch.nn.Linear(6, 3)) for _ in range(2))
+        state = SparseHookState(comm, "allgather", density=0.25)
+        for ddp in (first, second):
+            ddp.register_comm_hook(state, hook)
+        x, got = torch.randn(4, 6), []
+        for _ in range(3):
+            for ddp in (first, second):
+                try:
+                    ddp(x).sum().backward()
+                    got.append("ok")
+                except RuntimeError as exc:
+                    got.append("refused" if "serves another DDP model" in str(exc) else str(exc))
+        if got != ["ok", "refused"] * 3 or state.iteration != 3:
+            problems.append(f"{hook.__name__}, one state for two models: {got}, {state.iteration}")
+    return problems
+
+
+def _density_schedule(torch, ddp_cls, comm) -> list[str]:
+    """state.density set between iterations (5% -> 30%) with the asynchronous hook: every
+    bucket's reducer takes the new k, and error feedback loses nothing across the change
+    (before, the new density was ignored). The state's own bookkeeping:
+    tests/mpi/test_reducer.py."""
+    import numpy as np
+
+    from sparsecoll.integrations.torch import SparseHookState, async_sparse_allreduce_hook
+
+    ledger = _Ledger(torch, ddp_cls, comm)
+    state = SparseHookState(comm, "allgather", density=0.05)
+    model, ddp, order = ledger.build(state, hook=async_sparse_allreduce_hook, bucket_cap_mb=1e-4)
+    acc = [np.zeros(p.numel()) for p in model.parameters()]
+    ledger.run(model, ddp, 3, acc)
+    state.density = 0.3
+    ledger.run(model, ddp, 3, acc)
+    ks = [(red.k, round(0.3 * red.n)) for red in state.reducers.values()]
+    err = ledger.lost(model, state, order, acc, 6)
+    if len(ks) < 2 or any(k != want for k, want in ks) or err > 1e-5:
+        return [f"density 0.05 -> 0.3: (k, wanted) {ks}, gradients off by {err:.3g}"]
+    return []
+
+
+def _branch_unused_everywhere(torch, ddp_cls, comm) -> list[str]:
+    """find_unused_parameters=True, a branch that no rank uses in one iteration: with
+    gradient_as_bucket_view=True and zero_grad(set_to_none=False) the gradients are views
+    of the bucket, so the hook's update for the unused branch (residual entries it sent)
+    is applied, and error feedback loses nothing: Σ p.grad · P + residual == Σ gradients
+    (docs/training.md: otherwise DDP leaves such a gradient untouched, and what the hook
+    sent for it is lost)."""
+    import numpy as np
+
+    from sparsecoll.integrations.torch import SparseHookState, sparse_allreduce_hook
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([torch.nn.Linear(7, 13), torch.nn.Linear(13, 3)])
+    model.append(torch.nn.Linear(13, 3))  # the branch
+    ddp = ddp_cls(model, find_unused_parameters=True, gradient_as_bucket_view=True)
+    state, params, order = SparseHookState(comm, "allgather", density=0.1), [], []
+
+    def recording(state, bucket):  # (the bucket's parameters, in bucket order)
+        order[:] = [next(i for i, p in enumerate(params) if p is q) for q in bucket.parameters()]
+        return sparse_allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(state, recording)
+    x = torch.randn(16, 7, generator=torch.Generator().manual_seed(comm.Get_rank()))
+    params += model.parameters()
+
+    def loss(branch):
+        h = torch.tanh(model[0](x))
+        return (model[1](h) + (model[2](h) if branch else 0)).pow(2).mean()
+
+    applied = fed = 0.0
+    for t in range(5):
+        grads = torch.autograd.grad(loss(t != 3), params, allow_unused=True)
+        fed += torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
+                          for g, p in zip(grads, params)]).double().numpy()  # fmt: skip
+        ddp.zero_grad(set_to_none=False)
+        ddp.module.forward = lambda t=t: loss(t != 3)  # (ModuleList has no forward)
+        ddp().backward()
+        applied += torch.cat([p.grad.reshape(-1) for p in params]).double().numpy()
+    (bucket,) = state.reducers.values()
+    res, off, residual = np.asarray(bucket.residual, dtype=np.float64), 0, [None] * len(params)
+    for i in order:
+        residual[i] = res[off : off + params[i].numel()]
+        off += params[i].numel()
+    lost = applied * comm.Get_size() + comm.allreduce(np.concatenate(residual))
+    err = float(np.abs(lost - comm.allreduce(fed)).max())
+    return [f"a branch unused everywhere: gradients off by {err:.3g}"] if err > 1e-5 else []
+
+
 def _worker() -> None:
     from mpi4py import MPI
 
@@ -384,6 +486,9 @@ def _worker() -> None:
         problems += _resume_into_fresh_ddp(torch, DistributedDataParallel, comm)
         problems += _skipped_iteration_loses_nothing(torch, DistributedDataParallel, comm)
         problems += _bfloat16_buckets(torch, DistributedDataParallel, comm)
+        problems += _one_state_two_models(torch, DistributedDataParallel, comm)
+        problems += _density_schedule(torch, DistributedDataParallel, comm)
+        problems += _branch_unused_everywhere(torch, DistributedDataParallel, comm)
 
         # a reduction error (NaN on rank 0) reaches backward() on every rank with its type
         # and message (a future completed by set_exception gave "Unable to cast ... to

@@ -56,6 +56,9 @@ HOOK_AGREED = (
     "step",
 )
 WARMUP_MARK = -1
+# what a bucket reducer's state holds for its density (its k): taken from a fresh reducer
+# when the state was saved at another density
+DENSITY_STATE = ("density", "algorithm_state", "selection_state")
 
 
 def _torch() -> Any:
@@ -127,24 +130,27 @@ class SparseHookState:
             batch is skipped: nothing they sent is lost; do not apply their updates).
         **options: more GradientReducer options (``error_feedback``, algorithm options).
 
-    Every rank must build the same state. ``stats()`` sums the byte counts over buckets;
+    Every rank must build the same state, one per DDP model (a bucket of another model
+    raises a RuntimeError). ``stats()`` sums the byte counts over buckets;
     ``state_dict()``/``load_state_dict()`` save and restore every bucket's reducer (with the
     asynchronous hook: after the iteration's backward, when no bucket is in flight);
     ``reset()`` drops their state.
     """
 
     __slots__ = (
+        "_density",
         "_failed",
         "_failures",
         "_layouts",
+        "_model",
         "_outside_stats",
         "_pending",
         "_pending_layouts",
         "_pending_until",
+        "_seen",
         "_stepped",
         "algorithm",
         "comm",
-        "density",
         "iteration",
         "nonfinite",
         "options",
@@ -173,7 +179,7 @@ class SparseHookState:
             raise TypeError("the hook always averages and handles the warm-up itself")
         self.comm = Communicator.wrap(comm)
         self.algorithm = algorithm
-        self.density = real("density", density)
+        self.density = density
         self.warmup = warmup
         self.nonfinite = nonfinite
         self.options = options
@@ -192,8 +198,40 @@ class SparseHookState:
         self._stepped: list[tuple[int, GradientReducer]] = []
         self._failed: set[int] = set()
         self._failures: list[tuple[Any, BaseException]] = []  # async: errors held back
+        # the ids of the parameters of the DDP model this state serves: collected over its
+        # first iteration, then fixed (None: not yet complete)
+        self._model: set[int] | None = None
+        self._seen: set[int] = set()
         # fail early, on every rank alike, on a bad algorithm name or option
         GradientReducer(self.comm, 1, algorithm, self.density, **options)
+
+    @property
+    def density(self) -> float:
+        """The requested density. Set it (on every rank alike, between iterations) to change
+        it during training, e.g. a sparsity warm-up: each bucket's reducer is rebuilt at the
+        new density when the bucket next comes by, its residual, velocity, step count and
+        byte counts carried over (its algorithm's and selection's state start afresh: they
+        are k's)."""
+        return self._density
+
+    @density.setter
+    def density(self, value: float) -> None:
+        value = real("density", value)
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {value!r}")
+        self._density = value
+
+    def _new_reducer(self, numel: int, saved: dict[str, Any] | None = None) -> GradientReducer:
+        """A bucket reducer at the current density, with ``saved``'s state (a reducer's
+        state_dict); saved at another density, all but its algorithm's and selection's."""
+        red = GradientReducer(self.comm, numel, self.algorithm, self.density, **self.options)
+        red._agreed = HOOK_AGREED
+        if saved is not None:
+            if saved.get("density", self.density) != self.density:
+                fresh = red.state_dict()
+                saved = {**saved, **{key: fresh[key] for key in DENSITY_STATE}}
+            red.load_state_dict(saved)
+        return red
 
     def reducer(
         self, index: int, numel: int, dtype: str, params: Any = ()
@@ -215,6 +253,8 @@ class SparseHookState:
             )
             _add_totals(self._outside_stats, red._totals)  # (its traffic stays counted)
             red = None
+        if red is not None and red.density != self.density:  # (a new density was set)
+            red = self.reducers[index] = self._new_reducer(numel, red.state_dict())
         if red is None:
             saved = self._pending.get(index)
             if saved is not None:
@@ -230,10 +270,7 @@ class SparseHookState:
                     )
                     saved = None
                 self._pending.pop(index)
-            red = GradientReducer(self.comm, numel, self.algorithm, self.density, **self.options)
-            red._agreed = HOOK_AGREED
-            if saved is not None:
-                red.load_state_dict(saved)
+            red = self._new_reducer(numel, saved)
             self.reducers[index] = red
             self._layouts[index] = layout
         return red
@@ -290,14 +327,33 @@ class SparseHookState:
         as when saved. Into a fresh DDP (a restarted job) that is after DDP's bucket rebuild
         (after its first iteration; its second with ``static_graph=True``): until then a
         bucket whose saved state does not match is reduced densely, nothing lost; a saved
-        state no bucket matches within 3 iterations is dropped with a RuntimeWarning."""
-        self.iteration = int(state["iteration"])
+        state no bucket matches within 3 iterations is dropped with a RuntimeWarning.
+
+        Collective: call it on every rank. A state saved at another density is taken (each
+        bucket's residual carried over to this state's density). One that a bucket's
+        reducer would refuse (another algorithm, number of ranks, selection or momentum),
+        or whose iteration differs between the ranks, raises the same error on every rank
+        (a CollectiveInputError naming the rank), and this state is left as it was."""
+        error, sig = None, None
+        try:
+            iteration = int(state["iteration"])
+            for index, saved in state["reducers"].items():
+                try:  # (as the bucket's reducer will take it)
+                    self._new_reducer(int(saved["n"]), saved)
+                except Exception as exc:
+                    raise ValueError(f"the saved state of bucket {index}: {exc}") from exc
+            sig = [iteration, len(state["reducers"])]
+        except Exception as exc:  # (shared with every rank: none is left waiting)
+            error = exc
+        collective_check(self.comm, error, sig, ("iteration", "saved buckets"))
+        self.iteration = iteration
         self.reducers.clear()
         self._layouts.clear()
         self._stepped, self._failed = [], set()
         self._pending = dict(state["reducers"])
         self._pending_layouts = dict(state.get("layouts", {}))
         self._pending_until = self.iteration + 3
+        self._model, self._seen = None, set()  # (a restarted job's fresh DDP model)
 
 
 def _reduce_bucket(
@@ -392,12 +448,31 @@ def _bucket_reducer(state: SparseHookState, bucket: Any) -> GradientReducer | No
     """The bucket's reducer (None during the warm-up); counts the iteration on its last
     bucket."""
     buf = bucket.buffer()
+    _check_model(state, bucket)
     red = None
     if state.iteration >= state.warmup:
         red = state.reducer(bucket.index(), int(buf.numel()), str(buf.dtype), bucket.parameters())
     if bucket.is_last():
         state.iteration += 1
     return red
+
+
+def _check_model(state: SparseHookState, bucket: Any) -> None:
+    """Refuse a bucket of another DDP model than the one this state served first: one state
+    registered on two models counted each backward as an iteration and took one model's
+    buckets for the other's changed ones (a warning, the residual dropped every step). The
+    same on every rank (each rank's models alike), raised before any collective."""
+    ids = {id(p) for p in bucket.parameters()}
+    if state._model is None:
+        state._seen |= ids
+        if bucket.is_last():
+            state._model, state._seen = state._seen, set()
+    elif not ids <= state._model:
+        raise RuntimeError(
+            f"this SparseHookState serves another DDP model: bucket {bucket.index()} holds "
+            f"parameters that model's buckets did not (one state per DDP model; to restart "
+            f"with another model, build a new state, or load_state_dict() a saved one)"
+        )
 
 
 # DDP checks a hook's annotations against dist.GradBucket / Future[Tensor] at registration;
@@ -436,11 +511,17 @@ def async_sparse_allreduce_hook(state: SparseHookState, bucket):
     torch = _torch()
     buf = bucket.buffer()
     iteration, last = state.iteration, bucket.is_last()
-    red = _bucket_reducer(state, bucket)
+    red, error = None, None
+    try:
+        red = _bucket_reducer(state, bucket)
+    except Exception as exc:  # (raised in turn, as a reduction's error, on every rank)
+        error = exc
     fut = torch.futures.Future()
 
     def run() -> None:
         try:
+            if error is not None:
+                raise error
             _reduce_bucket(state, buf, red, iteration, last)
         except BaseException as exc:
             # DDP's backward raises as soon as it sees a failed future, with the later

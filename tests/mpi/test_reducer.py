@@ -423,6 +423,15 @@ def test_reducer_options_differing_across_ranks(comm, option, algorithm):
     assert_all(comm, red.steps == 0, "failed step counted")
 
 
+def test_density_is_read_only(comm):
+    """A reducer's density cannot be set: before, setting it changed nothing but what
+    stats() reported as requested (k, the algorithm and the selection kept the old one)."""
+    red = GradientReducer(comm, 100, "allgather", 0.1)
+    with pytest.raises(AttributeError):
+        red.density = 0.5
+    assert red.density == red.stats()["requested_density"] == 0.1 and red.k == 10
+
+
 def test_dtype_change_and_shape(comm):
     red = GradientReducer(comm, 12, "allgather", 1.0)
     out = red.step(np.ones((3, 4), dtype=np.float32))
@@ -689,6 +698,79 @@ def test_hook_state_stats_keep_a_replaced_buckets_traffic(comm):
     assert after["bytes_sent_total"] == sent and after["bytes_recv_total"] == recv
     state.reset()
     assert state.stats()["bytes_sent_total"] == 0
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "options"),
+    [("allgather", {}), ("oktopk", {"selection": "reuse"}), ("exdyna", {"momentum": 0.5})],
+)
+def test_hook_state_density_change_carries_the_residual(comm, algorithm, options):
+    """Setting SparseHookState.density between iterations (a sparsity warm-up) rebuilds the
+    bucket's reducer at the new density (k 50 -> 150 of 500) with its residual, velocity,
+    step count and byte counts: without momentum, error feedback loses nothing across the
+    change. Before, the new density was ignored (k stayed 50) while stats() reported it
+    as requested."""
+    from sparsecoll.integrations.torch import SparseHookState
+
+    n, p = 500, comm.size
+    state = SparseHookState(comm, algorithm, density=0.1, **options)
+    fed, applied, problems = np.zeros(n), np.zeros(n), []
+    for t in range(6):
+        red = state.reducer(0, n, "torch.float64")
+        if t == 3:
+            kept = (red.residual.copy(), red.velocity, red.steps, red.stats()["bytes_sent_total"])
+            state.density = 0.3
+            red = state.reducer(0, n, "torch.float64")
+            now = (red.residual, red.velocity, red.steps, state.stats()["bytes_sent_total"])
+            if red.k != 150 or not all(np.array_equal(a, b) for a, b in zip(kept, now)):
+                problems.append(f"after the change: k {red.k}, {now[2:]} against {kept[2:]}")
+        grad = np.random.default_rng([t, comm.rank]).standard_normal(n)
+        fed += grad
+        applied += red.step(grad)
+    if state.stats()["requested_density"] != 0.3:
+        problems.append(f"requested density {state.stats()['requested_density']}")
+    lost = applied * p + comm.allreduce(red.residual) - comm.allreduce(fed)
+    if "momentum" not in options and not np.abs(lost).max() < 1e-9:
+        problems.append(f"lost {np.abs(lost).max()!r} of the gradient")
+    check_everywhere(comm, problems, [applied])
+    with pytest.raises(ValueError, match="density must be in"):
+        state.density = 1.5
+
+
+def test_hook_state_checkpoint_is_checked_where_it_is_loaded(comm):
+    """SparseHookState.load_state_dict() checks the saved state on every rank alike: one
+    rank loading a state of another algorithm, or of another iteration, raises the same
+    CollectiveInputError on every rank, naming it, and every state is left as it was; a
+    state saved at another density is taken, residual and step count carried over. Before,
+    any state loaded, and the bucket's first sparse iteration raised a ValueError inside the
+    hook on that rank alone (the others waited in the step's agreement)."""
+    from sparsecoll.integrations.torch import SparseHookState
+
+    n, bad = 300, comm.size - 1
+
+    def trained(algorithm):
+        state = SparseHookState(comm, algorithm, density=0.1)
+        red = state.reducer(0, n, "torch.float32")
+        for t in range(3):
+            red.step(np.random.default_rng([t, comm.rank]).standard_normal(n).astype(np.float32))
+        return state, pickle.loads(pickle.dumps(state.state_dict()))
+
+    state, saved = trained("allgather")
+    _, other = trained("gtopk")
+    red = state.reducers[0]
+    cases = [(other, f"bucket 0: state is for algorithm='gtopk'.* on rank {bad}")]
+    if comm.size > 1:
+        cases.append(({**saved, "iteration": 7}, "iteration must be the same on every rank"))
+    for wrong, match in cases:
+        state.iteration = 5
+        with pytest.raises(CollectiveInputError, match=match):
+            state.load_state_dict(wrong if comm.rank == bad else saved)
+        assert_all(comm, state.iteration == 5 and state.reducers == {0: red}, "state changed")
+    denser = SparseHookState(comm, "allgather", density=0.2)
+    denser.load_state_dict(saved)
+    got = denser.reducer(0, n, "torch.float32")
+    ok = got.k == 60 and got.steps == 3 and np.array_equal(got.residual, red.residual)
+    assert_all(comm, ok, f"restored at density 0.2: k {got.k}, {got.steps} steps")
 
 
 @pytest.mark.parametrize(
