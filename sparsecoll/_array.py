@@ -148,7 +148,12 @@ def _as_array(x: Any, name: str, writable: bool) -> tuple[Any, Any]:
             try:
                 return np.asarray(x), wrap
             except Exception as exc:  # e.g. bfloat16, which numpy has no type for
-                raise TypeError(f"{name}: numpy cannot take a {x.dtype} tensor ({exc})") from exc
+                hint = ""
+                if x.is_floating_point():  # (bfloat16: the DDP hooks widen such buckets)
+                    hint = "; widen it to float32 first (tensor.float())"
+                raise TypeError(
+                    f"{name}: numpy cannot take a {x.dtype} tensor ({exc}){hint}"
+                ) from exc
     dl = _dlpack_device_type(x) if hasattr(x, "__dlpack_device__") else None
     if is_device_array(x) or dl in (_DL_CUDA, _DL_CUDA_MANAGED):
         cp = cupy_or_none()

@@ -232,3 +232,12 @@ def test_what_numpy_only_wraps_is_not_an_array(indices, values, text):
     docs/api.md's table says of non-float values)."""
     with pytest.raises(TypeError, match=text):
         SparseVector.from_coo(indices, values, 3)
+
+
+def test_a_bfloat16_tensor_is_refused_with_the_way_out():
+    """numpy has no bfloat16: the error says to widen the tensor, rather than numpy's own
+    message alone."""
+    torch = pytest.importorskip("torch")
+    vals = torch.ones(3, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"bfloat16.*widen it to float32 first"):
+        SparseVector.from_coo(np.arange(3), vals, 8)
