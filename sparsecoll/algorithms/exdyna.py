@@ -204,6 +204,20 @@ def _cut(dtype: Any, t: float) -> float:
     return max(float(np.asarray(t).astype(dtype)), float(np.finfo(dtype).smallest_subnormal))
 
 
+def _edges(threshold: float, dtype: Any) -> np.ndarray:
+    """The window's edges in ``dtype`` (:func:`window_edges`), the top one at least the next
+    value above the middle one (the threshold). Among the subnormals the whole window
+    ×0.8–×1.25 can round onto the threshold itself (float16: below 4·2**-24): the top edge
+    then counted every entry tied at it, a miss above that no re-derive ends, and the
+    call kept every tied entry (32 of 64 subnormals for k = 1). With a count above the
+    threshold the tie is cut to k (:meth:`ExDyna._bucket`) as any other."""
+    edges = window_edges(threshold, dtype)
+    mid = edges[edges.shape[0] // 2]
+    if not edges[-1] > mid:
+        edges[-1] = np.nextafter(mid, mid.dtype.type(np.inf))
+    return edges
+
+
 def authors_rule(threshold: float, count: int, k: int) -> float:
     """The authors' threshold update (kept for comparison; it settles below k)."""
     if count > 1.1 * k:
@@ -368,7 +382,7 @@ class ExDyna(Algorithm):
             return None
         if self.rule == "authors":
             return _cut(dtype, self.threshold)
-        return _cut(dtype, float(window_edges(self.threshold, dtype)[self._candidate_edge()]))
+        return _cut(dtype, float(_edges(self.threshold, dtype)[self._candidate_edge()]))
 
     def _candidate_edge(self) -> int:
         """The window edge from which a caller's candidates start: the one at or below the
@@ -391,7 +405,7 @@ class ExDyna(Algorithm):
         if self.rule == "authors":
             return _cut(dtype, self.threshold)
         ahead = self.threshold * math.exp(self.growth)
-        window = window_edges(self.threshold, dtype)
+        window = _edges(self.threshold, dtype)
         low = float(window[self._candidate_edge()])
         return _cut(dtype, min(max(ahead, low), float(window[-1])))
 
@@ -573,7 +587,7 @@ class ExDyna(Algorithm):
         (candidates from window edge ``found.low`` up): when the pick could lie below it,
         every rank counts its whole part and the counts are exchanged again, so the pick
         is the same as from all edges."""
-        cast = window_edges(self.threshold, part.dtype)  # counts == selections in that dtype
+        cast = _edges(self.threshold, part.dtype)  # counts == selections in that dtype
         e, tol = cast.shape[0], 0.05 * self.k
         while True:
             # zeros are never selected, even where a tiny edge rounds to 0 in the data's dtype
