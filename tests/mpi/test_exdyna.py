@@ -473,3 +473,32 @@ def test_ties_among_subnormals_are_cut_to_k(comm, dtype, k):
         ok = alg.verify(out, reference_sum(inputs), inputs)
         assert_all(comm, ok and out.nnz == k, f"call {t}: kept {out.nnz}, k = {k}, {out.info}")
         assert_all(comm, len(set(comm.allgather_object(digest(out)))) == 1, "ranks differ")
+
+
+@pytest.mark.parametrize("candidates", [False, True])
+def test_a_scale_drop_after_too_few_nonzeros_rederives(comm, candidates):
+    """A first call with fewer than k nonzeros in all (10 per rank, at 1.0; only the owner
+    of their partition selects them) starts the
+    cooldown (k outside the window right after a re-derive), then dense data 100× smaller:
+    the window, at 0.8 and above, counts nothing, and as the data hold k nonzeros again
+    the next call re-derives and keeps k (within 5%) from then on. Before, the cooldown
+    followed the window down by ×0.8 a call: 0 kept on 12 calls, under k for 15."""
+    n, k = 20_000, 200
+    alg = ExDyna(k=k)
+    kept = []
+    for t in range(6):
+        rng = np.random.default_rng([3, comm.rank, t])
+        x = (rng.standard_normal(n) * 0.01).astype(np.float32)
+        if t == 0:
+            x[10:] = 0
+            x[:10] = 1.0
+        lo, hi = alg.owned_range(comm.rank) if alg.n is not None else (0, 0)
+        cut = alg.candidate_cut(x.dtype)
+        if candidates and cut is not None:
+            pos = lo + np.flatnonzero(np.abs(x[lo:hi]) >= cut)
+            out = alg.reduce_dense(comm, x, candidates=(pos, x[pos]), drop=True, zeroed=cut)
+        else:
+            out = alg.reduce_dense(comm, x)
+        kept.append(out.nnz)
+    assert_all(comm, 0 < kept[0] <= 10 * comm.size, f"first call kept {kept[0]}")
+    assert_all(comm, all(20 * abs(c - k) <= k for c in kept[1:]), f"K per call {kept}")
