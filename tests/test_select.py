@@ -335,6 +335,19 @@ def test_threshold_compares_exactly() -> None:
     assert _common.round_threshold(-3.0, np.float16) == 0.0
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.filterwarnings("error")
+def test_threshold_above_the_largest_finite_value(name: str) -> None:
+    """A finite t above the dtype's largest finite value (65505 in float16, which rounds
+    down to 65504) selects only the infinities, and warns of no overflow (it did: the
+    step up from 65504 to inf in round_threshold ran outside the errstate)."""
+    x = np.array([1.0, 65504.0, -np.inf, -65504.0, np.inf], np.float16)
+    with backend(name):
+        assert sel.threshold(x, 65505.0)[0].tolist() == [2, 4]
+        assert sel.count_ge(x, 65505.0) == 2
+        assert sel.count_ge(x, 65504.0) == 4
+
+
 def test_bad_input() -> None:
     x = np.ones(4, np.float32)
     with pytest.raises(ValueError, match="k must be in"):

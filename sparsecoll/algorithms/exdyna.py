@@ -204,6 +204,20 @@ def _cut(dtype: Any, t: float) -> float:
     return max(float(np.asarray(t).astype(dtype)), float(np.finfo(dtype).smallest_subnormal))
 
 
+def _edges(threshold: float, dtype: Any) -> np.ndarray:
+    """The window's edges in ``dtype`` (:func:`window_edges`), the top one at least the next
+    value above the middle one (the threshold). Among the subnormals the whole window
+    ×0.8–×1.25 can round onto the threshold itself (float16: below 4·2**-24): the top edge
+    then counted every entry tied at it, a miss above that no re-derive ends, and the
+    call kept every tied entry (32 of 64 subnormals for k = 1). With a count above the
+    threshold the tie is cut to k (:meth:`ExDyna._bucket`) as any other."""
+    edges = window_edges(threshold, dtype)
+    mid = edges[edges.shape[0] // 2]
+    if not edges[-1] > mid:
+        edges[-1] = np.nextafter(mid, mid.dtype.type(np.inf))
+    return edges
+
+
 def authors_rule(threshold: float, count: int, k: int) -> float:
     """The authors' threshold update (kept for comparison; it settles below k)."""
     if count > 1.1 * k:
@@ -368,7 +382,7 @@ class ExDyna(Algorithm):
             return None
         if self.rule == "authors":
             return _cut(dtype, self.threshold)
-        return _cut(dtype, float(window_edges(self.threshold, dtype)[self._candidate_edge()]))
+        return _cut(dtype, float(_edges(self.threshold, dtype)[self._candidate_edge()]))
 
     def _candidate_edge(self) -> int:
         """The window edge from which a caller's candidates start: the one at or below the
@@ -391,7 +405,7 @@ class ExDyna(Algorithm):
         if self.rule == "authors":
             return _cut(dtype, self.threshold)
         ahead = self.threshold * math.exp(self.growth)
-        window = window_edges(self.threshold, dtype)
+        window = _edges(self.threshold, dtype)
         low = float(window[self._candidate_edge()])
         return _cut(dtype, min(max(ahead, low), float(window[-1])))
 
@@ -536,10 +550,14 @@ class ExDyna(Algorithm):
                 return mine, counts, t, rederived, None
             found, counts, used, side, cut = self._window(comm, part, found)
             missed = side != 0
+            if not missed or rederived:
+                break
             # a cooldown holds off re-deriving only for misses like the one that started it
             # (fewer than k nonzeros in all keeps missing low); a miss the other way (the
-            # data grew past k) re-derives at once
-            if not missed or rederived or (self._cooldown and side == self._cooldown_side):
+            # data grew past k) re-derives at once, and so does a miss low once there are
+            # k nonzeros again (the data's scale fell below the window)
+            held = self._cooldown and side == self._cooldown_side
+            if held and (side > 0 or not self._enough_nonzeros(comm, part, found)):
                 break
             found.restore()
             found = None  # the candidates were for the old threshold
@@ -563,6 +581,22 @@ class ExDyna(Algorithm):
             self.trend_calls += 1
         return mine, counts, used, rederived, cut
 
+    def _enough_nonzeros(self, comm: Communicator, part: Any, found: _Found | None) -> bool:
+        """Whether the ranks' parts hold about k nonzeros in all (k − 5%): one more read of
+        ``part`` and one small gather, made only on a call that misses low while a cooldown
+        holds. Before, the cooldown followed the window down by ×0.8 a call whatever the
+        data: after one call with fewer than k nonzeros, a stream 100× smaller kept nothing
+        for 12 calls."""
+        if found is not None:
+            found.restore()  # part whole again before it is read
+        try:
+            mine = select.count_ge(part, float(np.finfo(part.dtype).smallest_subnormal))
+        except ValueError:  # a NaN (in a part the caller's candidates stood for)
+            mine = -1
+        table = np.asarray(comm.allgather_ints(mine)).reshape(-1, 1)
+        _agree_no_nan(table)
+        return int(table.sum()) >= self.k - 0.05 * self.k
+
     def _window(
         self, comm: Communicator, part: Any, found: _Found | None = None
     ) -> tuple[_Found, list[int], float, int, _Bucket | None]:
@@ -573,7 +607,7 @@ class ExDyna(Algorithm):
         (candidates from window edge ``found.low`` up): when the pick could lie below it,
         every rank counts its whole part and the counts are exchanged again, so the pick
         is the same as from all edges."""
-        cast = window_edges(self.threshold, part.dtype)  # counts == selections in that dtype
+        cast = _edges(self.threshold, part.dtype)  # counts == selections in that dtype
         e, tol = cast.shape[0], 0.05 * self.k
         while True:
             # zeros are never selected, even where a tiny edge rounds to 0 in the data's dtype

@@ -49,10 +49,11 @@ def round_threshold(t: float, dtype: Any) -> float:
     if t <= 0.0:
         return 0.0
     dt = np.dtype(dtype)
+    # (above dtype's largest finite value, both the cast and the step up give inf)
     with np.errstate(over="ignore"):
         r = np.array(t, dtype=np.float64).astype(dt)
-    if float(r) < t:
-        r = np.nextafter(r, dt.type(np.inf))
+        if float(r) < t:
+            r = np.nextafter(r, dt.type(np.inf))
     return float(r)
 
 
