@@ -23,7 +23,9 @@ a reduction of arbitrary sparse inputs. One call, on every rank:
    O(k) in all), and the k-th largest of those is the new centre. A rank whose partition holds
    more than its share of the large values (all it sent lie at or above that centre) sends
    twice as many in another round, until none does, so the centre is the exact global k-th
-   largest |value|.
+   largest |value|. With fewer than k nonzeros in all partitions a re-derive cannot reach
+   k either: the next COOLDOWN calls then follow the window instead, unless the data miss
+   it the other way or hold k nonzeros again.
    ``rule="authors"`` keeps the authors' rule instead (one count per rank; ×1.005 when
    K > 1.1k, ×0.995 when K ≤ 0.909k, else ×1.00125: it settles ~8% under k), for comparison.
 3. One allgatherv of the selected indices with the counts already known (no padding), then
