@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import traceback
+import warnings
 
 import pytest
 
@@ -346,8 +347,32 @@ def _one_state_two_models(torch, ddp_cls, comm) -> list[str]:
                     got.append("ok")
                 except RuntimeError as exc:
                     got.append("refused" if "serves another DDP model" in str(exc) else str(exc))
-        if got != ["ok", "refused"] * 3 or state.iteration != 3:
+        # the second model's first backward looks like the model changing (as below); the
+        # first model's next one, back after a change, is refused, and from then on
+        if got != ["ok", "ok", "refused", "ok", "refused", "ok"] or state.iteration != 4:
             problems.append(f"{hook.__name__}, one state for two models: {got}, {state.iteration}")
+
+        # one model whose parameters change: the same module wrapped in a new DDP after
+        # unfreezing its first layer, with the same state, trains on (the changed buckets
+        # start afresh with a warning), then refreezing it and wrapping again as well
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+        state = SparseHookState(comm, "allgather", density=0.25)
+        got = []
+        for frozen in (True, False, False, True):
+            module[0].requires_grad_(not frozen)
+            ddp = ddp_cls(module)
+            ddp.register_comm_hook(state, hook)
+            for _ in range(3):
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", RuntimeWarning)
+                        ddp(x).sum().backward()
+                    got.append("ok")
+                except RuntimeError as exc:
+                    got.append(str(exc))
+        if got != ["ok"] * 12 or state.iteration != 12:
+            problems.append(f"{hook.__name__}, a model re-wrapped: {got}, {state.iteration}")
     return problems
 
 

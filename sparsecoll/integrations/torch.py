@@ -130,8 +130,8 @@ class SparseHookState:
             batch is skipped: nothing they sent is lost; do not apply their updates).
         **options: more GradientReducer options (``error_feedback``, algorithm options).
 
-    Every rank must build the same state, one per DDP model (a bucket of another model
-    raises a RuntimeError). ``stats()`` sums the byte counts over buckets;
+    Every rank must build the same state, one per DDP model (two models taking turns with
+    one state raise a RuntimeError; one model re-wrapped in a new DDP may keep it). ``stats()`` sums the byte counts over buckets;
     ``state_dict()``/``load_state_dict()`` save and restore every bucket's reducer (with the
     asynchronous hook: after the iteration's backward, when no bucket is in flight);
     ``reset()`` drops their state.
@@ -147,6 +147,7 @@ class SparseHookState:
         "_pending",
         "_pending_layouts",
         "_pending_until",
+        "_refused",
         "_seen",
         "_stepped",
         "algorithm",
@@ -198,10 +199,11 @@ class SparseHookState:
         self._stepped: list[tuple[int, GradientReducer]] = []
         self._failed: set[int] = set()
         self._failures: list[tuple[Any, BaseException]] = []  # async: errors held back
-        # the ids of the parameters of the DDP model this state serves: collected over its
-        # first iteration, then fixed (None: not yet complete)
-        self._model: set[int] | None = None
+        # the ids of the parameters of the last two iterations' buckets, of this iteration's
+        # so far, and of a model refused for taking turns with another (_check_model)
+        self._model: list[frozenset[int]] = []
         self._seen: set[int] = set()
+        self._refused: frozenset[int] = frozenset()
         # fail early, on every rank alike, on a bad algorithm name or option
         GradientReducer(self.comm, 1, algorithm, self.density, **options)
 
@@ -321,6 +323,7 @@ class SparseHookState:
         self._pending.clear()
         self._stepped, self._failed, self._failures = [], set(), []
         self._outside_stats = CommStats()
+        self._model, self._seen, self._refused = [], set(), frozenset()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore; each bucket's reducer is rebuilt when the bucket next comes by laid out
@@ -353,7 +356,8 @@ class SparseHookState:
         self._pending = dict(state["reducers"])
         self._pending_layouts = dict(state.get("layouts", {}))
         self._pending_until = self.iteration + 3
-        self._model, self._seen = None, set()  # (a restarted job's fresh DDP model)
+        # (a restarted job's fresh DDP model)
+        self._model, self._seen, self._refused = [], set(), frozenset()
 
 
 def _reduce_bucket(
@@ -458,21 +462,34 @@ def _bucket_reducer(state: SparseHookState, bucket: Any) -> GradientReducer | No
 
 
 def _check_model(state: SparseHookState, bucket: Any) -> None:
-    """Refuse a bucket of another DDP model than the one this state served first: one state
-    registered on two models counted each backward as an iteration and took one model's
-    buckets for the other's changed ones (a warning, the residual dropped every step). The
-    same on every rank (each rank's models alike), raised before any collective."""
-    ids = {id(p) for p in bucket.parameters()}
-    if state._model is None:
-        state._seen |= ids
-        if bucket.is_last():
-            state._model, state._seen = state._seen, set()
-    elif not ids <= state._model:
+    """Refuse two DDP models that take turns with one state: each backward counted as an
+    iteration and took the other model's buckets for its own changed ones (a warning, the
+    residual dropped every step). The parameters may change between iterations, e.g. the
+    same module wrapped in a new DDP after unfreezing layers (the changed buckets start
+    afresh, with a warning): what is refused is a change back to the parameters of two
+    iterations ago right after a change, and from then on that model's buckets. The same
+    on every rank (each rank's models alike), raised before the bucket's collective."""
+    ids = frozenset(id(p) for p in bucket.parameters())
+    last = bucket.is_last()
+    state._seen |= ids
+    done = frozenset(state._seen) if last else None
+    prev = state._model[-1] if state._model else None
+    before = state._model[0] if len(state._model) == 2 else None
+    turns = before is not None and before != prev  # (the last iteration was a change)
+    back = prev is not None and not ids <= prev and ids <= state._refused
+    back |= prev is not None and turns and not ids <= prev and ids <= before
+    back |= last and turns and done != prev and done == before
+    if back:
+        state._seen = set()
+        if turns:
+            state._refused |= before
         raise RuntimeError(
             f"this SparseHookState serves another DDP model: bucket {bucket.index()} holds "
-            f"parameters that model's buckets did not (one state per DDP model; to restart "
-            f"with another model, build a new state, or load_state_dict() a saved one)"
+            f"parameters of the model whose backward came before the last one (one state "
+            f"per DDP model, built alike on every rank)"
         )
+    if last:
+        state._model, state._seen = [*state._model[-1:], done], set()
 
 
 # DDP checks a hook's annotations against dist.GradBucket / Future[Tensor] at registration;
