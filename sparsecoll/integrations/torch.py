@@ -131,7 +131,8 @@ class SparseHookState:
         **options: more GradientReducer options (``error_feedback``, algorithm options).
 
     Every rank must build the same state, one per DDP model (two models taking turns with
-    one state raise a RuntimeError; one model re-wrapped in a new DDP may keep it). ``stats()`` sums the byte counts over buckets;
+    one state raise a RuntimeError; one model re-wrapped in a new DDP may keep it).
+    ``stats()`` sums the byte counts over buckets;
     ``state_dict()``/``load_state_dict()`` save and restore every bucket's reducer (with the
     asynchronous hook: after the iteration's backward, when no bucket is in flight);
     ``reset()`` drops their state.
