@@ -165,8 +165,8 @@ def _beyond_int64(indices: list[Any] | tuple[Any, ...]) -> None:
     of them because one lies beyond int64 and uint64 both (``[2**63, 1]`` is float64,
     rounded), and "indices must be integers, got float64" would misname the problem."""
     ints = []
-    for i in indices:
-        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+    for i in indices:  # (a bool is 0 or 1 here, as numpy reads it in a list of ints)
+        if not isinstance(i, (int, np.integer, np.bool_)):
             return
         ints.append(int(i))
     bad = next((i for i in ints if not -(2**63) <= i < 2**63), None)

@@ -193,7 +193,10 @@ def test_from_coo_owns_its_arrays(writeable):
         ([2**70], ValueError, "index 1180591620717411303424 out of range"),
         ([np.uint64(2**63), np.int64(-1)], ValueError, "index 9223372036854775808 out of"),
         ([1.0, 2], TypeError, "indices must be integers, got float64"),
-        ([True, 2**70], TypeError, "indices must be integers, got object"),
+        ([True, 2**70], ValueError, "index 1180591620717411303424 out of range"),
+        ([True, 2**64], ValueError, "index 18446744073709551616 out of range"),
+        ([np.True_, 2**63], ValueError, "index 9223372036854775808 out of range"),
+        ([True, 2.5, 2**70], TypeError, "indices must be integers, got object"),
     ],
 )
 def test_integers_beyond_int64_in_a_list_are_out_of_range(indices, etype, text):
