@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import os
 import signal
 import subprocess
 import sys
+import threading
+from typing import Any
 
 from ._launch import launcher_mismatch, mpiexec_command, under_mpi
 
@@ -78,10 +81,23 @@ def relaunch(cmd: list[str]) -> int:
     which then could not stop its ranks. A Ctrl-C typed in a terminal reaches mpiexec too;
     the copy passed on counts as the second Ctrl-C that makes MPICH's mpiexec abort at once.
     """
-    proc = subprocess.Popen(cmd)
-    forward = {signal.SIGTERM, signal.SIGHUP}
-    old = {sig: signal.signal(sig, lambda sig, _: proc.send_signal(sig)) for sig in forward}
+    started: list[subprocess.Popen[bytes]] = []
+
+    def forward(sig: int, _: Any) -> None:
+        if started:
+            started[0].send_signal(sig)
+        else:  # (before mpiexec started: end as the signal would have)
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+
+    # (signal handlers can be set from the main thread only: from another one, mpiexec's
+    # signals are its own to take)
+    main = threading.current_thread() is threading.main_thread()
+    sigs = (signal.SIGTERM, signal.SIGHUP) if main else ()
+    old = {sig: signal.signal(sig, forward) for sig in sigs}
     try:
+        proc = subprocess.Popen(cmd)
+        started.append(proc)
         while True:
             try:
                 code = proc.wait()

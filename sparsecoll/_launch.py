@@ -24,12 +24,16 @@ def launcher_mismatch(world_size: int, library: str) -> str | None:
 
     A launcher of another MPI (Open MPI's mpiexec in front of an MPICH mpi4py, or the
     reverse) starts P processes that each find no launcher of their own and run as a world
-    of one: P copies of the job, not one job of P ranks. ``world_size`` is what this MPI's
+    of one: P copies of the job, not one job of P ranks. Only that is taken as a mismatch:
+    a world of several ranks has its launcher, whatever an outer launch left in the
+    environment. ``world_size`` is what this MPI's
     COMM_WORLD holds, ``library`` its version line (for the message).
     """
+    if world_size != 1:  # (a variable inherited from an outer launch may disagree)
+        return None
     for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
         started = os.environ.get(var, "")
-        if started.isdigit() and int(started) != world_size:
+        if started.isdigit() and int(started) > 1:
             return (
                 f"the launcher started {started} processes ({var}={started}) but MPI "
                 f"({library}) sees {world_size} rank(s) in each: that mpiexec is another MPI's "

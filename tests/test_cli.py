@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -284,3 +285,40 @@ def test_another_mpis_launcher_is_an_error_not_p_copies(tmp_path) -> None:
     assert "# P=" not in proc.stdout
     message = "the launcher started 2 processes (OMPI_COMM_WORLD_SIZE=2) but MPI"
     assert proc.stderr.count(message) == 2, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("world", "env", "wrong"),
+    [
+        (1, {"OMPI_COMM_WORLD_SIZE": "2"}, True),  # another MPI's launcher: P singletons
+        (1, {"PMI_SIZE": "4"}, True),
+        (1, {"PMI_SIZE": "1"}, False),  # a launch of one
+        (2, {"OMPI_COMM_WORLD_SIZE": "4"}, False),  # left over from an outer launch
+        (2, {"PMI_SIZE": "2"}, False),
+        (3, {}, False),
+    ],
+)
+def test_launcher_mismatch_is_p_worlds_of_one(monkeypatch, world, env, wrong) -> None:
+    """Only a world of one under a launcher of several is another MPI's launcher: a variable
+    inherited from an outer launch (a driver started by mpirun, a Slurm step) used to make
+    bench refuse a world of the right size, with a message that called mpiexec another
+    MPI's."""
+    from sparsecoll._launch import launcher_mismatch
+
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert (launcher_mismatch(world, "MPI X") is not None) == wrong
+
+
+def test_relaunch_from_another_thread() -> None:
+    """Signal handlers can be set from the main thread only: relaunch from another thread
+    started mpiexec, then raised ValueError with nobody left waiting for it."""
+    from sparsecoll import __main__ as entry
+
+    got = []
+    t = threading.Thread(target=lambda: got.append(entry.relaunch([sys.executable, "-c", "0"])))
+    t.start()
+    t.join(60)
+    assert got == [0]
