@@ -182,6 +182,18 @@ def _top_magnitudes(part: Any, take: int) -> Any:
     return top[top > 0]
 
 
+def _count_nonzeros(part: Any, found: _Found) -> int:
+    """The nonzeros of ``part`` as it was before the caller's pass zeroed ``found``'s
+    candidates at or above ``found.zc`` (none when zc is None); -1 when it holds a NaN."""
+    try:
+        count = select.count_ge(part, float(np.finfo(part.dtype).smallest_subnormal))
+    except ValueError:  # (a NaN, in a part the caller's candidates stood for)
+        return -1
+    if found.zc is not None:
+        count += select.count_ge(found.values, found.zc)
+    return count
+
+
 def _agree_no_nan(table: np.ndarray) -> None:
     """Raise on every rank when some rank flagged a NaN (a row of -1 counts)."""
     bad = np.flatnonzero(table[:, 0] < 0)
@@ -300,6 +312,7 @@ class ExDyna(Algorithm):
         self.recounts = 0  # calls whose candidates did not reach low enough: a second read
         self._cooldown = 0
         self._cooldown_side = 0  # the miss that started the cooldown: +1 too many, -1 too few
+        self._nonzeros = -1  # every rank's nonzeros in all, on a call that counted them
 
     @classmethod
     def default_options(cls, n: int, k: int) -> dict[str, Any]:
@@ -559,7 +572,7 @@ class ExDyna(Algorithm):
             # data grew past k) re-derives at once, and so does a miss low once there are
             # k nonzeros again (the data's scale fell below the window)
             held = self._cooldown and side == self._cooldown_side
-            if held and (side > 0 or not self._enough_nonzeros(comm, part, found)):
+            if held and (side > 0 or self._nonzeros < self.k - 0.05 * self.k):
                 break
             found.restore()
             found = None  # the candidates were for the old threshold
@@ -583,22 +596,6 @@ class ExDyna(Algorithm):
             self.trend_calls += 1
         return mine, counts, used, rederived, cut
 
-    def _enough_nonzeros(self, comm: Communicator, part: Any, found: _Found | None) -> bool:
-        """Whether the ranks' parts hold about k nonzeros in all (k − 5%): one more read of
-        ``part`` and one small gather, made only on a call that misses low while a cooldown
-        holds. Before, the cooldown followed the window down by ×0.8 a call whatever the
-        data: after one call with fewer than k nonzeros, a stream 100× smaller kept nothing
-        for 12 calls."""
-        if found is not None:
-            found.restore()  # part whole again before it is read
-        try:
-            mine = select.count_ge(part, float(np.finfo(part.dtype).smallest_subnormal))
-        except ValueError:  # a NaN (in a part the caller's candidates stood for)
-            mine = -1
-        table = np.asarray(comm.allgather_ints(mine)).reshape(-1, 1)
-        _agree_no_nan(table)
-        return int(table.sum()) >= self.k - 0.05 * self.k
-
     def _window(
         self, comm: Communicator, part: Any, found: _Found | None = None
     ) -> tuple[_Found, list[int], float, int, _Bucket | None]:
@@ -611,17 +608,27 @@ class ExDyna(Algorithm):
         is the same as from all edges."""
         cast = _edges(self.threshold, part.dtype)  # counts == selections in that dtype
         e, tol = cast.shape[0], 0.05 * self.k
+        # while a cooldown after too few nonzeros holds (the same on every rank), the counts
+        # carry each rank's nonzeros too, so that a miss low re-derives once there are k
+        # again (before, the cooldown followed the window down ×0.8 a call whatever the
+        # data: a stream 100× smaller after one call of too few kept nothing for 12 calls)
+        nonzeros = bool(self._cooldown) and self._cooldown_side < 0
         while True:
             # zeros are never selected, even where a tiny edge rounds to 0 in the data's dtype
             if found is None:
                 found = _above(part, _cut(part.dtype, float(cast[0])))
-            row = np.full(e + 1, -1, dtype=np.int64)  # the counts, then the lowest edge known
+            # the counts, the lowest edge known, then the nonzeros
+            row = np.full(e + 1 + nonzeros, -1, dtype=np.int64)
             if found is not None:
                 row[:e] = 0
                 row[found.low : e] = edge_totals(found.values, cast[found.low :])
                 row[e] = found.low
+                if nonzeros:
+                    row[e + 1] = _count_nonzeros(part, found)
+                    row[0] = min(row[0], row[e + 1])  # (-1: a NaN, flagged as _above does)
             table = np.asarray(comm.allgather_ints(row)).reshape(comm.size, -1)
             _agree_no_nan(table)
+            self._nonzeros = int(table[:, e + 1].sum()) if nonzeros else -1
             known = int(table[:, e].max())
             total = table[:, :e].sum(axis=0)
             if known == 0 or not _below_needed(total[known:], self.k, tol):
