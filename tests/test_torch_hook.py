@@ -322,10 +322,10 @@ def _bfloat16_buckets(torch, ddp_cls, comm) -> list[str]:
 
 
 def _one_state_two_models(torch, ddp_cls, comm) -> list[str]:
-    """One state registered on two DDP models: the second model's backward raises on every
-    rank, naming the misuse, and the first model trains on, its iterations counted once.
-    Before, each model's backward counted as an iteration and the second model's buckets
-    were taken for the first's changed ones: a warning and the residual dropped every step."""
+    """One state registered on two DDP models is not supported: their buckets replace each
+    other's reducers at every iteration, and the warning says so (a refusal tried here took
+    one model whose layers were frozen for one iteration for two models). One model whose
+    parameters change, re-wrapped in a new DDP with the same state, trains on."""
     from sparsecoll.integrations.torch import (
         SparseHookState,
         async_sparse_allreduce_hook,
@@ -336,34 +336,31 @@ def _one_state_two_models(torch, ddp_cls, comm) -> list[str]:
     for hook in (sparse_allreduce_hook, async_sparse_allreduce_hook):
         torch.manual_seed(0)
         first, second = (ddp_cls(torch.nn.Linear(6, 3)) for _ in range(2))
-        state = SparseHookState(comm, "allgather", density=0.25)
+        state = SparseHookState(comm, "allgather", density=0.25, warmup=1)
         for ddp in (first, second):
             ddp.register_comm_hook(state, hook)
-        x, got = torch.randn(4, 6), []
-        for _ in range(3):
-            for ddp in (first, second):
-                try:
+        x = torch.randn(4, 6)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                for ddp in (first, second):
                     ddp(x).sum().backward()
-                    got.append("ok")
-                except RuntimeError as exc:
-                    got.append("refused" if "serves another DDP model" in str(exc) else str(exc))
-        # the second model's first backward looks like the model changing (as below); the
-        # first model's next one, back after a change, is refused, and from then on
-        if got != ["ok", "ok", "refused", "ok", "refused", "ok"] or state.iteration != 4:
-            problems.append(f"{hook.__name__}, one state for two models: {got}, {state.iteration}")
+        said = [str(w.message) for w in caught if "serves two DDP models" in str(w.message)]
+        if len(said) < 3:
+            problems.append(f"{hook.__name__}, one state for two models: warned {said}")
 
         # one model whose parameters change: the same module wrapped in a new DDP after
         # unfreezing its first layer, with the same state, trains on (the changed buckets
-        # start afresh with a warning), then refreezing it and wrapping again as well
+        # start afresh with a warning), also when frozen again for one iteration only
         torch.manual_seed(0)
         module = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
         state = SparseHookState(comm, "allgather", density=0.25)
         got = []
-        for frozen in (True, False, False, True):
+        for frozen, steps in ((True, 3), (False, 1), (True, 1), (False, 3)):
             module[0].requires_grad_(not frozen)
             ddp = ddp_cls(module)
             ddp.register_comm_hook(state, hook)
-            for _ in range(3):
+            for _ in range(steps):
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore", RuntimeWarning)
@@ -371,7 +368,7 @@ def _one_state_two_models(torch, ddp_cls, comm) -> list[str]:
                     got.append("ok")
                 except RuntimeError as exc:
                     got.append(str(exc))
-        if got != ["ok"] * 12 or state.iteration != 12:
+        if got != ["ok"] * 8 or state.iteration != 8:
             problems.append(f"{hook.__name__}, a model re-wrapped: {got}, {state.iteration}")
     return problems
 

@@ -130,9 +130,8 @@ class SparseHookState:
             batch is skipped: nothing they sent is lost; do not apply their updates).
         **options: more GradientReducer options (``error_feedback``, algorithm options).
 
-    Every rank must build the same state, one per DDP model (two models taking turns with
-    one state raise a RuntimeError; one model re-wrapped in a new DDP may keep it).
-    ``stats()`` sums the byte counts over buckets;
+    Every rank must build the same state, one per DDP model (one model re-wrapped in a new
+    DDP may keep it). ``stats()`` sums the byte counts over buckets;
     ``state_dict()``/``load_state_dict()`` save and restore every bucket's reducer (with the
     asynchronous hook: after the iteration's backward, when no bucket is in flight);
     ``reset()`` drops their state.
@@ -143,13 +142,10 @@ class SparseHookState:
         "_failed",
         "_failures",
         "_layouts",
-        "_model",
         "_outside_stats",
         "_pending",
         "_pending_layouts",
         "_pending_until",
-        "_refused",
-        "_seen",
         "_stepped",
         "algorithm",
         "comm",
@@ -200,11 +196,6 @@ class SparseHookState:
         self._stepped: list[tuple[int, GradientReducer]] = []
         self._failed: set[int] = set()
         self._failures: list[tuple[Any, BaseException]] = []  # async: errors held back
-        # the ids of the parameters of the last two iterations' buckets, of this iteration's
-        # so far, and of a model refused for taking turns with another (_check_model)
-        self._model: list[frozenset[int]] = []
-        self._seen: set[int] = set()
-        self._refused: frozenset[int] = frozenset()
         # fail early, on every rank alike, on a bad algorithm name or option
         GradientReducer(self.comm, 1, algorithm, self.density, **options)
 
@@ -250,7 +241,9 @@ class SparseHookState:
             what = f"{old[0]} to {numel} elements" if old[0] != numel else "its parameters"
             warnings.warn(
                 f"DDP bucket {index} changed ({what}, {dtype}) after the warm-up; its "
-                f"residual is dropped",
+                f"residual is dropped (expected once after a model's parameters change; "
+                f"at every iteration, the state serves two DDP models, which is not "
+                f"supported: build one SparseHookState per model)",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -324,7 +317,6 @@ class SparseHookState:
         self._pending.clear()
         self._stepped, self._failed, self._failures = [], set(), []
         self._outside_stats = CommStats()
-        self._model, self._seen, self._refused = [], set(), frozenset()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore; each bucket's reducer is rebuilt when the bucket next comes by laid out
@@ -357,8 +349,6 @@ class SparseHookState:
         self._pending = dict(state["reducers"])
         self._pending_layouts = dict(state.get("layouts", {}))
         self._pending_until = self.iteration + 3
-        # (a restarted job's fresh DDP model)
-        self._model, self._seen, self._refused = [], set(), frozenset()
 
 
 def _reduce_bucket(
@@ -453,44 +443,12 @@ def _bucket_reducer(state: SparseHookState, bucket: Any) -> GradientReducer | No
     """The bucket's reducer (None during the warm-up); counts the iteration on its last
     bucket."""
     buf = bucket.buffer()
-    _check_model(state, bucket)
     red = None
     if state.iteration >= state.warmup:
         red = state.reducer(bucket.index(), int(buf.numel()), str(buf.dtype), bucket.parameters())
     if bucket.is_last():
         state.iteration += 1
     return red
-
-
-def _check_model(state: SparseHookState, bucket: Any) -> None:
-    """Refuse two DDP models that take turns with one state: each backward counted as an
-    iteration and took the other model's buckets for its own changed ones (a warning, the
-    residual dropped every step). The parameters may change between iterations, e.g. the
-    same module wrapped in a new DDP after unfreezing layers (the changed buckets start
-    afresh, with a warning): what is refused is a change back to the parameters of two
-    iterations ago right after a change, and from then on that model's buckets. The same
-    on every rank (each rank's models alike), raised before the bucket's collective."""
-    ids = frozenset(id(p) for p in bucket.parameters())
-    last = bucket.is_last()
-    state._seen |= ids
-    done = frozenset(state._seen) if last else None
-    prev = state._model[-1] if state._model else None
-    before = state._model[0] if len(state._model) == 2 else None
-    turns = before is not None and before != prev  # (the last iteration was a change)
-    back = prev is not None and not ids <= prev and ids <= state._refused
-    back |= prev is not None and turns and not ids <= prev and ids <= before
-    back |= last and turns and done != prev and done == before
-    if back:
-        state._seen = set()
-        if turns:
-            state._refused |= before
-        raise RuntimeError(
-            f"this SparseHookState serves another DDP model: bucket {bucket.index()} holds "
-            f"parameters of the model whose backward came before the last one (one state "
-            f"per DDP model, built alike on every rank)"
-        )
-    if last:
-        state._model, state._seen = [*state._model[-1:], done], set()
 
 
 # DDP checks a hook's annotations against dist.GradBucket / Future[Tensor] at registration;
