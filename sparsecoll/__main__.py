@@ -92,8 +92,11 @@ def relaunch(cmd: list[str]) -> int:
 
     # (signal handlers can be set from the main thread only: from another one, mpiexec's
     # signals are its own to take)
+    # (and not a signal this process ignores, e.g. SIGHUP under nohup: a handler here would
+    # give mpiexec its default action instead of the ignoring it inherits)
     main = threading.current_thread() is threading.main_thread()
     sigs = (signal.SIGTERM, signal.SIGHUP) if main else ()
+    sigs = tuple(sig for sig in sigs if signal.getsignal(sig) is not signal.SIG_IGN)
     old = {sig: signal.signal(sig, forward) for sig in sigs}
     try:
         proc = subprocess.Popen(cmd)

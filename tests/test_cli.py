@@ -322,3 +322,16 @@ def test_relaunch_from_another_thread() -> None:
     t.start()
     t.join(60)
     assert got == [0]
+
+
+def test_relaunch_under_nohup_keeps_sighup_ignored() -> None:
+    """Under nohup SIGHUP is ignored, and mpiexec inherited that; a handler set for it
+    before starting mpiexec gave mpiexec the default action (a closed terminal ended it)."""
+    from sparsecoll import __main__ as entry
+
+    check = "import signal, sys; sys.exit(signal.getsignal(signal.SIGHUP) == signal.SIG_IGN)"
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert entry.relaunch([sys.executable, "-c", check]) == 1
+    finally:
+        signal.signal(signal.SIGHUP, old)
