@@ -584,6 +584,8 @@ class ExDyna(Algorithm):
             # nonzeros in all): follow the window instead of re-deriving every call
             self._cooldown = COOLDOWN
             self._cooldown_side = side
+        elif rederived:  # (k inside the window again: what started a cooldown is over)
+            self._cooldown = 0
         self.rederives += rederived
         self.threshold = used if 0 < used < math.inf else None
         if rederived or not before or self.threshold is None:

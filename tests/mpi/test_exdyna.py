@@ -485,7 +485,7 @@ def test_a_scale_drop_after_too_few_nonzeros_rederives(comm, candidates):
     followed the window down by ×0.8 a call: 0 kept on 12 calls, under k for 15."""
     n, k = 20_000, 200
     alg = ExDyna(k=k)
-    kept = []
+    kept, cooldown = [], []
     for t in range(6):
         rng = np.random.default_rng([3, comm.rank, t])
         x = (rng.standard_normal(n) * 0.01).astype(np.float32)
@@ -495,10 +495,16 @@ def test_a_scale_drop_after_too_few_nonzeros_rederives(comm, candidates):
         lo, hi = alg.owned_range(comm.rank) if alg.n is not None else (0, 0)
         cut = alg.candidate_cut(x.dtype)
         if candidates and cut is not None:
+            # as GradientReducer's pass: the candidates' values taken, acc zeroed there
             pos = lo + np.flatnonzero(np.abs(x[lo:hi]) >= cut)
-            out = alg.reduce_dense(comm, x, candidates=(pos, x[pos]), drop=True, zeroed=cut)
+            vals = x[pos].copy()
+            x[pos] = 0
+            out = alg.reduce_dense(comm, x, candidates=(pos, vals), drop=True, zeroed=cut)
         else:
             out = alg.reduce_dense(comm, x)
         kept.append(out.nnz)
+        cooldown.append(alg._cooldown)
     assert_all(comm, 0 < kept[0] <= 10 * comm.size, f"first call kept {kept[0]}")
     assert_all(comm, all(20 * abs(c - k) <= k for c in kept[1:]), f"K per call {kept}")
+    # a re-derive that reaches k ends the cooldown (and its nonzero counts on every call)
+    assert_all(comm, cooldown[0] > 0 and not any(cooldown[1:]), f"cooldown {cooldown}")
