@@ -677,7 +677,7 @@ def test_wait_on_the_progress_thread_raises_instead_of_hanging(comm):
     got = req.wait(timeout=120)
     want = digest(sparsecoll.allreduce(c, vals, idx, n=N))
     assert_all(comm, got[0] == want, f"the completed request: {got[0]}")
-    pending = "call #3), not complete, from the progress thread that runs it"
+    pending = f"(call #{later[0].call}), not complete, from the progress thread that runs it"
     ok = len(got) == 4 and pending in got[1] and pending in got[2]
     ok = ok and got[3].startswith("RuntimeError: drain() on the progress thread")
     assert_all(comm, ok, f"waits on the progress thread: {got[1:]}")
