@@ -82,9 +82,19 @@ class SparseRequest:
     ``done()`` say whether it has completed, without waiting.
     """
 
-    __slots__ = ("__weakref__", "_error", "_event", "_pid", "_taken", "_value", "call", "label")
+    __slots__ = (
+        "__weakref__",
+        "_error",
+        "_event",
+        "_pid",
+        "_taken",
+        "_value",
+        "_worker",
+        "call",
+        "label",
+    )
 
-    def __init__(self, call: int, label: str) -> None:
+    def __init__(self, call: int, label: str, worker: threading.Thread | None = None) -> None:
         self.call = call  # 1-based position among the engine's calls
         self.label = label
         self._event = threading.Event()
@@ -92,6 +102,7 @@ class SparseRequest:
         self._error: BaseException | None = None
         self._taken = False  # a wait() has returned the result (see GradientReducer.step_async)
         self._pid = os.getpid()  # (a child made by fork() would wait for ever)
+        self._worker = worker  # the progress thread that completes it (None: not queued)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block (without spinning) until the call completes; return its result.
@@ -101,8 +112,17 @@ class SparseRequest:
                 later ``wait()`` can still complete it.
             The call's own error (e.g. CollectiveInputError), on every rank alike.
             RuntimeError: called in a child made by fork() while the call was pending in
-                the parent (no thread completes it there).
+                the parent (no thread completes it there); called before the call
+                completed on the progress thread that runs it (in a callable run there,
+                such as a callback of the DDP hook's future): only that thread can complete
+                it, so it waited for ever.
         """
+        if not self._event.is_set() and threading.current_thread() is self._worker:
+            raise RuntimeError(
+                f"wait() on {self.label} (call #{self.call}), not complete, from the "
+                f"progress thread that runs it: it would wait for ever; wait from another "
+                f"thread, or only for requests that test() says are complete"
+            )
         if not self._event.is_set() and os.getpid() != self._pid:
             raise RuntimeError(
                 f"{self.label} (call #{self.call}) was pending in process {self._pid} when "
@@ -192,7 +212,7 @@ class Engine:
                 raise RuntimeError("the progress engine of this communicator is shut down")
             self._submitted += 1
             self._calls += 1
-            req = SparseRequest(self._calls, label)
+            req = SparseRequest(self._calls, label, self._thread)
             self._queue.append((req, fn, owner, scopes))
             self._cond.notify_all()
         if self._watchdog is None and watch:
@@ -217,8 +237,8 @@ class Engine:
             self._calls += 1
             req = SparseRequest(self._calls, label)
             self._blocking[me] = (req, time.monotonic())
-        if self._watchdog is None:
-            self._start_watchdog()
+            if self._watchdog is None:  # (also once the engine is closed: see _watch)
+                self._start_watchdog()
         try:
             yield
         finally:
@@ -241,10 +261,21 @@ class Engine:
         return sorted(running, key=lambda r: r[0].call)
 
     def drain(self) -> None:
-        """Wait until every call submitted so far has completed."""
+        """Wait until every call submitted so far has completed.
+
+        Raises:
+            RuntimeError: called on the progress thread with calls pending (its own call
+                among them): only this thread completes them, so it waited for ever.
+        """
         self._check_process()
         if self._completed == self._submitted:
             return
+        if self.is_worker_thread():
+            raise RuntimeError(
+                f"drain() on the progress thread with {self.pending()} call(s) pending "
+                f"(its own among them): only this thread completes them; it would wait "
+                f"for ever"
+            )
         with self._cond:
             target = self._submitted
             while self._completed < target:
@@ -333,7 +364,8 @@ class Engine:
     # -- watchdog ---------------------------------------------------------------------------
     def _start_watchdog(self) -> None:
         with self._cond:
-            if self._watchdog is not None or self._ended:
+            # (after the thread ended: only for blocking calls, while the duplicates live)
+            if self._watchdog is not None or (self._ended and self._free):
                 return
             self._watchdog = threading.Thread(
                 target=self._watch, name=f"sparsecoll-watchdog-{self.comm.rank}", daemon=True
@@ -341,7 +373,16 @@ class Engine:
             self._watchdog.start()  # under the lock: the thread's end may join it
 
     def _watch(self) -> None:
-        while self._thread.is_alive() and not self._ended:
+        # Once the progress thread has ended (close(), stop()), the communicator's blocking
+        # calls are still watched: the watchdog goes on while one runs, and the next one
+        # starts it again (the timeout holds for the communicator's whole life, as
+        # torch.distributed's for a process group's). It stops when the engine frees its
+        # duplicates (the user's communicator was freed: no call can follow).
+        while True:
+            with self._cond:
+                if self._ended and (self._free or not self._blocking):
+                    self._watchdog = None  # (under the lock: watching() starts another)
+                    return
             time.sleep(WATCH_PERIOD)
             timeout = get_timeout()
             late = (
@@ -427,5 +468,6 @@ def stop(engines: list[Engine] | None = None) -> None:
             engines = [e for e in _engines if e._pid == os.getpid()]
     for engine in engines:
         engine.close(wait=True)
-        if engine._watchdog is not None:
-            engine._watchdog.join()
+        watchdog = engine._watchdog  # (it sets None as it ends)
+        if watchdog is not None:
+            watchdog.join()

@@ -537,7 +537,7 @@ class Communicator:
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
         self.stats = CommStats()  # running totals: every call's traffic, requests' included
-        self.last_stats = CommStats()  # what the last sparsecoll.allreduce moved
+        self._last = threading.local()  # each thread's last_stats
         self._stats_lock = threading.Lock()  # (the progress thread adds its requests' traffic)
         self._scopes = threading.local()  # each thread's open measure() scopes
         self._cuda_aware: bool | None = None
@@ -655,6 +655,21 @@ class Communicator:
         return getattr(self.mpi_comm, name)(*args)
 
     # -- accounting ---------------------------------------------------------------------
+    @property
+    def last_stats(self) -> CommStats:
+        """What the calling thread's last :func:`sparsecoll.allreduce` on this Communicator
+        moved (its ``info["stats"]``; empty before its first). Per thread, as
+        :meth:`measure` scopes are: not another thread's call, nor a request completed on
+        the progress thread (the request's result has its own ``info["stats"]``)."""
+        last = getattr(self._last, "stats", None)
+        if last is None:
+            last = self._last.stats = CommStats()
+        return last
+
+    @last_stats.setter
+    def last_stats(self, stats: CommStats) -> None:
+        self._last.stats = stats
+
     def reset_stats(self) -> None:
         with self._stats_lock:
             self.stats = CommStats()

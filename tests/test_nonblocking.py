@@ -118,6 +118,41 @@ def test_watchdog_times_a_blocking_call_from_when_the_requests_before_it_end():
     assert out.count("blocking after the requests: [2.0, 4.0], 8 done") == 2, out[-6000:]
 
 
+@pytest.mark.mpi
+def test_watchdog_watches_blocking_calls_after_the_engine_is_closed():
+    """With SPARSECOLL_TIMEOUT set, closing a communicator's progress engine left its later
+    blocking calls unwatched, without a word: a rank late by four timeouts went unnoticed
+    (the job ended normally). They stay watched: the job aborts with the diagnostic."""
+    from .mpirun import run_mpi
+
+    env = {"SPARSECOLL_TIMEOUT": str(WATCHDOG_SECONDS)}
+    proc = run_mpi(3, [__file__, "closed"], timeout=120, env=env)
+    out = proc.stdout
+    assert proc.returncode != 0, out[-6000:]
+    assert "not reached" not in out, out[-6000:]
+    for rank in (0, 2):
+        assert f"sparsecoll watchdog: rank {rank} of 3: in call #3 allreduce" in out, out
+
+
+def _closed() -> None:
+    import numpy as np
+
+    import sparsecoll
+
+    comm = sparsecoll.Communicator()
+    vals, idx = np.array([1.0, 2.0], np.float32), np.array([3, 4])
+    sparsecoll.set_timeout(None)  # the first call loads the kernels: not watched
+    sparsecoll.allreduce(comm, vals, idx, n=9)
+    sparsecoll.set_timeout(WATCHDOG_SECONDS)
+    sparsecoll.iallreduce(comm, vals, idx, n=9).wait()  # call #1
+    sparsecoll.allreduce(comm, vals, idx, n=9)  # call #2: the watchdog runs
+    comm.engine().close()
+    if comm.rank == 1:  # late to call #3 by four timeouts
+        time.sleep(4 * WATCHDOG_SECONDS)
+    sparsecoll.allreduce(comm, vals, idx, n=9)
+    print("not reached", flush=True)
+
+
 def _queued() -> None:
     import numpy as np
 
@@ -305,7 +340,7 @@ def _low_level(level: str) -> None:
 
 if __name__ == "__main__":
     modes = {"pending": _pending, "skip": _skip, "skip_step": _skip_step, "raise": _raise}
-    modes.update(fork=_fork, finalize=_finalize, queued=_queued)
+    modes.update(fork=_fork, finalize=_finalize, queued=_queued, closed=_closed)
     if sys.argv[1] in ("single", "funneled", "serialized"):
         _low_level(sys.argv[1])
     else:

@@ -646,3 +646,56 @@ def test_stats_leave_out_another_threads_request(comm, kind):
     assert_all(comm, got_request == want_request, f"{got_request} != {want_request}")
     total = c.stats - before
     assert_all(comm, total == want_total, f"the totals count {total}, not {want_total}")
+
+
+def test_wait_on_the_progress_thread_raises_instead_of_hanging(comm):
+    """A callable run on the progress thread (as a callback of the DDP hook's future is)
+    that waits for a request not yet complete, or drains the engine, raises RuntimeError
+    on every rank: only that thread completes requests, so it waited for ever (the job
+    hung). Waiting there for a request already complete still returns its result."""
+    vals, idx = _input(comm.rank, 12)
+    c = sparsecoll.Communicator(comm.mpi_comm)
+    engine = c.engine()
+    first = sparsecoll.iallreduce(c, vals, idx, n=N)
+    later: list = []
+
+    def on_the_thread():
+        got = [digest(first.wait())]  # complete (submitted before): returns
+        # (with timeouts, and no drain() if they time out: it had none, and hung the job)
+        for wait in (later[0].wait, later[0].result, engine.drain):
+            try:
+                wait() if wait == engine.drain else wait(timeout=10)
+                got.append("returned")
+            except Exception as exc:
+                got.append(f"{type(exc).__name__}: {exc}")
+                if type(exc) is not RuntimeError:
+                    break
+        return got
+
+    req = engine.submit(on_the_thread, "waits on the progress thread", owner=c)
+    later.append(sparsecoll.iallreduce(c, vals, idx, n=N))
+    got = req.wait(timeout=120)
+    want = digest(sparsecoll.allreduce(c, vals, idx, n=N))
+    assert_all(comm, got[0] == want, f"the completed request: {got[0]}")
+    pending = f"(call #{later[0].call}), not complete, from the progress thread that runs it"
+    ok = len(got) == 4 and pending in got[1] and pending in got[2]
+    ok = ok and got[3].startswith("RuntimeError: drain() on the progress thread")
+    assert_all(comm, ok, f"waits on the progress thread: {got[1:]}")
+    assert_all(comm, digest(later[0].wait(timeout=120)) == want)
+
+
+def test_last_stats_is_the_calling_threads_last_call(comm):
+    """last_stats is per thread: after a request completed (on the progress thread, which
+    runs allreduce on the same Communicator), the thread still reads its own last blocking
+    call's stats, not the request's; a thread that made no call reads empty stats."""
+    c = sparsecoll.Communicator(comm.mpi_comm)
+    small, big = _input(comm.rank, 13, 2), _input(comm.rank, 14, 10 * K)
+    mine = sparsecoll.allreduce(c, *small, n=N).info["stats"]
+    request = sparsecoll.iallreduce(c, *big, n=N).wait(timeout=120).info["stats"]
+    seen: list = []
+    thread = threading.Thread(target=lambda: seen.append(c.last_stats))
+    thread.start()
+    thread.join(120)
+    same = c.last_stats == mine and c.last_stats is not request
+    assert_all(comm, same, f"last_stats {c.last_stats} (own call {mine}, request {request})")
+    assert_all(comm, seen == [sparsecoll.CommStats()], f"another thread's: {seen}")
