@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import time
 import weakref
@@ -213,6 +214,11 @@ class GradientReducer:
         self._is_dense = algorithm == "dense"
         self._has_dense_path = hasattr(self.algorithm, "reduce_dense")
         self._selector_args = selection_options or {}
+        # what a checkpoint's options must be (defaults filled in: an option given at its
+        # default is the same reducer); loading writes the saved instance's attributes,
+        # options included, over this reducer's
+        self._options = _effective_options(cls, options)
+        self._selection_options = _effective_options(SELECTIONS[selection], self._selector_args)
         self.reset()
 
     def reset(self) -> None:
@@ -471,16 +477,22 @@ class GradientReducer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` saved by a reducer built with the same arguments, on
         as many ranks. A state from another n, algorithm, density, number of ranks,
-        selection or momentum is refused (ValueError; this reducer is left as it was): the
-        algorithm's state holds its k and partitions, and each rank's residual belongs to
-        its rank of that run."""
+        selection, momentum, algorithm options (``**options``) or ``selection_options`` is
+        refused (ValueError; this reducer is left as it was): the algorithm's state holds
+        its k and partitions (and its options, which loading would write over this
+        reducer's), and each rank's residual belongs to its rank of that run."""
         self._wait_pending()
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"state version {state.get('version')} != {STATE_VERSION}")
         for key, value in self._identity().items():
-            # (the last three are absent from states saved before they were recorded)
+            # (all but n and algorithm are absent from states saved before they were recorded)
             if (key in state or key in ("n", "algorithm")) and state[key] != value:
-                raise ValueError(f"state is for {key}={state[key]!r}, this reducer has {value!r}")
+                saved = state[key]
+                if isinstance(value, dict):  # (options: only those that differ)
+                    names = sorted(o for o in {*saved, *value} if saved.get(o) != value.get(o))
+                    saved = {o: saved.get(o) for o in names}
+                    value = {o: value.get(o) for o in names}
+                raise ValueError(f"state is for {key}={saved!r}, this reducer has {value!r}")
         if state.get("velocity") is not None and not self.momentum:
             raise ValueError("state holds a momentum-correction velocity, this reducer has none")
         extra = set(state["selection_state"]) - set(_slot_values(self._selector))
@@ -519,6 +531,8 @@ class GradientReducer:
             "ranks": self.comm.size,
             "selection": self.selection,
             "momentum": self.momentum,
+            "options": dict(self._options),
+            "selection_options": dict(self._selection_options),
         }
 
     def _wait_pending(self) -> None:
@@ -1000,6 +1014,18 @@ class _StepInfo:
 
     def record(self, nnz: int, selected: int) -> None:
         self.nnz, self.selected = nnz, selected
+
+
+def _effective_options(cls: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """The options ``cls`` (an algorithm or a selection estimator; None: no options) is built
+    with: its constructor's defaults, then ``given`` (``k`` and ``density`` left out: the
+    reducer's density sets them)."""
+    if cls is None:
+        return {}
+    params = inspect.signature(cls).parameters.values()
+    options = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    options.update(given)
+    return {name: options[name] for name in sorted(options) if name not in ("k", "density")}
 
 
 def _slot_values(obj: Any) -> dict[str, Any]:

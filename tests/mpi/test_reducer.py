@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -878,3 +879,45 @@ def test_float32_steps_conserve_exactly(comm, algorithm):
                 f"step {t}: {bad.size} entries, e.g. {i}: sent {sent[i]}, update {update[i]}"
             )
     check_everywhere(comm, problems, [update])
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "saved_kw", "kw", "match"),
+    [
+        ("oktopk", {}, {"tau": 8}, "options={'tau': 32}"),
+        ("exdyna", {"tolerance": 0.2}, {}, "options={'tolerance': 0.2}"),
+        ("auto", {}, {"alpha": 1e-3}, "options={'alpha': 5e-06}"),
+        ("allgather", {"selection_options": {"interval": 4}}, {}, "selection_options="),
+    ],
+)
+def test_checkpoint_rejects_other_algorithm_options(comm, algorithm, saved_kw, kw, match):
+    """A state saved with other algorithm options (or selection options) is refused, naming
+    them: before, loading wrote the saved instance's attributes, options included, over the
+    reducer's, which went on with the saved options (oktopk built with tau=8 ran tau=32).
+    An option given at its default is the same reducer: its state loads and goes on alike."""
+    n = 600
+    g = [np.random.default_rng([2, comm.rank, t]).standard_normal(n) for t in range(4)]
+    if algorithm == "allgather":
+        saved_kw, kw = {**saved_kw, "selection": "reuse"}, {**kw, "selection": "reuse"}
+    red = GradientReducer(comm, n, algorithm, 0.05, **saved_kw)
+    red.step(g[0])
+    other = GradientReducer(comm, n, algorithm, 0.05, **kw)
+    with pytest.raises(ValueError, match=re.escape(match)):
+        other.load_state_dict(red.state_dict())
+    assert other.steps == 0 and other.residual is None
+    # the defaults spelled out: taken
+    same = GradientReducer(comm, n, algorithm, 0.05, **saved_kw)
+    default = {"oktopk": {"tau": 32}, "exdyna": {"rule": "window"}, "auto": {"alpha": 5e-6}}
+    explicit = GradientReducer(
+        comm, n, algorithm, 0.05, **{**saved_kw, **default.get(algorithm, {})}
+    )
+    same.load_state_dict(red.state_dict())
+    explicit.load_state_dict(red.state_dict())
+    problems = []
+    for t in range(1, 4):
+        want = red.step(g[t])
+        if not (
+            np.array_equal(same.step(g[t]), want) and np.array_equal(explicit.step(g[t]), want)
+        ):
+            problems.append(f"step {t} after restore differs")
+    check_everywhere(comm, problems, [want])
