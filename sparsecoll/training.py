@@ -1025,7 +1025,12 @@ def _effective_options(cls: Any, given: dict[str, Any]) -> dict[str, Any]:
     params = inspect.signature(cls).parameters.values()
     options = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
     options.update(given)
-    return {name: options[name] for name in sorted(options) if name not in ("k", "density")}
+    # (a list and a tuple of the same values, e.g. band=, are the same option)
+    return {
+        name: tuple(value) if isinstance(value, list) else value
+        for name, value in sorted(options.items())
+        if name not in ("k", "density")
+    }
 
 
 def _slot_values(obj: Any) -> dict[str, Any]:

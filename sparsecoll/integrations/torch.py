@@ -327,7 +327,8 @@ class SparseHookState:
 
         Collective: call it on every rank. A state saved at another density is taken (each
         bucket's residual carried over to this state's density). One that a bucket's
-        reducer would refuse (another algorithm, number of ranks, selection or momentum),
+        reducer would refuse (another algorithm, number of ranks, selection, momentum or
+        options),
         or whose iteration differs between the ranks, raises the same error on every rank
         (a CollectiveInputError naming the rank), and this state is left as it was."""
         error, sig = None, None

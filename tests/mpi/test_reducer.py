@@ -907,7 +907,12 @@ def test_checkpoint_rejects_other_algorithm_options(comm, algorithm, saved_kw, k
     assert other.steps == 0 and other.residual is None
     # the defaults spelled out: taken
     same = GradientReducer(comm, n, algorithm, 0.05, **saved_kw)
-    default = {"oktopk": {"tau": 32}, "exdyna": {"rule": "window"}, "auto": {"alpha": 5e-6}}
+    # (oktopk's band as a list: the same values as the default tuple)
+    default = {
+        "oktopk": {"tau": 32, "band": [0.8, 1.25]},
+        "exdyna": {"rule": "window"},
+        "auto": {"alpha": 5e-6},
+    }
     explicit = GradientReducer(
         comm, n, algorithm, 0.05, **{**saved_kw, **default.get(algorithm, {})}
     )
