@@ -312,7 +312,6 @@ class ExDyna(Algorithm):
         self.recounts = 0  # calls whose candidates did not reach low enough: a second read
         self._cooldown = 0
         self._cooldown_side = 0  # the miss that started the cooldown: +1 too many, -1 too few
-        self._nonzeros = -1  # every rank's nonzeros in all, on a call that counted them
 
     @classmethod
     def default_options(cls, n: int, k: int) -> dict[str, Any]:
@@ -563,7 +562,7 @@ class ExDyna(Algorithm):
                 self.threshold = authors_rule(self.threshold, sum(counts), self.k)
                 self.rederives += rederived
                 return mine, counts, t, rederived, None
-            found, counts, used, side, cut = self._window(comm, part, found)
+            found, counts, used, side, cut, nonzeros = self._window(comm, part, found)
             missed = side != 0
             if not missed or rederived:
                 break
@@ -572,7 +571,7 @@ class ExDyna(Algorithm):
             # data grew past k) re-derives at once, and so does a miss low once there are
             # k nonzeros again (the data's scale fell below the window)
             held = self._cooldown and side == self._cooldown_side
-            if held and (side > 0 or self._nonzeros < self.k - 0.05 * self.k):
+            if held and (side > 0 or nonzeros < self.k - 0.05 * self.k):
                 break
             found.restore()
             found = None  # the candidates were for the old threshold
@@ -600,11 +599,13 @@ class ExDyna(Algorithm):
 
     def _window(
         self, comm: Communicator, part: Any, found: _Found | None = None
-    ) -> tuple[_Found, list[int], float, int, _Bucket | None]:
+    ) -> tuple[_Found, list[int], float, int, _Bucket | None, int]:
         """The window edge nearest k: the candidates it selects from, every rank's count
         at it, the edge, how k was missed (0 inside the window, +1 too many even at the
-        top edge, -1 too few even at the bottom one), and the cut through a bucket when
-        even the nearest edge misses k by more than 5% (see :meth:`_bucket`). ``found``
+        top edge, -1 too few even at the bottom one), the cut through a bucket when
+        even the nearest edge misses k by more than 5% (see :meth:`_bucket`), and the
+        ranks' nonzeros in all (counted only while a cooldown after a miss low holds;
+        else -1). ``found``
         (candidates from window edge ``found.low`` up): when the pick could lie below it,
         every rank counts its whole part and the counts are exchanged again, so the pick
         is the same as from all edges."""
@@ -630,9 +631,9 @@ class ExDyna(Algorithm):
                     row[0] = min(row[0], row[e + 1])  # (-1: a NaN, flagged as _above does)
             table = np.asarray(comm.allgather_ints(row)).reshape(comm.size, -1)
             _agree_no_nan(table)
-            self._nonzeros = int(table[:, e + 1].sum()) if nonzeros else -1
             known = int(table[:, e].max())
             total = table[:, :e].sum(axis=0)
+            total_nonzeros = int(table[:, e + 1].sum()) if nonzeros else -1
             if known == 0 or not _below_needed(total[known:], self.k, tol):
                 break
             found.restore()
@@ -645,8 +646,8 @@ class ExDyna(Algorithm):
             bucket = self._bucket(comm.rank, table[:, :e], known, cast)
             if bucket is not None:
                 counts, lo, cut = bucket
-                return found, counts, lo, side, cut
-        return found, table[:, j].tolist(), float(cast[j]), side, None
+                return found, counts, lo, side, cut, total_nonzeros
+        return found, table[:, j].tolist(), float(cast[j]), side, None, total_nonzeros
 
     def _bucket(
         self, rank: int, table: np.ndarray, known: int, cast: np.ndarray
