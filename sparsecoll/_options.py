@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["count_band", "flag", "integer", "real"]
+__all__ = ["check_density", "count_band", "flag", "integer", "real"]
 
 
 def real(name: str, value: Any) -> float:
@@ -16,6 +16,14 @@ def real(name: str, value: Any) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value)
+
+
+def check_density(value: Any) -> float:
+    """``value`` (a real number in (0, 1]: a fraction of entries to keep) as a float."""
+    value = real("density", value)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {value!r}")
+    return value
 
 
 def integer(name: str, value: Any, low: int) -> int:

@@ -61,7 +61,7 @@ from ._array import (
     to_host,
     to_module,
 )
-from ._options import flag, integer, real
+from ._options import check_density, flag, integer, real
 from .algorithms.base import Algorithm
 from .api import collective_check, watch
 from .comm import CommStats, Communicator, widening_buffer
@@ -169,9 +169,7 @@ class GradientReducer:
                 f"algorithm must be a registered name, got {type(algorithm).__name__} (the"
                 " reducer builds its own: k from density, other options as keywords)"
             )
-        density = real("density", density)
-        if not 0.0 < density <= 1.0:
-            raise ValueError(f"density must be in (0, 1], got {density!r}")
+        density = check_density(density)
         warmup = integer("warmup", warmup, 0)
         momentum = real("momentum", momentum)
         if not 0.0 <= momentum < 1.0:

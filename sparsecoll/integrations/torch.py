@@ -31,7 +31,7 @@ import warnings
 from typing import Any
 
 from .._array import as_array, device_scope, is_device_array, synchronize
-from .._options import real
+from .._options import check_density
 from ..api import collective_check
 from ..comm import CommStats, Communicator, widening_buffer
 from ..errors import NonFiniteError
@@ -210,10 +210,7 @@ class SparseHookState:
 
     @density.setter
     def density(self, value: float) -> None:
-        value = real("density", value)
-        if not 0.0 < value <= 1.0:
-            raise ValueError(f"density must be in (0, 1], got {value!r}")
-        self._density = value
+        self._density = check_density(value)
 
     def _new_reducer(self, numel: int, saved: dict[str, Any] | None = None) -> GradientReducer:
         """A bucket reducer at the current density, with ``saved``'s state (a reducer's
@@ -328,9 +325,9 @@ class SparseHookState:
         Collective: call it on every rank. A state saved at another density is taken (each
         bucket's residual carried over to this state's density). One that a bucket's
         reducer would refuse (another algorithm, number of ranks, selection, momentum or
-        options),
-        or whose iteration differs between the ranks, raises the same error on every rank
-        (a CollectiveInputError naming the rank), and this state is left as it was."""
+        options), or whose iteration differs between the ranks, raises the same error on
+        every rank (a CollectiveInputError naming the rank), and this state is left as it
+        was."""
         error, sig = None, None
         try:
             iteration = int(state["iteration"])
