@@ -29,7 +29,8 @@ from .sparse import (
 
 __all__ = ["allreduce", "collective_check", "iallreduce", "watch"]
 
-SIGNATURE_LEN = 8
+SIGNATURE_LEN = 9  # (a GradientReducer's 4 values and an algorithm's 5)
+ALGORITHM_SIGNATURE_LEN = 5
 
 
 def allreduce(
@@ -174,7 +175,10 @@ def iallreduce(
     call on the same communicator first waits for every pending request.
 
     Raises:
-        RuntimeError: MPI was not initialized with MPI_THREAD_MULTIPLE.
+        RuntimeError: MPI was not initialized with MPI_THREAD_MULTIPLE, or is finalized;
+            the progress engine was shut down; a forked child (the engine is the parent's).
+        TypeError: ``COMM_NULL`` or a freed communicator.
+        NotImplementedError: an NCCLCommunicator (it has no progress engine).
     """
     c = Communicator.wrap(comm)
     label = f"iallreduce(algorithm={_name(algorithm)!r}, n={n!r})"
@@ -221,7 +225,20 @@ def _unwatched() -> None:
 
 def _signature(algo: Any, vals: Any, n: Any) -> list[int]:
     dtype_code = VALUE_DTYPES.index(vals.dtype)
-    return [int(n), dtype_code, zlib.crc32(type(algo).__qualname__.encode()), *algo.signature()]
+    crc = zlib.crc32(type(algo).__qualname__.encode())
+    return [int(n), dtype_code, crc, *algorithm_signature(algo)]
+
+
+def algorithm_signature(algo: Any) -> list[Any]:
+    """``algo.signature()``; more than ALGORITHM_SIGNATURE_LEN values is this rank's input
+    error (agreed like any other: the caller catches it before the agreement)."""
+    sig = list(algo.signature())
+    if len(sig) > ALGORITHM_SIGNATURE_LEN:
+        raise CollectiveInputError(
+            f"an algorithm's signature() has at most {ALGORITHM_SIGNATURE_LEN} values, got "
+            f"{len(sig)} from {type(algo).__name__}"
+        )
+    return sig
 
 
 def collective_check(

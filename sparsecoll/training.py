@@ -63,7 +63,7 @@ from ._array import (
 )
 from ._options import check_density, flag, integer, real
 from .algorithms.base import Algorithm
-from .api import collective_check, watch
+from .api import algorithm_signature, collective_check, watch
 from .comm import CommStats, Communicator, widening_buffer
 from .errors import NonFiniteError
 from .registry import algorithm_class, get_algorithm
@@ -102,7 +102,8 @@ class GradientReducer:
         n: the gradient length (every step's gradient must have n elements, any shape).
         algorithm: a registered algorithm name (``"dense"`` for the uncompressed baseline).
         density: the fraction of entries to send: ``k = round(density·n)`` entries per rank
-            (exact algorithms, gtopk, oktopk) or in all (exdyna). In ``(0, 1]``.
+            (exact algorithms, gtopk, oktopk) or in all (exdyna), at least 1 (n > 0). In
+            ``(0, 1]``.
         warmup: number of first steps reduced densely (no selection, no residual).
         average: divide the sum by the number of ranks (the usual data-parallel mean).
         error_feedback: keep what was not applied in the residual (default); False drops it.
@@ -336,7 +337,7 @@ class GradientReducer:
         failed: BaseException | None,
         reuse: bool,
     ) -> Any:
-        arr, wrap, dest, error, prepared, saved = None, identity, None, None, None, None
+        arr, wrap, dest, error, prepared, saved, sig = None, identity, None, None, None, None, None
         self._can_take_back = False  # (a step failing on any rank leaves nothing to take back)
         try:
             if failed is not None:
@@ -354,16 +355,15 @@ class GradientReducer:
             saved = self._selection_snapshot()
             flat = None if dest is None else dest.reshape(-1)
             prepared = self._prepare(arr.reshape(-1), flat, reuse)
+            if self.check:
+                sig = [self.n, VALUE_DTYPES.index(arr.dtype), self._crc, self.steps]
+                sig += algorithm_signature(self.algorithm)
         except Exception as exc:  # (shared with every rank: none is left waiting)
             error = exc
         t0 = time.perf_counter()
         try:
             if self.check:
-                sig = None
-                if error is None:
-                    sig = [self.n, VALUE_DTYPES.index(arr.dtype), self._crc, self.steps]
-                    sig += self.algorithm.signature()[:4]
-                collective_check(self.comm, error, sig, self._agreed)
+                collective_check(self.comm, error, None if error else sig, self._agreed)
             elif error is not None:
                 raise error
             self._last.comm_s = time.perf_counter() - t0

@@ -88,8 +88,9 @@ class Algorithm(ABC):
 
     def signature(self) -> list[int]:
         """Integers that must agree on every rank (e.g. k); checked before any payload moves.
-        At most 5 (``allreduce`` adds n, the dtype and the class; a GradientReducer compares
-        the first 4), each a Python or numpy integer within int64."""
+        At most 5 (``allreduce`` adds n, the dtype and the class; a GradientReducer n, the
+        dtype, its options and its step), each a Python or numpy integer within int64; more
+        is a CollectiveInputError on every rank."""
         return []
 
     def verify(

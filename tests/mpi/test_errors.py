@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -207,7 +209,7 @@ LONE = {
     # what: (error type, text expected in the message)
     "unknown_name": (sparsecoll.UnknownAlgorithmError, "unknown algorithm 'no-such-thing'"),
     "custom_signature": (ValueError, "does not fit in int64"),
-    "signature_too_long": (ValueError, "at most 8 signature values, got 9"),
+    "signature_too_long": (ValueError, "signature() has at most 5 values, got 6"),
     "signature_float": (TypeError, "an algorithm option must be an integer in the signature"),
     "signature_none": (TypeError, "got NoneType"),
     "gtopk:k": (ValueError, "k must be below 2**63"),
@@ -347,6 +349,45 @@ def test_unexpected_local_error_on_one_rank_raises_everywhere(comm):
     assert_all(comm, red.steps == 0, "failed step counted")
     out = sparsecoll.allreduce(comm, np.ones(2, np.float32), [0, 1], n=4)  # the ranks go on
     assert_all(comm, out.values.tolist() == [comm.size] * 2)
+
+
+@pytest.mark.parametrize("values", [[1, 2, 3, 4, "rank"], [1] * 6, "raises"])
+def test_a_reducer_agrees_on_the_whole_signature(comm, monkeypatch, values):
+    """A GradientReducer compares every value of its algorithm's signature, as allreduce
+    does: it used to compare the first 4 and drop the rest (a 5th value differing on one
+    rank went unseen), and a signature() too long or raising failed on that rank alone."""
+    from sparsecoll.registry import _REGISTRY
+
+    bad = comm.size - 1
+    fifth = "rank" in values
+    if fifth and comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    if fifth:
+        mine = [1, 2, 3, 4, 5 + (comm.rank == bad)]
+    elif values == "raises":
+        mine = None
+    else:
+        mine = values if comm.rank == bad else [1]
+
+    class Signed(algorithm_class("allgather")):
+        name = "test-signed"
+
+        def signature(self) -> list[int]:
+            if mine is None and comm.rank == bad:
+                raise OverflowError("math range error")
+            return list(mine or [1])
+
+    monkeypatch.setitem(_REGISTRY, "test-signed", Signed)
+    red = sparsecoll.GradientReducer(comm, 8, "test-signed", 0.5)
+    if fifth:
+        etype, text = sparsecoll.CollectiveInputError, "must be the same on every rank"
+    elif mine is None:
+        etype, text = sparsecoll.CollectiveRuntimeError, "OverflowError: math range error"
+    else:
+        etype, text = sparsecoll.CollectiveInputError, "signature() has at most 5 values, got 6"
+    with pytest.raises(etype, match=f"{re.escape(text)}.*rank {bad}"):
+        red.step(np.ones(8))
+    assert_all(comm, red.steps == 0, "failed step counted")
 
 
 @pytest.mark.parametrize("where", ["coalesce", "dense", "rabenseifner"])
