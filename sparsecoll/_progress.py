@@ -45,8 +45,9 @@ def set_timeout(seconds: float | None) -> None:
     """Turn the watchdog on (a timeout in seconds) or off (None or 0), on this rank.
 
     Set the same value on every rank (``SPARSECOLL_TIMEOUT`` in the job's environment
-    does). With a timeout, blocking :func:`sparsecoll.allreduce` calls also run through
-    the progress engine, so that the watchdog sees them.
+    does). With a timeout, blocking :func:`sparsecoll.allreduce` calls (and
+    ``GradientReducer.step``) are watched too: they still run in the calling thread, on the
+    user's communicator, and the progress engine's watchdog times them.
     """
     global _timeout, _timeout_read
     if seconds is not None:

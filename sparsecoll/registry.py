@@ -117,8 +117,9 @@ def _accepts_any(cls: type[Algorithm]) -> bool:
 
 def _options(cls: type[Algorithm]) -> dict[str, tuple[Any, str]]:
     helps = _args_section(inspect.getdoc(cls) or "")
+    need = getattr(cls, "required", ())
     return {
-        p.name: (p.default, helps.get(p.name, ""))
+        p.name: (p.empty if p.name in need else p.default, helps.get(p.name, ""))
         for p in inspect.signature(cls).parameters.values()
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     }

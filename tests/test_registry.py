@@ -147,8 +147,13 @@ def test_every_option_and_default_is_documented():
             if not params:
                 assert f"{name} ({kind}): no options" in text
             for p in params:
-                assert f"{p.name}={p.default!r}" in text, (name, p.name)
+                shown = "required" if p.name in cls.required else repr(p.default)
+                assert f"{p.name}={shown}" in text, (name, p.name)
     assert algorithm_options("oktopk")["tau"][0] == 32
+    for name in ("gtopk", "oktopk", "exdyna"):  # (None in the signature: k= is refused)
+        assert algorithm_options(name)["k"][0] is inspect.Parameter.empty
+        with pytest.raises(TypeError, match="needs k="):
+            sparsecoll.get_algorithm(name)
     assert "recompute the global threshold" in algorithm_options("oktopk")["tau"][1]
 
 

@@ -45,6 +45,8 @@ class Algorithm(ABC):
         name: the registry name.
         exact: True when the result is the exact sum of every rank's input.
         densifies: True when the algorithm needs O(n) memory per rank (dense references).
+        required: options the constructor cannot do without (a selecting algorithm's k),
+            listed as required although their default is None.
 
     Options are the constructor's parameters, documented in the class docstring's ``Args:``
     section; :func:`sparsecoll.get_algorithm` and the registry's listing read them from
@@ -54,6 +56,7 @@ class Algorithm(ABC):
     name: ClassVar[str] = ""
     exact: ClassVar[bool] = True
     densifies: ClassVar[bool] = False
+    required: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **options: Any) -> None:
         # What an algorithm without options inherits. It takes none, and its signature says

@@ -277,6 +277,7 @@ class ExDyna(Algorithm):
 
     name = "exdyna"
     exact = False
+    required = ("k",)
 
     def __init__(
         self,

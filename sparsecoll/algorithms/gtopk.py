@@ -120,6 +120,7 @@ class GTopk(Algorithm):
 
     name = "gtopk"
     exact = False
+    required = ("k",)
 
     def __init__(self, k: int | None = None) -> None:
         self.k = check_k(self.name, k)

@@ -210,6 +210,7 @@ class OkTopk(Algorithm):
 
     name = "oktopk"
     exact = False
+    required = ("k",)
 
     def __init__(
         self,
