@@ -130,3 +130,48 @@ def test_step_benchmark_refuses_an_output_it_cannot_write(tmp_path, option: str)
     assert proc.returncode == 2, proc.stdout[-4000:]
     assert proc.stdout.count(f"error: cannot write {out}") == 1, proc.stdout[-4000:]
     assert "algorithm" not in proc.stdout  # no table: no step ran
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--density", "0"], "argument --density: density must be in (0, 1], got 0.0"),
+        (["--density", "inf"], "density must be in (0, 1], got inf"),
+        (["-m", "16X"], "argument -m/--size: expecting a size like 4096, 64K or 16M"),
+        (["--algorithms", "dense,nosuch"], "unknown algorithm 'nosuch'"),
+        (["-i", "0"], "argument -i/--iterations: expecting an integer >= 1, got '0'"),
+        (["--grads", "0"], "argument --grads: expecting an integer >= 1, got '0'"),
+        (["--rows", "1", "--width", "0"], "argument --width: expecting an integer >= 1"),
+        (["--rows", "1", "--width", "8192"], "expecting --width <= n, got --width 8192"),
+        (["-m", "1024G"], "n = 1099511627776 is too large for this host's"),
+    ],
+)
+def test_step_benchmark_usage_errors(args: list[str], message: str) -> None:
+    """Bad arguments used to be found late, each rank with its traceback: a density out of
+    (0, 1] when the first reducer was built, an unknown algorithm after the ones before it
+    had run, -i 0 or --grads 0 in a ZeroDivisionError or IndexError, 2**40 in a
+    MemoryError. Now a usage error (exit 2) on every rank before MPI starts, printed once."""
+    argv = [str(ROOT / "bench" / "step.py"), "-m", "4K", "-i", "1", "-x", "0", *args]
+    proc = run_mpi(2, argv, timeout=300, env={"SPARSECOLL_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    assert proc.stdout.count(message) == 1, proc.stdout[-4000:]
+    assert proc.stdout.count("usage: step.py") == 1, proc.stdout[-4000:]
+    assert "Traceback" not in proc.stdout
+    assert not any(ln.startswith("algorithm ") for ln in proc.stdout.splitlines())  # no table
+
+
+@pytest.mark.mpi
+def test_step_benchmark_runs_a_repeated_algorithm_once(tmp_path) -> None:
+    """--algorithms dense,gtopk,dense ran dense twice: the CSV had its steps twice and the
+    table one row, its numbers the second run's."""
+    out = tmp_path / "dup.csv"
+    args = ["-m", "4K", "-i", "2", "-x", "0", "--algorithms", "dense,gtopk,dense"]
+    proc = run_mpi(
+        2,
+        [str(ROOT / "bench" / "step.py"), *args, "--csv", str(out)],
+        timeout=300,
+        env={"SPARSECOLL_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert [r["algorithm"] for r in csv.DictReader(out.open())] == ["dense"] * 2 + ["gtopk"] * 2

@@ -31,6 +31,7 @@ __all__ = [
     "density_arg",
     "int_arg",
     "launcher_rank",
+    "local_ranks",
     "parse_algorithms",
     "parse_checked",
     "parse_size",
@@ -137,9 +138,9 @@ def check_memory(p: argparse.ArgumentParser, n: int, itemsize: int, ranks: int, 
     if need > have:
         gib = 2.0**30
         p.error(
-            f"n = {n} is too large: {what} alone takes n x {itemsize} B = "
-            f"{n * itemsize / gib:.1f} GiB per rank, {need / gib:.1f} GiB for {ranks} rank(s) "
-            f"on this host, which has {have / gib:.1f} GiB of memory"
+            f"n = {n} is too large for this host's {have / gib:.1f} GiB of memory: {what}, "
+            f"n x {itemsize} B = {n * itemsize / gib:.1f} GiB per rank, "
+            f"{need / gib:.1f} GiB for {ranks} rank(s)"
         )
 
 
