@@ -175,3 +175,51 @@ def test_step_benchmark_runs_a_repeated_algorithm_once(tmp_path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert [r["algorithm"] for r in csv.DictReader(out.open())] == ["dense"] * 2 + ["gtopk"] * 2
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        # the late ranks raised in time.sleep(-1) alone: rank 0 hung in its iallreduce
+        ("overlap.py", ["--late", "-1"], "argument --late: expecting a number >= 0, got '-1'"),
+        ("overlap.py", ["--late", "nan"], "argument --late: expecting a number >= 0"),
+        ("overlap.py", ["--algorithm", "oktop"], "unknown algorithm 'oktop' (did you mean"),
+        ("async_step.py", ["--density", "0"], "density must be in (0, 1], got 0.0"),
+        ("async_step.py", ["--buckets", "0"], "argument --buckets: expecting an integer >= 1"),
+        ("async_step.py", ["-n", "1024G"], "n = 1099511627776 is too large for this host's"),
+    ],
+)
+def test_mpi_bench_scripts_refuse_bad_arguments_on_every_rank(script, args, message) -> None:
+    """Under mpiexec every rank refuses alike before MPI starts, rank 0 alone prints."""
+    argv = [str(ROOT / "bench" / script), "-n", "4K", "--iterations", "1", "--warmup", "0"]
+    proc = run_mpi(2, [*argv, *args], timeout=120, env={"SPARSECOLL_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    assert proc.stdout.count(message) == 1, proc.stdout[-4000:]
+    assert "Traceback" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # an unknown name was skipped without a word: its rows missing, exit 0
+        (["--algorithms", "dense", "oktop/first"], "unknown algorithm 'oktop' (did you mean"),
+        (["--np", "0"], "argument --np: expecting an integer >= 1, got '0'"),
+        (["--density", "0"], "density must be in (0, 1], got 0.0"),
+        (["--overlap", "skew"], "argument --overlap: invalid choice: 'skew'"),
+    ],
+)
+def test_weak_scaling_refuses_bad_arguments(args: list[str], message: str) -> None:
+    import subprocess
+    import sys
+
+    argv = [sys.executable, str(ROOT / "bench" / "weak_scaling.py"), "--np", "1", "-n", "1024"]
+    argv += ["-i", "1", "-x", "0", *args]
+    import os
+
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.count(message) == 1, proc.stderr[-2000:]

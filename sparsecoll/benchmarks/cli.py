@@ -7,6 +7,7 @@ K = 2**10, M = 2**20, G = 2**30 (``64K`` = 65,536, ``25M`` = 26,214,400).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from collections.abc import Callable
@@ -25,10 +26,12 @@ __all__ = [
     "add_input_arguments",
     "add_launch_arguments",
     "add_timing_arguments",
+    "algorithm_arg",
     "bench_parser",
     "check_memory",
     "check_nprocs",
     "density_arg",
+    "float_arg",
     "int_arg",
     "launcher_rank",
     "local_ranks",
@@ -116,6 +119,36 @@ def int_arg(low: int) -> Callable[[str], int]:
     return parse
 
 
+def float_arg(low: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite real number at least ``low`` (nan and inf refused)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and value >= low):
+            raise argparse.ArgumentTypeError(f"expecting a number >= {low:g}, got {text!r}")
+        return value
+
+    return parse
+
+
+def unknown_algorithm(name: str, known: list[str]) -> str:
+    """The message for an unknown algorithm ``name``: a did-you-mean and the known ones."""
+    from ..registry import did_you_mean
+
+    return f"unknown algorithm {name!r}{did_you_mean(name, known)}; known: {', '.join(known)}"
+
+
+def algorithm_arg(text: str) -> str:
+    """One registered algorithm's name as an argparse ``type``."""
+    known = available_algorithms()
+    if text not in known:
+        raise argparse.ArgumentTypeError(unknown_algorithm(text, known))
+    return text
+
+
 def local_ranks(nprocs: int) -> int:
     """Ranks on this host: the launcher's count under mpiexec, else ``nprocs`` (a relaunch
     starts them all here)."""
@@ -151,10 +184,7 @@ def parse_algorithms(values: list[str] | None, known: list[str]) -> list[str]:
         for name in filter(None, (t.strip() for t in v.split(","))):
             for add in known if name == "all" else [name]:
                 if add not in known:
-                    from ..registry import did_you_mean
-
-                    hint = did_you_mean(add, known)
-                    raise ValueError(f"unknown algorithm {add!r}{hint}; known: {', '.join(known)}")
+                    raise ValueError(unknown_algorithm(add, known))
                 if add not in names:
                     names.append(add)
     if not names:  # osu would print nothing, the main job dense alone
