@@ -192,8 +192,13 @@ def test_step_benchmark_runs_a_repeated_algorithm_once(tmp_path) -> None:
 )
 def test_mpi_bench_scripts_refuse_bad_arguments_on_every_rank(script, args, message) -> None:
     """Under mpiexec every rank refuses alike before MPI starts, rank 0 alone prints."""
-    argv = [str(ROOT / "bench" / script), "-n", "4K", "--iterations", "1", "--warmup", "0"]
-    proc = run_mpi(2, [*argv, *args], timeout=120, env={"SPARSECOLL_NUM_THREADS": "1"})
+    _refused(script, ["-n", "4K", "--iterations", "1", "--warmup", "0", *args], message)
+
+
+def _refused(script: str, args: list[str], message: str) -> None:
+    """``bench/SCRIPT ARGS`` on 2 ranks: exit 2, ``message`` once, no traceback."""
+    argv = [str(ROOT / "bench" / script), *args]
+    proc = run_mpi(2, argv, timeout=300, env={"SPARSECOLL_NUM_THREADS": "1"})
     assert proc.returncode == 2, proc.stdout[-4000:]
     assert proc.stdout.count(message) == 1, proc.stdout[-4000:]
     assert "Traceback" not in proc.stdout
@@ -223,3 +228,19 @@ def test_weak_scaling_refuses_bad_arguments(args: list[str], message: str) -> No
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stderr.count(message) == 1, proc.stderr[-2000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        # each used to end in a traceback on every rank, after MPI and torch had started
+        ("convergence.py", ["--density", "0"], "density must be in (0, 1], got 0.0"),
+        ("convergence.py", ["--steps", "0"], "argument --steps: expecting an integer >= 1"),
+        ("convergence.py", ["--eval-every", "0"], "argument --eval-every: expecting an integer"),
+        ("train_cluster.py", ["--threads", "0"], "argument --threads: expecting an integer >= 1"),
+    ],
+)
+def test_training_scripts_refuse_bad_arguments(script, args, message) -> None:
+    pytest.importorskip("torch")
+    _refused(script, ["--methods", "dense", *args], message)
