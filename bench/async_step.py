@@ -20,7 +20,6 @@ much of the communication the computation hides.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -32,15 +31,29 @@ import numpy as np  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--algorithm", default="exdyna")
-    ap.add_argument("--buckets", type=int, default=11)
-    ap.add_argument("-n", type=int, default=500_000, help="entries per bucket")
-    ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--compute", type=float, default=0.0, help="ms of compute per bucket")
-    ap.add_argument("-i", "--iterations", type=int, default=10)
-    ap.add_argument("-x", "--warmup", type=int, default=2)
+    from sparsecoll.benchmarks.cli import (
+        RankZeroParser,
+        algorithm_arg,
+        check_memory,
+        density_arg,
+        float_arg,
+        int_arg,
+        local_ranks,
+        size_arg,
+    )
+
+    # (checked before MPI starts: a usage error exits 2 on every rank, printed once)
+    ap = RankZeroParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--algorithm", type=algorithm_arg, default="exdyna")
+    ap.add_argument("--buckets", type=int_arg(1), default=11)
+    ap.add_argument("-n", type=size_arg, default=500_000, help="entries per bucket")
+    ap.add_argument("--density", type=density_arg, default=0.01)
+    ap.add_argument("--compute", type=float_arg(0), default=0.0, help="ms of compute per bucket")
+    ap.add_argument("-i", "--iterations", type=int_arg(1), default=10)
+    ap.add_argument("-x", "--warmup", type=int_arg(0), default=2)
     args = ap.parse_args(argv)
+    what = f"the {args.buckets} buckets' float32 gradients"
+    check_memory(ap, args.n, 4 * args.buckets, local_ranks(1), what)
 
     import sparsecoll
     from sparsecoll import Communicator

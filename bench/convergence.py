@@ -20,7 +20,6 @@ Needs torch (and scikit-learn for digits).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import sys
 import time
@@ -273,21 +272,26 @@ def summarize(rows: list[dict], n_last: int, warmup: int = 1, density: float = 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from sparsecoll.benchmarks.cli import RankZeroParser, density_arg, int_arg
+
+    # (checked before MPI starts: a usage error exits 2 on every rank, printed once)
+    ap = RankZeroParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", choices=sorted(TASKS), default="digits")
     ap.add_argument(
         "--methods",
         default=",".join(METHODS),
         help="comma-separated; a +mc suffix adds momentum correction (e.g. oktopk+mc)",
     )
-    ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--warmup", type=int, default=1, help="first iterations reduced densely (>= 1)")
-    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--density", type=density_arg, default=0.01)
+    ap.add_argument("--steps", type=int_arg(1), default=600)
+    ap.add_argument(
+        "--warmup", type=int_arg(1), default=1, help="first iterations reduced densely (>= 1)"
+    )
+    ap.add_argument("--eval-every", type=int_arg(1), default=20)
     ap.add_argument("--lr", type=float, default=None, help="default: per task")
     ap.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--threads", type=int_arg(1), default=1, help="torch threads per rank")
     ap.add_argument("--out", type=Path, default=None, help="CSV file (rank 0)")
     ap.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
     args = ap.parse_args(argv)

@@ -21,7 +21,6 @@ blocking calls busy-poll a core; the progress thread tests and sleeps instead).
 
 from __future__ import annotations
 
-import argparse
 import os
 
 # one BLAS thread: the computation stands for one rank's share of the cores
@@ -33,21 +32,28 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 
-def _size(text: str) -> int:
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-n", type=_size, default=_size("16M"), help="dense length (16M)")
-    parser.add_argument("--density", type=float, default=0.01)
-    parser.add_argument("--algorithm", default="allgather")
-    parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--matrix", type=int, default=256, help="side of the matmuls")
-    parser.add_argument("--late", type=float, default=0.5, help="seconds the others are late")
+    from sparsecoll.benchmarks.cli import (
+        RankZeroParser,
+        algorithm_arg,
+        density_arg,
+        float_arg,
+        int_arg,
+        size_arg,
+    )
+
+    # (checked before MPI starts: a usage error exits 2 on every rank, printed once; --late
+    # -1 or nan used to raise in time.sleep on the late ranks alone, rank 0 left waiting)
+    parser = RankZeroParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-n", type=size_arg, default="16M", help="dense length (16M)")
+    parser.add_argument("--density", type=density_arg, default=0.01)
+    parser.add_argument("--algorithm", type=algorithm_arg, default="allgather")
+    parser.add_argument("--iterations", type=int_arg(1), default=10)
+    parser.add_argument("--warmup", type=int_arg(0), default=3)
+    parser.add_argument("--matrix", type=int_arg(1), default=256, help="side of the matmuls")
+    parser.add_argument(
+        "--late", type=float_arg(0), default=0.5, help="seconds the others are late"
+    )
     args = parser.parse_args(argv)
 
     import sparsecoll

@@ -236,26 +236,43 @@ def writable(path: str) -> bool:
     return os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)
 
 
-def main(argv: list[str] | None = None) -> None:
-    from sparsecoll import Communicator, __version__, select
-    from sparsecoll.benchmarks.cli import add_timing_arguments, parse_size
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, every one checked before MPI starts or anything is allocated: a usage
+    error exits 2 on every rank alike, printed once (rank 0). A density out of (0, 1], an
+    unknown algorithm, -i 0, --grads 0 or --width 0 used to end in a traceback on every rank
+    (after the earlier algorithms had run, for an unknown one); -m 16X in a ValueError one."""
+    from sparsecoll import available_algorithms
+    from sparsecoll.benchmarks.cli import (
+        RankZeroParser,
+        add_timing_arguments,
+        check_memory,
+        density_arg,
+        int_arg,
+        local_ranks,
+        parse_algorithms,
+        size_arg,
+    )
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-m", "--size", default="16M", help="gradient length n (K/M/G suffixes)")
-    ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    ap = RankZeroParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "-m", "--size", type=size_arg, default="16M", help="gradient length n (K/M/G suffixes)"
+    )
+    ap.add_argument("--density", type=density_arg, default=0.01)
+    ap.add_argument(
+        "--algorithms", default=",".join(ALGORITHMS), help="comma list, or 'all' (registered)"
+    )
     add_timing_arguments(ap, 20, 5, timed="timed steps", untimed="untimed steps first")
     ap.add_argument("--stream", choices=("stationary", "decay", "fresh"), default="stationary")
-    ap.add_argument("--grads", type=int, default=4, help="distinct gradients cycled")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--grads", type=int_arg(1), default=4, help="distinct gradients cycled")
+    ap.add_argument("--seed", type=int_arg(0), default=0)
     ap.add_argument(
         "--rows",
-        type=int,
+        type=int_arg(0),
         default=0,
         help="an embedding's gradient: this many random rows of --width entries per rank "
         "per step are nonzero, the rest 0 (default: the dense stream)",
     )
-    ap.add_argument("--width", type=int, default=256, help="row width for --rows")
+    ap.add_argument("--width", type=int_arg(1), default=256, help="row width for --rows")
     ap.add_argument(
         "--update",
         choices=("out", "inplace", "reuse"),
@@ -266,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--profile",
-        type=int,
+        type=int_arg(0),
         default=0,
         metavar="N",
         help="after the table, rank 0's cProfile of the timed steps: the N functions with the "
@@ -275,7 +292,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--csv", help="write every step's row here")
     ap.add_argument("--plot", help="write a PNG here (matplotlib)")
     args = ap.parse_args(argv)
-    args.size = parse_size(args.size)
+    try:  # (duplicates run once: the table has a row per algorithm)
+        args.algorithms = parse_algorithms([args.algorithms], available_algorithms())
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.rows and args.width > args.size:
+        ap.error(f"expecting --width <= n, got --width {args.width} for n = {args.size}")
+    # the cycled gradients, the update, np.add's three arrays: float32 n-vectors per rank
+    arrays = args.grads + 4
+    what = f"{arrays} float32 n-vectors (--grads {args.grads}, the update, np.add's three)"
+    check_memory(ap, args.size, 4 * arrays, local_ranks(1), what)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from sparsecoll import Communicator, __version__, select
+
+    args = parse_args(argv)
     comm = Communicator()
     # an output that cannot be written fails now, on every rank, not after the whole run
     unwritable = (
@@ -294,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         grads = Fresh(grads, comm.rank, args.seed)
     adder = Adder(args.size)
     rows, summary = [], {}
-    names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    names = args.algorithms
     profiles = {}
     for name in names:
         profiles[name] = cProfile.Profile() if args.profile and comm.rank == 0 else None

@@ -39,7 +39,6 @@ namespace's link and rank 0's address on it the rendezvous):
 
 from __future__ import annotations
 
-import argparse
 import csv
 import fcntl
 import hashlib
@@ -364,32 +363,37 @@ def interface_address(name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from sparsecoll.benchmarks.cli import RankZeroParser, density_arg, int_arg
+
+    # (checked before MPI starts: a usage error exits 2 on every rank, printed once)
+    ap = RankZeroParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", default="compute,dense,oktopk,exdyna,oktopk-async,exdyna-async")
-    ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--steps", type=int, default=300, help="dense steps (its end is the target)")
+    ap.add_argument("--density", type=density_arg, default=0.01)
+    ap.add_argument(
+        "--steps", type=int_arg(1), default=300, help="dense steps (its end is the target)"
+    )
     ap.add_argument("--max-steps", type=int, default=None, help="cap for the others (3x steps)")
-    ap.add_argument("--compute-steps", type=int, default=30)
+    ap.add_argument("--compute-steps", type=int_arg(1), default=30)
     ap.add_argument(
         "--time-factor", type=float, default=1.0, help="others stop at this x dense's wall-clock"
     )
     ap.add_argument("--target", type=float, default=None, help="held-out loss (default: dense's)")
-    ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--eval-every", type=int_arg(1), default=10)
+    ap.add_argument("--vocab", type=int_arg(1), default=32768)
     ap.add_argument(
         "--cutoffs", type=lambda s: [int(c) for c in s.split(",")], default="4096,16384"
     )
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--context", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
+    ap.add_argument("--d-model", type=int_arg(1), default=256)
+    ap.add_argument("--layers", type=int_arg(1), default=2)
+    ap.add_argument("--heads", type=int_arg(1), default=4)
+    ap.add_argument("--context", type=int_arg(1), default=64)
+    ap.add_argument("--batch", type=int_arg(1), default=1, help="sequences per rank per step")
     ap.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--lr-warmup", type=int, default=20, help="linear warm-up steps, then constant")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--threads", type=int_arg(1), default=1, help="torch threads per rank")
     ap.add_argument("--iface", default=None, help="network interface for gloo (e.g. eth0)")
     ap.add_argument("--cache-dir", type=Path, default=Path("/tmp"))
     ap.add_argument("--out-dir", type=Path, default=None, help="a CSV per method (rank 0)")

@@ -44,13 +44,9 @@ def worker(args: argparse.Namespace) -> None:
     inputs = [
         SparseVector(i, v, n) for i, v in comm.allgather_object((local.indices, local.values))
     ]
-    known = sparsecoll.available_algorithms()
     reference = reference_sum(inputs)  # apart from every algorithm, dense included
     for name in args.algorithms:
-        base = name.split("/")[0]
-        if base not in known:
-            continue
-        cls = algorithm_class(base)
+        cls = algorithm_class(name.split("/")[0])  # (known: main checked)
         fresh = name.endswith("/first")
         algo = cls(**cls.default_options(n, k))
         times, sent, recv, meta = [], [], [], []
@@ -87,17 +83,30 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sparsecoll import available_algorithms
+    from sparsecoll.benchmarks.cli import density_arg, int_arg, size_arg, unknown_algorithm
+    from sparsecoll.benchmarks.problems import OVERLAPS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--np", type=int, nargs="+", default=[2, 4, 8, 16], help="rank counts")
-    p.add_argument("-n", type=int, default=4 * 2**20, help="dense length (default 4M)")
-    p.add_argument("--density", type=float, default=0.01, help="k per rank / n (default 1%%)")
-    p.add_argument("--overlap", default="random", help="random|same|disjoint|skewed")
-    p.add_argument("-i", "--iterations", type=int, default=5)
-    p.add_argument("-x", "--warmup", type=int, default=1)
-    p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS))
+    p.add_argument("--np", type=int_arg(1), nargs="+", default=[2, 4, 8, 16], help="rank counts")
+    p.add_argument("-n", type=size_arg, default=4 * 2**20, help="dense length (default 4M)")
+    p.add_argument("--density", type=density_arg, default=0.01, help="k per rank / n (default 1%%)")
+    p.add_argument("--overlap", choices=OVERLAPS, default="random")
+    p.add_argument("-i", "--iterations", type=int_arg(1), default=5)
+    p.add_argument("-x", "--warmup", type=int_arg(0), default=1)
+    p.add_argument(
+        "--algorithms", nargs="+", default=list(ALGORITHMS), help="NAME or NAME/first (fresh)"
+    )
     p.add_argument("--format", choices=("table", "csv", "json"), default="table")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    # an unknown name used to be skipped without a word (its rows missing from the table),
+    # a repeated one run twice
+    known = available_algorithms()
+    for name in args.algorithms:
+        if name.removesuffix("/first") not in known:
+            p.error(unknown_algorithm(name.removesuffix("/first"), known))
+    args.algorithms = list(dict.fromkeys(args.algorithms))
     if args.worker:
         worker(args)
         return 0

@@ -69,7 +69,17 @@ SHORT = ("--np", "1", "-m", "1K", "-i", "1", "-x", "0")  # should a check let a 
     [
         (["-m", "16X"], "expecting a size like 4096, 64K or 16M, got '16X'"),
         (["-n", "16M"], "-n is ambiguous here: use --np P"),
-        (["-i", "0"], "expecting -i >= 1"),
+        (["-i", "0"], "argument -i/--iterations: expecting an integer >= 1, got '0'"),
+        (["osu", "-x", "-1"], "argument -x/--warmup: expecting an integer >= 0, got '-1'"),
+        # density 0 ran every algorithm on empty inputs and printed a table of 'ok's
+        (["--density", "0", *SHORT], "argument --density: density must be in (0, 1], got 0.0"),
+        (["osu", "--density", "0", *SHORT], "density must be in (0, 1], got 0.0"),
+        (["--density", "nan", *SHORT], "density must be in (0, 1], got nan"),
+        (["--density", "1%", *SHORT], "expecting a density in (0, 1], got '1%'"),
+        # more than the host's memory: a MemoryError traceback on every rank
+        (["--np", "1", "-m", "1024G"], "n = 1099511627776 is too large for this host's"),
+        (["osu", "--np", "1", "-m", "1K:1024G"], "n = 1099511627776 is too large"),
+        (["osu", "--np", "1", "-m", "512G", "--dtype", "float64"], "n x 8 B = 4096.0 GiB"),
         (["--np", "0"], "expecting --np >= 1"),
         (["--algorithm", "nosuch"], "unknown algorithm 'nosuch'"),
         (["osu", "-m", "8K:1K"], "expecting MIN <= MAX"),
@@ -107,6 +117,25 @@ def test_help_under_mpiexec_prints_once() -> None:
     proc = run_mpi(3, ["-m", "sparsecoll", "bench", "osu", "-m", "1Q"], timeout=120)
     assert proc.returncode == 2, proc.stdout
     assert proc.stdout.count("expecting a size like") == 1
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--density", "0"], "density must be in (0, 1], got 0.0"),
+        (
+            ["osu", "-m", "1024G"],
+            "the dense baseline's vector, n x 4 B = 4096.0 GiB per rank, 12288.0 GiB for 3 rank(s)",
+        ),
+    ],
+)
+def test_usage_errors_under_mpiexec_exit_2_once(args: list[str], message: str) -> None:
+    """Started by mpiexec directly: every rank refuses alike (none left waiting in a
+    collective), rank 0 alone prints; 2**40 elements counted for the 3 ranks of this host."""
+    proc = run_mpi(3, ["-m", "sparsecoll", "bench", *args, "-i", "1", "-x", "0"], timeout=120)
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    assert proc.stdout.count(message) == 1, proc.stdout[-4000:]
 
 
 @pytest.mark.mpi

@@ -130,3 +130,117 @@ def test_step_benchmark_refuses_an_output_it_cannot_write(tmp_path, option: str)
     assert proc.returncode == 2, proc.stdout[-4000:]
     assert proc.stdout.count(f"error: cannot write {out}") == 1, proc.stdout[-4000:]
     assert "algorithm" not in proc.stdout  # no table: no step ran
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--density", "0"], "argument --density: density must be in (0, 1], got 0.0"),
+        (["--density", "inf"], "density must be in (0, 1], got inf"),
+        (["-m", "16X"], "argument -m/--size: expecting a size like 4096, 64K or 16M"),
+        (["--algorithms", "dense,nosuch"], "unknown algorithm 'nosuch'"),
+        (["-i", "0"], "argument -i/--iterations: expecting an integer >= 1, got '0'"),
+        (["--grads", "0"], "argument --grads: expecting an integer >= 1, got '0'"),
+        (["--rows", "1", "--width", "0"], "argument --width: expecting an integer >= 1"),
+        (["--rows", "1", "--width", "8192"], "expecting --width <= n, got --width 8192"),
+        (["-m", "1024G"], "n = 1099511627776 is too large for this host's"),
+    ],
+)
+def test_step_benchmark_usage_errors(args: list[str], message: str) -> None:
+    """Bad arguments used to be found late, each rank with its traceback: a density out of
+    (0, 1] when the first reducer was built, an unknown algorithm after the ones before it
+    had run, -i 0 or --grads 0 in a ZeroDivisionError or IndexError, 2**40 in a
+    MemoryError. Now a usage error (exit 2) on every rank before MPI starts, printed once."""
+    argv = [str(ROOT / "bench" / "step.py"), "-m", "4K", "-i", "1", "-x", "0", *args]
+    proc = run_mpi(2, argv, timeout=300, env={"SPARSECOLL_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    assert proc.stdout.count(message) == 1, proc.stdout[-4000:]
+    assert proc.stdout.count("usage: step.py") == 1, proc.stdout[-4000:]
+    assert "Traceback" not in proc.stdout
+    assert not any(ln.startswith("algorithm ") for ln in proc.stdout.splitlines())  # no table
+
+
+@pytest.mark.mpi
+def test_step_benchmark_runs_a_repeated_algorithm_once(tmp_path) -> None:
+    """--algorithms dense,gtopk,dense ran dense twice: the CSV had its steps twice and the
+    table one row, its numbers the second run's."""
+    out = tmp_path / "dup.csv"
+    args = ["-m", "4K", "-i", "2", "-x", "0", "--algorithms", "dense,gtopk,dense"]
+    proc = run_mpi(
+        2,
+        [str(ROOT / "bench" / "step.py"), *args, "--csv", str(out)],
+        timeout=300,
+        env={"SPARSECOLL_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert [r["algorithm"] for r in csv.DictReader(out.open())] == ["dense"] * 2 + ["gtopk"] * 2
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        # the late ranks raised in time.sleep(-1) alone: rank 0 hung in its iallreduce
+        ("overlap.py", ["--late", "-1"], "argument --late: expecting a number >= 0, got '-1'"),
+        ("overlap.py", ["--late", "nan"], "argument --late: expecting a number >= 0"),
+        ("overlap.py", ["--algorithm", "oktop"], "unknown algorithm 'oktop' (did you mean"),
+        ("async_step.py", ["--density", "0"], "density must be in (0, 1], got 0.0"),
+        ("async_step.py", ["--buckets", "0"], "argument --buckets: expecting an integer >= 1"),
+        ("async_step.py", ["-n", "1024G"], "n = 1099511627776 is too large for this host's"),
+    ],
+)
+def test_mpi_bench_scripts_refuse_bad_arguments_on_every_rank(script, args, message) -> None:
+    """Under mpiexec every rank refuses alike before MPI starts, rank 0 alone prints."""
+    _refused(script, ["-n", "4K", "--iterations", "1", "--warmup", "0", *args], message)
+
+
+def _refused(script: str, args: list[str], message: str) -> None:
+    """``bench/SCRIPT ARGS`` on 2 ranks: exit 2, ``message`` once, no traceback."""
+    argv = [str(ROOT / "bench" / script), *args]
+    proc = run_mpi(2, argv, timeout=300, env={"SPARSECOLL_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    assert proc.stdout.count(message) == 1, proc.stdout[-4000:]
+    assert "Traceback" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # an unknown name was skipped without a word: its rows missing, exit 0
+        (["--algorithms", "dense", "oktop/first"], "unknown algorithm 'oktop' (did you mean"),
+        (["--np", "0"], "argument --np: expecting an integer >= 1, got '0'"),
+        (["--density", "0"], "density must be in (0, 1], got 0.0"),
+        (["--overlap", "skew"], "argument --overlap: invalid choice: 'skew'"),
+    ],
+)
+def test_weak_scaling_refuses_bad_arguments(args: list[str], message: str) -> None:
+    import subprocess
+    import sys
+
+    argv = [sys.executable, str(ROOT / "bench" / "weak_scaling.py"), "--np", "1", "-n", "1024"]
+    argv += ["-i", "1", "-x", "0", *args]
+    import os
+
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.count(message) == 1, proc.stderr[-2000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        # each used to end in a traceback on every rank, after MPI and torch had started
+        ("convergence.py", ["--density", "0"], "density must be in (0, 1], got 0.0"),
+        ("convergence.py", ["--steps", "0"], "argument --steps: expecting an integer >= 1"),
+        ("convergence.py", ["--eval-every", "0"], "argument --eval-every: expecting an integer"),
+        ("train_cluster.py", ["--threads", "0"], "argument --threads: expecting an integer >= 1"),
+    ],
+)
+def test_training_scripts_refuse_bad_arguments(script, args, message) -> None:
+    pytest.importorskip("torch")
+    _refused(script, ["--methods", "dense", *args], message)

@@ -7,10 +7,16 @@ K = 2**10, M = 2**20, G = 2**30 (``64K`` = 65,536, ``25M`` = 26,214,400).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+from .._launch import under_mpi
+from .._options import check_density
 from ..registry import available_algorithms
 from .problems import OVERLAP_HELP, OVERLAPS
 
@@ -20,9 +26,15 @@ __all__ = [
     "add_input_arguments",
     "add_launch_arguments",
     "add_timing_arguments",
+    "algorithm_arg",
     "bench_parser",
+    "check_memory",
     "check_nprocs",
+    "density_arg",
+    "float_arg",
+    "int_arg",
     "launcher_rank",
+    "local_ranks",
     "parse_algorithms",
     "parse_checked",
     "parse_size",
@@ -79,6 +91,92 @@ def sizes_arg(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def density_arg(text: str) -> float:
+    """A density (a real number in (0, 1]: nonzeros / n) as an argparse ``type``: 0 left
+    nothing to send, nan, inf and > 1 no meaning."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expecting a density in (0, 1], got {text!r}") from None
+    try:
+        return check_density(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def int_arg(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer at least ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expecting an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+def float_arg(low: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite real number at least ``low`` (nan and inf refused)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and value >= low):
+            raise argparse.ArgumentTypeError(f"expecting a number >= {low:g}, got {text!r}")
+        return value
+
+    return parse
+
+
+def unknown_algorithm(name: str, known: list[str]) -> str:
+    """The message for an unknown algorithm ``name``: a did-you-mean and the known ones."""
+    from ..registry import did_you_mean
+
+    return f"unknown algorithm {name!r}{did_you_mean(name, known)}; known: {', '.join(known)}"
+
+
+def algorithm_arg(text: str) -> str:
+    """One registered algorithm's name as an argparse ``type``."""
+    known = available_algorithms()
+    if text not in known:
+        raise argparse.ArgumentTypeError(unknown_algorithm(text, known))
+    return text
+
+
+def local_ranks(nprocs: int) -> int:
+    """Ranks on this host: the launcher's count under mpiexec, else ``nprocs`` (a relaunch
+    starts them all here)."""
+    for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1 if under_mpi() else nprocs
+
+
+def check_memory(p: argparse.ArgumentParser, n: int, itemsize: int, ranks: int, what: str) -> None:
+    """A usage error (exit 2) when ``ranks`` copies of ``n`` elements of ``itemsize`` bytes
+    (``what``: the array every rank must hold, a lower bound of its memory) exceed this
+    host's memory: 2**40 elements used to end in a MemoryError traceback on every rank, or
+    an allocation that only the OOM killer stopped."""
+    need = n * itemsize * ranks
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # (not known here: nothing to check)
+        return
+    if need > have:
+        gib = 2.0**30
+        p.error(
+            f"n = {n} is too large for this host's {have / gib:.1f} GiB of memory: {what}, "
+            f"n x {itemsize} B = {n * itemsize / gib:.1f} GiB per rank, "
+            f"{need / gib:.1f} GiB for {ranks} rank(s)"
+        )
+
+
 def parse_algorithms(values: list[str] | None, known: list[str]) -> list[str]:
     """Names from repeated/comma-separated ``--algorithm`` values; ``all`` (or none) = all."""
     names: list[str] = []
@@ -86,10 +184,7 @@ def parse_algorithms(values: list[str] | None, known: list[str]) -> list[str]:
         for name in filter(None, (t.strip() for t in v.split(","))):
             for add in known if name == "all" else [name]:
                 if add not in known:
-                    from ..registry import did_you_mean
-
-                    hint = did_you_mean(add, known)
-                    raise ValueError(f"unknown algorithm {add!r}{hint}; known: {', '.join(known)}")
+                    raise ValueError(unknown_algorithm(add, known))
                 if add not in names:
                     names.append(add)
     if not names:  # osu would print nothing, the main job dense alone
@@ -165,10 +260,14 @@ def add_timing_arguments(
     """``-i/--iterations`` and ``-x/--warmup`` with these defaults (help: ``timed`` and
     ``untimed``, then the default)."""
     p.add_argument(
-        "-i", "--iterations", type=int, default=iterations, help=f"{timed} (default %(default)s)"
+        "-i",
+        "--iterations",
+        type=int_arg(1),
+        default=iterations,
+        help=f"{timed} (default %(default)s)",
     )
     p.add_argument(
-        "-x", "--warmup", type=int, default=warmup, help=f"{untimed} (default %(default)s)"
+        "-x", "--warmup", type=int_arg(0), default=warmup, help=f"{untimed} (default %(default)s)"
     )
 
 
@@ -182,7 +281,7 @@ def add_input_arguments(p: argparse.ArgumentParser) -> None:
         help="algorithms to run (repeatable, comma lists, 'all'; default all)",
     )
     p.add_argument(
-        "--density", type=float, default=0.01, help="nonzeros per rank / n (default 0.01)"
+        "--density", type=density_arg, default=0.01, help="nonzeros per rank / n (default 0.01)"
     )
     p.add_argument("--overlap", choices=OVERLAPS, default="random", help=OVERLAP_HELP)
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="(default float32)")
@@ -191,16 +290,16 @@ def add_input_arguments(p: argparse.ArgumentParser) -> None:
 def parse_checked(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse ``argv`` with a suite's parser (:func:`bench_parser`, :func:`add_input_arguments`,
     :func:`add_timing_arguments`) and check what argparse does not: ``--np >= 1``, known
-    algorithms (``all`` expanded), ``-i >= 1``, ``-x >= 0``, ``0 <= density <= 1``. Usage
-    errors exit 2 (printed by rank 0 only)."""
+    algorithms (``all`` expanded), and a dense vector (``dense`` always runs, the baseline)
+    that this host's memory can hold on every rank. (``-i >= 1``, ``-x >= 0`` and a density
+    in (0, 1] are their arguments' types.) Usage errors exit 2 (printed by rank 0 only)."""
     args = p.parse_args(argv)
     check_nprocs(p, args.np)
     try:
         args.algorithm = parse_algorithms(args.algorithm, available_algorithms())
-        if args.iterations < 1 or args.warmup < 0:
-            raise ValueError("expecting -i >= 1 and -x >= 0")
-        if not 0 <= args.density <= 1:
-            raise ValueError(f"expecting 0 <= density <= 1, got {args.density}")
     except ValueError as exc:
         p.error(str(exc))  # every rank parses the same argv: all exit alike
+    sizes = args.message_size if isinstance(args.message_size, list) else [args.message_size]
+    itemsize = np.dtype(args.dtype).itemsize
+    check_memory(p, max(sizes), itemsize, local_ranks(args.np), "the dense baseline's vector")
     return args
