@@ -185,6 +185,7 @@ class Engine:
         self._reported = False
         self._free = False  # free the duplicates when the thread ends (the user's comm was)
         self._ended = False  # the thread has left its loop
+        self._stopped = False  # stop() ran (exit, MPI_Finalize): no more watchdog
         self._watchdog: threading.Thread | None = None
         self._pid = os.getpid()  # a child made by fork() has no progress thread
         self._thread = threading.Thread(
@@ -245,6 +246,7 @@ class Engine:
             with self._cond:
                 del self._blocking[me]
                 self._ended_call(req)
+                self._cond.notify_all()  # (stop() may wait for it)
 
     def _ended_call(self, req: SparseRequest) -> None:
         # (under self._cond)
@@ -325,6 +327,17 @@ class Engine:
         if wait and not self.is_worker_thread():
             self._thread.join()
 
+    def _settle(self) -> None:
+        """Wait (see :func:`stop`) until the watched blocking calls that other threads have
+        in flight now have ended, or the watchdog is off, then let the watchdog end."""
+        me = threading.get_ident()
+        with self._cond:
+            inflight = {r.call for t, (r, _) in self._blocking.items() if t != me}
+            while inflight and self._watchdog is not None and get_timeout():
+                self._cond.wait(WATCH_PERIOD)  # (get_timeout() may change meanwhile)
+                inflight &= {r.call for r, _ in self._blocking.values()}
+            self._stopped = True
+
     # -- the progress thread ----------------------------------------------------------------
     def _loop(self) -> None:
         while True:
@@ -364,8 +377,9 @@ class Engine:
     # -- watchdog ---------------------------------------------------------------------------
     def _start_watchdog(self) -> None:
         with self._cond:
-            # (after the thread ended: only for blocking calls, while the duplicates live)
-            if self._watchdog is not None or (self._ended and self._free):
+            # (after the thread ended: only for blocking calls, while the duplicates live;
+            # none once stop() ran: at exit, at MPI_Finalize)
+            if self._watchdog is not None or (self._ended and (self._free or self._stopped)):
                 return
             self._watchdog = threading.Thread(
                 target=self._watch, name=f"sparsecoll-watchdog-{self.comm.rank}", daemon=True
@@ -377,10 +391,11 @@ class Engine:
         # calls are still watched: the watchdog goes on while one runs, and the next one
         # starts it again (the timeout holds for the communicator's whole life, as
         # torch.distributed's for a process group's). It stops when the engine frees its
-        # duplicates (the user's communicator was freed: no call can follow).
+        # duplicates (the user's communicator was freed: no call can follow), and once stop()
+        # has seen the blocking calls in flight end (at exit: later ones are not watched).
         while True:
             with self._cond:
-                if self._ended and (self._free or not self._blocking):
+                if self._ended and (self._free or self._stopped or not self._blocking):
                     self._watchdog = None  # (under the lock: watching() starts another)
                     return
             time.sleep(WATCH_PERIOD)
@@ -462,12 +477,19 @@ def shutdown() -> None:
 
 def stop(engines: list[Engine] | None = None) -> None:
     """Complete the calls queued to ``engines`` (default: every engine of this process),
-    then end their threads. Also run when MPI_Finalize starts (see Communicator.engine)."""
+    then end their threads. Also run when MPI_Finalize starts (see Communicator.engine).
+
+    The watched blocking calls that other threads (daemon threads, at exit) have in flight
+    now are waited for, as long as the watchdog watches them (it aborts the job past the
+    timeout); the watchdog then ends. Blocking calls these threads start later are neither
+    waited for nor watched: a thread that goes on calling would hold the exit for ever.
+    """
     if engines is None:
         with _registry_lock:
             engines = [e for e in _engines if e._pid == os.getpid()]
     for engine in engines:
         engine.close(wait=True)
+        engine._settle()
         watchdog = engine._watchdog  # (it sets None as it ends)
         if watchdog is not None:
             watchdog.join()
