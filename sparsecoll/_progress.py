@@ -455,24 +455,36 @@ def shutdown() -> None:
     program dies of an uncaught exception, nothing is waited for: the other ranks may never
     reach the pending calls. If calls are still pending then, the job is aborted
     (MPI_Abort): the exit would otherwise hang, this rank in MPI_Finalize (which waits for
-    every other rank) and the others in their pending calls, which need this one.
+    every other rank) and the others in their pending calls, which need this one. So is it
+    when the wait here is interrupted (Ctrl-C: KeyboardInterrupt) with calls still in
+    progress (pending, or a daemon thread's watched blocking call).
     """
     with _registry_lock:  # (in a forked child: none, whose calls are the parent's)
         engines = [e for e in _engines if e._pid == os.getpid()]
     for engine in engines:
         engine.close(wait=False)
     if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
-        pending = [e for e in engines if e.pending()]
-        if pending:
-            e = pending[0]
-            _stderr(
-                f"sparsecoll: rank {e.comm.rank} of {e.comm.size}: uncaught exception with "
-                f"{sum(x.pending() for x in pending)} nonblocking call(s) pending ({e.state()}); "
-                f"aborting the job"
-            )
-            e._alarm.abort(1)
+        pending = sum(e.pending() for e in engines)
+        _abort(engines, pending, f"uncaught exception with {pending} nonblocking call(s) pending")
         return
-    stop(engines)
+    try:
+        stop(engines)
+    except KeyboardInterrupt:
+        busy = sum(e.pending() + len(e._blocking) for e in engines)
+        _abort(engines, busy, f"interrupted at exit with {busy} call(s) in progress")
+        raise
+
+
+def _abort(engines: list[Engine], calls: int, why: str) -> None:
+    """At exit, with ``calls`` calls in progress (none: nothing happens): MPI_Abort, after a
+    line on stderr with ``why`` and the state of the first engine that has calls."""
+    if calls:
+        e = next((x for x in engines if x.pending() or x._blocking), engines[0])
+        _stderr(
+            f"sparsecoll: rank {e.comm.rank} of {e.comm.size}: {why} ({e.state()}); "
+            f"aborting the job"
+        )
+        e._alarm.abort(1)
 
 
 def stop(engines: list[Engine] | None = None) -> None:

@@ -160,6 +160,46 @@ def test_exit_with_a_daemon_thread_in_blocking_calls(mode, says, count):
     assert out.count(says) == count, out[-6000:]
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["interrupt_request", "interrupt_blocking"])
+def test_interrupt_while_the_exit_waits(mode):
+    """Ctrl-C (SIGINT) on rank 0 while its exit waits for a call that rank 1 never makes (a
+    request; a daemon thread's watched blocking call): the KeyboardInterrupt was ignored in
+    the exit handler, and MPI finalized under the call (the job hung; MPICH crashed).
+    sparsecoll aborts the job instead, saying why, before the watchdog's timeout."""
+    from .mpirun import run_mpi
+
+    proc = run_mpi(2, [__file__, mode], timeout=120)
+    out = proc.stdout
+    assert proc.returncode != 0, out[-6000:]
+    assert "sparsecoll: rank 0 of 2: interrupted at exit with 1 call(s) in progress" in out, out
+    assert "sparsecoll watchdog" not in out, out[-6000:]
+
+
+def _interrupt(blocking: bool) -> None:
+    import os
+    import signal
+    import threading
+
+    import sparsecoll
+
+    comm, vals, idx = _watched()
+    sparsecoll.set_timeout(100)  # on, but longer than the test waits
+    sparsecoll.allreduce(comm, vals, idx, n=9)  # watched: starts the engine on every rank
+    if comm.rank == 0:
+        if blocking:
+            call = lambda: sparsecoll.allreduce(comm, vals, idx, n=9)  # noqa: E731
+            threading.Thread(target=call, daemon=True).start()
+        else:
+            sparsecoll.iallreduce(comm, vals, idx, n=9)
+
+        def interrupt() -> None:  # once rank 0 waits at exit
+            time.sleep(2)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt, daemon=True).start()
+
+
 def _watched():
     """The communicator and small inputs, the watchdog on once a first call has loaded the
     kernels (unwatched)."""
@@ -417,6 +457,9 @@ if __name__ == "__main__":
     modes = {"pending": _pending, "skip": _skip, "skip_step": _skip_step, "raise": _raise}
     modes.update(fork=_fork, finalize=_finalize, queued=_queued, closed=_closed)
     modes.update(daemon=_daemon, stuck=_stuck)
+    modes.update(
+        interrupt_request=lambda: _interrupt(False), interrupt_blocking=lambda: _interrupt(True)
+    )
     if sys.argv[1] in ("single", "funneled", "serialized"):
         _low_level(sys.argv[1])
     else:
