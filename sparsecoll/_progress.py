@@ -234,18 +234,18 @@ class Engine:
             yield
             return
         self.drain()
-        with self._cond:
-            self._calls += 1
-            req = SparseRequest(self._calls, label)
-            self._blocking[me] = (req, time.monotonic())
-            if self._watchdog is None:  # (also once the engine is closed: see _watch)
-                self._start_watchdog()
-        try:
+        try:  # (an interrupt while the watchdog starts leaves the call registered otherwise)
+            with self._cond:
+                self._calls += 1
+                self._blocking[me] = (SparseRequest(self._calls, label), time.monotonic())
+                if self._watchdog is None:  # (also once the engine is closed: see _watch)
+                    self._start_watchdog()
             yield
         finally:
             with self._cond:
-                del self._blocking[me]
-                self._ended_call(req)
+                entry = self._blocking.pop(me, None)
+                if entry is not None:
+                    self._ended_call(entry[0])
                 self._cond.notify_all()  # (stop() may wait for it)
 
     def _ended_call(self, req: SparseRequest) -> None:
