@@ -186,6 +186,7 @@ class Engine:
         self._reported = False
         self._free = False  # free the duplicates when the thread ends (the user's comm was)
         self._ended = False  # the thread has left its loop
+        self._stopped = False  # stop() ran (exit, MPI_Finalize): no more watchdog
         self._watchdog: threading.Thread | None = None
         self._pid = os.getpid()  # a child made by fork() has no progress thread
         self._thread = threading.Thread(
@@ -234,18 +235,19 @@ class Engine:
             yield
             return
         self.drain()
-        with self._cond:
-            self._calls += 1
-            req = SparseRequest(self._calls, label)
-            self._blocking[me] = (req, time.monotonic())
-            if self._watchdog is None:  # (also once the engine is closed: see _watch)
-                self._start_watchdog()
-        try:
+        try:  # (an interrupt while the watchdog starts leaves the call registered otherwise)
+            with self._cond:
+                self._calls += 1
+                self._blocking[me] = (SparseRequest(self._calls, label), time.monotonic())
+                if self._watchdog is None:  # (also once the engine is closed: see _watch)
+                    self._start_watchdog()
             yield
         finally:
             with self._cond:
-                del self._blocking[me]
-                self._ended_call(req)
+                entry = self._blocking.pop(me, None)
+                if entry is not None:
+                    self._ended_call(entry[0])
+                self._cond.notify_all()  # (stop() may wait for it)
 
     def _ended_call(self, req: SparseRequest) -> None:
         # (under self._cond)
@@ -326,6 +328,17 @@ class Engine:
         if wait and not self.is_worker_thread():
             self._thread.join()
 
+    def _settle(self) -> None:
+        """Wait (see :func:`stop`) until the watched blocking calls that other threads have
+        in flight now have ended, or the watchdog is off, then let the watchdog end."""
+        me = threading.get_ident()
+        with self._cond:
+            inflight = {r.call for t, (r, _) in self._blocking.items() if t != me}
+            while inflight and self._watchdog is not None and get_timeout():
+                self._cond.wait(WATCH_PERIOD)  # (get_timeout() may change meanwhile)
+                inflight &= {r.call for r, _ in self._blocking.values()}
+            self._stopped = True
+
     # -- the progress thread ----------------------------------------------------------------
     def _loop(self) -> None:
         while True:
@@ -365,8 +378,9 @@ class Engine:
     # -- watchdog ---------------------------------------------------------------------------
     def _start_watchdog(self) -> None:
         with self._cond:
-            # (after the thread ended: only for blocking calls, while the duplicates live)
-            if self._watchdog is not None or (self._ended and self._free):
+            # (after the thread ended: only for blocking calls, while the duplicates live;
+            # none once stop() ran: at exit, at MPI_Finalize)
+            if self._watchdog is not None or (self._ended and (self._free or self._stopped)):
                 return
             self._watchdog = threading.Thread(
                 target=self._watch, name=f"sparsecoll-watchdog-{self.comm.rank}", daemon=True
@@ -378,10 +392,11 @@ class Engine:
         # calls are still watched: the watchdog goes on while one runs, and the next one
         # starts it again (the timeout holds for the communicator's whole life, as
         # torch.distributed's for a process group's). It stops when the engine frees its
-        # duplicates (the user's communicator was freed: no call can follow).
+        # duplicates (the user's communicator was freed: no call can follow), and once stop()
+        # has seen the blocking calls in flight end (at exit: later ones are not watched).
         while True:
             with self._cond:
-                if self._ended and (self._free or not self._blocking):
+                if self._ended and (self._free or self._stopped or not self._blocking):
                     self._watchdog = None  # (under the lock: watching() starts another)
                     return
             time.sleep(WATCH_PERIOD)
@@ -441,34 +456,53 @@ def shutdown() -> None:
     program dies of an uncaught exception, nothing is waited for: the other ranks may never
     reach the pending calls. If calls are still pending then, the job is aborted
     (MPI_Abort): the exit would otherwise hang, this rank in MPI_Finalize (which waits for
-    every other rank) and the others in their pending calls, which need this one.
+    every other rank) and the others in their pending calls, which need this one. So is it
+    when the wait here is interrupted (Ctrl-C: KeyboardInterrupt) with calls still in
+    progress (pending, or a daemon thread's watched blocking call).
     """
     with _registry_lock:  # (in a forked child: none, whose calls are the parent's)
         engines = [e for e in _engines if e._pid == os.getpid()]
     for engine in engines:
         engine.close(wait=False)
     if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
-        pending = [e for e in engines if e.pending()]
-        if pending:
-            e = pending[0]
-            _stderr(
-                f"sparsecoll: rank {e.comm.rank} of {e.comm.size}: uncaught exception with "
-                f"{sum(x.pending() for x in pending)} nonblocking call(s) pending ({e.state()}); "
-                f"aborting the job"
-            )
-            e._alarm.abort(1)
+        pending = sum(e.pending() for e in engines)
+        _abort(engines, pending, f"uncaught exception with {pending} nonblocking call(s) pending")
         return
-    stop(engines)
+    try:
+        stop(engines)
+    except KeyboardInterrupt:
+        busy = sum(e.pending() + len(e._blocking) for e in engines)
+        _abort(engines, busy, f"interrupted at exit with {busy} call(s) in progress")
+        raise
+
+
+def _abort(engines: list[Engine], calls: int, why: str) -> None:
+    """At exit, with ``calls`` calls in progress (none: nothing happens): MPI_Abort, after a
+    line on stderr with ``why`` and the state of the first engine that has calls."""
+    if calls:
+        e = next((x for x in engines if x.pending() or x._blocking), engines[0])
+        _stderr(
+            f"sparsecoll: rank {e.comm.rank} of {e.comm.size}: {why} ({e.state()}); "
+            f"aborting the job"
+        )
+        e._alarm.abort(1)
 
 
 def stop(engines: list[Engine] | None = None) -> None:
     """Complete the calls queued to ``engines`` (default: every engine of this process),
-    then end their threads. Also run when MPI_Finalize starts (see Communicator.engine)."""
+    then end their threads. Also run when MPI_Finalize starts (see Communicator.engine).
+
+    The watched blocking calls that other threads (daemon threads, at exit) have in flight
+    now are waited for, as long as the watchdog watches them (it aborts the job past the
+    timeout); the watchdog then ends. Blocking calls these threads start later are neither
+    waited for nor watched: a thread that goes on calling would hold the exit for ever.
+    """
     if engines is None:
         with _registry_lock:
             engines = [e for e in _engines if e._pid == os.getpid()]
     for engine in engines:
         engine.close(wait=True)
+        engine._settle()
         watchdog = engine._watchdog  # (it sets None as it ends)
         if watchdog is not None:
             watchdog.join()

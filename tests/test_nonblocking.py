@@ -134,7 +134,75 @@ def test_watchdog_watches_blocking_calls_after_the_engine_is_closed():
         assert f"sparsecoll watchdog: rank {rank} of 3: in call #3 allreduce" in out, out
 
 
-def _closed() -> None:
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("mode", "says", "count"),
+    [
+        # a daemon thread goes on making watched blocking calls at exit (the ranks agree when
+        # to stop in an exit handler that runs after sparsecoll's): the exit handler waited
+        # for the watchdog, which lived as long as blocking calls ran: the exit hung for ever.
+        # It waits for the calls in flight then only, and those after are not watched.
+        ("daemon", "the daemon thread stopped: True", 2),
+        # a daemon thread of rank 0 is in a watched blocking call that rank 1 never makes:
+        # the exit waits for it until the watchdog aborts the job, with its diagnostic
+        # (without it, MPI_Finalize ran under the call: MPICH crashed)
+        ("stuck", "sparsecoll watchdog: rank 0 of 2: in call #2 allreduce", 1),
+    ],
+)
+def test_exit_with_a_daemon_thread_in_blocking_calls(mode, says, count):
+    from .mpirun import run_mpi
+
+    env = {"SPARSECOLL_TIMEOUT": str(WATCHDOG_SECONDS)}
+    proc = run_mpi(2, [__file__, mode], timeout=120, env=env)
+    out = proc.stdout
+    assert (proc.returncode == 0) == (mode == "daemon"), out[-6000:]
+    assert ("sparsecoll watchdog" in out) == (mode == "stuck"), out[-6000:]
+    assert out.count(says) == count, out[-6000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["interrupt_request", "interrupt_blocking"])
+def test_interrupt_while_the_exit_waits(mode):
+    """Ctrl-C (SIGINT) on rank 0 while its exit waits for a call that rank 1 never makes (a
+    request; a daemon thread's watched blocking call): the KeyboardInterrupt was ignored in
+    the exit handler, and MPI finalized under the call (the job hung; MPICH crashed).
+    sparsecoll aborts the job instead, saying why, before the watchdog's timeout."""
+    from .mpirun import run_mpi
+
+    proc = run_mpi(2, [__file__, mode], timeout=120)
+    out = proc.stdout
+    assert proc.returncode != 0, out[-6000:]
+    assert "sparsecoll: rank 0 of 2: interrupted at exit with 1 call(s) in progress" in out, out
+    assert "sparsecoll watchdog" not in out, out[-6000:]
+
+
+def _interrupt(blocking: bool) -> None:
+    import os
+    import signal
+    import threading
+
+    import sparsecoll
+
+    comm, vals, idx = _watched()
+    sparsecoll.set_timeout(100)  # on, but longer than the test waits
+    sparsecoll.allreduce(comm, vals, idx, n=9)  # watched: starts the engine on every rank
+    if comm.rank == 0:
+        if blocking:
+            call = lambda: sparsecoll.allreduce(comm, vals, idx, n=9)  # noqa: E731
+            threading.Thread(target=call, daemon=True).start()
+        else:
+            sparsecoll.iallreduce(comm, vals, idx, n=9)
+
+        def interrupt() -> None:  # once rank 0 waits at exit
+            time.sleep(2)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt, daemon=True).start()
+
+
+def _watched():
+    """The communicator and small inputs, the watchdog on once a first call has loaded the
+    kernels (unwatched)."""
     import numpy as np
 
     import sparsecoll
@@ -144,6 +212,53 @@ def _closed() -> None:
     sparsecoll.set_timeout(None)  # the first call loads the kernels: not watched
     sparsecoll.allreduce(comm, vals, idx, n=9)
     sparsecoll.set_timeout(WATCHDOG_SECONDS)
+    return comm, vals, idx
+
+
+def _daemon() -> None:
+    import atexit
+    import threading
+
+    import numpy as np
+
+    import sparsecoll
+
+    comm, _, _ = _watched()
+    exiting = threading.Event()
+    idx = np.array([comm.rank])
+
+    def loop() -> None:  # until a rank's exit handler says stop (the ranks stop together)
+        while not sparsecoll.allreduce(comm, np.float32([exiting.is_set()]), idx, n=9).values.any():
+            pass
+
+    def stop() -> None:
+        exiting.set()
+        thread.join(10 * WATCHDOG_SECONDS)
+        print(f"the daemon thread stopped: {not thread.is_alive()}", flush=True)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    atexit.register(stop)  # before sparsecoll's exit handler (the first watched call's)
+    thread.start()
+    time.sleep(1)
+
+
+def _stuck() -> None:
+    import threading
+
+    import sparsecoll
+
+    comm, vals, idx = _watched()
+    sparsecoll.allreduce(comm, vals, idx, n=9)  # call #1
+    if comm.rank == 0:  # call #2, on rank 0 only
+        call = lambda: sparsecoll.allreduce(comm, vals, idx, n=9)  # noqa: E731
+        threading.Thread(target=call, daemon=True).start()
+    time.sleep(0.5)
+
+
+def _closed() -> None:
+    import sparsecoll
+
+    comm, vals, idx = _watched()
     sparsecoll.iallreduce(comm, vals, idx, n=9).wait()  # call #1
     sparsecoll.allreduce(comm, vals, idx, n=9)  # call #2: the watchdog runs
     comm.engine().close()
@@ -341,6 +456,10 @@ def _low_level(level: str) -> None:
 if __name__ == "__main__":
     modes = {"pending": _pending, "skip": _skip, "skip_step": _skip_step, "raise": _raise}
     modes.update(fork=_fork, finalize=_finalize, queued=_queued, closed=_closed)
+    modes.update(daemon=_daemon, stuck=_stuck)
+    modes.update(
+        interrupt_request=lambda: _interrupt(False), interrupt_blocking=lambda: _interrupt(True)
+    )
     if sys.argv[1] in ("single", "funneled", "serialized"):
         _low_level(sys.argv[1])
     else:

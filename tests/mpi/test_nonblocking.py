@@ -335,6 +335,37 @@ def test_freeing_the_communicator_with_requests_pending(comm):
     assert_all(comm, digest(out) == want[0])
 
 
+def test_interrupt_as_a_watched_call_starts_leaves_nothing_watched(comm, monkeypatch):
+    """A KeyboardInterrupt (Ctrl-C) as a blocking call registers with the watchdog (while
+    the watchdog's thread starts, made to raise here): the call stayed registered as
+    running, so a program that catches the interrupt and goes on (to save a checkpoint, say)
+    had its job aborted by the watchdog one timeout later, in a call no longer running."""
+    from sparsecoll import _progress
+
+    mine = comm.mpi_comm.Dup()  # a new engine: its watchdog has not started
+    c = sparsecoll.Communicator(mine)
+    engine = c.engine()
+    vals, idx = _input(comm.rank, 5)
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    before = sparsecoll.get_timeout()
+    sparsecoll.set_timeout(600)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(_progress.Engine, "_start_watchdog", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                sparsecoll.allreduce(c, vals, idx, n=N)
+        state = engine.state()
+        out = sparsecoll.allreduce(c, vals, idx, n=N)  # watched, as usual
+    finally:
+        sparsecoll.set_timeout(before)
+    assert_all(comm, not engine._blocking and state.startswith("idle"), state)
+    assert_all(comm, digest(out) == digest(sparsecoll.allreduce(comm, vals, idx, n=N)))
+    mine.Free()
+
+
 class _Subclass(sparsecoll.Communicator):
     """A Communicator subclass, as NCCLCommunicator is (no progress engine)."""
 
