@@ -41,6 +41,17 @@ _atexit_registered = False
 _registry_lock = threading.Lock()
 
 
+def _new_registry_lock() -> None:
+    # (a fork while another thread held the lock copies it locked: the child's exit handler
+    # then waited for ever for a thread the child does not have)
+    global _registry_lock
+    _registry_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_registry_lock)
+
+
 def set_timeout(seconds: float | None) -> None:
     """Turn the watchdog on (a timeout in seconds) or off (None or 0), on this rank.
 

@@ -1,5 +1,6 @@
 """Nonblocking calls in whole jobs: exit with requests pending, the watchdog's abort, the
-thread-level check (each test launches this very file under mpiexec, with a timeout).
+thread-level check (each test but the registry lock one launches this very file under mpiexec,
+with a timeout).
 
 tests/mpi/test_nonblocking.py checks the results; these check how jobs end.
 """
@@ -83,6 +84,33 @@ def test_thread_level_is_checked(level):
     want = "blocking under the watchdog: [2.0, 4.0] [0.0, 1.0, 0.0, 2.0]"
     assert out.count(want) == 2, out[-6000:]
     assert out.count("RuntimeWarning: the watchdog (SPARSECOLL_TIMEOUT) needs") == 2, out
+
+
+def test_a_child_forked_while_the_engine_registry_is_locked_exits():
+    """A fork while another thread holds the engine registry's lock (making an engine):
+    the child's exit handler took that lock, copied locked into a child with no thread to
+    release it, and hung for ever. The child gets a new lock."""
+    import os
+    import signal
+
+    from sparsecoll import _progress
+
+    with _progress._registry_lock:  # (as another thread creating an engine holds it)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (the child)
+            _progress.shutdown()
+            os._exit(0)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's exit handler hung on the registry lock")
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.mpi
