@@ -739,6 +739,7 @@ def _edges_below(x, lo, scale, top, edge_in, first, counts, hist):  # pragma: no
 
 
 EDGE_BINS = 1024  # linear bins that place an element among the edges (count_at_edges)
+LIFT = 2.0**600  # subnormal float64 edges times this: bins of a finite width
 
 
 @njit(cache=True, nogil=True)
@@ -786,9 +787,19 @@ def count_at_edges(x: np.ndarray, edges: np.ndarray) -> np.ndarray:
         x, edges = x.astype(np.float32), edges.astype(np.float32)
     x = np.ascontiguousarray(x)
     edges = np.ascontiguousarray(edges, dtype=x.dtype)
+    # equal edges (subnormal ones round together) would share a bin: count each value once
+    tied = bool(np.any(edges[1:] == edges[:-1]))
+    if tied:
+        edges, which = np.unique(edges, return_inverse=True)
     out = np.empty(edges.shape[0], np.int64)
     lo, hi = float(edges[0]), float(edges[-1])
     binned = x.shape[0] >= EDGE_BINS and math.isfinite(lo) and math.isfinite(hi) and hi > lo
+    if binned and not math.isfinite(EDGE_BINS / (hi - lo)):
+        # float64 subnormal edges: bins finer than float64 can scale to. Lifted by a power
+        # of two (exact; a value lifted past the largest float is inf, above every edge as
+        # before): one more pass, against a pass per edge
+        with np.errstate(over="ignore"):
+            x, edges = x * LIFT, edges * LIFT
     if not (binned and _binned_at_edges(x, edges, EDGE_BINS, out)):
         _count_at_edges(x, edges, out)
-    return out
+    return out[which] if tied else out
