@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 
 import numba
@@ -414,6 +415,39 @@ def test_moments() -> None:
         assert math.isclose(mean, float(x.astype(np.float64).mean()), rel_tol=1e-9, abs_tol=1e-9)
         assert math.isclose(std, float(x.astype(np.float64).std()), rel_tol=1e-9)
     assert sel.moments(np.ones(8, np.float16)) == (1.0, 0.0)
+
+
+# the exponents that keep |x| < 4 (multiples of 2**-8) exact and finite in each dtype
+SHIFTS = {np.float16: (-6, 13), np.float32: (-118, 125), np.float64: (-1014, 1021)}
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(200, 3000), at=st.floats(0.0, 1.0))
+def test_moments_anywhere_in_the_float_range(name, dtype, seed, n, at) -> None:
+    """moments(x·2**s) = moments(x)·2**s, to rounding, for every s that keeps x exact and
+    finite in its dtype: float64 squares pass float64's range from |x| ~ 1.3e154 on, and
+    lose bits below ~1.5e-154 (before: NaN or inf from 1e154, 0 at 1e-170). So Gaussian-k
+    fits x, not the exact fallback (before: it fell back, or raised an OverflowError
+    fitting the tail), and no warning comes from the numpy path."""
+    lo, hi = SHIFTS[dtype]
+    shift = lo + round(at * (hi - lo))
+    g = np.random.default_rng(seed).standard_normal(n) * 0.7 + 0.2
+    base = np.clip(np.round(g * 256) / 256, -3.99, 3.99)
+    x0, x = base.astype(dtype), np.ldexp(base, shift).astype(dtype)
+    with backend(name), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (m0, s0), (m, s) = sel.moments(x0), sel.moments(x)
+        est = sel.GaussianThreshold(density=0.02)
+        want, got = est.select(x0), est.select(x)
+    unit = math.ldexp(1.0, shift)
+    assert math.isclose(m / unit, m0, rel_tol=1e-12, abs_tol=1e-12 * s0), (m, m0, shift)
+    assert math.isclose(s / unit, s0, rel_tol=1e-12), (s, s0, shift)
+    # (the tail search's later steps are scale-free only to rounding, which can move a
+    # count by one and the path with it: the band is the contract, as on x itself)
+    for chosen in (want, got):
+        assert chosen.method in ("gaussian", "gaussian-topk"), (chosen.method, shift)
+        assert est.lo * chosen.k <= chosen.count <= est.hi * chosen.k, (chosen, shift)
 
 
 def test_backend_module_contract() -> None:

@@ -9,6 +9,7 @@ picks the same edge.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ from ..select import backend
 
 __all__ = [
     "WINDOW_OFFSETS", "bracket_edge", "bucket_shares", "bucket_start", "edge_counts",
-    "edge_totals", "pick_edge", "window_edges",
+    "edge_totals", "nudged_up", "pick_edge", "window_edges",
 ]  # fmt: skip
 
 # log-offsets of the threshold window: step 0.003 in the middle, ±0.223 (×1.25) at the ends
@@ -30,6 +31,13 @@ def window_edges(threshold: float, dtype: Any) -> np.ndarray:
     """The E = 65 edges ``threshold·e^{WINDOW_OFFSETS}``, ascending, as ``dtype`` holds them
     (what ``|x| >= edge`` compares against in that dtype)."""
     return (threshold * np.exp(WINDOW_OFFSETS)).astype(dtype)
+
+
+def nudged_up(threshold: float, factor: float) -> float:
+    """``threshold·factor`` held to the largest float: above every finite |value| it keeps
+    only infinities either way, but inf would stay inf under every later division (a reuse
+    rule that kept nothing for ever, from values near float64's largest)."""
+    return min(threshold * factor, sys.float_info.max)
 
 
 def edge_counts(mags: Any, edges: np.ndarray) -> tuple[Any, np.ndarray]:

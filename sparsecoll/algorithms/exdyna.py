@@ -74,6 +74,7 @@ from ._window import (
     bucket_shares,
     bucket_start,
     edge_totals,
+    nudged_up,
     pick_edge,
     window_edges,
 )
@@ -235,10 +236,10 @@ def _edges(threshold: float, dtype: Any) -> np.ndarray:
 def authors_rule(threshold: float, count: int, k: int) -> float:
     """The authors' threshold update (kept for comparison; it settles below k)."""
     if count > 1.1 * k:
-        return threshold * 1.005
+        return nudged_up(threshold, 1.005)
     if count <= 0.909 * k:
         return threshold * 0.995
-    return threshold * 1.00125
+    return nudged_up(threshold, 1.00125)
 
 
 def rebalance(bounds: np.ndarray, counts: np.ndarray, tolerance: float) -> np.ndarray:

@@ -95,7 +95,14 @@ from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import accumulate_dtype, isin_sorted, keep_bucket, merge_two
-from ._window import bracket_edge, bucket_shares, bucket_start, edge_totals, window_edges
+from ._window import (
+    bracket_edge,
+    bucket_shares,
+    bucket_start,
+    edge_totals,
+    nudged_up,
+    window_edges,
+)
 from .base import (
     Algorithm,
     allclose_sparse,
@@ -287,7 +294,7 @@ class OkTopk(Algorithm):
         self.streak = self.streak + side if self.streak * side > 0 else side
         power = 2 ** min(abs(self.streak) - 1, 5) if self.adaptive else 1
         factor = self.nudge**power
-        return threshold * factor if side > 0 else threshold / factor
+        return nudged_up(threshold, factor) if side > 0 else threshold / factor
 
     def __repr__(self) -> str:
         return (

@@ -9,11 +9,23 @@ arithmetic on). +inf has the key ``inf_key``; every NaN has a key above it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
 
-__all__ = ["NAN_MESSAGE", "KeyInfo", "key_info", "round_threshold", "threshold_key"]
+__all__ = [
+    "MOMENT_BIG",
+    "MOMENT_SCALE",
+    "NAN_MESSAGE",
+    "KeyInfo",
+    "key_info",
+    "moments_from_sums",
+    "moments_of",
+    "round_threshold",
+    "threshold_key",
+    "underflowed",
+]
 
 NAN_MESSAGE = "x contains NaN; selection never drops or picks NaN silently"
 
@@ -67,3 +79,50 @@ def key_value(key: int, dtype: Any) -> float:
     """The float value of a key (the inverse of taking |x|'s bits)."""
     info = key_info(dtype)
     return float(np.array(key, dtype=info.utype).view(dtype))
+
+
+# moments: a float64 square passes the largest float64 from |v| ~ 1.3e154 on and loses bits
+# (subnormal, then 0) below ~1.5e-154. A backend sums the values above MOMENT_BIG scaled
+# by 1/MOMENT_SCALE (a power of two: exact), in the same pass; data whose squares all lie
+# below MOMENT_TINY on average are summed again scaled by MOMENT_SCALE (a second pass, only
+# for such data). Every float16/float32 value, and float64 ones in between, take neither.
+MOMENT_BIG = 2.0**480  # v**2 <= 2**960: a sum of 2**63 of them stays finite
+MOMENT_SCALE = 2.0**600  # |v| / MOMENT_SCALE > 2**-120: no bit lost, squares normal
+MOMENT_TINY = 2.0**-900  # mean square below: redo scaled up
+
+
+def moments_from_sums(
+    n: int, a: float, q: float, ab: float = 0.0, qb: float = 0.0, scale: float = 1.0
+) -> tuple[float, float]:
+    """(mean, population std) of n values v from sums over w = v·scale (scale a power of
+    two): ``a``, ``q`` of w and w² where |w| <= MOMENT_BIG, ``ab``, ``qb`` of w/MOMENT_SCALE
+    and its square for the larger ones. Non-finite sums give a non-finite mean or std."""
+    if ab == 0.0 and qb == 0.0:
+        mean = a / n
+        return mean / scale, math.sqrt(max(q / n - mean * mean, 0.0)) / scale
+    s = MOMENT_SCALE  # in units of MOMENT_SCALE: the mean square itself may pass float64
+    mean = ab / n + a / n / s
+    var = qb / n + q / n / s / s - mean * mean
+    return mean * s / scale, math.sqrt(max(var, 0.0)) * s / scale
+
+
+def underflowed(n: int, a: float, q: float) -> bool:
+    """Whether sums ``a``, ``q`` of n values and their squares come from values so small
+    (mean square below MOMENT_TINY, not all zero) that their squares lost bits."""
+    return q / n < MOMENT_TINY and (q != 0.0 or a != 0.0)
+
+
+def moments_of(v: Any) -> tuple[float, float]:
+    """(mean, population std) of a float64 array of numpy or CuPy: its sum and dot, and,
+    only where those overflowed or the squares underflowed, once more scaled."""
+    n = int(v.shape[0])
+    with np.errstate(over="ignore", invalid="ignore"):  # (numpy; rescaled below)
+        a, q = float(v.sum()), float(v.dot(v))
+        if math.isfinite(a) and math.isfinite(q):
+            if not underflowed(n, a, q):
+                return moments_from_sums(n, a, q)
+            scale = MOMENT_SCALE
+        else:  # an overflow (or non-finite values, which stay so)
+            scale = 1.0 / MOMENT_SCALE
+        w = v * scale
+        return moments_from_sums(n, float(w.sum()), float(w.dot(w)), scale=scale)

@@ -209,18 +209,18 @@ def count_ge(x: Any, t: float) -> int:
 
 
 def moments(x: Any) -> tuple[float, float]:
-    """(mean, population std) of x, accumulated in float64; raises on NaN."""
-    cp = cupy_or_none()
+    """(mean, population std) of x, accumulated in float64 (scaled where the squares
+    would pass float64's range); raises on NaN."""
     x = _check(x)
     n = int(x.shape[0])
     if n == 0:
         raise ValueError("moments of an empty vector")
-    v = x.astype(np.float64)
-    mean = float(v.sum()) / n
-    var = max(float(cp.dot(v, v)) / n - mean * mean, 0.0)
-    if mean != mean or var != var:
+    from ._common import moments_of
+
+    mean, std = moments_of(x.astype(np.float64))
+    if mean != mean or std != std:
         _check_nan(x)
-    return mean, var**0.5
+    return mean, std
 
 
 def kth_largest_abs(x: Any, k: int) -> float:

@@ -62,7 +62,17 @@ except ImportError:  # pragma: no cover - older or newer Numba without it
 
 
 from .._array import index_dtype
-from ._common import NAN_MESSAGE, key_info, key_value, threshold_key
+from ._common import (
+    MOMENT_BIG,
+    MOMENT_SCALE,
+    NAN_MESSAGE,
+    key_info,
+    key_value,
+    moments_from_sums,
+    moments_of,
+    threshold_key,
+    underflowed,
+)
 
 __all__ = [
     "count_ge",
@@ -334,6 +344,7 @@ def _scatter_gt_eq(
 # chain of dependent adds; the result changes only by rounding.
 @_kernels(fastmath={"reassoc"})
 def _sums(x, bounds, s1, s2):  # pragma: no cover
+    # float32 (and float16 as float32): its squares lie well inside float64's range
     for c in prange(bounds.shape[0] - 1):
         xc = x[bounds[c] : bounds[c + 1]]
         a = 0.0
@@ -344,6 +355,31 @@ def _sums(x, bounds, s1, s2):  # pragma: no cover
             q += v * v
         s1[c] = a
         s2[c] = q
+
+
+@_kernels(fastmath={"reassoc"})
+def _sums_wide(x, big, shrink, bounds, s1, s2, b1, b2):  # pragma: no cover
+    # float64: |v| > big summed times shrink apart (_common.moments_from_sums), by selects
+    # rather than a branch, so the loop stays vector code (a branch: ~2x slower)
+    for c in prange(bounds.shape[0] - 1):
+        xc = x[bounds[c] : bounds[c + 1]]
+        a = 0.0
+        q = 0.0
+        ab = 0.0
+        qb = 0.0
+        for i in range(xc.shape[0]):
+            w = xc[i]
+            large = abs(w) > big
+            v = 0.0 if large else w
+            u = w * shrink if large else 0.0
+            a += v
+            q += v * v
+            ab += u
+            qb += u * u
+        s1[c] = a
+        s2[c] = q
+        b1[c] = ab
+        b2[c] = qb
 
 
 # -- drivers ------------------------------------------------------------------------------
@@ -598,12 +634,16 @@ def moments(x: np.ndarray) -> tuple[float, float]:
     if x.dtype == np.float16:  # Numba has no float16 arithmetic
         x = x.astype(np.float32)
     bounds = _bounds(n, 1)
-    s1 = np.empty(bounds.shape[0] - 1)
-    s2 = np.empty(bounds.shape[0] - 1)
-    _run(_sums, n, x, bounds, s1, s2)
-    mean = float(s1.sum()) / n
-    var = max(float(s2.sum()) / n - mean * mean, 0.0)
-    return mean, math.sqrt(var)
+    if x.dtype != np.float64:
+        sums = np.empty((2, bounds.shape[0] - 1))
+        _run(_sums, n, x, bounds, *sums)
+        return moments_from_sums(n, float(sums[0].sum()), float(sums[1].sum()))
+    sums = np.empty((4, bounds.shape[0] - 1))
+    _run(_sums_wide, n, x, MOMENT_BIG, 1.0 / MOMENT_SCALE, bounds, *sums)
+    a, q, ab, qb = (float(s.sum()) for s in sums)
+    if ab == 0.0 and qb == 0.0 and underflowed(n, a, q):  # every |x| below ~1e-154
+        return moments_of(x)  # (summed again, scaled up)
+    return moments_from_sums(n, a, q, ab, qb)
 
 
 def warmup(parallel: bool = False) -> None:
@@ -699,6 +739,7 @@ def _edges_below(x, lo, scale, top, edge_in, first, counts, hist):  # pragma: no
 
 
 EDGE_BINS = 1024  # linear bins that place an element among the edges (count_at_edges)
+LIFT = 2.0**600  # subnormal float64 edges times this: bins of a finite width
 
 
 @njit(cache=True, nogil=True)
@@ -746,9 +787,19 @@ def count_at_edges(x: np.ndarray, edges: np.ndarray) -> np.ndarray:
         x, edges = x.astype(np.float32), edges.astype(np.float32)
     x = np.ascontiguousarray(x)
     edges = np.ascontiguousarray(edges, dtype=x.dtype)
+    # equal edges (subnormal ones round together) would share a bin: count each value once
+    tied = bool(np.any(edges[1:] == edges[:-1]))
+    if tied:
+        edges, which = np.unique(edges, return_inverse=True)
     out = np.empty(edges.shape[0], np.int64)
     lo, hi = float(edges[0]), float(edges[-1])
     binned = x.shape[0] >= EDGE_BINS and math.isfinite(lo) and math.isfinite(hi) and hi > lo
+    if binned and not math.isfinite(EDGE_BINS / (hi - lo)):
+        # float64 subnormal edges: bins finer than float64 can scale to. Lifted by a power
+        # of two (exact; a value lifted past the largest float is inf, above every edge as
+        # before): one more pass, against a pass per edge
+        with np.errstate(over="ignore"):
+            x, edges = x * LIFT, edges * LIFT
     if not (binned and _binned_at_edges(x, edges, EDGE_BINS, out)):
         _count_at_edges(x, edges, out)
-    return out
+    return out[which] if tied else out

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .._array import index_dtype
-from ._common import NAN_MESSAGE, key_info, key_value, threshold_key
+from ._common import NAN_MESSAGE, key_info, key_value, moments_of, threshold_key
 
 __all__ = ["accumulate", "count_ge", "kth_largest_abs", "moments", "threshold", "topk"]
 
@@ -58,10 +58,7 @@ def count_ge(x: np.ndarray, t: float) -> int:
 
 
 def moments(x: np.ndarray) -> tuple[float, float]:
-    v = x.astype(np.float64)
-    mean = float(v.sum()) / v.shape[0]
-    var = max(float(np.dot(v, v)) / v.shape[0] - mean * mean, 0.0)
-    return mean, math.sqrt(var)
+    return moments_of(x.astype(np.float64))
 
 
 def accumulate(

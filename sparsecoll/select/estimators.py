@@ -366,6 +366,13 @@ def _normal_abs_quantile(p: float, mean: float, std: float) -> float:
     return 0.5 * (lo + hi)
 
 
+def _abs_quantile(p: float, mean: float, std: float, fit: float = 1.0) -> float:
+    """:func:`_normal_abs_quantile` for ``(mean, std·fit)``, computed in units of std (so
+    for any finite scale: 40·std alone passes float64 above ~4e306), and held to the
+    largest float (any threshold above every finite |x| selects the same)."""
+    return min(std * _normal_abs_quantile(p, mean / std, fit), sys.float_info.max)
+
+
 def _fit_std(t: float, p: float, mean: float, std: float) -> float:
     """The std that puts a tail mass p beyond t (the mean held), by bisection in log std."""
     lo, hi = math.log(std) - 50.0, math.log(std) + 50.0
@@ -409,7 +416,7 @@ class GaussianThreshold(ThresholdEstimator):
         mean, std = moments(x)
         if not (math.isfinite(mean) and math.isfinite(std)) or std == 0.0:
             return _exact(x, n, k, "gaussian-exact")
-        t = _normal_abs_quantile(k / n, mean, std)
+        t = _abs_quantile(k / n, mean, std)
         search = _TailSearch(k, n, mean, std)
         for _ in range(self.retries):
             c = count_ge(x, t)
@@ -466,9 +473,9 @@ class _TailSearch:
         guess = math.nan
         if len(self.tried) == 1:
             q = min(max(c, 0.5), self.n - 0.5) / self.n
-            guess = _normal_abs_quantile(
-                self.k / self.n, self.mean, _fit_std(t, q, self.mean, self.std)
-            )
+            u = self.std  # (in units of std: exp(log(std) ± 50) passes float64's range)
+            fit = _fit_std(t / u, q, self.mean / u, 1.0)
+            guess = _abs_quantile(self.k / self.n, self.mean, u, fit)
         else:
             (t0, c0), (t1, c1) = self.tried[-2], self.tried[-1]
             if c0 > 0 and c1 > 0 and c0 != c1 and t0 > 0 and t1 > 0 and t0 != t1:
@@ -493,4 +500,4 @@ class _TailSearch:
             guess = min(max(guess, t / self.MAX_STEP), t * self.MAX_STEP)
             if t == 0.0:
                 guess = math.ulp(0.0)
-        return guess
+        return min(guess, sys.float_info.max)  # (t·MAX_STEP near the top of float64)

@@ -6,6 +6,7 @@ on some ranks (a hang: gtopk's merge once raised on the merging pair only) nor b
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -97,3 +98,31 @@ def test_infinities_meeting_at_an_index(comm, name, seed, n, dtype, hot, k):
     if comm.size > 1 and (cls.exact or name == "gtopk"):  # (gtopk: index 0 ranks first)
         ok = ok and 0 in got_idx and bool(np.isnan(got[got_idx == 0]).all())
     assert_all(comm, ok, f"{name}: {why}")
+
+
+@pytest.mark.parametrize(
+    ("name", "opts"), [("oktopk", {"rule": "paper", "tau": 1000}), ("exdyna", {"rule": "authors"})]
+)
+def test_a_threshold_nudged_past_the_largest_float_comes_back(comm, name, opts):
+    """Too many kept at float64's largest value nudges a reused threshold up: it once
+    became inf, which keeps nothing, and inf / nudge is inf, so every later reuse call kept
+    nothing (oktopk's paper rule until its next recompute, exdyna's authors' rule for
+    ever), though no sum overflowed (each index on one rank only). Held to the largest
+    float, it comes back down once fewer are kept, and later calls keep the values just
+    below the top again."""
+    n, k, size, top = 4000, 20, comm.size, float(np.finfo(np.float64).max)
+    algo = sparsecoll.get_algorithm(name, k=k, **opts)
+    idx = np.arange(comm.rank, n, size)  # disjoint: every sum is one rank's value
+    rng = np.random.default_rng([11, comm.rank])
+    kept, thresholds = [], []
+    for call in range(16):
+        if call < 3:  # 4k entries in all at the top, the rest far below
+            vals = rng.uniform(0.5, 1.0, idx.shape[0]) * 1e-10 * top
+            vals[: -(-4 * k // size)] = top
+        else:  # every entry within 3% below the top
+            vals = rng.uniform(0.97, 0.99, idx.shape[0]) * top
+        out = sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=n, algorithm=algo)
+        kept.append(out.nnz)
+        thresholds.append(float(algo.threshold))
+    ok = all(math.isfinite(t) for t in thresholds) and sum(kept[3:]) > 0
+    assert_all(comm, ok, f"{name}: kept {kept}, thresholds {thresholds}")
