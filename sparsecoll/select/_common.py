@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "MOMENT_BIG",
     "MOMENT_SCALE",
     "NAN_MESSAGE",
     "KeyInfo",
@@ -82,28 +81,19 @@ def key_value(key: int, dtype: Any) -> float:
 
 
 # moments: a float64 square passes the largest float64 from |v| ~ 1.3e154 on and loses bits
-# (subnormal, then 0) below ~1.5e-154. A backend sums the values above MOMENT_BIG scaled
-# by 1/MOMENT_SCALE (a power of two: exact), in the same pass; data whose squares all lie
-# below MOMENT_TINY on average are summed again scaled by MOMENT_SCALE (a second pass, only
-# for such data). Every float16/float32 value, and float64 ones in between, take neither.
-MOMENT_BIG = 2.0**480  # v**2 <= 2**960: a sum of 2**63 of them stays finite
-MOMENT_SCALE = 2.0**600  # |v| / MOMENT_SCALE > 2**-120: no bit lost, squares normal
+# (subnormal, then 0) below ~1.5e-154. Where the plain sums overflowed, or the squares
+# underflowed (mean square below MOMENT_TINY), the values are summed again scaled by a
+# power of two (exact): passes only for such data, which otherwise made the Gaussian
+# estimators fall back to the exact select. float16/float32 values never need it.
+MOMENT_SCALE = 2.0**600  # huge |v| / MOMENT_SCALE: squares finite; tiny |v| x it: normal
 MOMENT_TINY = 2.0**-900  # mean square below: redo scaled up
 
 
-def moments_from_sums(
-    n: int, a: float, q: float, ab: float = 0.0, qb: float = 0.0, scale: float = 1.0
-) -> tuple[float, float]:
-    """(mean, population std) of n values v from sums over w = v·scale (scale a power of
-    two): ``a``, ``q`` of w and w² where |w| <= MOMENT_BIG, ``ab``, ``qb`` of w/MOMENT_SCALE
-    and its square for the larger ones. Non-finite sums give a non-finite mean or std."""
-    if ab == 0.0 and qb == 0.0:
-        mean = a / n
-        return mean / scale, math.sqrt(max(q / n - mean * mean, 0.0)) / scale
-    s = MOMENT_SCALE  # in units of MOMENT_SCALE: the mean square itself may pass float64
-    mean = ab / n + a / n / s
-    var = qb / n + q / n / s / s - mean * mean
-    return mean * s / scale, math.sqrt(max(var, 0.0)) * s / scale
+def moments_from_sums(n: int, a: float, q: float, scale: float = 1.0) -> tuple[float, float]:
+    """(mean, population std) of n values v from the sums ``a``, ``q`` of w = v·scale and
+    w² (scale a power of two). Non-finite sums give a non-finite mean or std."""
+    mean = a / n
+    return mean / scale, math.sqrt(max(q / n - mean * mean, 0.0)) / scale
 
 
 def underflowed(n: int, a: float, q: float) -> bool:
@@ -112,12 +102,13 @@ def underflowed(n: int, a: float, q: float) -> bool:
     return q / n < MOMENT_TINY and (q != 0.0 or a != 0.0)
 
 
-def moments_of(v: Any) -> tuple[float, float]:
-    """(mean, population std) of a float64 array of numpy or CuPy: its sum and dot, and,
-    only where those overflowed or the squares underflowed, once more scaled."""
+def moments_of(v: Any, sums: tuple[float, float] | None = None) -> tuple[float, float]:
+    """(mean, population std) of a float64 array of numpy or CuPy from its sum and dot
+    (``sums`` if already taken), and, only where those overflowed or the squares
+    underflowed, once more scaled."""
     n = int(v.shape[0])
     with np.errstate(over="ignore", invalid="ignore"):  # (numpy; rescaled below)
-        a, q = float(v.sum()), float(v.dot(v))
+        a, q = sums if sums is not None else (float(v.sum()), float(v.dot(v)))
         if math.isfinite(a) and math.isfinite(q):
             if not underflowed(n, a, q):
                 return moments_from_sums(n, a, q)

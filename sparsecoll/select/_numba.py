@@ -63,15 +63,12 @@ except ImportError:  # pragma: no cover - older or newer Numba without it
 
 from .._array import index_dtype
 from ._common import (
-    MOMENT_BIG,
-    MOMENT_SCALE,
     NAN_MESSAGE,
     key_info,
     key_value,
     moments_from_sums,
     moments_of,
     threshold_key,
-    underflowed,
 )
 
 __all__ = [
@@ -344,7 +341,6 @@ def _scatter_gt_eq(
 # chain of dependent adds; the result changes only by rounding.
 @_kernels(fastmath={"reassoc"})
 def _sums(x, bounds, s1, s2):  # pragma: no cover
-    # float32 (and float16 as float32): its squares lie well inside float64's range
     for c in prange(bounds.shape[0] - 1):
         xc = x[bounds[c] : bounds[c + 1]]
         a = 0.0
@@ -355,31 +351,6 @@ def _sums(x, bounds, s1, s2):  # pragma: no cover
             q += v * v
         s1[c] = a
         s2[c] = q
-
-
-@_kernels(fastmath={"reassoc"})
-def _sums_wide(x, big, shrink, bounds, s1, s2, b1, b2):  # pragma: no cover
-    # float64: |v| > big summed times shrink apart (_common.moments_from_sums), by selects
-    # rather than a branch, so the loop stays vector code (a branch: ~2x slower)
-    for c in prange(bounds.shape[0] - 1):
-        xc = x[bounds[c] : bounds[c + 1]]
-        a = 0.0
-        q = 0.0
-        ab = 0.0
-        qb = 0.0
-        for i in range(xc.shape[0]):
-            w = xc[i]
-            large = abs(w) > big
-            v = 0.0 if large else w
-            u = w * shrink if large else 0.0
-            a += v
-            q += v * v
-            ab += u
-            qb += u * u
-        s1[c] = a
-        s2[c] = q
-        b1[c] = ab
-        b2[c] = qb
 
 
 # -- drivers ------------------------------------------------------------------------------
@@ -634,16 +605,12 @@ def moments(x: np.ndarray) -> tuple[float, float]:
     if x.dtype == np.float16:  # Numba has no float16 arithmetic
         x = x.astype(np.float32)
     bounds = _bounds(n, 1)
-    if x.dtype != np.float64:
-        sums = np.empty((2, bounds.shape[0] - 1))
-        _run(_sums, n, x, bounds, *sums)
-        return moments_from_sums(n, float(sums[0].sum()), float(sums[1].sum()))
-    sums = np.empty((4, bounds.shape[0] - 1))
-    _run(_sums_wide, n, x, MOMENT_BIG, 1.0 / MOMENT_SCALE, bounds, *sums)
-    a, q, ab, qb = (float(s.sum()) for s in sums)
-    if ab == 0.0 and qb == 0.0 and underflowed(n, a, q):  # every |x| below ~1e-154
-        return moments_of(x)  # (summed again, scaled up)
-    return moments_from_sums(n, a, q, ab, qb)
+    sums = np.empty((2, bounds.shape[0] - 1))
+    _run(_sums, n, x, bounds, *sums)
+    a, q = float(sums[0].sum()), float(sums[1].sum())
+    if x.dtype == np.float64:  # (float32's squares always fit)
+        return moments_of(x, (a, q))  # (summed again, scaled, only where they did not)
+    return moments_from_sums(n, a, q)
 
 
 def warmup(parallel: bool = False) -> None:
