@@ -636,6 +636,7 @@ class GradientReducer:
         # candidates leave acc (from the predicted k-th value up, for an exact top-k):
         # _finish gives back those not sent
         cut, lo, hi, zero_cut = math.inf, 0, self.n, math.inf
+        nonzeros = False  # (exdyna, when its call needs them) count its range's nonzeros
         if dense:
             prep.mode = "dense"
             prep.work = widening_buffer(acc)  # (float16: made before the ranks agree too)
@@ -645,6 +646,7 @@ class GradientReducer:
             lo, hi = self.algorithm.owned_range(self.comm.rank)
             cut = self.algorithm.candidate_cut(g.dtype)
             cut = math.inf if cut is None else cut
+            nonzeros = self.algorithm.counts_nonzeros()
             if numba and cut < math.inf:
                 zc = self.algorithm.zero_cut(g.dtype)  # it gives back what it does not take
                 zero_cut = math.inf if zc is None else max(cut, zc)
@@ -677,6 +679,7 @@ class GradientReducer:
             zero_cut=zero_cut,
             buckets=prep.mode == "topk",
             workspace=self._workspace,
+            nonzeros=nonzeros,
         )
         found = prep.found
         if found.nonfinite:
@@ -850,7 +853,13 @@ class GradientReducer:
         # acc is the spare buffer: dropping the sent entries as they are read (or in the
         # pass: zc) is safe even if the call fails (the residual is untouched)
         result = self.algorithm.reduce_dense(
-            self.comm, prep.acc, candidates=cand, drop=True, zeroed=zc, mean=prep.averaged
+            self.comm,
+            prep.acc,
+            candidates=cand,
+            drop=True,
+            zeroed=zc,
+            mean=prep.averaged,
+            nonzeros=found.nonzeros,  # (counted in the pass when the call needs them)
         )
         self._last.comm_s += time.perf_counter() - t0
         return result, result.indices, int(result.info["selected"]), None

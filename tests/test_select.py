@@ -843,7 +843,8 @@ def test_small_arrays_never_start_the_thread_pool() -> None:
 def test_accumulate_matches_separate_passes(name, x, data, momentum, with_residual) -> None:
     """out = g + r (with momentum u' = m·u + g first), the entries of out[lo:hi] with
     |out| >= cut exactly as ``threshold`` would pick them, at most cap of them with every hit
-    counted, the zero buffer zeroed (even when it is g), non-finite entries counted."""
+    counted, the zero buffer zeroed (even when it is g), non-finite entries counted, and
+    (nonzeros=True) the nonzeros of out[lo:hi] before zero_cut zeroed any."""
     n = x.shape[0]
     dt = x.dtype
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
@@ -856,6 +857,7 @@ def test_accumulate_matches_separate_passes(name, x, data, momentum, with_residu
     alias_zero = data.draw(st.booleans())
     zero_cut = data.draw(st.sampled_from([math.inf, 0.0, cut, 2.0, 5.0]))
     buckets = data.draw(st.booleans())
+    nonzeros = data.draw(st.booleans())
     g = x.copy()
     with backend(name):
         out = dev(np.full(n, 7, dt), name)
@@ -868,8 +870,9 @@ def test_accumulate_matches_separate_passes(name, x, data, momentum, with_residu
         got = sel.accumulate(
             gd, rd if with_residual else None, out=out, cut=cut, lo=lo, hi=hi, cap=cap,
             velocity=ud if momentum else None, velocity_out=uo, momentum=momentum, zero=zero,
-            zero_cut=zero_cut, buckets=buckets,
+            zero_cut=zero_cut, buckets=buckets, nonzeros=nonzeros,
         )  # fmt: skip
+    assert got.nonzeros == (np.count_nonzero(want[lo:hi]) if nonzeros else None)
     zeroed = np.zeros(n, bool)  # the entries returned with |value| >= zero_cut
     if got.complete and zero_cut < math.inf:
         zc = _common.round_threshold(zero_cut, dt)
@@ -950,12 +953,14 @@ def test_accumulate_streaming_stores_at_any_alignment(dt, offsets, momentum) -> 
     """The Numba pass streams its stores from the first aligned element when every written
     array shares acc's alignment (else it stores plainly): the same results either way, at
     the chunk edges too (several chunks on several threads, lo/hi inside, a separate zero
-    buffer and one that is grad)."""
+    buffer and one that is grad), and the nonzeros of acc[lo:hi] counted in the pass
+    (before it zeroes the hits from zero_cut up) where asked."""
     dt = np.dtype(dt)
     n = 5000
     rng = np.random.default_rng([*offsets, int(momentum * 10), dt.itemsize])
     g0 = (rng.standard_normal(n) * 3).astype(dt)
-    r0 = rng.standard_normal(n).astype(dt)
+    g0[rng.random(n) < 0.3] = 0
+    r0 = np.where(rng.random(n) < 0.5, 0, rng.standard_normal(n)).astype(dt)
     u0 = rng.standard_normal(n).astype(dt)
     src = (u0 * dt.type(momentum) + g0).astype(dt) if momentum else g0
     want = (src + r0).astype(dt)
@@ -973,7 +978,9 @@ def test_accumulate_streaming_stores_at_any_alignment(dt, offsets, momentum) -> 
                 g, r, out=acc, cut=2.5, lo=700, hi=4100,
                 velocity=u0.copy() if momentum else None,
                 velocity_out=uo if momentum else None, momentum=momentum, zero=zero,
+                nonzeros=alias,
             )  # fmt: skip
+        assert got.nonzeros == (np.count_nonzero(want[700:4100]) if alias else None)
         np.testing.assert_array_equal(acc, want)
         if momentum:
             np.testing.assert_array_equal(uo, src)
@@ -1067,8 +1074,8 @@ def test_accumulate_int64_indices(dtype) -> None:
     r = rng.standard_normal(n).astype(dtype)
     acc = np.empty(n, dtype)
     lo, hi = 1_000, 69_000
-    idx, vals, hits, nbad, found = _numba_train.accumulate(
-        g, r, None, None, 0.0, acc, None, 2.0, lo, hi, n, np.int64, 3.0, True, None
+    idx, vals, hits, nbad, found, count = _numba_train.accumulate(
+        g, r, None, None, 0.0, acc, None, 2.0, lo, hi, n, np.int64, 3.0, True, None, True
     )
     a = g + r
     want = lo + np.flatnonzero(np.abs(a[lo:hi]) >= 2.0)
@@ -1079,6 +1086,7 @@ def test_accumulate_int64_indices(dtype) -> None:
     zeroed[want[np.abs(a[want]) >= 3.0]] = 0
     np.testing.assert_array_equal(acc, zeroed)
     assert int(found.counts.sum()) == hits
+    assert count == np.count_nonzero(a[lo:hi])
 
 
 def test_accumulate_workspace_apart() -> None:
@@ -1093,7 +1101,7 @@ def test_accumulate_workspace_apart() -> None:
         g = rng.standard_normal(n).astype(np.float32)
         r = rng.standard_normal(n).astype(np.float32)
         acc = np.empty(n, np.float32)
-        idx, vals, hits, _, _ = _numba_train.accumulate(
+        idx, vals, hits, _, _, _ = _numba_train.accumulate(
             g, r, None, None, 0.0, acc, None, cut, 0, n, n, np.int32, np.inf, False, workspace
         )
         a = g + r

@@ -183,9 +183,12 @@ def _top_magnitudes(part: Any, take: int) -> Any:
     return top[top > 0]
 
 
-def _count_nonzeros(part: Any, found: _Found) -> int:
+def _count_nonzeros(part: Any, found: _Found, counted: int | None = None) -> int:
     """The nonzeros of ``part`` as it was before the caller's pass zeroed ``found``'s
-    candidates at or above ``found.zc`` (none when zc is None); -1 when it holds a NaN."""
+    candidates at or above ``found.zc`` (none when zc is None); -1 when it holds a NaN.
+    ``counted``: that count, made by the caller in its pass (then nothing is read)."""
+    if counted is not None:
+        return counted
     try:
         count = select.count_ge(part, float(np.finfo(part.dtype).smallest_subnormal))
     except ValueError:  # (a NaN, in a part the caller's candidates stood for)
@@ -409,6 +412,17 @@ class ExDyna(Algorithm):
         j = int(np.searchsorted(WINDOW_OFFSETS, want, side="right")) - 1
         return min(max(j, 0), WINDOW_OFFSETS.shape[0] - 1)
 
+    def counts_nonzeros(self) -> bool:
+        """Whether the next call counts the nonzeros of its owned range (while a cooldown
+        after a miss low holds, see :meth:`_window`): a caller whose pass reads the range
+        anyway can count them there and hand the count to :meth:`reduce_dense`
+        (``nonzeros=``), sparing the call a read of the range."""
+        return self.rule == "window" and self._counting(max(0, self._cooldown - 1))
+
+    def _counting(self, cooldown: int) -> bool:
+        """Whether a call with ``cooldown`` calls left (after its own) counts nonzeros."""
+        return bool(cooldown) and self._cooldown_side < 0
+
     def zero_cut(self, dtype: Any) -> float | None:
         """Where the next call's selection is expected to start (None when it will derive
         a threshold): the current threshold, moved by its smoothed change per call and
@@ -433,6 +447,7 @@ class ExDyna(Algorithm):
         drop: bool = False,
         zeroed: float | None = None,
         mean: bool = False,
+        nonzeros: int | None = None,
     ) -> SparseVector:
         """Select from this rank's dense accumulated gradient ``acc`` and reduce.
 
@@ -455,6 +470,11 @@ class ExDyna(Algorithm):
         the call must read its range itself. ``mean``: the result's values are divided by
         the number of ranks, in the precision they are summed in (float32 for float16, so
         an average that fits in float16 comes back where the sum would overflow it).
+        ``nonzeros``: how many entries of the owned range are not 0 (before the caller's
+        pass zeroed any: ``zeroed``), counted by the caller in a pass it makes anyway
+        (``select.accumulate(nonzeros=True)``), for a call that needs them
+        (:meth:`counts_nonzeros`); None: the call counts them itself when it does. The
+        caller vouches that the range holds no NaN (its pass flags them).
         """
         n = int(acc.shape[0])
         self.prepare(comm, n)
@@ -488,12 +508,13 @@ class ExDyna(Algorithm):
             out[b:] = gather(acc, idx[b:], drop)
             return out
 
-        return self._run(comm, n, part, to_index, values_at, acc.dtype, xp, found, mean)
+        return self._run(comm, n, part, to_index, values_at, acc.dtype, xp, found, mean, nonzeros)
 
     # -- the call ---------------------------------------------------------------------------
     def _run(
-        self, comm, n, part, to_index, values_at, dtype, xp, found=None, mean=False
-    ) -> SparseVector:
+        self, comm, n, part, to_index, values_at, dtype, xp, found=None, mean=False,
+        nonzeros=None,
+    ) -> SparseVector:  # fmt: skip
         p = comm.size
         owner = self._owners()
         # this call's partitions, in index order: who selects from each, and its range
@@ -506,7 +527,7 @@ class ExDyna(Algorithm):
             )
             out.info.update(layout)
             return out
-        mine, counts, used, rederived, cut = self._select(comm, n, part, to_index, found)
+        mine, counts, used, rederived, cut = self._select(comm, n, part, to_index, found, nonzeros)
         if p == 1:  # the gather and the sum are identities: no copies of the k entries
             idx, sums = mine, values_at(mine)
         else:
@@ -534,13 +555,20 @@ class ExDyna(Algorithm):
         return out
 
     def _select(
-        self, comm: Communicator, n: int, part: Any, to_index: Any, found: Any = None
+        self,
+        comm: Communicator,
+        n: int,
+        part: Any,
+        to_index: Any,
+        found: Any = None,
+        nonzeros: int | None = None,
     ) -> tuple[Any, list[int], float, bool, _Bucket | None]:
         """The global indices selected in ``part`` (``to_index`` maps positions in it to
         them), every rank's count, the threshold used, whether it was re-derived, and the
         cut through a bucket (None: every |value| >= the threshold was selected).
         ``found``: part's entries at or above :meth:`candidate_cut` (a :class:`_Found`),
-        when the caller has them."""
+        when the caller has them; ``nonzeros``: part's nonzeros, when the caller counted
+        them (see :meth:`reduce_dense`)."""
         rederived = False
         before = self.threshold
         if self.threshold is None:
@@ -564,7 +592,7 @@ class ExDyna(Algorithm):
                 self.threshold = authors_rule(self.threshold, sum(counts), self.k)
                 self.rederives += rederived
                 return mine, counts, t, rederived, None
-            found, counts, used, side, cut, nonzeros = self._window(comm, part, found)
+            found, counts, used, side, cut, total = self._window(comm, part, found, nonzeros)
             missed = side != 0
             if not missed or rederived:
                 break
@@ -573,7 +601,7 @@ class ExDyna(Algorithm):
             # data grew past k) re-derives at once, and so does a miss low once there are
             # k nonzeros again (the data's scale fell below the window)
             held = self._cooldown and side == self._cooldown_side
-            if held and (side > 0 or nonzeros < self.k - 0.05 * self.k):
+            if held and (side > 0 or total < self.k - 0.05 * self.k):
                 break
             found.restore()
             found = None  # the candidates were for the old threshold
@@ -600,7 +628,11 @@ class ExDyna(Algorithm):
         return mine, counts, used, rederived, cut
 
     def _window(
-        self, comm: Communicator, part: Any, found: _Found | None = None
+        self,
+        comm: Communicator,
+        part: Any,
+        found: _Found | None = None,
+        counted: int | None = None,
     ) -> tuple[_Found, list[int], float, int, _Bucket | None, int]:
         """The window edge nearest k: the candidates it selects from, every rank's count
         at it, the edge, how k was missed (0 inside the window, +1 too many even at the
@@ -610,14 +642,15 @@ class ExDyna(Algorithm):
         else -1). ``found``
         (candidates from window edge ``found.low`` up): when the pick could lie below it,
         every rank counts its whole part and the counts are exchanged again, so the pick
-        is the same as from all edges."""
+        is the same as from all edges. ``counted``: this rank's nonzeros, when the caller
+        counted them."""
         cast = _edges(self.threshold, part.dtype)  # counts == selections in that dtype
         e, tol = cast.shape[0], 0.05 * self.k
         # while a cooldown after too few nonzeros holds (the same on every rank), the counts
         # carry each rank's nonzeros too, so that a miss low re-derives once there are k
         # again (before, the cooldown followed the window down ×0.8 a call whatever the
         # data: a stream 100× smaller after one call of too few kept nothing for 12 calls)
-        nonzeros = bool(self._cooldown) and self._cooldown_side < 0
+        nonzeros = self._counting(self._cooldown)
         while True:
             # zeros are never selected, even where a tiny edge rounds to 0 in the data's dtype
             if found is None:
@@ -629,7 +662,7 @@ class ExDyna(Algorithm):
                 row[found.low : e] = edge_totals(found.values, cast[found.low :])
                 row[e] = found.low
                 if nonzeros:
-                    row[e + 1] = _count_nonzeros(part, found)
+                    row[e + 1] = _count_nonzeros(part, found, counted)
                     row[0] = min(row[0], row[e + 1])  # (-1: a NaN, flagged as _above does)
             table = np.asarray(comm.allgather_ints(row)).reshape(comm.size, -1)
             _agree_no_nan(table)

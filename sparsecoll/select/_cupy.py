@@ -262,7 +262,7 @@ def _accumulate_kernel(cp: Any, has_r: bool, has_u: bool) -> Any:
 
 def accumulate(
     g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut=math.inf, buckets=False,
-    workspace=None,
+    workspace=None, nonzeros=False,
 ):  # fmt: skip
     """The fused pass on the GPU: one elementwise kernel, then the selection's indices
     (see ``sparsecoll.select.accumulate``; no histogram of the hits, no workspace)."""
@@ -270,7 +270,9 @@ def accumulate(
     if g.dtype == np.float16:  # plain CuPy ufuncs: several passes, no half-precision kernel
         from . import _numpy
 
-        return _numpy.accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut, xp=cp)
+        return _numpy.accumulate(
+            g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut, nonzeros=nonzeros, xp=cp
+        )
     n = int(g.shape[0])
     dt = g.dtype.type
     sel = cp.empty(n, dtype=np.bool_)
@@ -285,6 +287,7 @@ def accumulate(
     hits = int(idx.shape[0])
     idx = (idx[: cap if hits <= cap else 0] + lo).astype(itype, copy=False)
     vals = acc[idx]
+    count = int(cp.count_nonzero(acc[lo:hi])) if nonzeros else None
     if zero_cut < math.inf:
         acc[idx[cp.abs(vals) >= dt(zero_cut)]] = 0
-    return idx, vals, hits, int(bad[0]), None
+    return idx, vals, hits, int(bad[0]), None, count

@@ -202,8 +202,10 @@ class Accumulation(NamedTuple):
     ascending (global positions), at most ``cap`` of them; ``hits``: how many there were in
     all (``hits > len(indices)`` means the room ran out and the selection is incomplete);
     ``nonfinite``: how many entries of ``out`` are NaN or infinite; ``buckets``: what
-    :func:`topk_hits` ranks by (a histogram of the hits, when the backend keeps one).
-    An incomplete selection returns no entries.
+    :func:`topk_hits` ranks by (a histogram of the hits, when the backend keeps one);
+    ``nonzeros``: how many entries of ``out[lo:hi]`` are not 0 before ``zero_cut``
+    zeroes any (with ``nonzeros=True``; else None). An incomplete selection returns no
+    entries.
     """
 
     indices: Any
@@ -211,6 +213,7 @@ class Accumulation(NamedTuple):
     hits: int
     nonfinite: int
     buckets: Any = None
+    nonzeros: int | None = None
 
     @property
     def complete(self) -> bool:
@@ -233,6 +236,7 @@ def accumulate(
     zero_cut: float = math.inf,
     buckets: bool = False,
     workspace: dict | None = None,
+    nonzeros: bool = False,
 ) -> Accumulation:
     """Error feedback and selection in one pass: ``out = grad + residual`` (or ``grad``
     when residual is None), and the entries of ``out[lo:hi]`` with ``|out| >= cut``.
@@ -251,7 +255,8 @@ def accumulate(
     (the Numba backend keeps one; the others ignore it). ``workspace``: a dict the caller
     keeps between calls, where the Numba backend keeps the arrays it returns the hits in;
     they are then valid only until the next call with the same workspace (copy what must
-    outlive it).
+    outlive it). ``nonzeros``: count the entries of ``out[lo:hi]`` that are not 0 (before
+    ``zero_cut`` zeroes any), in the pass on the Numba backend.
     NaN and infinities are not raised on but counted in
     ``nonfinite``: a collective caller agrees on them first (every other function of this
     module raises on NaN).
@@ -290,7 +295,7 @@ def accumulate(
     zc = _check_t(zero_cut, arr.dtype) if zero_cut != math.inf else math.inf
     res = mod.accumulate(
         arr, residual, velocity, velocity_out, float(momentum), out, zero, t, lo, hi, cap,
-        index_dtype(n), zc, bool(buckets), workspace,
+        index_dtype(n), zc, bool(buckets), workspace, bool(nonzeros),
     )  # fmt: skip
     return Accumulation(*res)
 

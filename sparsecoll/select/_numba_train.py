@@ -27,21 +27,23 @@ from ._numba import (
 __all__ = ["Buckets", "accumulate", "finish_step", "topk_hits", "write_dense"]
 
 LANES = 8  # elements per vector step of the fused pass (8 mask bits)
+BAD = 2 * LANES  # where the non-finite bits start in its mask (the nonzero bits: at LANES)
 NT_ALIGN = 32  # bytes: where the pass's streaming (non-temporal) vector stores must start
 
 
 @intrinsic
 def _fused_lanes(
-    typingctx, g, r, u, uo, m, acc, z, i, cut, nt, zt, zh, zc, tmp, t
+    typingctx, g, r, u, uo, m, acc, z, i, cut, nt, zt, zh, zc, tmp, t, nz
 ):  # pragma: no cover
     """LANES elements from i, as vectors: ``uo = m·u + g`` (with u), ``acc = (uo or g) +
     r`` (also into ``tmp[t:t + LANES]``, a scratch row in cache that the copy loop reads:
     acc itself may have bypassed the cache), ``z = 0`` (with z); returns a bit mask, bit j
-    for |acc[i+j]| >= cut and bit LANES + j for a non-finite acc[i+j]; with ``zh`` (zero
-    hits) acc gets 0 where bit j is set and |acc[i+j]| >= zc (tmp keeps the value). Every
-    load comes
-    before any store, so ``acc`` may be ``r`` and ``z`` may be ``g``. With ``nt`` the stores
-    to uo and acc are non-temporal (streaming, NT_ALIGN-aligned addresses required), and
+    for |acc[i+j]| >= cut, bit BAD + j for a non-finite acc[i+j] and, with ``nz`` (an
+    array or None: only its type is read), bit LANES + j for acc[i+j] != 0 (NaN included,
+    as np.count_nonzero counts); with ``zh`` (zero hits) acc gets 0 where bit j is set and
+    |acc[i+j]| >= zc (tmp keeps the value). Every load comes before any store, so ``acc``
+    may be ``r`` and ``z`` may be ``g``. With ``nt`` the stores to uo and acc are
+    non-temporal (streaming, NT_ALIGN-aligned addresses required), and
     with ``zt`` those to z: a written line is not read first, so the pass moves a quarter
     less memory than ``np.add`` does. (z = g is zeroed by plain stores: its lines are in
     cache, just read, and streaming stores to them made a whole step 1.6x slower.) Written as
@@ -49,14 +51,15 @@ def _fused_lanes(
     vectorizer does not find in a scalar loop: that loop ran at half the memory bandwidth."""
     has_u = not isinstance(u, nbtypes.NoneType)
     has_z = not isinstance(z, nbtypes.NoneType)
+    has_nz = not isinstance(nz, nbtypes.NoneType)
     flag_t = nbtypes.boolean
     idx_t = nbtypes.intp
     sig = nbtypes.uint32(
-        g, r, u, uo, m, acc, z, idx_t, cut, flag_t, flag_t, flag_t, cut, tmp, idx_t
+        g, r, u, uo, m, acc, z, idx_t, cut, flag_t, flag_t, flag_t, cut, tmp, idx_t, nz
     )
 
     def codegen(context, builder, signature, args):
-        ga, ra, ua, uoa, mv, aa, za, idx, cv, ntf, ztf, zhf, zcv, ta, toff = args
+        ga, ra, ua, uoa, mv, aa, za, idx, cv, ntf, ztf, zhf, zcv, ta, toff, _ = args
         ty = signature.args
         fty = context.get_value_type(ty[0].dtype)
         vty = ir.VectorType(fty, LANES)
@@ -110,9 +113,42 @@ def _fused_lanes(
         bits = ir.IntType(LANES)
         hits = builder.zext(builder.bitcast(hit, bits), i32)
         bads = builder.zext(builder.bitcast(bad, bits), i32)
-        return builder.or_(hits, builder.shl(bads, i32(LANES)))
+        out = builder.or_(hits, builder.shl(bads, i32(BAD)))
+        if has_nz:
+            nonzero = builder.fcmp_unordered("!=", av, zero)
+            nonzero = builder.zext(builder.bitcast(nonzero, bits), i32)
+            out = builder.or_(out, builder.shl(nonzero, i32(LANES)))
+        return out
 
     return sig, codegen
+
+
+@intrinsic
+def _popcount(typingctx, x):  # pragma: no cover - compiled
+    """The set bits of a uint64 (LLVM's ctpop)."""
+    sig = nbtypes.int64(nbtypes.uint64)
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        ctpop = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(i64, [i64]), "llvm.ctpop.i64"
+        )
+        return builder.call(ctpop, [args[0]])
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def _count_in(word, b0, span, lo, hi):  # pragma: no cover - compiled
+    # the set bits j of word with lo <= b0 + j < hi (word: span bits from position b0)
+    if lo <= b0 and b0 + span <= hi:
+        return _popcount(word)
+    count = 0
+    while word:
+        j = _ctz(word)
+        word &= word - np.uint64(1)
+        count += lo <= b0 + j and b0 + j < hi
+    return count
 
 
 @intrinsic
@@ -184,10 +220,12 @@ def _take_first(word, b0, tmp, out_idx, out_val, p):  # pragma: no cover - compi
 
 @njit(inline="always")
 def _fused_scalar(
-    g, r, u, uo, m, acc, z, cut, zh, zc, lo, hi, s, e, tmp, out_idx, out_val, p, end
+    g, r, u, uo, m, acc, z, cut, zh, zc, lo, hi, s, e, tmp, out_idx, out_val, p, end, nz
 ):  # pragma: no cover
-    # elements s..e-1 one by one (a chunk's ends); returns (p, non-finite seen)
+    # elements s..e-1 one by one (a chunk's ends); returns (p, non-finite seen, the nonzeros
+    # in [lo, hi) when nz is not None)
     flag = np.uint32(0)
+    count = 0
     for i in range(s, e):
         if u is None:
             a = g[i] + r[i]
@@ -200,16 +238,18 @@ def _fused_scalar(
         if z is not None:
             z[i] = 0
         flag |= np.uint32((a - a) != 0)
+        if nz is not None:
+            count += a != 0 and lo <= i and i < hi
         if hit:
             tmp[0] = a
             p = _take_hits(np.uint64(1), i, 1, lo, hi, tmp, acc, zh, out_idx, out_val, p, end)
-    return p, flag
+    return p, flag, count
 
 
 @_kernels()
 def _accumulate(
     g, r, u, uo, m, acc, z, cut, far, lo, hi, nt, zt, zh, zc, base, bounds, starts, caps,
-    out_idx, out_val, counts, bad,
+    out_idx, out_val, counts, bad, nz,
 ):  # pragma: no cover - compiled  # fmt: skip
     # One pass over chunk c: uo = m·u + g (momentum, when u is not None), acc = (uo or g)
     # + r, z = 0 (when z is not None), and the index and value of each acc[i] with
@@ -224,7 +264,8 @@ def _accumulate(
     # mod NT_ALIGN) go one by one, as do the last < 8; the last < 64 go by 8. Blocks of
     # 8 or 64 wholly outside [lo, hi) compare with ``far`` (inf) instead of cut: no hits
     # there to visit and drop (nor, with zh, values zeroed to give back by scattered
-    # writes into lines just streamed out).
+    # writes into lines just streamed out). With nz (not None), nz[c] counts the nonzero
+    # acc[i] in [lo, hi) (before zh zeroes them): one more compare per LANES elements.
     size = acc.itemsize
     for c in prange(bounds.shape[0] - 1):
         s = bounds[c]
@@ -235,9 +276,9 @@ def _accumulate(
         p = starts[c]
         end = p + caps[c]
         tmp = np.empty(64, acc.dtype)
-        p, flag = _fused_scalar(
+        p, flag, nonzeros = _fused_scalar(
             g, r, u, uo, m, acc, z, cut, zh, zc, lo, hi, s, s + head, tmp,
-            out_idx, out_val, p, end,
+            out_idx, out_val, p, end, nz,
         )  # fmt: skip
         s1 = s + head
         e64 = s1 + (e - s1) // 64 * 64
@@ -252,13 +293,19 @@ def _accumulate(
             last = s1 + 64 * (q1 if seg == 0 else q2 if seg == 1 else nb)
             for b0 in range(first, last, 64):
                 word = np.uint64(0)
+                nzw = np.uint64(0)
                 for q in range(64 // LANES):
                     t = q * LANES
                     mask = _fused_lanes(
-                        g, r, u, uo, m, acc, z, b0 + t, cb, nt, zt, zh, zc, tmp, t
+                        g, r, u, uo, m, acc, z, b0 + t, cb, nt, zt, zh, zc, tmp, t, nz
                     )  # fmt: skip
                     word |= np.uint64(mask & np.uint32(255)) << np.uint64(t)
-                    flag |= mask >> np.uint32(LANES)
+                    flag |= mask >> np.uint32(BAD)
+                    if nz is not None:
+                        bits = np.uint64((mask >> np.uint32(LANES)) & np.uint32(255))
+                        nzw |= bits << np.uint64(t)
+                if nz is not None and seg == 1:
+                    nonzeros += _count_in(nzw, b0, 64, lo, hi)
                 if seg == 1 and lo <= b0 and b0 + 64 <= hi and p + 64 <= end:
                     p, word = _take_first(word, b0, tmp, out_idx, out_val, p)
                 if word:
@@ -268,17 +315,20 @@ def _accumulate(
                     )  # fmt: skip
         for b0 in range(e64, e8, LANES):
             cb = cut if b0 < hi and b0 + LANES > lo else far
-            mask = _fused_lanes(g, r, u, uo, m, acc, z, b0, cb, nt, zt, zh, zc, tmp, 0)
-            flag |= mask >> np.uint32(LANES)
+            mask = _fused_lanes(g, r, u, uo, m, acc, z, b0, cb, nt, zt, zh, zc, tmp, 0, nz)
+            flag |= mask >> np.uint32(BAD)
+            if nz is not None:
+                nzw = np.uint64((mask >> np.uint32(LANES)) & np.uint32(255))
+                nonzeros += _count_in(nzw, b0, LANES, lo, hi)
             word = np.uint64(mask & np.uint32(255))
             if word:
                 p = _take_hits(
                     word, b0, LANES, lo, hi, tmp, acc, zh, out_idx,
                     out_val, p, end,
                 )  # fmt: skip
-        p, tail = _fused_scalar(
+        p, tail, last = _fused_scalar(
             g, r, u, uo, m, acc, z, cut, zh, zc, lo, hi, e8, e, tmp,
-            out_idx, out_val, p, end,
+            out_idx, out_val, p, end, nz,
         )  # fmt: skip
         if nt:
             _store_fence()
@@ -291,6 +341,8 @@ def _accumulate(
                     nbad += (out_val[q] - out_val[q]) != 0
         counts[c] = p - starts[c]
         bad[c] = nbad
+        if nz is not None:
+            nz[c] = nonzeros + last
 
 
 PAGE = 4096  # bytes: the L1 data cache's set index lies within a page's offset
@@ -332,16 +384,20 @@ def _streaming_ok(acc: np.ndarray, *others: Any) -> tuple[bool, int]:
 
 def accumulate(
     g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut=math.inf, buckets=False,
-    workspace=None,
+    workspace=None, nonzeros=False,
 ):  # fmt: skip
     """The fused pass (see ``sparsecoll.select.accumulate``); float16 goes to numpy (Numba
     has no float16 arithmetic). With ``buckets``, the recorded hits' histogram over
     ``|value|`` (``Buckets``) comes back too, for :func:`topk_hits`. ``workspace``: a dict
-    whose arrays hold the hits (kept there for the next call)."""
+    whose arrays hold the hits (kept there for the next call). With ``nonzeros``, the
+    nonzeros of ``acc[lo:hi]`` (before the pass zeroes any) come back last, counted in
+    the pass."""
     if g.dtype == np.float16:
         from . import _numpy
 
-        return _numpy.accumulate(g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut)
+        return _numpy.accumulate(
+            g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut, nonzeros=nonzeros
+        )
     n = g.shape[0]
     dt = g.dtype.type
     # one chunk on one thread: its hits come back as a slice, with no concatenation
@@ -357,6 +413,7 @@ def accumulate(
     out_val = _scratch(workspace, "values", out_idx.shape[0], g.dtype, apart=out_idx)
     counts = np.empty(parts, np.int64)
     bad = np.empty(parts, np.int64)
+    nz = np.empty(parts, np.int64) if nonzeros else None
     if r is None:  # the kernel always adds a residual: a zero one (pages never written)
         r = np.zeros_like(g)
     nt, base = _streaming_ok(acc, uo)
@@ -366,8 +423,9 @@ def accumulate(
     _run(
         _accumulate, n, g, r, u, uo, dt(m), acc, z, dt(cut), dt(math.inf), np.int64(lo),
         np.int64(hi), nt, zt, zh, dt(zero_cut if zh else 0), np.int64(base), bounds,
-        starts, room, out_idx, out_val, counts, bad,
+        starts, room, out_idx, out_val, counts, bad, nz,
     )  # fmt: skip
+    count = int(nz.sum()) if nonzeros else None
     hits = int(counts.sum())
     nbad = int(bad.sum())
     kept = np.minimum(counts, room)
@@ -375,7 +433,7 @@ def accumulate(
         if zh:  # the recorded hits get their values back
             for a, h in zip(starts.tolist(), kept.tolist()):
                 acc[out_idx[a : a + h]] = out_val[a : a + h]
-        return out_idx[:0], out_val[:0], hits, nbad, None
+        return out_idx[:0], out_val[:0], hits, nbad, None, count
     if parts == 1:
         idx, val = out_idx[:hits], out_val[:hits]
     else:
@@ -391,7 +449,7 @@ def accumulate(
         hist = np.zeros(BUCKETS, np.int64)
         _bucket_counts(val, hcut, hscale, hist)
         found = Buckets(hist, hcut, hscale)
-    return idx, val, hits, nbad, found
+    return idx, val, hits, nbad, found, count
 
 
 @njit(cache=True, nogil=True)

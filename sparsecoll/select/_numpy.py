@@ -63,14 +63,14 @@ def moments(x: np.ndarray) -> tuple[float, float]:
 
 def accumulate(
     g, r, u, uo, m, acc, z, cut, lo, hi, cap, itype, zero_cut=math.inf, buckets=False,
-    workspace=None, xp=np,
+    workspace=None, nonzeros=False, xp=np,
 ):  # fmt: skip
     """The fused pass, stated plainly (several passes of ``xp``, numpy or CuPy):
     ``uo = m*u + g`` (when u is given), ``acc = (uo or g) + r`` (r may be None), then the
     entries of ``acc[lo:hi]`` with ``|acc| >= cut`` (none when there are more than cap;
     ``hits`` counts all; those with ``|acc| >= zero_cut`` then zeroed in acc), the
     non-finite count, and ``z`` (when given) zeroed. No histogram of the hits (``buckets``
-    is ignored)."""
+    is ignored); with ``nonzeros``, the nonzeros of ``acc[lo:hi]`` before that zeroing."""
     src = g
     with np.errstate(over="ignore", invalid="ignore"):  # non-finite results are counted
         if u is not None:
@@ -85,6 +85,7 @@ def accumulate(
         z[...] = 0
     bad = int(acc.shape[0] - int(xp.count_nonzero(xp.isfinite(acc))))
     part = acc[lo:hi]
+    count = int(xp.count_nonzero(part)) if nonzeros else None
     idx = xp.flatnonzero(xp.abs(part) >= part.dtype.type(cut))
     hits = int(idx.shape[0])
     if hits > cap:
@@ -92,4 +93,4 @@ def accumulate(
     vals = part[idx]
     if zero_cut < math.inf:
         part[idx[xp.abs(vals) >= vals.dtype.type(zero_cut)]] = 0
-    return (idx + lo).astype(itype), vals, hits, bad, None
+    return (idx + lo).astype(itype), vals, hits, bad, None, count

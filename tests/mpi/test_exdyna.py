@@ -508,3 +508,49 @@ def test_a_scale_drop_after_too_few_nonzeros_rederives(comm, candidates):
     assert_all(comm, all(20 * abs(c - k) <= k for c in kept[1:]), f"K per call {kept}")
     # a re-derive that reaches k ends the cooldown (and its nonzero counts on every call)
     assert_all(comm, cooldown[0] > 0 and not any(cooldown[1:]), f"cooldown {cooldown}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_the_reducer_counts_the_nonzeros_in_its_pass(comm, monkeypatch, dtype, momentum):
+    """While a cooldown after too few nonzeros holds, each exdyna call needs the nonzeros
+    of its range: GradientReducer's pass counts them (``select.accumulate(nonzeros=True)``)
+    and the call reads no range for them (one read of the partition less a call), with
+    updates, residuals and thresholds bit for bit those of calls that count them
+    themselves. The stream: 6 steps with 10 nonzeros a rank (k = 200: a cooldown), then
+    dense data 100x smaller (the nonzeros end it: a re-derive)."""
+    from sparsecoll import GradientReducer, select
+
+    n = 20_000
+
+    def run(in_pass):
+        red = GradientReducer(comm, n, algorithm="exdyna", density=0.01, momentum=momentum)
+        if not in_pass:  # the calls count their range's nonzeros themselves
+            monkeypatch.setattr(red.algorithm, "counts_nonzeros", lambda: False)
+        reads, asked, seen = [], [], []
+        count_ge = select.count_ge
+
+        def counting(x, t):
+            reads.append(int(x.shape[0]))
+            return count_ge(x, t)
+
+        monkeypatch.setattr(select, "count_ge", counting)
+        for t in range(10):
+            rng = np.random.default_rng([5, comm.rank, t])
+            g = np.zeros(n, dtype)
+            if t < 6:  # the same 10 entries of each rank: fewer than k nonzeros in all
+                g[comm.rank * 10 : comm.rank * 10 + 10] = 1.0
+            else:
+                g[:] = rng.standard_normal(n) * 0.01
+            asked.append(in_pass and red.algorithm.counts_nonzeros())
+            u = red.step(g)
+            seen.append((u.tobytes(), red.residual.tobytes(), red.algorithm.threshold))
+        monkeypatch.setattr(select, "count_ge", count_ge)
+        return seen, reads, asked, red.algorithm.rederives
+
+    want, theirs, _, rederives = run(False)
+    got, reads, asked, rederives2 = run(True)
+    assert_all(comm, len(theirs) >= 5, f"the calls counted {len(theirs)} times themselves")
+    assert_all(comm, sum(asked) >= 5, f"the pass counted on {sum(asked)} steps")
+    assert_all(comm, not reads, f"the calls read {reads} entries for their nonzeros")
+    assert_all(comm, got == want and rederives == rederives2, "results differ")
