@@ -273,3 +273,21 @@ def test_training_scripts_refuse_an_output_they_cannot_write(tmp_path, script, o
     out = tmp_path / "file" / "out"
     args = ["--methods", "dense", "--steps", "2", "--eval-every", "1", option, str(out)]
     _refused(script, args, f"error: cannot write {out}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        # rank 0 alone failed on the empty statistics once every run was done
+        ("oktopk_density.py", ["--steps", "5", "--skip", "5"], "expecting --skip < --steps 5"),
+        ("oktopk_density.py", ["--density", "0"], "argument --density: density must be in"),
+        ("exdyna_threshold.py", ["--steps", "5", "--skip", "5"], "expecting --skip < --steps 5"),
+        ("exdyna_threshold.py", ["--n", "0"], "argument --n: expecting an integer >= 1"),
+        # --every 0: a ZeroDivisionError on rank 0 alone
+        ("exdyna_rebalance.py", ["--every", "0"], "argument --every: expecting an integer >= 1"),
+        ("exdyna_rebalance.py", ["--calls", "0"], "argument --calls: expecting an integer >= 1"),
+    ],
+)
+def test_study_scripts_refuse_bad_arguments_on_every_rank(script, args, message) -> None:
+    _refused(script, args, message)

@@ -32,6 +32,7 @@ __all__ = [
     "bench_parser",
     "check_memory",
     "check_nprocs",
+    "densities_arg",
     "density_arg",
     "float_arg",
     "int_arg",
@@ -107,6 +108,11 @@ def density_arg(text: str) -> float:
         return check_density(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def densities_arg(text: str) -> list[float]:
+    """A comma list of densities (each as :func:`density_arg`) as an argparse ``type``."""
+    return [density_arg(t) for t in text.split(",")]
 
 
 def int_arg(low: int) -> Callable[[str], int]:
