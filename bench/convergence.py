@@ -272,7 +272,13 @@ def summarize(rows: list[dict], n_last: int, warmup: int = 1, density: float = 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sparsecoll.benchmarks.cli import RankZeroParser, density_arg, int_arg
+    from sparsecoll.benchmarks.cli import (
+        RankZeroParser,
+        density_arg,
+        float_arg,
+        int_arg,
+        refuse_unwritable,
+    )
 
     # (checked before MPI starts: a usage error exits 2 on every rank, printed once)
     ap = RankZeroParser(description=__doc__.splitlines()[0])
@@ -288,9 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         "--warmup", type=int_arg(1), default=1, help="first iterations reduced densely (>= 1)"
     )
     ap.add_argument("--eval-every", type=int_arg(1), default=20)
-    ap.add_argument("--lr", type=float, default=None, help="default: per task")
+    ap.add_argument("--lr", type=float_arg(0, above=True), default=None, help="default: per task")
     ap.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int_arg(0), default=0)
     ap.add_argument("--threads", type=int_arg(1), default=1, help="torch threads per rank")
     ap.add_argument("--out", type=Path, default=None, help="CSV file (rank 0)")
     ap.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
@@ -302,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     comm = Communicator()
+    # (rank 0 writes it, making its folder: checked now, not once every method has trained)
+    refuse_unwritable(comm, [args.out], parents=True)
     init_process_group(comm)
     known = set(sparsecoll.available_algorithms())
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

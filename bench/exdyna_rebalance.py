@@ -12,15 +12,16 @@ call).
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calls", type=int, default=120)
-    ap.add_argument("--every", type=int, default=20)
+    from sparsecoll.benchmarks.cli import RankZeroParser, int_arg
+
+    # (checked before MPI starts: --every 0 failed on rank 0 alone, --calls 0 at the end)
+    ap = RankZeroParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int_arg(1), default=120)
+    ap.add_argument("--every", type=int_arg(1), default=20)
     args = ap.parse_args(argv)
 
     from mpi4py import MPI

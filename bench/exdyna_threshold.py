@@ -9,8 +9,6 @@ with error feedback, as in training). Rank 0 prints one row per (stream, rule).
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
 from sparsecoll import Communicator
@@ -35,12 +33,17 @@ def run(comm: Communicator, rule: str, feedback: bool, n: int, k: int, steps: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=100_000)
-    ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--skip", type=int, default=100, help="calls left out of the statistics")
+    from sparsecoll.benchmarks.cli import RankZeroParser, density_arg, int_arg
+
+    # (checked before MPI starts: a usage error exits 2 on every rank, printed once)
+    ap = RankZeroParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int_arg(1), default=100_000)
+    ap.add_argument("--density", type=density_arg, default=0.01)
+    ap.add_argument("--steps", type=int_arg(1), default=600)
+    ap.add_argument("--skip", type=int_arg(0), default=100, help="calls left out of the statistics")
     args = ap.parse_args(argv)
+    if args.skip >= args.steps:  # (rank 0 alone failed on the empty statistics, after the runs)
+        ap.error(f"expecting --skip < --steps {args.steps}, got {args.skip}")
     comm = Communicator()
     k = round(args.density * args.n)
     if comm.rank == 0:

@@ -12,8 +12,6 @@ rule's fallback).
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
 from sparsecoll import Communicator, GradientReducer
@@ -47,12 +45,17 @@ def run(comm: Communicator, options: dict, decay: float, n: int, density: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=1_000_000)
-    ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--skip", type=int, default=5, help="calls left out of the statistics")
+    from sparsecoll.benchmarks.cli import RankZeroParser, density_arg, int_arg
+
+    # (checked before MPI starts: a usage error exits 2 on every rank, printed once)
+    ap = RankZeroParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int_arg(1), default=1_000_000)
+    ap.add_argument("--density", type=density_arg, default=0.01)
+    ap.add_argument("--steps", type=int_arg(1), default=40)
+    ap.add_argument("--skip", type=int_arg(0), default=5, help="calls left out of the statistics")
     args = ap.parse_args(argv)
+    if args.skip >= args.steps:  # (rank 0 alone failed on the empty statistics, after the runs)
+        ap.error(f"expecting --skip < --steps {args.steps}, got {args.skip}")
     comm = Communicator()
     if comm.rank == 0:
         print(

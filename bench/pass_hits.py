@@ -21,14 +21,18 @@ import numpy as np
 
 def main(argv: list[str] | None = None) -> None:
     from sparsecoll import select
-    from sparsecoll.benchmarks.cli import parse_size
+    from sparsecoll.benchmarks.cli import int_arg, size_arg
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-m", "--size", default="16M", help="vector length n (K/M/G suffixes)")
-    ap.add_argument("-i", "--iterations", type=int, default=25, help="rounds (3 untimed first)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "-m", "--size", type=size_arg, default="16M", help="vector length n (K/M/G suffixes)"
+    )
+    ap.add_argument(
+        "-i", "--iterations", type=int_arg(1), default=25, help="rounds (3 untimed first)"
+    )
+    ap.add_argument("--seed", type=int_arg(0), default=0)
     args = ap.parse_args(argv)
-    n = parse_size(args.size)
+    n = args.size
     rng = np.random.default_rng(args.seed)
     g = rng.standard_normal(n, dtype=np.float32)
     r = rng.standard_normal(n, dtype=np.float32) * np.float32(0.5)

@@ -48,23 +48,30 @@ def one(n: int, share: float, rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from sparsecoll.benchmarks.cli import parse_size
+    from sparsecoll.benchmarks.cli import density_arg, float_arg, int_arg, size_arg
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-m", "--size", default="16M", help="vector length n (K/M/G suffixes)")
-    ap.add_argument("--share", type=float, default=0.02, help="hits, as a share of n")
-    ap.add_argument("--processes", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--slow", type=float, default=1.25, help="slow: hits / no hits above this")
+    ap.add_argument(
+        "-m", "--size", type=size_arg, default="16M", help="vector length n (K/M/G suffixes)"
+    )
+    ap.add_argument("--share", type=density_arg, default=0.02, help="hits, as a share of n")
+    ap.add_argument("--processes", type=int_arg(1), default=10)
+    ap.add_argument("--rounds", type=int_arg(1), default=12)
+    ap.add_argument(
+        "--slow",
+        type=float_arg(0, above=True),
+        default=1.25,
+        help="slow: hits / no hits above this",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    n = parse_size(args.size)
+    n = args.size
     if args.child:
         print(json.dumps(one(n, args.share, args.rounds)))
         return
     print(f"# select.accumulate on n = {n:,} float32, {args.share:.1%} hits, one process a row")
     print(f"{'process':>7} {'hits ms':>8} {'no hits':>8} {'add ms':>8} {'hits/no':>8}")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "-m", args.size]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "-m", str(n)]
     cmd += ["--share", str(args.share), "--rounds", str(args.rounds)]
     ratios = []
     for p in range(args.processes):

@@ -12,10 +12,20 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sparsecoll.benchmarks.cli import out_arg, writable
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", type=Path)
-    ap.add_argument("-o", "--out", type=Path, default=None, help="PNG (default: beside the CSV)")
+    ap.add_argument(
+        "-o",
+        "--out",
+        type=out_arg(parents=True),
+        default=None,
+        help="PNG (default: beside the CSV)",
+    )
     args = ap.parse_args(argv)
+    if args.out is None and not writable(args.csv.with_suffix(".png")):
+        ap.error(f"cannot write {args.csv.with_suffix('.png')} (beside the CSV): give -o")
 
     import matplotlib
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from sparsecoll.benchmarks.cli import size_arg
+from sparsecoll.benchmarks.cli import out_arg, size_arg
 from sparsecoll.benchmarks.model import read_rows
 
 __all__ = ["load", "main"]
@@ -97,7 +97,13 @@ def plot_bytes(rows: list[dict], out: Path, title: str, size: int | None) -> Pat
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("csv", nargs="+", help="CSV files written with --format csv")
-    p.add_argument("-o", "--out", default=".", help="output folder (default .)")
+    p.add_argument(
+        "-o",
+        "--out",
+        type=out_arg(parents=True, folder=True),
+        default=".",
+        help="output folder (default .)",
+    )
     p.add_argument("--title", default="", help="prefix of the panel titles")
     p.add_argument(
         "--size", type=size_arg, default=None, help="n for the bytes-vs-P figure (K/M/G ok)"
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print("matplotlib is not available: pip install 'sparsecoll[bench]'", file=sys.stderr)
         return 2
     rows = load(args.csv)
-    out = Path(args.out)
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     for path in (plot_latency(rows, out, args.title), plot_bytes(rows, out, args.title, args.size)):
         print(path)

@@ -42,9 +42,11 @@ def step_parts(rows: list[dict]) -> tuple[float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sparsecoll.benchmarks.cli import out_arg
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", type=Path, nargs="+")
-    ap.add_argument("-o", "--out", type=Path, required=True, help="PNG")
+    ap.add_argument("-o", "--out", type=out_arg(), required=True, help="PNG")
     args = ap.parse_args(argv)
 
     import matplotlib

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import csv
-import os
 import pstats
 import resource
 import sys
@@ -227,15 +226,6 @@ def print_profile(name: str, prof: cProfile.Profile, top: int, steps: int) -> No
         print(f"#   {own / steps * 1e3:8.2f} {total / steps * 1e3:8.2f} {calls:6d}  {where}")
 
 
-def writable(path: str) -> bool:
-    """Whether a file can be created (or overwritten) at ``path``: its folder exists and
-    takes new files, and the path, if present, is a writable file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.exists(path):
-        return os.path.isfile(path) and os.access(path, os.W_OK)
-    return os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The arguments, every one checked before MPI starts or anything is allocated: a usage
     error exits 2 on every rank alike, printed once (rank 0). A density out of (0, 1], an
@@ -293,7 +283,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--plot", help="write a PNG here (matplotlib)")
     args = ap.parse_args(argv)
     try:  # (duplicates run once: the table has a row per algorithm)
-        args.algorithms = parse_algorithms([args.algorithms], available_algorithms())
+        args.algorithms = parse_algorithms(
+            [args.algorithms], available_algorithms(), "--algorithms"
+        )
     except ValueError as exc:
         ap.error(str(exc))
     if args.rows and args.width > args.size:
@@ -307,17 +299,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     from sparsecoll import Communicator, __version__, select
+    from sparsecoll.benchmarks.cli import refuse_unwritable
 
     args = parse_args(argv)
     comm = Communicator()
-    # an output that cannot be written fails now, on every rank, not after the whole run
-    unwritable = (
-        [f for f in (args.csv, args.plot) if f and not writable(f)] if not comm.rank else []
-    )
-    if comm.allreduce_ints([len(unwritable)], "max")[0]:
-        if not comm.rank:
-            print(f"{sys.argv[0]}: error: cannot write {unwritable[0]}", file=sys.stderr)
-        sys.exit(2)
+    refuse_unwritable(comm, [args.csv, args.plot])  # now, not after the whole run
     select.warmup(parallel=True)
     fresh = args.stream == "fresh" and not args.rows
     grads = gradients(

@@ -38,24 +38,29 @@ COLUMNS = (
 )
 
 
-def _floats(s: str) -> list[float]:
-    return [float(v) for v in s.split(",")]
-
-
 def _ints(s: str) -> list[int]:
-    return [int(float(v)) for v in s.split(",")]
+    """A comma list of positive integers (``1e6`` taken) as an argparse ``type``."""
+    try:
+        values = [int(float(v)) for v in s.split(",")]
+    except (ValueError, OverflowError):
+        values = [0]
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expecting positive integers like 2,4,8, got {s!r}")
+    return values
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    from sparsecoll.benchmarks.cli import RankZeroParser, densities_arg, int_arg
+
+    p = RankZeroParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--np", type=_ints, default=None, help="launch for each P (e.g. 2,4,8)")
     p.add_argument("-n", type=_ints, default=[2**20, 2**24], help="dense lengths (1M,16M)")
-    p.add_argument("--density", type=_floats, default=[0.001, 0.01, 0.1])
+    p.add_argument("--density", type=densities_arg, default=[0.001, 0.01, 0.1])
     p.add_argument("--overlap", default="random,same,disjoint", help="comma-separated patterns")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"))
-    p.add_argument("-i", "--iterations", type=int, default=5)
-    p.add_argument("-x", "--warmup", type=int, default=1)
+    p.add_argument("-i", "--iterations", type=int_arg(1), default=5)
+    p.add_argument("-x", "--warmup", type=int_arg(0), default=1)
     p.add_argument("--format", choices=("table", "csv"), default="table")
     p.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import csv
 import fcntl
 import hashlib
+import itertools
 import os
 import re
 import socket
@@ -362,8 +363,30 @@ def interface_address(name: str) -> str:
         return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, packed)[20:24])  # SIOCGIFADDR
 
 
+def cutoffs_arg(text: str) -> list[int]:
+    """``--cutoffs`` as an argparse ``type``: increasing positive integers, comma-separated
+    (``AdaptiveLogSoftmaxWithLoss`` refused anything else inside torch, after the corpus)."""
+    import argparse
+
+    try:
+        cutoffs = [int(c) for c in text.split(",")]
+    except ValueError:
+        cutoffs = []
+    if not cutoffs or cutoffs[0] < 1 or any(a >= b for a, b in itertools.pairwise(cutoffs)):
+        raise argparse.ArgumentTypeError(
+            f"expecting increasing positive integers like 4096,16384, got {text!r}"
+        )
+    return cutoffs
+
+
 def main(argv: list[str] | None = None) -> int:
-    from sparsecoll.benchmarks.cli import RankZeroParser, density_arg, int_arg
+    from sparsecoll.benchmarks.cli import (
+        RankZeroParser,
+        density_arg,
+        float_arg,
+        int_arg,
+        refuse_unwritable,
+    )
 
     # (checked before MPI starts: a usage error exits 2 on every rank, printed once)
     ap = RankZeroParser(description=__doc__.splitlines()[0])
@@ -372,16 +395,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--steps", type=int_arg(1), default=300, help="dense steps (its end is the target)"
     )
-    ap.add_argument("--max-steps", type=int, default=None, help="cap for the others (3x steps)")
+    ap.add_argument(
+        "--max-steps", type=int_arg(1), default=None, help="cap for the others (3x steps)"
+    )
     ap.add_argument("--compute-steps", type=int_arg(1), default=30)
     ap.add_argument(
-        "--time-factor", type=float, default=1.0, help="others stop at this x dense's wall-clock"
+        "--time-factor",
+        type=float_arg(0, above=True),
+        default=1.0,
+        help="others stop at this x dense's wall-clock",
     )
     ap.add_argument("--target", type=float, default=None, help="held-out loss (default: dense's)")
     ap.add_argument("--eval-every", type=int_arg(1), default=10)
     ap.add_argument("--vocab", type=int_arg(1), default=32768)
     ap.add_argument(
-        "--cutoffs", type=lambda s: [int(c) for c in s.split(",")], default="4096,16384"
+        "--cutoffs",
+        type=cutoffs_arg,
+        default="4096,16384",
+        help="the output's clusters: increasing ids in (0, --vocab - 1] (default %(default)s)",
     )
     ap.add_argument("--d-model", type=int_arg(1), default=256)
     ap.add_argument("--layers", type=int_arg(1), default=2)
@@ -389,16 +420,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int_arg(1), default=64)
     ap.add_argument("--batch", type=int_arg(1), default=1, help="sequences per rank per step")
     ap.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--lr-warmup", type=int, default=20, help="linear warm-up steps, then constant")
-    ap.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float_arg(0, above=True), default=2e-3)
+    ap.add_argument(
+        "--lr-warmup", type=int_arg(0), default=20, help="linear warm-up steps, then constant"
+    )
+    ap.add_argument("--bucket-mb", type=float_arg(0), default=25.0, help="DDP bucket_cap_mb")
+    ap.add_argument("--seed", type=int_arg(0), default=0)
     ap.add_argument("--threads", type=int_arg(1), default=1, help="torch threads per rank")
     ap.add_argument("--iface", default=None, help="network interface for gloo (e.g. eth0)")
     ap.add_argument("--cache-dir", type=Path, default=Path("/tmp"))
     ap.add_argument("--out-dir", type=Path, default=None, help="a CSV per method (rank 0)")
     ap.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
     args = ap.parse_args(argv)
+    if args.cutoffs[-1] >= args.vocab:  # (torch refused them after the corpus had loaded)
+        ap.error(f"expecting --cutoffs below --vocab {args.vocab}, got {args.cutoffs[-1]}")
+    if args.d_model % args.heads:  # (torch's attention refused it, after the corpus too)
+        ap.error(f"expecting --d-model a multiple of --heads {args.heads}, got {args.d_model}")
     args.max_steps = args.max_steps or 3 * args.steps
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
 
@@ -412,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     # pool would spin on the cores the other ranks compute on (sparsecoll.select._numba)
     os.environ.setdefault("SPARSECOLL_NUM_THREADS", str(args.threads))
     comm = Communicator()
+    # (rank 0 writes them, making the folder: checked now, not after the first method trained)
+    refuse_unwritable(comm, [], [args.out_dir], parents=True)
     try:
         check_methods(methods)
     except (ValueError, RuntimeError) as exc:

@@ -145,6 +145,8 @@ def test_step_benchmark_refuses_an_output_it_cannot_write(tmp_path, option: str)
         (["--rows", "1", "--width", "0"], "argument --width: expecting an integer >= 1"),
         (["--rows", "1", "--width", "8192"], "expecting --width <= n, got --width 8192"),
         (["-m", "1024G"], "n = 1099511627776 is too large for this host's"),
+        # refused, but the message named --algorithm, an option step.py does not have
+        (["--algorithms", ","], "expecting algorithm names or 'all', got --algorithms ','"),
     ],
 )
 def test_step_benchmark_usage_errors(args: list[str], message: str) -> None:
@@ -239,8 +241,53 @@ def test_weak_scaling_refuses_bad_arguments(args: list[str], message: str) -> No
         ("convergence.py", ["--steps", "0"], "argument --steps: expecting an integer >= 1"),
         ("convergence.py", ["--eval-every", "0"], "argument --eval-every: expecting an integer"),
         ("train_cluster.py", ["--threads", "0"], "argument --threads: expecting an integer >= 1"),
+        # these ran until torch or numpy refused them, after MPI, torch and the corpus
+        ("convergence.py", ["--lr", "0"], "argument --lr: expecting a number > 0, got '0'"),
+        ("convergence.py", ["--lr", "nan"], "argument --lr: expecting a number > 0"),
+        ("convergence.py", ["--seed", "-1"], "argument --seed: expecting an integer >= 0"),
+        ("train_cluster.py", ["--vocab", "64"], "expecting --cutoffs below --vocab 64, got 16384"),
+        ("train_cluster.py", ["--cutoffs", "16,8"], "argument --cutoffs: expecting increasing"),
+        ("train_cluster.py", ["--cutoffs", "0"], "argument --cutoffs: expecting increasing"),
+        ("train_cluster.py", ["--d-model", "10"], "expecting --d-model a multiple of --heads 4"),
+        ("train_cluster.py", ["--max-steps", "0"], "argument --max-steps: expecting an integer"),
+        ("train_cluster.py", ["--time-factor", "0"], "argument --time-factor: expecting a number"),
+        ("train_cluster.py", ["--lr", "-1"], "argument --lr: expecting a number > 0, got '-1'"),
+        ("train_cluster.py", ["--bucket-mb", "nan"], "argument --bucket-mb: expecting a number"),
+        ("train_cluster.py", ["--seed", "-1"], "argument --seed: expecting an integer >= 0"),
     ],
 )
 def test_training_scripts_refuse_bad_arguments(script, args, message) -> None:
     pytest.importorskip("torch")
     _refused(script, ["--methods", "dense", *args], message)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("script", "option"), [("convergence.py", "--out"), ("train_cluster.py", "--out-dir")]
+)
+def test_training_scripts_refuse_an_output_they_cannot_write(tmp_path, script, option) -> None:
+    """An output under a file (not a folder) failed on rank 0 once training was done (a
+    NotADirectoryError or FileExistsError traceback): now every rank stops before training."""
+    pytest.importorskip("torch")
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "out"
+    args = ["--methods", "dense", "--steps", "2", "--eval-every", "1", option, str(out)]
+    _refused(script, args, f"error: cannot write {out}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        # rank 0 alone failed on the empty statistics once every run was done
+        ("oktopk_density.py", ["--steps", "5", "--skip", "5"], "expecting --skip < --steps 5"),
+        ("oktopk_density.py", ["--density", "0"], "argument --density: density must be in"),
+        ("exdyna_threshold.py", ["--steps", "5", "--skip", "5"], "expecting --skip < --steps 5"),
+        ("exdyna_threshold.py", ["--n", "0"], "argument --n: expecting an integer >= 1"),
+        # --every 0: a ZeroDivisionError on rank 0 alone
+        ("exdyna_rebalance.py", ["--every", "0"], "argument --every: expecting an integer >= 1"),
+        ("exdyna_rebalance.py", ["--calls", "0"], "argument --calls: expecting an integer >= 1"),
+    ],
+)
+def test_study_scripts_refuse_bad_arguments_on_every_rank(script, args, message) -> None:
+    _refused(script, args, message)

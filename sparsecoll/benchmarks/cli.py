@@ -10,7 +10,9 @@ import argparse
 import math
 import os
 import re
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,17 +32,21 @@ __all__ = [
     "bench_parser",
     "check_memory",
     "check_nprocs",
+    "densities_arg",
     "density_arg",
     "float_arg",
     "int_arg",
     "launcher_rank",
     "local_ranks",
+    "out_arg",
     "parse_algorithms",
     "parse_checked",
     "parse_size",
     "parse_sizes",
+    "refuse_unwritable",
     "size_arg",
     "sizes_arg",
+    "writable",
 ]
 
 SUFFIX = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
@@ -104,6 +110,11 @@ def density_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def densities_arg(text: str) -> list[float]:
+    """A comma list of densities (each as :func:`density_arg`) as an argparse ``type``."""
+    return [density_arg(t) for t in text.split(",")]
+
+
 def int_arg(low: int) -> Callable[[str], int]:
     """An argparse ``type``: an integer at least ``low``."""
 
@@ -119,19 +130,73 @@ def int_arg(low: int) -> Callable[[str], int]:
     return parse
 
 
-def float_arg(low: float) -> Callable[[str], float]:
-    """An argparse ``type``: a finite real number at least ``low`` (nan and inf refused)."""
+def float_arg(low: float, above: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a finite real number at least ``low`` (``above``: greater than
+    ``low``; nan and inf refused)."""
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = float("nan")
-        if not (math.isfinite(value) and value >= low):
-            raise argparse.ArgumentTypeError(f"expecting a number >= {low:g}, got {text!r}")
+        if not (math.isfinite(value) and (value > low if above else value >= low)):
+            sign = ">" if above else ">="
+            raise argparse.ArgumentTypeError(f"expecting a number {sign} {low:g}, got {text!r}")
         return value
 
     return parse
+
+
+def writable(path: str | os.PathLike, parents: bool = False) -> bool:
+    """Whether a file can be created (or overwritten) at ``path``: the path, if present, is
+    a writable file, else its folder exists and takes new files (``parents``: or the
+    nearest folder above it that exists does, the script making the missing ones)."""
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        return os.path.isfile(path) and os.access(path, os.W_OK)
+    folder = os.path.dirname(path)
+    while parents and not os.path.exists(folder) and folder != os.path.dirname(folder):
+        folder = os.path.dirname(folder)
+    return os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)
+
+
+def out_arg(parents: bool = False, folder: bool = False) -> Callable[[str], Path]:
+    """An argparse ``type`` for a file a single-process script writes: refused (a usage
+    error) unless :func:`writable` (``folder``: a folder the script writes files into, an
+    existing one or one it makes when ``parents``). MPI scripts check on rank 0 instead,
+    with :func:`refuse_unwritable`: another host may lack the folder."""
+
+    def parse(text: str) -> Path:
+        if not (_writable_folder(text, parents) if folder else writable(text, parents)):
+            raise argparse.ArgumentTypeError(f"cannot write {text}")
+        return Path(text)
+
+    return parse
+
+
+def _writable_folder(path: str | os.PathLike, parents: bool) -> bool:
+    """Whether files can be written into the folder ``path`` (made first when ``parents``)."""
+    if os.path.exists(path):
+        return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+    return parents and writable(path, parents=True)
+
+
+def refuse_unwritable(comm: Any, paths: list[Any], folders: list[Any] = (), parents=False):
+    """Exit 2 on every rank (rank 0 alone prints, as argparse would) when rank 0, the rank
+    that writes them, cannot write one of ``paths`` (files) or into one of ``folders``
+    (``parents``: the script makes missing folders). Run it as soon as MPI has started:
+    an output that cannot be written used to fail once the whole run was done. (Rank 0
+    decides, the others follow: on another host the folder may not exist, and a rank
+    exiting before MPI starts leaves the others waiting in MPI_Init.)"""
+    bad: list[Any] = []
+    if comm.rank == 0:
+        bad = [f for f in paths if f is not None and not writable(f, parents)]
+        bad += [d for d in folders if d is not None and not _writable_folder(d, parents)]
+    if comm.allreduce_ints([len(bad)], "max")[0]:
+        if comm.rank == 0:
+            prog = os.path.basename(sys.argv[0])
+            print(f"{prog}: error: cannot write {bad[0]}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def unknown_algorithm(name: str, known: list[str]) -> str:
@@ -177,8 +242,11 @@ def check_memory(p: argparse.ArgumentParser, n: int, itemsize: int, ranks: int, 
         )
 
 
-def parse_algorithms(values: list[str] | None, known: list[str]) -> list[str]:
-    """Names from repeated/comma-separated ``--algorithm`` values; ``all`` (or none) = all."""
+def parse_algorithms(
+    values: list[str] | None, known: list[str], option: str = "--algorithm"
+) -> list[str]:
+    """Names from repeated/comma-separated ``--algorithm`` values (``option``: the option's
+    name in the message); ``all`` (or none) = all."""
     names: list[str] = []
     for v in values or ["all"]:
         for name in filter(None, (t.strip() for t in v.split(","))):
@@ -188,7 +256,7 @@ def parse_algorithms(values: list[str] | None, known: list[str]) -> list[str]:
                 if add not in names:
                     names.append(add)
     if not names:  # osu would print nothing, the main job dense alone
-        raise ValueError(f"expecting algorithm names or 'all', got --algorithm {values[0]!r}")
+        raise ValueError(f"expecting algorithm names or 'all', got {option} {values[0]!r}")
     return names
 
 

@@ -28,14 +28,10 @@ import numpy as np
 from .. import __version__
 from .._array import cupy_or_none
 from ..comm import Communicator, mpi_library_version
-from .cli import DTYPES, add_timing_arguments, sizes_arg
+from .cli import DTYPES, add_timing_arguments, densities_arg, size_arg, sizes_arg
 from .problems import OVERLAP_HELP, OVERLAPS, make_problem
 
 __all__ = ["main"]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(p) for p in text.split(",")]
 
 
 def _device_name(cp: Any) -> str:
@@ -205,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # the old spelling, kept working (mpiexec's -n is the rank count: prefer -m)
     p.add_argument("-n", dest="n", type=sizes_arg, help=argparse.SUPPRESS)
-    p.add_argument("--density", type=_floats, default=[0.001, 0.01])
+    p.add_argument("--density", type=densities_arg, default=[0.001, 0.01])
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     add_timing_arguments(p, 20, 3)
     p.add_argument("--format", choices=("table", "csv", "json"), default="table")
@@ -213,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--comm", choices=("mpi", "nccl"), default="mpi")
     p.add_argument("--overlap", choices=OVERLAPS, default="random", help=OVERLAP_HELP)
     p.add_argument("--algorithm", action="append", help="allreduce: only these (repeatable)")
-    p.add_argument("--max-dense", type=int, default=2**28, help="skip densifying algorithms above")
+    p.add_argument(
+        "--max-dense", type=size_arg, default=2**28, help="skip densifying algorithms above"
+    )
     args = p.parse_args(argv)
     cp = cupy_or_none()
     if cp is None:
