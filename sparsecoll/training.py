@@ -85,6 +85,15 @@ EVERY_NONZERO = math.ulp(0.0)
 # step count, so that the DDP hook's dense warm-up, which holds -1 there, differs from a
 # step there first)
 AGREED = ("n", "grad dtype", "algorithm, warmup or average", "step")
+# why a checkpoint saved with another value of these is refused (given the saved value)
+_MISMATCH = {
+    "error_feedback": lambda saved: (
+        "its residual is the error-feedback memory, which this reducer would drop"
+        if saved
+        else "its residual is what its last step dropped, not a memory to add to the next"
+    ),
+    "average": lambda saved: "the updates would change scale by the number of ranks",
+}
 # local selection policies for the algorithms that take a local top-k (not dense, not exdyna)
 SELECTIONS = {
     "exact": None,  # select.topk every step
@@ -475,10 +484,14 @@ class GradientReducer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` saved by a reducer built with the same arguments, on
         as many ranks. A state from another n, algorithm, density, number of ranks,
-        selection, momentum, algorithm options (``**options``) or ``selection_options`` is
-        refused (ValueError; this reducer is left as it was): the algorithm's state holds
-        its k and partitions (and its options, which loading would write over this
-        reducer's), and each rank's residual belongs to its rank of that run."""
+        selection, momentum, ``error_feedback``, ``average``, algorithm options
+        (``**options``) or ``selection_options`` is refused (ValueError naming the argument
+        and both values; this reducer is left as it was): the algorithm's state holds its k
+        and partitions (and its options, which loading would write over this reducer's),
+        each rank's residual belongs to its rank of that run, and is an error-feedback
+        memory only with ``error_feedback``. ``warmup``, ``reuse_update`` and ``check`` may
+        differ: the saved step counter decides whether the warm-up is over. A state saved
+        before an argument was recorded is taken as saved with this reducer's."""
         self._wait_pending()
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"state version {state.get('version')} != {STATE_VERSION}")
@@ -490,7 +503,9 @@ class GradientReducer:
                     names = sorted(o for o in {*saved, *value} if saved.get(o) != value.get(o))
                     saved = {o: saved.get(o) for o in names}
                     value = {o: value.get(o) for o in names}
-                raise ValueError(f"state is for {key}={saved!r}, this reducer has {value!r}")
+                why = _MISMATCH.get(key)
+                why = "" if why is None else f" ({why(saved)})"
+                raise ValueError(f"state is for {key}={saved!r}, this reducer has {value!r}{why}")
         if state.get("velocity") is not None and not self.momentum:
             raise ValueError("state holds a momentum-correction velocity, this reducer has none")
         extra = set(state["selection_state"]) - set(_slot_values(self._selector))
@@ -529,6 +544,8 @@ class GradientReducer:
             "ranks": self.comm.size,
             "selection": self.selection,
             "momentum": self.momentum,
+            "error_feedback": self.error_feedback,
+            "average": self.average,
             "options": dict(self._options),
             "selection_options": dict(self._selection_options),
         }

@@ -323,11 +323,12 @@ class SparseHookState:
         state no bucket matches within 3 iterations is dropped with a RuntimeWarning.
 
         Collective: call it on every rank. A state saved at another density is taken (each
-        bucket's residual carried over to this state's density). One that a bucket's
-        reducer would refuse (another algorithm, number of ranks, selection, momentum or
-        options), or whose iteration differs between the ranks, raises the same error on
-        every rank (a CollectiveInputError naming the rank), and this state is left as it
-        was."""
+        bucket's residual carried over to this state's density), and so is one saved with
+        another ``warmup`` or ``nonfinite`` (the saved iteration decides whether the warm-up
+        is over). One that a bucket's reducer would refuse (another algorithm, number of
+        ranks, selection, momentum, ``error_feedback`` or options), or whose iteration
+        differs between the ranks, raises the same error on every rank (a
+        CollectiveInputError naming the rank), and this state is left as it was."""
         error, sig = None, None
         try:
             iteration = int(state["iteration"])

@@ -740,17 +740,18 @@ def test_hook_state_density_change_carries_the_residual(comm, algorithm, options
 
 def test_hook_state_checkpoint_is_checked_where_it_is_loaded(comm):
     """SparseHookState.load_state_dict() checks the saved state on every rank alike: one
-    rank loading a state of another algorithm, or of another iteration, raises the same
-    CollectiveInputError on every rank, naming it, and every state is left as it was; a
-    state saved at another density is taken, residual and step count carried over. Before,
-    any state loaded, and the bucket's first sparse iteration raised a ValueError inside the
-    hook on that rank alone (the others waited in the step's agreement)."""
+    rank loading a state of another algorithm, another error_feedback, or of another
+    iteration, raises the same CollectiveInputError on every rank, naming it, and every
+    state is left as it was; a state saved at another density is taken, residual and step
+    count carried over. Before, any state loaded, and the bucket's first sparse iteration
+    raised a ValueError inside the hook on that rank alone (the others waited in the step's
+    agreement); a state saved with error_feedback=False loaded silently."""
     from sparsecoll.integrations.torch import SparseHookState
 
     n, bad = 300, comm.size - 1
 
-    def trained(algorithm):
-        state = SparseHookState(comm, algorithm, density=0.1)
+    def trained(algorithm, **options):
+        state = SparseHookState(comm, algorithm, density=0.1, **options)
         red = state.reducer(0, n, "torch.float32")
         for t in range(3):
             red.step(np.random.default_rng([t, comm.rank]).standard_normal(n).astype(np.float32))
@@ -758,8 +759,12 @@ def test_hook_state_checkpoint_is_checked_where_it_is_loaded(comm):
 
     state, saved = trained("allgather")
     _, other = trained("gtopk")
+    _, no_feedback = trained("allgather", error_feedback=False)
     red = state.reducers[0]
-    cases = [(other, f"bucket 0: state is for algorithm='gtopk'.* on rank {bad}")]
+    cases = [
+        (other, f"bucket 0: state is for algorithm='gtopk'.* on rank {bad}"),
+        (no_feedback, f"bucket 0: state is for error_feedback=False, this .* on rank {bad}"),
+    ]
     if comm.size > 1:
         cases.append(({**saved, "iteration": 7}, "iteration must be the same on every rank"))
     for wrong, match in cases:
