@@ -93,6 +93,10 @@ _MISMATCH = {
         else "its residual is what its last step dropped, not a memory to add to the next"
     ),
     "average": lambda saved: "the updates would change scale by the number of ranks",
+    "rank": lambda saved: (
+        "each rank restores the state it saved: one rank's on every rank would count its "
+        "residual on each and lose the others'"
+    ),
 }
 # local selection policies for the algorithms that take a local top-k (not dense, not exdyna)
 SELECTIONS = {
@@ -488,10 +492,11 @@ class GradientReducer:
         (``**options``) or ``selection_options`` is refused (ValueError naming the argument
         and both values; this reducer is left as it was): the algorithm's state holds its k
         and partitions (and its options, which loading would write over this reducer's),
-        each rank's residual belongs to its rank of that run, and is an error-feedback
-        memory only with ``error_feedback``. ``warmup``, ``reuse_update`` and ``check`` may
-        differ: the saved step counter decides whether the warm-up is over. A state saved
-        before an argument was recorded is taken as saved with this reducer's."""
+        each rank's residual belongs to its rank of that run (a state saved by another rank
+        is refused too), and is an error-feedback memory only with ``error_feedback``.
+        ``warmup``, ``reuse_update`` and ``check`` may differ: the saved step counter
+        decides whether the warm-up is over. A state saved before an argument was recorded
+        is taken as saved with this reducer's."""
         self._wait_pending()
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"state version {state.get('version')} != {STATE_VERSION}")
@@ -542,6 +547,7 @@ class GradientReducer:
             "algorithm": self.algorithm_name,
             "density": self.density,
             "ranks": self.comm.size,
+            "rank": self.comm.rank,
             "selection": self.selection,
             "momentum": self.momentum,
             "error_feedback": self.error_feedback,

@@ -326,9 +326,10 @@ class SparseHookState:
         bucket's residual carried over to this state's density), and so is one saved with
         another ``warmup`` or ``nonfinite`` (the saved iteration decides whether the warm-up
         is over). One that a bucket's reducer would refuse (another algorithm, number of
-        ranks, selection, momentum, ``error_feedback`` or options), or whose iteration
-        differs between the ranks, raises the same error on every rank (a
-        CollectiveInputError naming the rank), and this state is left as it was."""
+        ranks, rank, selection, momentum, ``error_feedback`` or options: each rank loads
+        the state it saved), or whose iteration differs between the ranks, raises the same
+        error on every rank (a CollectiveInputError naming the rank), and this state is
+        left as it was."""
         error, sig = None, None
         try:
             iteration = int(state["iteration"])

@@ -779,6 +779,39 @@ def test_hook_state_checkpoint_is_checked_where_it_is_loaded(comm):
     assert_all(comm, ok, f"restored at density 0.2: k {got.k}, {got.steps} steps")
 
 
+def test_checkpoint_of_another_rank_is_refused(comm):
+    """Each rank restores the state it saved. The usual DDP habit, saving on rank 0 alone and
+    loading that on every rank, gave every rank rank 0's residual (counted P times, the
+    others' lost) without a word: now GradientReducer.load_state_dict refuses it on every
+    rank but 0 (naming both ranks), and the hook's collective load raises the same
+    CollectiveInputError on every rank, naming rank 1; each rank's own state loads."""
+    from sparsecoll.integrations.torch import SparseHookState
+
+    n = 300
+    g = np.random.default_rng([4, comm.rank]).standard_normal(n).astype(np.float32)
+    red = GradientReducer(comm, n, "allgather", 0.1)
+    red.step(g)
+    first = comm.bcast_object(red.state_dict(), 0)
+    other = GradientReducer(comm, n, "allgather", 0.1)
+    if comm.rank == 0:
+        other.load_state_dict(first)
+    else:
+        with pytest.raises(ValueError, match=f"state is for rank=0, this reducer has {comm.rank} "):
+            other.load_state_dict(first)
+        assert other.steps == 0 and other.residual is None
+    state = SparseHookState(comm, "allgather", density=0.1)
+    state.reducer(0, n, "torch.float32").step(g)
+    first = comm.bcast_object(state.state_dict(), 0)
+    fresh = SparseHookState(comm, "allgather", density=0.1)
+    if comm.size > 1:
+        with pytest.raises(CollectiveInputError, match="bucket 0: state is for rank=0.* on rank 1"):
+            fresh.load_state_dict(first)
+        assert_all(comm, fresh.iteration == 0 and not fresh._pending, "state changed")
+    fresh.load_state_dict(state.state_dict())
+    got = fresh.reducer(0, n, "torch.float32")
+    assert_all(comm, np.array_equal(got.residual, red.residual), "own state after refusal")
+
+
 @pytest.mark.parametrize(
     ("algorithm", "selection"),
     [("allgather", "reuse"), ("oktopk", "reuse"), ("allgather", "sampling")],
