@@ -119,3 +119,99 @@ def test_state_saved_before_the_arguments_were_recorded_loads():
     fresh.load_state_dict(state)
     for t in range(2, 5):
         assert np.array_equal(fresh.step(g[t]), red.step(g[t])), f"step {t}"
+
+
+def _without(key):
+    def edit(state):
+        del state[key]
+
+    return edit
+
+
+def _set(key, value):
+    def edit(state):
+        state[key] = value(state) if callable(value) else value
+
+    return edit
+
+
+MALFORMED = {
+    # (a later sparsecoll's statistics field: CommStats refused it after steps were loaded)
+    "unknown totals field": (_set("totals", lambda s: {**s["totals"], "new": 1}), "totals"),
+    "no totals": (_without("totals"), "state lacks totals"),
+    "no residual": (_without("residual"), "state lacks residual"),
+    "residual too short": (_set("residual", np.zeros(N - 1)), f"n={N} float16"),
+    "integer residual": (_set("residual", np.zeros(N, np.int64)), "got 400 of int64"),
+    "NaN in the residual": (
+        _set("residual", lambda s: np.where(np.arange(N) == 3, np.nan, s["residual"])),
+        "residual holds NaN or Inf",
+    ),
+    "algorithm state not a dict": (_set("algorithm_state", None), "algorithm_state must be"),
+    "negative steps": (_set("steps", -1), "steps must be an integer >= 0"),
+    "float steps": (_set("steps", 2.5), "steps must be an integer >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_state_it_cannot_take_changes_nothing(case):
+    """A state with a key missing, of a later key set, or with entries of the wrong kind is
+    refused (ValueError or TypeError naming the entry) and the reducer is left as it was.
+    Before, the checks ran one by one while loading: an unknown statistics field or a bad
+    algorithm state raised after the step counter and the residual were replaced (the
+    reducer half-loaded), a missing key was a bare KeyError, and a residual of another
+    length, of integers or holding NaN loaded, after which every step failed."""
+    edit, match = MALFORMED[case]
+    g = grads(5)
+    red, twin = reducer("oktopk"), reducer("oktopk")
+    for t in range(2):
+        red.step(g[t])
+        twin.step(g[t])
+    state = saved(reducer("oktopk"))  # (a fresh reducer's: its residual is None)
+    state["residual"] = np.ones(N)
+    edit(state)
+    before = red.residual.copy()
+    with pytest.raises((ValueError, TypeError), match=re.escape(match)):
+        red.load_state_dict(state)
+    assert unchanged(red, 2, before)
+    for t in range(2, 5):
+        assert np.array_equal(red.step(g[t]), twin.step(g[t])), f"step {t} after the refusal"
+
+
+@pytest.mark.parametrize("state", [None, [("steps", 1)], "state"])
+def test_state_that_is_no_dict_is_a_type_error(state):
+    red = reducer()
+    with pytest.raises(TypeError, match="state must be a dict from state_dict()"):
+        red.load_state_dict(state)
+
+
+def test_old_state_without_momentum_into_a_momentum_reducer_is_refused():
+    """A state saved before momentum was recorded says it had none when it holds no velocity
+    after a step (with momentum, every step leaves one): unambiguous, so it is refused by a
+    reducer with momentum, as a state recording momentum=0.0 is. Before, it loaded and the
+    reducer went on from a zero velocity."""
+    red = reducer()
+    red.step(grads(1)[0])
+    state = saved(red)
+    del state["momentum"]
+    with pytest.raises(ValueError, match=r"no momentum-correction velocity after 1 steps"):
+        reducer(momentum=0.9).load_state_dict(state)
+    before = saved(reducer())  # (no step yet: nothing says what it was saved with)
+    del before["momentum"]
+    reducer(momentum=0.9).load_state_dict(before)
+
+
+def test_residual_as_a_torch_tensor_loads():
+    """A state whose residual and velocity were made torch tensors loads, and the run goes
+    on bit for bit."""
+    torch = pytest.importorskip("torch")
+    g = grads(5)
+    red = reducer("oktopk", momentum=0.5)
+    for t in range(2):
+        red.step(g[t])
+    state = saved(red)
+    for key in ("residual", "velocity"):
+        state[key] = torch.from_numpy(state[key])
+    other = reducer("oktopk", momentum=0.5)
+    other.load_state_dict(state)
+    for t in range(2, 5):
+        assert np.array_equal(other.step(g[t]), red.step(g[t])), f"step {t}"

@@ -333,6 +333,12 @@ class SparseHookState:
         error, sig = None, None
         try:
             iteration = int(state["iteration"])
+            layouts = state.get("layouts", {})
+            for key in ("reducers", "layouts"):  # (read after the ranks agree: checked here)
+                if not isinstance(state.get(key, {}), dict):
+                    raise TypeError(
+                        f"the saved {key} must be a dict, got {type(state[key]).__name__}"
+                    )
             for index, saved in state["reducers"].items():
                 try:  # (as the bucket's reducer will take it)
                     self._new_reducer(int(saved["n"]), saved)
@@ -347,7 +353,7 @@ class SparseHookState:
         self._layouts.clear()
         self._stepped, self._failed = [], set()
         self._pending = dict(state["reducers"])
-        self._pending_layouts = dict(state.get("layouts", {}))
+        self._pending_layouts = dict(layouts)
         self._pending_until = self.iteration + 3
 
 

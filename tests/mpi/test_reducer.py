@@ -740,12 +740,14 @@ def test_hook_state_density_change_carries_the_residual(comm, algorithm, options
 
 def test_hook_state_checkpoint_is_checked_where_it_is_loaded(comm):
     """SparseHookState.load_state_dict() checks the saved state on every rank alike: one
-    rank loading a state of another algorithm, another error_feedback, or of another
-    iteration, raises the same CollectiveInputError on every rank, naming it, and every
-    state is left as it was; a state saved at another density is taken, residual and step
-    count carried over. Before, any state loaded, and the bucket's first sparse iteration
-    raised a ValueError inside the hook on that rank alone (the others waited in the step's
-    agreement); a state saved with error_feedback=False loaded silently."""
+    rank loading a state of another algorithm, another error_feedback, of another
+    iteration, or with saved layouts that are no dict, raises the same error on every rank,
+    naming it, and every state is left as it was; a state saved at another density is
+    taken, residual and step count carried over. Before, any state loaded, and the
+    bucket's first sparse iteration raised a ValueError inside the hook on that rank alone
+    (the others waited in the step's agreement); a state saved with error_feedback=False
+    loaded silently, and bad layouts raised a TypeError on that rank alone, after the
+    ranks had agreed."""
     from sparsecoll.integrations.torch import SparseHookState
 
     n, bad = 300, comm.size - 1
@@ -764,12 +766,15 @@ def test_hook_state_checkpoint_is_checked_where_it_is_loaded(comm):
     cases = [
         (other, f"bucket 0: state is for algorithm='gtopk'.* on rank {bad}"),
         (no_feedback, f"bucket 0: state is for error_feedback=False, this .* on rank {bad}"),
+        # (read after the ranks agreed: it raised a TypeError on that rank alone, the state
+        # half-loaded)
+        ({**saved, "layouts": None}, f"layouts must be a dict, got NoneType on rank {bad}"),
     ]
     if comm.size > 1:
         cases.append(({**saved, "iteration": 7}, "iteration must be the same on every rank"))
     for wrong, match in cases:
         state.iteration = 5
-        with pytest.raises(CollectiveInputError, match=match):
+        with pytest.raises((CollectiveInputError, CollectiveTypeError), match=match):
             state.load_state_dict(wrong if comm.rank == bad else saved)
         assert_all(comm, state.iteration == 5 and state.reducers == {0: red}, "state changed")
     denser = SparseHookState(comm, "allgather", density=0.2)
