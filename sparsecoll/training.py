@@ -73,6 +73,11 @@ from .sparse import VALUE_DTYPES, SparseVector
 __all__ = ["GradientReducer"]
 
 STATE_VERSION = 1
+# what every state_dict() has held (the identity's other keys came later: see _identity)
+STATE_KEYS = (
+    "n", "algorithm", "steps", "residual", "algorithm_state", "selection_state", "totals",
+    "density_sum", "sparse_steps",
+)  # fmt: skip
 CUT_TARGET = 1.6  # candidates the exact top-k's predicted cut aims at, in multiples of k
 CAP_FACTOR = 4  # candidates kept at most, in multiples of k (more: the prediction missed)
 # the cut after a step with fewer than k nonzeros (the smallest positive float64: rounded up
@@ -85,6 +90,19 @@ EVERY_NONZERO = math.ulp(0.0)
 # step count, so that the DDP hook's dense warm-up, which holds -1 there, differs from a
 # step there first)
 AGREED = ("n", "grad dtype", "algorithm, warmup or average", "step")
+# why a checkpoint saved with another value of these is refused (given the saved value)
+_MISMATCH = {
+    "error_feedback": lambda saved: (
+        "its residual is the error-feedback memory, which this reducer would drop"
+        if saved
+        else "its residual is what its last step dropped, not a memory to add to the next"
+    ),
+    "average": lambda saved: "the updates would change scale by the number of ranks",
+    "rank": lambda saved: (
+        "each rank restores the state it saved: one rank's on every rank would count its "
+        "residual on each and lose the others'"
+    ),
+}
 # local selection policies for the algorithms that take a local top-k (not dense, not exdyna)
 SELECTIONS = {
     "exact": None,  # select.topk every step
@@ -475,43 +493,31 @@ class GradientReducer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` saved by a reducer built with the same arguments, on
         as many ranks. A state from another n, algorithm, density, number of ranks,
-        selection, momentum, algorithm options (``**options``) or ``selection_options`` is
-        refused (ValueError; this reducer is left as it was): the algorithm's state holds
-        its k and partitions (and its options, which loading would write over this
-        reducer's), and each rank's residual belongs to its rank of that run."""
+        selection, momentum, ``error_feedback``, ``average``, algorithm options
+        (``**options``) or ``selection_options`` is refused (ValueError naming the argument
+        and both values; this reducer is left as it was): the algorithm's state holds its k
+        and partitions (and its options, which loading would write over this reducer's),
+        each rank's residual belongs to its rank of that run (a state saved by another rank
+        is refused too), and is an error-feedback memory only with ``error_feedback``.
+        ``warmup``, ``reuse_update`` and ``check`` may differ: the saved step counter
+        decides whether the warm-up is over. A state saved before an argument was recorded
+        is taken as saved with this reducer's. A state that is not a whole state_dict() (a
+        key missing, an entry of the wrong kind, a residual or velocity that is not n finite
+        float values) is refused before anything changes (ValueError; TypeError for the
+        wrong kind); the residual and velocity may be numpy, torch or CuPy arrays."""
         self._wait_pending()
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"state version {state.get('version')} != {STATE_VERSION}")
-        for key, value in self._identity().items():
-            # (all but n and algorithm are absent from states saved before they were recorded)
-            if (key in state or key in ("n", "algorithm")) and state[key] != value:
-                saved = state[key]
-                if isinstance(value, dict):  # (options: only those that differ)
-                    names = sorted(o for o in {*saved, *value} if saved.get(o) != value.get(o))
-                    saved = {o: saved.get(o) for o in names}
-                    value = {o: value.get(o) for o in names}
-                raise ValueError(f"state is for {key}={saved!r}, this reducer has {value!r}")
-        if state.get("velocity") is not None and not self.momentum:
-            raise ValueError("state holds a momentum-correction velocity, this reducer has none")
-        extra = set(state["selection_state"]) - set(_slot_values(self._selector))
-        if extra:
-            raise ValueError(
-                f"state holds selection state ({', '.join(sorted(extra))}) that this "
-                f"reducer's selection={self.selection!r} does not have"
-            )
-        self.steps = int(state["steps"])
+        new = self._read_state(state)  # (everything checked before anything changes)
+        self.steps = new["steps"]
         self._can_take_back = False
-        res = state["residual"]
         self._residual = None
-        self._pending_residual = None if res is None else np.array(res, copy=True)
-        vel = state.get("velocity")
-        self._velocity = None if vel is None else np.array(vel, copy=True)
-        vars(self.algorithm).update(copy.deepcopy(state["algorithm_state"]))
-        for name, value in copy.deepcopy(state["selection_state"]).items():
+        self._pending_residual = new["residual"]
+        self._velocity = new["velocity"]
+        vars(self.algorithm).update(new["algorithm_state"])
+        for name, value in new["selection_state"].items():
             setattr(self._selector, name, value)
-        self._totals = CommStats(**state["totals"])
-        self._density_sum = float(state["density_sum"])
-        self._sparse_steps = int(state["sparse_steps"])
+        self._totals = new["totals"]
+        self._density_sum = new["density_sum"]
+        self._sparse_steps = new["sparse_steps"]
 
     def __repr__(self) -> str:
         return (
@@ -527,11 +533,93 @@ class GradientReducer:
             "algorithm": self.algorithm_name,
             "density": self.density,
             "ranks": self.comm.size,
+            "rank": self.comm.rank,
             "selection": self.selection,
             "momentum": self.momentum,
+            "error_feedback": self.error_feedback,
+            "average": self.average,
             "options": dict(self._options),
             "selection_options": dict(self._selection_options),
         }
+
+    def _read_state(self, state: Any) -> dict[str, Any]:
+        """What loading ``state`` assigns: checked against this reducer and copied; raises
+        (ValueError, TypeError) on a state this reducer cannot take, having changed nothing."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"state version {state.get('version')} != {STATE_VERSION}")
+        missing = [key for key in STATE_KEYS if key not in state]
+        if missing:
+            raise ValueError(
+                f"state lacks {', '.join(missing)}: not a whole GradientReducer state_dict()"
+            )
+        for key, value in self._identity().items():
+            # (all but n and algorithm are absent from states saved before they were recorded)
+            if key in state and state[key] != value:
+                saved = state[key]
+                if isinstance(value, dict) and isinstance(saved, dict):  # (options: those
+                    # that differ, by name)
+                    names = sorted(o for o in {*saved, *value} if saved.get(o) != value.get(o))
+                    saved = {o: saved.get(o) for o in names}
+                    value = {o: value.get(o) for o in names}
+                why = _MISMATCH.get(key)
+                why = "" if why is None else f" ({why(saved)})"
+                raise ValueError(f"state is for {key}={saved!r}, this reducer has {value!r}{why}")
+        steps = integer("the state's steps", state["steps"], 0)
+        residual = self._saved_vector(state, "residual")
+        velocity = self._saved_vector(state, "velocity")
+        if velocity is not None and not self.momentum:
+            raise ValueError("state holds a momentum-correction velocity, this reducer has none")
+        if velocity is None and self.momentum and steps and "momentum" not in state:
+            # (a state saved before momentum was recorded: with it, every step left a velocity)
+            raise ValueError(
+                f"state holds no momentum-correction velocity after {steps} steps (saved "
+                f"without momentum), this reducer has momentum={self.momentum}"
+            )
+        for key in ("algorithm_state", "selection_state", "totals"):
+            if not isinstance(state[key], dict):
+                raise TypeError(
+                    f"the state's {key} must be a dict, got {type(state[key]).__name__}"
+                )
+        extra = set(state["selection_state"]) - set(_slot_values(self._selector))
+        if extra:
+            raise ValueError(
+                f"state holds selection state ({', '.join(sorted(extra))}) that this "
+                f"reducer's selection={self.selection!r} does not have"
+            )
+        try:
+            totals = CommStats(**state["totals"])
+        except TypeError as exc:  # (a field this sparsecoll does not count)
+            raise ValueError(f"the state's totals: {exc}") from None
+        return {
+            "steps": steps,
+            "residual": residual,
+            "velocity": velocity,
+            "algorithm_state": copy.deepcopy(state["algorithm_state"]),
+            "selection_state": copy.deepcopy(state["selection_state"]),
+            "totals": totals,
+            "density_sum": real("the state's density_sum", state["density_sum"]),
+            "sparse_steps": integer("the state's sparse_steps", state["sparse_steps"], 0),
+        }
+
+    def _saved_vector(self, state: dict[str, Any], key: str) -> np.ndarray | None:
+        """The state's ``key`` (its residual or velocity) as a new host array of n finite
+        float16/32/64 values, from any array library and device; None if the state holds
+        none."""
+        value = state.get(key)
+        if value is None:
+            return None
+        arr, _ = as_array(value, f"the state's {key}")
+        arr = np.array(to_host(arr), copy=True).reshape(-1)
+        if arr.dtype not in VALUE_DTYPES or arr.size != self.n:
+            raise ValueError(
+                f"the state's {key} must hold n={self.n} float16, float32 or float64 values, "
+                f"got {arr.size} of {arr.dtype}"
+            )
+        if not np.isfinite(arr).all():  # (no step leaves one: every later step would fail)
+            raise ValueError(f"the state's {key} holds NaN or Inf")
+        return arr
 
     def _wait_pending(self) -> None:
         """Wait for the step_async calls submitted so far: they use (and change) the state."""

@@ -654,3 +654,32 @@ def test_reducer_state_follows_the_gradient_to_another_device(xp):
             sparsecoll.CollectiveTypeError, match="same device as grad, got it on GPU 0"
         ):
             red.step(dg, out=out)
+
+
+def test_reducer_state_with_device_arrays_loads(xp):
+    """A state whose residual and velocity were put on a GPU loads into a reducer (they
+    come to the host, as
+    state_dict() saves them) and the run goes on bit for bit, on the host or the device.
+    Before, numpy's implicit conversion of a CuPy array raised a TypeError, after the step
+    counter had already been replaced."""
+    from mpi4py import MPI
+
+    import sparsecoll
+
+    n = 3000
+    g = [np.random.default_rng([9, t]).standard_normal(n).astype(np.float32) for t in range(5)]
+    comm = sparsecoll.Communicator(MPI.COMM_SELF)
+    red = sparsecoll.GradientReducer(comm, n, "allgather", 0.01, momentum=0.5)
+    for t in range(2):
+        red.step(g[t])
+    state = red.state_dict()
+    for key in ("residual", "velocity"):
+        state[key] = xp.asarray(state[key])
+    on_host = sparsecoll.GradientReducer(comm, n, "allgather", 0.01, momentum=0.5)
+    on_device = sparsecoll.GradientReducer(comm, n, "allgather", 0.01, momentum=0.5)
+    on_host.load_state_dict(state)
+    on_device.load_state_dict(state)
+    for t in range(2, 5):
+        want = red.step(g[t])
+        np.testing.assert_array_equal(on_host.step(g[t]), want)
+        np.testing.assert_array_equal(on_device.step(xp.asarray(g[t])).get(), want)

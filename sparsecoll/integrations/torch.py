@@ -323,14 +323,22 @@ class SparseHookState:
         state no bucket matches within 3 iterations is dropped with a RuntimeWarning.
 
         Collective: call it on every rank. A state saved at another density is taken (each
-        bucket's residual carried over to this state's density). One that a bucket's
-        reducer would refuse (another algorithm, number of ranks, selection, momentum or
-        options), or whose iteration differs between the ranks, raises the same error on
-        every rank (a CollectiveInputError naming the rank), and this state is left as it
-        was."""
+        bucket's residual carried over to this state's density), and so is one saved with
+        another ``warmup`` or ``nonfinite`` (the saved iteration decides whether the warm-up
+        is over). One that a bucket's reducer would refuse (another algorithm, number of
+        ranks, rank, selection, momentum, ``error_feedback`` or options: each rank loads
+        the state it saved), or whose iteration differs between the ranks, raises the same
+        error on every rank (a CollectiveInputError naming the rank), and this state is
+        left as it was."""
         error, sig = None, None
         try:
             iteration = int(state["iteration"])
+            layouts = state.get("layouts", {})
+            for key in ("reducers", "layouts"):  # (read after the ranks agree: checked here)
+                if not isinstance(state.get(key, {}), dict):
+                    raise TypeError(
+                        f"the saved {key} must be a dict, got {type(state[key]).__name__}"
+                    )
             for index, saved in state["reducers"].items():
                 try:  # (as the bucket's reducer will take it)
                     self._new_reducer(int(saved["n"]), saved)
@@ -345,7 +353,7 @@ class SparseHookState:
         self._layouts.clear()
         self._stepped, self._failed = [], set()
         self._pending = dict(state["reducers"])
-        self._pending_layouts = dict(state.get("layouts", {}))
+        self._pending_layouts = dict(layouts)
         self._pending_until = self.iteration + 3
 
 

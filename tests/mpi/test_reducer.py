@@ -740,17 +740,20 @@ def test_hook_state_density_change_carries_the_residual(comm, algorithm, options
 
 def test_hook_state_checkpoint_is_checked_where_it_is_loaded(comm):
     """SparseHookState.load_state_dict() checks the saved state on every rank alike: one
-    rank loading a state of another algorithm, or of another iteration, raises the same
-    CollectiveInputError on every rank, naming it, and every state is left as it was; a
-    state saved at another density is taken, residual and step count carried over. Before,
-    any state loaded, and the bucket's first sparse iteration raised a ValueError inside the
-    hook on that rank alone (the others waited in the step's agreement)."""
+    rank loading a state of another algorithm, another error_feedback, of another
+    iteration, or with saved layouts that are no dict, raises the same error on every rank,
+    naming it, and every state is left as it was; a state saved at another density is
+    taken, residual and step count carried over. Before, any state loaded, and the
+    bucket's first sparse iteration raised a ValueError inside the hook on that rank alone
+    (the others waited in the step's agreement); a state saved with error_feedback=False
+    loaded silently, and bad layouts raised a TypeError on that rank alone, after the
+    ranks had agreed."""
     from sparsecoll.integrations.torch import SparseHookState
 
     n, bad = 300, comm.size - 1
 
-    def trained(algorithm):
-        state = SparseHookState(comm, algorithm, density=0.1)
+    def trained(algorithm, **options):
+        state = SparseHookState(comm, algorithm, density=0.1, **options)
         red = state.reducer(0, n, "torch.float32")
         for t in range(3):
             red.step(np.random.default_rng([t, comm.rank]).standard_normal(n).astype(np.float32))
@@ -758,13 +761,20 @@ def test_hook_state_checkpoint_is_checked_where_it_is_loaded(comm):
 
     state, saved = trained("allgather")
     _, other = trained("gtopk")
+    _, no_feedback = trained("allgather", error_feedback=False)
     red = state.reducers[0]
-    cases = [(other, f"bucket 0: state is for algorithm='gtopk'.* on rank {bad}")]
+    cases = [
+        (other, f"bucket 0: state is for algorithm='gtopk'.* on rank {bad}"),
+        (no_feedback, f"bucket 0: state is for error_feedback=False, this .* on rank {bad}"),
+        # (read after the ranks agreed: it raised a TypeError on that rank alone, the state
+        # half-loaded)
+        ({**saved, "layouts": None}, f"layouts must be a dict, got NoneType on rank {bad}"),
+    ]
     if comm.size > 1:
         cases.append(({**saved, "iteration": 7}, "iteration must be the same on every rank"))
     for wrong, match in cases:
         state.iteration = 5
-        with pytest.raises(CollectiveInputError, match=match):
+        with pytest.raises((CollectiveInputError, CollectiveTypeError), match=match):
             state.load_state_dict(wrong if comm.rank == bad else saved)
         assert_all(comm, state.iteration == 5 and state.reducers == {0: red}, "state changed")
     denser = SparseHookState(comm, "allgather", density=0.2)
@@ -772,6 +782,39 @@ def test_hook_state_checkpoint_is_checked_where_it_is_loaded(comm):
     got = denser.reducer(0, n, "torch.float32")
     ok = got.k == 60 and got.steps == 3 and np.array_equal(got.residual, red.residual)
     assert_all(comm, ok, f"restored at density 0.2: k {got.k}, {got.steps} steps")
+
+
+def test_checkpoint_of_another_rank_is_refused(comm):
+    """Each rank restores the state it saved. The usual DDP habit, saving on rank 0 alone and
+    loading that on every rank, gave every rank rank 0's residual (counted P times, the
+    others' lost) without a word: now GradientReducer.load_state_dict refuses it on every
+    rank but 0 (naming both ranks), and the hook's collective load raises the same
+    CollectiveInputError on every rank, naming rank 1; each rank's own state loads."""
+    from sparsecoll.integrations.torch import SparseHookState
+
+    n = 300
+    g = np.random.default_rng([4, comm.rank]).standard_normal(n).astype(np.float32)
+    red = GradientReducer(comm, n, "allgather", 0.1)
+    red.step(g)
+    first = comm.bcast_object(red.state_dict(), 0)
+    other = GradientReducer(comm, n, "allgather", 0.1)
+    if comm.rank == 0:
+        other.load_state_dict(first)
+    else:
+        with pytest.raises(ValueError, match=f"state is for rank=0, this reducer has {comm.rank} "):
+            other.load_state_dict(first)
+        assert other.steps == 0 and other.residual is None
+    state = SparseHookState(comm, "allgather", density=0.1)
+    state.reducer(0, n, "torch.float32").step(g)
+    first = comm.bcast_object(state.state_dict(), 0)
+    fresh = SparseHookState(comm, "allgather", density=0.1)
+    if comm.size > 1:
+        with pytest.raises(CollectiveInputError, match="bucket 0: state is for rank=0.* on rank 1"):
+            fresh.load_state_dict(first)
+        assert_all(comm, fresh.iteration == 0 and not fresh._pending, "state changed")
+    fresh.load_state_dict(state.state_dict())
+    got = fresh.reducer(0, n, "torch.float32")
+    assert_all(comm, np.array_equal(got.residual, red.residual), "own state after refusal")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,217 @@
+"""GradientReducer checkpoints in-process (MPI.COMM_SELF): which constructor arguments a saved
+state must agree with, which may change on resume, and states that are not a whole
+state_dict(). The collective paths (every rank, the DDP hook's state) are in
+tests/mpi/test_reducer.py."""
+
+from __future__ import annotations
+
+import pickle
+import re
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from sparsecoll import GradientReducer
+
+N = 400
+
+
+def grads(steps: int, seed: int = 0) -> list[np.ndarray]:
+    return [np.random.default_rng([seed, t]).standard_t(2, N) for t in range(steps)]
+
+
+def reducer(algorithm: str = "allgather", **kw) -> GradientReducer:
+    return GradientReducer(MPI.COMM_SELF, N, algorithm, 0.05, **kw)
+
+
+def saved(red: GradientReducer) -> dict:
+    return pickle.loads(pickle.dumps(red.state_dict()))
+
+
+def unchanged(red: GradientReducer, steps: int, residual: np.ndarray | None) -> bool:
+    now = red.residual
+    same = residual is None if now is None else np.array_equal(now, residual)
+    return red.steps == steps and same
+
+
+@pytest.mark.parametrize(
+    ("saved_kw", "kw", "match"),
+    [
+        ({}, {"error_feedback": False}, "error_feedback=True, this reducer has False"),
+        ({"error_feedback": False}, {}, "error_feedback=False, this reducer has True"),
+        ({"average": False}, {}, "average=False, this reducer has True"),
+        ({}, {"average": False}, "average=True, this reducer has False"),
+    ],
+)
+@pytest.mark.parametrize("algorithm", ["allgather", "oktopk", "exdyna"])
+def test_state_of_another_meaning_is_refused(algorithm, saved_kw, kw, match):
+    """A state saved with error feedback on, loaded into a reducer with it off (its memory
+    dropped), or the reverse (what the last step dropped added to the next), or with another
+    ``average`` (updates P times larger or smaller) is refused, naming the argument and both
+    values; the reducer is left as it was. Before, each loaded silently."""
+    g = grads(3)
+    red = reducer(algorithm, **saved_kw)
+    red.step(g[0])
+    other = reducer(algorithm, **kw)
+    other.step(g[1])
+    before = other.residual.copy()
+    with pytest.raises(ValueError, match=re.escape(match)):
+        other.load_state_dict(saved(red))
+    assert unchanged(other, 1, before)
+
+
+def test_warmup_may_change_the_saved_step_counter_decides():
+    """``warmup`` is a schedule over the step counter, which the state holds: a longer warm-up
+    on resume makes the steps before it dense, a shorter one makes the next step sparse as
+    in a run built with it. The state loads either way."""
+    g = grads(6)
+    # saved past a warm-up of 1, resumed with warmup=4: steps 2 and 3 are dense
+    red = reducer(warmup=1)
+    for t in range(2):
+        red.step(g[t])
+    longer = reducer(warmup=4)
+    longer.load_state_dict(saved(red))
+    acc = g[2] + red.residual
+    assert np.array_equal(longer.step(g[2]), acc), "a step in the longer warm-up is dense"
+    assert longer.stats()["achieved_density"] == 1.0
+    longer.step(g[3])
+    longer.step(g[4])
+    assert longer.stats()["achieved_density"] <= 0.05, "sparse once the warm-up is over"
+    # saved in a warm-up of 3 (after one step), resumed with warmup=1: as a run with warmup=1
+    red = reducer(warmup=3)
+    red.step(g[0])
+    shorter = reducer(warmup=1)
+    shorter.load_state_dict(saved(red))
+    twin = reducer(warmup=1)
+    twin.step(g[0])
+    for t in range(1, 6):
+        assert np.array_equal(shorter.step(g[t]), twin.step(g[t])), f"step {t}"
+
+
+@pytest.mark.parametrize("kw", [{"reuse_update": True}, {"check": False}])
+@pytest.mark.parametrize("algorithm", ["allgather", "oktopk"])
+def test_implementation_choices_may_change(algorithm, kw):
+    """``reuse_update`` and ``check`` change how a step runs, not what the state means: a
+    state saved without them loads into a reducer with them and goes on bit for bit."""
+    g = grads(6)
+    red = reducer(algorithm)
+    for t in range(3):
+        red.step(g[t])
+    other = reducer(algorithm, **kw)
+    other.load_state_dict(saved(red))
+    for t in range(3, 6):
+        assert np.array_equal(other.step(g[t]), red.step(g[t])), f"step {t}"
+
+
+def test_state_saved_before_the_arguments_were_recorded_loads():
+    """A state without ``error_feedback``, ``average`` or ``rank`` (an earlier sparsecoll's)
+    cannot say what it was saved with: it is taken as saved with this reducer's arguments,
+    as every earlier version did, and goes on alike."""
+    g = grads(5)
+    red = reducer("oktopk")
+    for t in range(2):
+        red.step(g[t])
+    state = saved(red)
+    for key in ("error_feedback", "average", "rank"):
+        del state[key]
+    fresh = reducer("oktopk")
+    fresh.load_state_dict(state)
+    for t in range(2, 5):
+        assert np.array_equal(fresh.step(g[t]), red.step(g[t])), f"step {t}"
+
+
+def _without(key):
+    def edit(state):
+        del state[key]
+
+    return edit
+
+
+def _set(key, value):
+    def edit(state):
+        state[key] = value(state) if callable(value) else value
+
+    return edit
+
+
+MALFORMED = {
+    # (a later sparsecoll's statistics field: CommStats refused it after steps were loaded)
+    "unknown totals field": (_set("totals", lambda s: {**s["totals"], "new": 1}), "totals"),
+    "no totals": (_without("totals"), "state lacks totals"),
+    "no residual": (_without("residual"), "state lacks residual"),
+    "residual too short": (_set("residual", np.zeros(N - 1)), f"n={N} float16"),
+    "integer residual": (_set("residual", np.zeros(N, np.int64)), "got 400 of int64"),
+    "NaN in the residual": (
+        _set("residual", lambda s: np.where(np.arange(N) == 3, np.nan, s["residual"])),
+        "residual holds NaN or Inf",
+    ),
+    "algorithm state not a dict": (_set("algorithm_state", None), "algorithm_state must be"),
+    "negative steps": (_set("steps", -1), "steps must be an integer >= 0"),
+    "float steps": (_set("steps", 2.5), "steps must be an integer >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_state_it_cannot_take_changes_nothing(case):
+    """A state with a key missing, of a later key set, or with entries of the wrong kind is
+    refused (ValueError or TypeError naming the entry) and the reducer is left as it was.
+    Before, the checks ran one by one while loading: an unknown statistics field or a bad
+    algorithm state raised after the step counter and the residual were replaced (the
+    reducer half-loaded), a missing key was a bare KeyError, and a residual of another
+    length, of integers or holding NaN loaded, after which every step failed."""
+    edit, match = MALFORMED[case]
+    g = grads(5)
+    red, twin = reducer("oktopk"), reducer("oktopk")
+    for t in range(2):
+        red.step(g[t])
+        twin.step(g[t])
+    state = saved(reducer("oktopk"))  # (a fresh reducer's: its residual is None)
+    state["residual"] = np.ones(N)
+    edit(state)
+    before = red.residual.copy()
+    with pytest.raises((ValueError, TypeError), match=re.escape(match)):
+        red.load_state_dict(state)
+    assert unchanged(red, 2, before)
+    for t in range(2, 5):
+        assert np.array_equal(red.step(g[t]), twin.step(g[t])), f"step {t} after the refusal"
+
+
+@pytest.mark.parametrize("state", [None, [("steps", 1)], "state"])
+def test_state_that_is_no_dict_is_a_type_error(state):
+    red = reducer()
+    with pytest.raises(TypeError, match="state must be a dict from state_dict()"):
+        red.load_state_dict(state)
+
+
+def test_old_state_without_momentum_into_a_momentum_reducer_is_refused():
+    """A state saved before momentum was recorded says it had none when it holds no velocity
+    after a step (with momentum, every step leaves one): unambiguous, so it is refused by a
+    reducer with momentum, as a state recording momentum=0.0 is. Before, it loaded and the
+    reducer went on from a zero velocity."""
+    red = reducer()
+    red.step(grads(1)[0])
+    state = saved(red)
+    del state["momentum"]
+    with pytest.raises(ValueError, match=r"no momentum-correction velocity after 1 steps"):
+        reducer(momentum=0.9).load_state_dict(state)
+    before = saved(reducer())  # (no step yet: nothing says what it was saved with)
+    del before["momentum"]
+    reducer(momentum=0.9).load_state_dict(before)
+
+
+def test_residual_as_a_torch_tensor_loads():
+    """A state whose residual and velocity were made torch tensors loads, and the run goes
+    on bit for bit."""
+    torch = pytest.importorskip("torch")
+    g = grads(5)
+    red = reducer("oktopk", momentum=0.5)
+    for t in range(2):
+        red.step(g[t])
+    state = saved(red)
+    for key in ("residual", "velocity"):
+        state[key] = torch.from_numpy(state[key])
+    other = reducer("oktopk", momentum=0.5)
+    other.load_state_dict(state)
+    for t in range(2, 5):
+        assert np.array_equal(other.step(g[t]), red.step(g[t])), f"step {t}"
