@@ -494,19 +494,37 @@ class GradientReducer:
         """Restore a :meth:`state_dict` saved by a reducer built with the same arguments, on
         as many ranks. A state from another n, algorithm, density, number of ranks,
         selection, momentum, ``error_feedback``, ``average``, algorithm options
-        (``**options``) or ``selection_options`` is refused (ValueError naming the argument
-        and both values; this reducer is left as it was): the algorithm's state holds its k
-        and partitions (and its options, which loading would write over this reducer's),
-        each rank's residual belongs to its rank of that run (a state saved by another rank
-        is refused too), and is an error-feedback memory only with ``error_feedback``.
+        (``**options``) or ``selection_options`` is refused (CollectiveInputError, a
+        ValueError, naming the argument and both values; every reducer is left as it was):
+        the algorithm's state holds its k and partitions (and its options, which loading
+        would write over this reducer's), each rank's residual belongs to its rank of that
+        run (a state saved by another rank is refused too), and is an error-feedback memory
+        only with ``error_feedback``.
         ``warmup``, ``reuse_update`` and ``check`` may differ: the saved step counter
         decides whether the warm-up is over. A state saved before an argument was recorded
         is taken as saved with this reducer's. A state that is not a whole state_dict() (a
         key missing, an entry of the wrong kind, a residual or velocity that is not n finite
-        float values) is refused before anything changes (ValueError; TypeError for the
-        wrong kind); the residual and velocity may be numpy, torch or CuPy arrays."""
+        float values) is refused before anything changes (CollectiveTypeError, a TypeError,
+        for the wrong kind); the residual and velocity may be numpy, torch or CuPy arrays.
+
+        Collective: call it on every rank. A state one rank cannot take, or saved at another
+        step than the others', raises the same error on every rank, naming the rank, and
+        no reducer changes (the ranks went on from different states: some loaded, some
+        fresh, where a program caught the error)."""
         self._wait_pending()
-        new = self._read_state(state)  # (everything checked before anything changes)
+        error, new = None, None
+        try:
+            new = self._read_state(state)  # (everything checked before anything changes)
+        except Exception as exc:  # (shared with every rank: none loads alone)
+            error = exc
+        with self.comm.serial():
+            sig = None if new is None else [new["steps"]]
+            collective_check(self.comm, error, sig, ("saved step",))
+        self._load(new)
+
+    def _load(self, new: dict[str, Any]) -> None:
+        """Take a state :meth:`_read_state` checked, on this rank alone (the DDP hook's
+        reducers: its load_state_dict agrees on the whole state)."""
         self.steps = new["steps"]
         self._can_take_back = False
         self._residual = None

@@ -221,7 +221,7 @@ class SparseHookState:
             if saved.get("density", self.density) != self.density:
                 fresh = red.state_dict()
                 saved = {**saved, **{key: fresh[key] for key in DENSITY_STATE}}
-            red.load_state_dict(saved)
+            red._load(red._read_state(saved))  # (agreed by load_state_dict, collective)
         return red
 
     def reducer(

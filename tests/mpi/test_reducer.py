@@ -784,12 +784,40 @@ def test_hook_state_checkpoint_is_checked_where_it_is_loaded(comm):
     assert_all(comm, ok, f"restored at density 0.2: k {got.k}, {got.steps} steps")
 
 
+@pytest.mark.parametrize("bad", ["other_n", "not_a_state", "other_step"])
+def test_checkpoint_one_rank_cannot_take_is_refused_on_every_rank(comm, bad):
+    """GradientReducer.load_state_dict is collective: a state one rank cannot take (or one
+    saved at another step than the others') raises the same error on every rank, naming
+    it, and no rank loads (it raised on that rank alone: the others loaded and went on
+    from a state that rank did not have, or waited for it in their next step)."""
+    if comm.size == 1 and bad == "other_step":
+        pytest.skip("needs two ranks to disagree")
+    n, last = 64, comm.size - 1
+    g = np.random.default_rng([6, comm.rank]).standard_normal(n)
+    red = GradientReducer(comm, n, "allgather", 0.1)
+    red.step(g)
+    state = red.state_dict()
+    if comm.rank == last:
+        if bad == "other_n":
+            state = GradientReducer(comm, n + 1, "allgather", 0.1).state_dict()
+        elif bad == "not_a_state":
+            state = [state]
+        else:  # (as saved one step later: a step on this rank alone would be no step)
+            state = {**state, "steps": state["steps"] + 1}
+    fresh = GradientReducer(comm, n, "allgather", 0.1)
+    etype = CollectiveTypeError if bad == "not_a_state" else CollectiveInputError
+    with pytest.raises(etype, match=f"(on rank|: rank) {last}"):
+        fresh.load_state_dict(state)
+    assert_all(comm, fresh.steps == 0 and fresh.residual is None, "a rank loaded")
+    fresh.step(g)  # (the ranks go on together)
+
+
 def test_checkpoint_of_another_rank_is_refused(comm):
     """Each rank restores the state it saved. The usual DDP habit, saving on rank 0 alone and
     loading that on every rank, gave every rank rank 0's residual (counted P times, the
-    others' lost) without a word: now GradientReducer.load_state_dict refuses it on every
-    rank but 0 (naming both ranks), and the hook's collective load raises the same
-    CollectiveInputError on every rank, naming rank 1; each rank's own state loads."""
+    others' lost) without a word: now both collective loads, GradientReducer's and the
+    hook's, raise the same CollectiveInputError on every rank, naming rank 1, and change
+    nothing; each rank's own state loads."""
     from sparsecoll.integrations.torch import SparseHookState
 
     n = 300
@@ -798,12 +826,12 @@ def test_checkpoint_of_another_rank_is_refused(comm):
     red.step(g)
     first = comm.bcast_object(red.state_dict(), 0)
     other = GradientReducer(comm, n, "allgather", 0.1)
-    if comm.rank == 0:
-        other.load_state_dict(first)
-    else:
-        with pytest.raises(ValueError, match=f"state is for rank=0, this reducer has {comm.rank} "):
+    if comm.size > 1:
+        with pytest.raises(
+            CollectiveInputError, match="is for rank=0, this reducer has 1 .* rank 1"
+        ):
             other.load_state_dict(first)
-        assert other.steps == 0 and other.residual is None
+        assert_all(comm, other.steps == 0 and other.residual is None, "state changed")
     state = SparseHookState(comm, "allgather", density=0.1)
     state.reducer(0, n, "torch.float32").step(g)
     first = comm.bcast_object(state.state_dict(), 0)
