@@ -98,6 +98,17 @@ def test_usage_errors_print_once_before_any_launch(args: list[str], message: str
     assert proc.stderr.count("usage:") == 1
 
 
+def test_the_host_memory_check_leaves_gpu_runs_alone() -> None:
+    """A dense vector beyond this host's memory is refused for host buffers only: a ``-d
+    cuda`` run's vectors live on the GPU, whose memory the host's does not bound."""
+    from sparsecoll.benchmarks import osu
+
+    args = osu.parse_args(["-d", "cuda", "--np", "1", "-m", "1024G"])
+    assert args.message_size == [2**40]
+    with pytest.raises(SystemExit):
+        osu.parse_args(["--np", "1", "-m", "1024G"])
+
+
 def test_algorithms_command_lists_options() -> None:
     proc = cli("algorithms")
     assert proc.returncode == 0, proc.stderr

@@ -359,15 +359,18 @@ def parse_checked(p: argparse.ArgumentParser, argv: list[str] | None) -> argpars
     """Parse ``argv`` with a suite's parser (:func:`bench_parser`, :func:`add_input_arguments`,
     :func:`add_timing_arguments`) and check what argparse does not: ``--np >= 1``, known
     algorithms (``all`` expanded), and a dense vector (``dense`` always runs, the baseline)
-    that this host's memory can hold on every rank. (``-i >= 1``, ``-x >= 0`` and a density
-    in (0, 1] are their arguments' types.) Usage errors exit 2 (printed by rank 0 only)."""
+    that this host's memory can hold on every rank (host buffers: a ``-d cuda`` run's
+    vectors live on the GPU). (``-i >= 1``, ``-x >= 0`` and a density in (0, 1] are their
+    arguments' types.) Usage errors exit 2 (printed by rank 0 only)."""
     args = p.parse_args(argv)
     check_nprocs(p, args.np)
     try:
         args.algorithm = parse_algorithms(args.algorithm, available_algorithms())
     except ValueError as exc:
         p.error(str(exc))  # every rank parses the same argv: all exit alike
-    sizes = args.message_size if isinstance(args.message_size, list) else [args.message_size]
-    itemsize = np.dtype(args.dtype).itemsize
-    check_memory(p, max(sizes), itemsize, local_ranks(args.np), "the dense baseline's vector")
+    if getattr(args, "device", "cpu") == "cpu":
+        sizes = args.message_size if isinstance(args.message_size, list) else [args.message_size]
+        itemsize = np.dtype(args.dtype).itemsize
+        what = "the dense baseline's vector"
+        check_memory(p, max(sizes), itemsize, local_ranks(args.np), what)
     return args
