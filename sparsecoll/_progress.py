@@ -471,8 +471,7 @@ def shutdown() -> None:
     when the wait here is interrupted (Ctrl-C: KeyboardInterrupt) with calls still in
     progress (pending, or a daemon thread's watched blocking call).
     """
-    with _registry_lock:  # (in a forked child: none, whose calls are the parent's)
-        engines = [e for e in _engines if e._pid == os.getpid()]
+    engines = _own_engines()
     for engine in engines:
         engine.close(wait=False)
     if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
@@ -485,6 +484,12 @@ def shutdown() -> None:
         busy = sum(e.pending() + len(e._blocking) for e in engines)
         _abort(engines, busy, f"interrupted at exit with {busy} call(s) in progress")
         raise
+
+
+def _own_engines() -> list[Engine]:
+    """This process's engines (in a forked child: none, whose calls are the parent's)."""
+    with _registry_lock:
+        return [e for e in _engines if e._pid == os.getpid()]
 
 
 def _abort(engines: list[Engine], calls: int, why: str) -> None:
@@ -509,8 +514,7 @@ def stop(engines: list[Engine] | None = None) -> None:
     waited for nor watched: a thread that goes on calling would hold the exit for ever.
     """
     if engines is None:
-        with _registry_lock:
-            engines = [e for e in _engines if e._pid == os.getpid()]
+        engines = _own_engines()
     for engine in engines:
         engine.close(wait=True)
         engine._settle()

@@ -374,14 +374,14 @@ class GradientReducer:
             flat = None if dest is None else dest.reshape(-1)
             prepared = self._prepare(arr.reshape(-1), flat, reuse)
             if self.check:
-                sig = [self.n, VALUE_DTYPES.index(arr.dtype), self._crc, self.steps]
-                sig += algorithm_signature(self.algorithm)
+                code = VALUE_DTYPES.index(arr.dtype)
+                sig = [self.n, code, self._crc, self.steps, *algorithm_signature(self.algorithm)]
         except Exception as exc:  # (shared with every rank: none is left waiting)
             error = exc
         t0 = time.perf_counter()
         try:
             if self.check:
-                collective_check(self.comm, error, None if error else sig, self._agreed)
+                collective_check(self.comm, error, sig, self._agreed)
             elif error is not None:
                 raise error
             self._last.comm_s = time.perf_counter() - t0
