@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     from sparsecoll.benchmarks.cli import (
+        SIZE_HELP,
         RankZeroParser,
         algorithm_arg,
         check_memory,
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     # (checked before MPI starts: a usage error exits 2 on every rank, printed once)
-    ap = RankZeroParser(description=__doc__.split("\n\n")[0])
+    ap = RankZeroParser(description=__doc__.split("\n\n")[0], epilog=SIZE_HELP)
     ap.add_argument("--algorithm", type=algorithm_arg, default="exdyna")
     ap.add_argument("--buckets", type=int_arg(1), default=11)
     ap.add_argument("-n", type=size_arg, default=500_000, help="entries per bucket")

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from sparsecoll.algorithms.auto import CostModel, choose
+from sparsecoll.benchmarks.cli import floats_arg, readable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep_table import read
@@ -36,15 +37,21 @@ def load(paths: list[str]) -> dict:
     return {k: v for k, v in rows.items() if all(a in v for a in ALGORITHMS)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("paths", nargs="+")
-    p.add_argument("--alpha", default="5e-6,5e-5,2e-4,1e-3")
-    args = p.parse_args()
-    rows = load(args.paths)
-    print(f"# {len(rows)} configurations from {', '.join(args.paths)}")
+    p.add_argument("paths", type=readable, nargs="+")
+    p.add_argument("--alpha", type=floats_arg(0), default="5e-6,5e-5,2e-4,1e-3", help="seconds")
+    args = p.parse_args(argv)
+    try:
+        rows = load(args.paths)
+    except ValueError as exc:  # (not a sweep_exact table: a traceback from int())
+        p.error(str(exc))
+    if not rows:  # (np.median of no ratios: nan and numpy's warnings)
+        names = " ".join(map(str, args.paths))
+        p.error(f"no configuration in {names} has a row of each of {', '.join(ALGORITHMS)}")
+    print(f"# {len(rows)} configurations from {', '.join(map(str, args.paths))}")
     print(f"{'alpha':>8} {'median':>7} {'geomean':>8} {'worst':>7} {'fastest':>8}  picks")
-    for alpha in (float(a) for a in args.alpha.split(",")):
+    for alpha in args.alpha:
         model = CostModel(alpha=alpha)
         ratios, picks = [], collections.Counter()
         for (P, n, density, _), t in rows.items():

@@ -11,6 +11,7 @@ so Numba's compile (or cache load) stays out; the compile/load time is printed a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -22,11 +23,19 @@ import numpy as np
 
 import sparsecoll
 from sparsecoll import select as sel
+from sparsecoll.benchmarks.cli import DTYPES, densities_arg, int_arg, size_arg, sizes_arg
+
+SIZE_HELP = (  # (the other tools' suffixes are binary: sparsecoll.benchmarks.cli.SIZE_HELP)
+    "Sizes are element counts: digits, a decimal or an exponent, with an optional suffix "
+    "K = 10**3, M = 10**6, G = 10**9 (decimal, unlike the other tools' binary ones), a whole "
+    "number in all: 4096, 25M (= 25000000), 1.5M (= 1500000), 1e6."
+)
 
 
-def parse_size(s: str) -> int:
-    mult = {"K": 10**3, "M": 10**6, "G": 10**9}
-    return int(float(s[:-1]) * mult[s[-1].upper()]) if s[-1].upper() in mult else int(s)
+def _label(n: int) -> str:
+    """``n`` as written with the largest decimal suffix it is a multiple of (30M)."""
+    units = ((10**9, "G"), (10**6, "M"), (10**3, "K"))
+    return next((f"{n // u}{s}" for u, s in units if n % u == 0), str(n))
 
 
 def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float, Any]:
@@ -76,18 +85,26 @@ def methods(x: np.ndarray, k: int, t: float, torch: Any) -> dict[str, Callable[[
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="1M,25M,100M")
-    ap.add_argument("--densities", default="0.001,0.01")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--dtype", default="float32", choices=["float16", "float32", "float64"])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=SIZE_HELP)
+    ap.add_argument(
+        "--sizes", type=functools.partial(sizes_arg, decimal=True), default="1M,25M,100M"
+    )
+    ap.add_argument("--densities", type=densities_arg, default="0.001,0.01")
+    ap.add_argument("--repeat", type=int_arg(1), default=5)
+    ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument("--backend", default=None, choices=["numba", "numpy"])
     ap.add_argument(
-        "--threads", type=int, default=None, help="Numba threads (default: cores / ranks per node)"
+        "--threads",
+        type=int_arg(1),
+        default=None,
+        help="Numba threads (default: cores / ranks per node)",
     )
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument(
-        "--torch-max-n", default="30M", help="skip torch.topk above this n (it is slow)"
+        "--torch-max-n",
+        type=functools.partial(size_arg, decimal=True),
+        default="30M",
+        help="skip torch.topk above this n (it is slow)",
     )
     ap.add_argument("--format", default="table", choices=["table", "csv", "json"])
     args = ap.parse_args(argv)
@@ -101,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             torch = None
 
     if args.threads is not None:
-        sel.set_num_threads(args.threads)
+        try:  # (more than the cores: a ValueError traceback)
+            sel.set_num_threads(args.threads)
+        except ValueError as exc:
+            ap.error(f"argument --threads: {exc}")
     t0 = time.perf_counter()
     sel.warmup(parallel=True)
     compile_s = time.perf_counter() - t0
@@ -118,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# sparsecoll {sparsecoll.__version__} selection benchmark ({args.dtype}, Gaussian)")
     print(f"# backend {sel.backend()}, threads {threads}, warm-up/compile {compile_s:.1f} s")
     tv = "not used (--no-torch)" if args.no_torch else "not installed"
-    tv = f"{torch.__version__} (up to n = {args.torch_max_n})" if torch else tv
+    tv = f"{torch.__version__} (up to n = {_label(args.torch_max_n)})" if torch else tv
     print(f"# numpy {np.__version__}, torch {tv}")
     print(f"# cpus {os.cpu_count()}, load average at start {load:.2f}")
     print(f"# median and min of {args.repeat} runs after 1 warm-up; speedup = argpartition / ours")
@@ -129,13 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     header += f"{'speedup':>8} {'count/k':>8} {'tries':>5}"
     if args.format == "table":
         print(header)
-    for n in map(parse_size, args.sizes.split(",")):
+    for n in args.sizes:
         x = np.random.default_rng(0).standard_normal(n, dtype=np.float32).astype(args.dtype)
-        for density in map(float, args.densities.split(",")):
+        for density in args.densities:
             k = max(1, round(density * n))
             t = sel.kth_largest_abs(x, k)
             base = None
-            use_torch = torch if n <= parse_size(args.torch_max_n) else None
+            use_torch = torch if n <= args.torch_max_n else None
             for name, fn in methods(x, k, t, use_torch).items():
                 med, mn, out = timed(fn, args.repeat)
                 base = med if base is None else base

@@ -24,10 +24,10 @@ from convergence import BAND, CYCLE_AC, CYCLE_SPREAD, SETTLE, ratio_stats, step_
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sparsecoll.benchmarks.cli import density_arg, int_arg
+    from sparsecoll.benchmarks.cli import density_arg, int_arg, readable
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("csv", type=Path)
+    ap.add_argument("csv", type=readable)
     ap.add_argument("--methods", default=None, help="comma-separated (default: all but dense)")
     ap.add_argument("--density", type=density_arg, default=0.01, help="the run's --density")
     ap.add_argument("--warmup", type=int_arg(1), default=1, help="the run's --warmup")

@@ -77,6 +77,17 @@ def parse_rate(text: str) -> float:
     return float(m.group(1)) * RATE_UNITS[m.group(2)]
 
 
+def rate_arg(text: str) -> str:
+    """A positive :func:`parse_rate` rate as an argparse ``type`` (the text kept, for tc)."""
+    try:
+        ok = parse_rate(text) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expecting a rate like 1gbit or 100mbit, got {text!r}")
+    return text
+
+
 def parse_time(text: str) -> float:
     """A tc-style time ('50us', '1ms', '0') in seconds."""
     m = re.fullmatch(r"\s*([0-9.]+)\s*([a-z]*)\s*", text.lower())

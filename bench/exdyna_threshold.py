@@ -33,11 +33,11 @@ def run(comm: Communicator, rule: str, feedback: bool, n: int, k: int, steps: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sparsecoll.benchmarks.cli import RankZeroParser, density_arg, int_arg
+    from sparsecoll.benchmarks.cli import SIZE_HELP, RankZeroParser, density_arg, int_arg, size_arg
 
     # (checked before MPI starts: a usage error exits 2 on every rank, printed once)
-    ap = RankZeroParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int_arg(1), default=100_000)
+    ap = RankZeroParser(description=__doc__.splitlines()[0], epilog=SIZE_HELP)
+    ap.add_argument("--n", type=size_arg, default=100_000)
     ap.add_argument("--density", type=density_arg, default=0.01)
     ap.add_argument("--steps", type=int_arg(1), default=600)
     ap.add_argument("--skip", type=int_arg(0), default=100, help="calls left out of the statistics")

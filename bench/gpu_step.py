@@ -19,19 +19,31 @@ ALGORITHMS = ("dense", "allgather", "gtopk", "oktopk", "exdyna")
 
 
 def main(argv: list[str] | None = None) -> None:
-    from sparsecoll.benchmarks.cli import add_timing_arguments, parse_size
+    from sparsecoll.benchmarks.cli import (
+        SIZE_HELP,
+        add_timing_arguments,
+        density_arg,
+        parse_algorithms,
+        size_arg,
+    )
+    from sparsecoll.registry import available_algorithms
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-m", "--size", default="100M")
-    ap.add_argument("--density", type=float, default=0.01)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=SIZE_HELP)
+    ap.add_argument("-m", "--size", type=size_arg, default="100M")
+    ap.add_argument("--density", type=density_arg, default=0.01)
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
     add_timing_arguments(ap, 10, 5, timed="timed steps", untimed="untimed steps first")
     args = ap.parse_args(argv)
+    try:  # (an unknown name failed once the ones before it had run)
+        known = available_algorithms()
+        args.algorithms = parse_algorithms([args.algorithms], known, "--algorithms")
+    except ValueError as exc:
+        ap.error(str(exc))
     import cupy as cp  # after the arguments: --help works without CuPy
 
     from sparsecoll import Communicator, GradientReducer
 
-    n = parse_size(args.size)
+    n = args.size
     comm = Communicator()
     cp.cuda.Device(comm.rank % cp.cuda.runtime.getDeviceCount()).use()
     rng = cp.random.default_rng(comm.rank)
@@ -41,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     copy_dst = cp.empty(n, cp.float32)
     sync = cp.cuda.Device().synchronize
     rows = []
-    for name in [a.strip() for a in args.algorithms.split(",") if a.strip()]:
+    for name in args.algorithms:
         red = GradientReducer(comm, n, name, args.density)
         steps, copies = [], []
         for it in range(args.warmup + args.iterations):

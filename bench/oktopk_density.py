@@ -45,11 +45,11 @@ def run(comm: Communicator, options: dict, decay: float, n: int, density: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sparsecoll.benchmarks.cli import RankZeroParser, density_arg, int_arg
+    from sparsecoll.benchmarks.cli import SIZE_HELP, RankZeroParser, density_arg, int_arg, size_arg
 
     # (checked before MPI starts: a usage error exits 2 on every rank, printed once)
-    ap = RankZeroParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int_arg(1), default=1_000_000)
+    ap = RankZeroParser(description=__doc__.splitlines()[0], epilog=SIZE_HELP)
+    ap.add_argument("--n", type=size_arg, default=1_000_000)
     ap.add_argument("--density", type=density_arg, default=0.01)
     ap.add_argument("--steps", type=int_arg(1), default=40)
     ap.add_argument("--skip", type=int_arg(0), default=5, help="calls left out of the statistics")

@@ -17,24 +17,26 @@ ratio to the pair bound 6k(P−1)/P (int32 indices and float32 values, 8 bytes a
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
 from sparsecoll import Communicator, GradientReducer
+from sparsecoll.benchmarks.cli import RankZeroParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=200_000)
-    ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--every", type=int, default=10, help="steps between the layer's moves")
-    ap.add_argument("--scale", type=float, default=1000.0)
-    ap.add_argument("--tau-prime", type=int, default=64)
+    from sparsecoll.benchmarks.cli import SIZE_HELP, density_arg, float_arg, int_arg, size_arg
+
+    # (checked before MPI starts: a usage error exits 2 on every rank, printed once)
+    ap = RankZeroParser(description=__doc__.splitlines()[0], epilog=SIZE_HELP)
+    ap.add_argument("--n", type=size_arg, default=200_000)
+    ap.add_argument("--density", type=density_arg, default=0.01)
+    ap.add_argument("--steps", type=int_arg(1), default=40)
+    ap.add_argument("--every", type=int_arg(1), default=10, help="steps between the layer's moves")
+    ap.add_argument("--scale", type=float_arg(0, above=True), default=1000.0)
+    ap.add_argument("--tau-prime", type=int_arg(1), default=64)
     ap.add_argument(
         "--imbalance",
-        type=lambda s: None if s == "none" else float(s),
+        type=lambda s: None if s == "none" else float_arg(0, above=True)(s),
         default=2.0,
         help="oktopk's early-repartition trigger, or none",
     )
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(int(sent), int(recv))
             print(
                 f"{t:4d} {at:8d} {bool(infos[-1]['repartitioned'])!s:>6} "
-                f"{int(sent):9d} {int(recv):9d} {worst / bound:6.2f}"
+                f"{int(sent):9d} {int(recv):9d} "
+                + (f"{worst / bound:6.2f}" if bound else f"{'-':>6}")  # (P = 1: no bound)
             )
     return 0
 

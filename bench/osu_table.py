@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-from sparsecoll.benchmarks.cli import sizes_arg
+from sparsecoll.benchmarks.cli import SIZE_HELP, readable, sizes_arg
 from sparsecoll.benchmarks.model import read_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from emulate_cluster import parse_rate
+from emulate_cluster import parse_rate, rate_arg
 
 
 def fmt_us(us: float) -> str:
@@ -80,9 +80,11 @@ def size_label(n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("csv", nargs="+")
-    ap.add_argument("--rate", default=None, help="link rate for the wire floor (e.g. 1gbit)")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=SIZE_HELP)
+    ap.add_argument("csv", type=readable, nargs="+")
+    ap.add_argument(
+        "--rate", type=rate_arg, default=None, help="link rate for the wire floor (e.g. 1gbit)"
+    )
     ap.add_argument(
         "--sizes",
         type=sizes_arg,

@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     from sparsecoll.benchmarks.cli import (
+        SIZE_HELP,
         RankZeroParser,
         algorithm_arg,
         density_arg,
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # (checked before MPI starts: a usage error exits 2 on every rank, printed once; --late
     # -1 or nan used to raise in time.sleep on the late ranks alone, rank 0 left waiting)
-    parser = RankZeroParser(description=__doc__.splitlines()[0])
+    parser = RankZeroParser(description=__doc__.splitlines()[0], epilog=SIZE_HELP)
     parser.add_argument("-n", type=size_arg, default="16M", help="dense length (16M)")
     parser.add_argument("--density", type=density_arg, default=0.01)
     parser.add_argument("--algorithm", type=algorithm_arg, default="allgather")

@@ -21,9 +21,9 @@ import numpy as np
 
 def main(argv: list[str] | None = None) -> None:
     from sparsecoll import select
-    from sparsecoll.benchmarks.cli import int_arg, size_arg
+    from sparsecoll.benchmarks.cli import SIZE_HELP, int_arg, size_arg
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=SIZE_HELP)
     ap.add_argument(
         "-m", "--size", type=size_arg, default="16M", help="vector length n (K/M/G suffixes)"
     )

@@ -48,9 +48,9 @@ def one(n: int, share: float, rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from sparsecoll.benchmarks.cli import density_arg, float_arg, int_arg, size_arg
+    from sparsecoll.benchmarks.cli import SIZE_HELP, density_arg, float_arg, int_arg, size_arg
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=SIZE_HELP)
     ap.add_argument(
         "-m", "--size", type=size_arg, default="16M", help="vector length n (K/M/G suffixes)"
     )

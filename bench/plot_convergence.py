@@ -8,14 +8,13 @@ from __future__ import annotations
 import argparse
 import csv
 from collections import defaultdict
-from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sparsecoll.benchmarks.cli import out_arg, writable
+    from sparsecoll.benchmarks.cli import out_arg, readable, writable
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("csv", type=Path)
+    ap.add_argument("csv", type=readable)
     ap.add_argument(
         "-o",
         "--out",

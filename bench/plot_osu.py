@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from sparsecoll.benchmarks.cli import out_arg, size_arg
+from sparsecoll.benchmarks.cli import SIZE_HELP, out_arg, readable, size_arg
 from sparsecoll.benchmarks.model import read_rows
 
 __all__ = ["load", "main"]
@@ -95,8 +95,8 @@ def plot_bytes(rows: list[dict], out: Path, title: str, size: int | None) -> Pat
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("csv", nargs="+", help="CSV files written with --format csv")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=SIZE_HELP)
+    p.add_argument("csv", type=readable, nargs="+", help="CSV files written with --format csv")
     p.add_argument(
         "-o",
         "--out",

@@ -42,10 +42,10 @@ def step_parts(rows: list[dict]) -> tuple[float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sparsecoll.benchmarks.cli import out_arg
+    from sparsecoll.benchmarks.cli import out_arg, readable_folder
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("dirs", type=Path, nargs="+")
+    ap.add_argument("dirs", type=readable_folder, nargs="+")
     ap.add_argument("-o", "--out", type=out_arg(), required=True, help="PNG")
     args = ap.parse_args(argv)
 

@@ -25,6 +25,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
+from sparsecoll.benchmarks.cli import (
+    SIZE_HELP,
+    choices_arg,
+    float_arg,
+    ints_arg,
+    readable,
+    size_arg,
+)
 from sparsecoll.benchmarks.model import (
     AUTO_CANDIDATES,
     FORMULAS,
@@ -38,7 +46,7 @@ from sparsecoll.benchmarks.model import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from emulate_cluster import parse_rate
+from emulate_cluster import parse_rate, rate_arg
 
 VALUE_BYTES = {"float16": 2, "float32": 4, "float64": 8}
 
@@ -192,29 +200,45 @@ def project(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shm", nargs="+", required=True, help="shared-memory CSVs (P=1,2,...)")
-    p.add_argument("--emulated", nargs="*", default=[], help="emulated-cluster CSVs")
-    p.add_argument("--emu-rate", default="1gbit", help="emulated link rate (tc syntax)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=SIZE_HELP)
+    p.add_argument(
+        "--shm", type=readable, nargs="+", required=True, help="shared-memory CSVs (P=1,2,...)"
+    )
+    p.add_argument("--emulated", type=readable, nargs="*", default=[], help="emulated-cluster CSVs")
+    p.add_argument(
+        "--emu-rate", type=rate_arg, default="1gbit", help="emulated link rate (tc syntax)"
+    )
     p.add_argument(
         "--emu-logs",
+        type=readable,
         nargs="*",
         default=[],
         help="stderr of the emulated runs (link byte counters), same order",
     )
-    p.add_argument("--emu-alpha", type=float, default=None, help="emulated α in seconds")
+    p.add_argument("--emu-alpha", type=float_arg(0), default=None, help="emulated α in seconds")
     p.add_argument(
         "-n",
-        type=int,
+        type=size_arg,
         default=None,
         help="dense length to model (default: the "
         "largest in the emulated files, else in the shm files)",
     )
-    p.add_argument("--P", default="8,16,32,64,128,256,512,1024", help="projected P values")
-    p.add_argument("--links", default=",".join(LINKS), help="link presets to project on")
+    p.add_argument(
+        "--P", type=ints_arg(1), default="8,16,32,64,128,256,512,1024", help="projected P values"
+    )
+    p.add_argument(
+        "--links",
+        type=choices_arg(LINKS, "link preset"),
+        default=",".join(LINKS),
+        help="link presets to project on",
+    )
     args = p.parse_args(argv)
     shm, emu = read_rows(args.shm), read_rows(args.emulated)
+    if not shm:  # (max() of no rows: a ValueError traceback)
+        p.error(f"no rows in --shm {' '.join(map(str, args.shm))}")
     n = args.n or max(r["n"] for r in (emu or shm))
+    if not any(r["n"] == n for r in shm):  # (a StopIteration traceback in problem_of)
+        p.error(f"n = {n} is not in the --shm files: they have {sorted({r['n'] for r in shm})}")
     prob = problem_of(shm, n)
     names = sorted({r["algorithm"] for r in shm if r["n"] == n})
     cals = {a: calibrate(a, prob, shm + emu) for a in names if a in FORMULAS}
@@ -256,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"\nmedian |error| {statistics.median(abs_err) * 100:.0f}%, "
                 f"max |error| {abs_err[-1] * 100:.0f}% over {len(errors)} points"
             )
-    ps = [int(x) for x in args.P.split(",")]
-    for key in args.links.split(","):
+    ps = args.P
+    for key in args.links:
         link = LINKS[key]
         for local, what in ((False, "network time α·M + S/B"), (True, "with local work C(P)")):
             print(

@@ -233,6 +233,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     (after the earlier algorithms had run, for an unknown one); -m 16X in a ValueError one."""
     from sparsecoll import available_algorithms
     from sparsecoll.benchmarks.cli import (
+        SIZE_HELP,
         RankZeroParser,
         add_timing_arguments,
         check_memory,
@@ -243,7 +244,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         size_arg,
     )
 
-    ap = RankZeroParser(description=__doc__.split("\n\n")[0])
+    ap = RankZeroParser(description=__doc__.split("\n\n")[0], epilog=SIZE_HELP)
     ap.add_argument(
         "-m", "--size", type=size_arg, default="16M", help="gradient length n (K/M/G suffixes)"
     )

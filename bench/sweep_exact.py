@@ -38,32 +38,45 @@ COLUMNS = (
 )
 
 
-def _ints(s: str) -> list[int]:
-    """A comma list of positive integers (``1e6`` taken) as an argparse ``type``."""
-    try:
-        values = [int(float(v)) for v in s.split(",")]
-    except (ValueError, OverflowError):
-        values = [0]
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expecting positive integers like 2,4,8, got {s!r}")
-    return values
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    from sparsecoll.benchmarks.cli import RankZeroParser, densities_arg, int_arg
+    from sparsecoll.benchmarks.cli import (
+        SIZE_HELP,
+        RankZeroParser,
+        choices_arg,
+        densities_arg,
+        int_arg,
+        ints_arg,
+        parse_algorithms,
+        sizes_arg,
+    )
+    from sparsecoll.benchmarks.problems import OVERLAPS
+    from sparsecoll.registry import available_algorithms
 
-    p = RankZeroParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--np", type=_ints, default=None, help="launch for each P (e.g. 2,4,8)")
-    p.add_argument("-n", type=_ints, default=[2**20, 2**24], help="dense lengths (1M,16M)")
+    p = RankZeroParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, epilog=SIZE_HELP
+    )
+    p.add_argument("--np", type=ints_arg(1), default=None, help="launch for each P (e.g. 2,4,8)")
+    p.add_argument("-n", type=sizes_arg, default=[2**20, 2**24], help="dense lengths (1M,16M)")
     p.add_argument("--density", type=densities_arg, default=[0.001, 0.01, 0.1])
-    p.add_argument("--overlap", default="random,same,disjoint", help="comma-separated patterns")
+    p.add_argument(
+        "--overlap",
+        type=choices_arg(OVERLAPS, "overlap"),
+        default="random,same,disjoint",
+        help="comma-separated patterns",
+    )
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"))
     p.add_argument("-i", "--iterations", type=int_arg(1), default=5)
     p.add_argument("-x", "--warmup", type=int_arg(0), default=1)
     p.add_argument("--format", choices=("table", "csv"), default="table")
     p.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:  # (an unknown name failed on every rank in its first call, with a traceback)
+        known = available_algorithms()
+        args.algorithms = parse_algorithms([args.algorithms], known, "--algorithms")
+    except ValueError as exc:
+        p.error(str(exc))  # every rank parses the same argv: all exit alike
+    return args
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
@@ -101,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     comm = Communicator()
     P = comm.size
-    names = args.algorithms.split(",")
+    names = args.algorithms
     dtype = np.dtype(args.dtype)
     out = sys.stdout if comm.rank == 0 else None
     if out and not args.no_header:
@@ -130,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ok_all = True
     for n in args.n:
         for density in args.density:
-            for overlap in args.overlap.split(","):
+            for overlap in args.overlap:
                 vals, idx = make_problem(n, density, comm.rank, P, overlap, dtype)
                 k = round(density * n)
                 reference = None

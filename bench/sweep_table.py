@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+from sparsecoll.benchmarks.cli import readable
 
 FIXED = ("dense", "allgather", "dsa", "recursive_doubling")
 SHORT = {"recursive_doubling": "rd"}
@@ -22,24 +26,31 @@ def read(path: str) -> list[dict]:
     """The rows of a bench/sweep_exact.py table (numbers converted)."""
     rows = []
     with open(path) as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             parts = line.split()
             if line.startswith("#") or len(parts) < 12 or parts[0] == "P":
                 continue
-            rows.append(
-                {
-                    "P": int(parts[0]),
-                    "n": int(parts[1]),
-                    "density": parts[2],
-                    "overlap": parts[3],
-                    "algorithm": parts[4],
-                    "median": float(parts[5]),
-                    "bytes": int(parts[8]),
-                    "ok": parts[11],
-                    "note": parts[12] if len(parts) > 12 else "",
-                }
-            )
+            try:
+                rows.append(_row(parts))
+            except ValueError:
+                where = f"{path}, line {number}"
+                raise ValueError(f"{where}: not a row of bench/sweep_exact.py's table") from None
     return rows
+
+
+def _row(parts: list[str]) -> dict:
+    """One table row's fields (a ValueError where a number is not one)."""
+    return {
+        "P": int(parts[0]),
+        "n": int(parts[1]),
+        "density": parts[2],
+        "overlap": parts[3],
+        "algorithm": parts[4],
+        "median": float(parts[5]),
+        "bytes": int(parts[8]),
+        "ok": parts[11],
+        "note": parts[12] if len(parts) > 12 else "",
+    }
 
 
 def size(n: int) -> str:
@@ -60,10 +71,14 @@ def density(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sweep", help="text output of bench/sweep_exact.py")
+    ap.add_argument("sweep", type=readable, help="text output of bench/sweep_exact.py")
     args = ap.parse_args(argv)
     groups: dict[tuple, dict[str, dict]] = {}
-    for r in read(args.sweep):
+    try:
+        rows = read(args.sweep)
+    except ValueError as exc:
+        ap.error(str(exc))
+    for r in rows:
         key = (r["P"], r["n"], r["density"], r["overlap"])
         groups.setdefault(key, {})[r["algorithm"]] = r
     print("| P | n | density | overlap | " + " | ".join(FIXED) + " | auto (choice) |")

@@ -84,10 +84,18 @@ def worker(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from sparsecoll import available_algorithms
-    from sparsecoll.benchmarks.cli import density_arg, int_arg, size_arg, unknown_algorithm
+    from sparsecoll.benchmarks.cli import (
+        SIZE_HELP,
+        density_arg,
+        int_arg,
+        size_arg,
+        unknown_algorithm,
+    )
     from sparsecoll.benchmarks.problems import OVERLAPS
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, epilog=SIZE_HELP
+    )
     p.add_argument("--np", type=int_arg(1), nargs="+", default=[2, 4, 8, 16], help="rank counts")
     p.add_argument("-n", type=size_arg, default=4 * 2**20, help="dense length (default 4M)")
     p.add_argument("--density", type=density_arg, default=0.01, help="k per rank / n (default 1%%)")

@@ -219,9 +219,43 @@ def test_sizes_take_binary_suffixes() -> None:
     assert parse_size("16m") == 16 * 2**20
     assert parse_size("1G") == 2**30
     assert parse_sizes("64K:256K") == [2**16, 2**17, 2**18]
-    for bad in ("16X", "0", "1.5M", "-3", "", "1T"):
-        with pytest.raises(ValueError):
+    for bad in ("16X", "0", "-3", "", "1T", "1e", "1e999", "1.5.0M"):
+        with pytest.raises(ValueError, match="expecting a size like|sizes must be positive"):
             parse_size(bad)
+
+
+def test_sizes_take_a_decimal_when_the_count_is_whole() -> None:
+    """``overlap.py -n 1.5M`` ran (its own parser) until the shared one refused any decimal;
+    ``bench_select.py --sizes 1.5M`` ran as 1,500,000 (its decimal suffixes) and
+    ``--sizes 1.0000001M`` as 1,000,000, the fraction dropped without a word."""
+    assert parse_size("1.5M") == 1_572_864
+    assert parse_size("0.5K") == parse_size(".5k") == 512
+    assert parse_size("1e6") == parse_size("1E6") == parse_size("1_000_000") == 10**6
+    assert parse_size("1.5M", decimal=True) == 1_500_000
+    assert parse_sizes("1.5K,2.5K") == [1536, 2560]
+    for bad, value in (("1.5", "1.5"), ("1.0000001M", "1048576.1048576"), ("1e-3", "0.001")):
+        with pytest.raises(ValueError, match=f"whole number of elements, got '{bad}' = {value}$"):
+            parse_size(bad)
+    with pytest.raises(ValueError, match="got '1.0000001M' = 1000000.1$"):
+        parse_size("1.0000001M", decimal=True)
+
+
+def test_input_files_are_checked_when_parsed(tmp_path) -> None:
+    import argparse
+
+    from sparsecoll.benchmarks.cli import readable, readable_folder
+
+    (tmp_path / "f.csv").write_text("")
+    assert readable(str(tmp_path / "f.csv")) == tmp_path / "f.csv"
+    assert readable_folder(str(tmp_path)) == tmp_path
+    for check, path, why in (
+        (readable, tmp_path / "nosuch.csv", "no such file"),
+        (readable, tmp_path, "not a file"),
+        (readable_folder, tmp_path / "nosuch", "no such folder"),
+        (readable_folder, tmp_path / "f.csv", "not a folder"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"^cannot read {path}: {why}$"):
+            check(str(path))
 
 
 def test_gpu_bench_takes_the_same_sizes(capsys) -> None:

@@ -1,7 +1,9 @@
 """Command-line pieces the benchmarks share: sizes with K/M/G suffixes, options, rank-0 output.
 
 Sizes are element counts and take binary suffixes, as the OSU suite's ``-m`` does here:
-K = 2**10, M = 2**20, G = 2**30 (``64K`` = 65,536, ``25M`` = 26,214,400).
+K = 2**10, M = 2**20, G = 2**30 (``64K`` = 65,536, ``25M`` = 26,214,400); a decimal or an
+exponent is taken when the count is whole (``1.5M`` = 1,572,864, ``1e6``). :data:`SIZE_HELP`
+says so in every size-taking script's ``--help``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from .problems import OVERLAP_HELP, OVERLAPS
 
 __all__ = [
     "DTYPES",
+    "SIZE_HELP",
     "RankZeroParser",
     "add_input_arguments",
     "add_launch_arguments",
@@ -32,10 +36,14 @@ __all__ = [
     "bench_parser",
     "check_memory",
     "check_nprocs",
+    "choices_arg",
     "densities_arg",
     "density_arg",
+    "exit_on_any",
     "float_arg",
+    "floats_arg",
     "int_arg",
+    "ints_arg",
     "launcher_rank",
     "local_ranks",
     "out_arg",
@@ -43,6 +51,8 @@ __all__ = [
     "parse_checked",
     "parse_size",
     "parse_sizes",
+    "readable",
+    "readable_folder",
     "refuse_unwritable",
     "size_arg",
     "sizes_arg",
@@ -50,27 +60,38 @@ __all__ = [
 ]
 
 SUFFIX = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
+DECIMAL_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 DEFAULT_NPROCS = 4
 DTYPES = ("float16", "float32", "float64")
+SIZE_HELP = (
+    "Sizes are element counts: digits, a decimal or an exponent, with an optional suffix "
+    "K = 2**10, M = 2**20, G = 2**30, a whole number in all: 4096, 64K, 1.5M (= 1572864), 1e6."
+)
+_SIZE = re.compile(r"\s*((?:\d+(?:_\d+)*(?:\.\d*)?|\.\d+)(?:e[+-]?\d{1,2})?)\s*([kmg]?)\s*")
 
 
-def parse_size(text: str) -> int:
-    """One size: digits with an optional K, M or G suffix (powers of 1024), e.g. ``64K``."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)\s*", text.lower())
+def parse_size(text: str, decimal: bool = False) -> int:
+    """One size: a number (digits, a decimal, an exponent) with an optional K, M or G suffix
+    (powers of 1024; ``decimal``: of 1000), a whole positive count in all: ``64K``, ``1.5M``
+    (``1.5`` or ``1.0000001M`` are refused, not rounded)."""
+    m = _SIZE.fullmatch(text.lower())
     if not m:
         raise ValueError(f"expecting a size like 4096, 64K or 16M, got {text!r}")
-    size = int(m.group(1)) * SUFFIX[m.group(2)]
-    if size < 1:
+    unit = (DECIMAL_SUFFIX if decimal else SUFFIX)[m.group(2)]
+    value = Fraction(m.group(1).replace("_", "")) * unit
+    if value.denominator != 1:
+        raise ValueError(f"expecting a whole number of elements, got {text!r} = {float(value)!r}")
+    if value < 1:
         raise ValueError(f"sizes must be positive, got {text!r}")
-    return size
+    return int(value)
 
 
-def parse_sizes(text: str) -> list[int]:
+def parse_sizes(text: str, decimal: bool = False) -> list[int]:
     """``MIN:MAX`` (doubling from MIN while <= MAX), ``N``, or a comma list of sizes."""
     if "," in text:
-        return [parse_size(t) for t in text.split(",")]
+        return [parse_size(t, decimal) for t in text.split(",")]
     if ":" in text:
-        lo, hi = (parse_size(t) for t in text.split(":", 1))
+        lo, hi = (parse_size(t, decimal) for t in text.split(":", 1))
         if lo > hi:
             raise ValueError(f"expecting MIN <= MAX, got {text!r}")
         sizes = []
@@ -78,21 +99,21 @@ def parse_sizes(text: str) -> list[int]:
             sizes.append(lo)
             lo *= 2
         return sizes
-    return [parse_size(text)]
+    return [parse_size(text, decimal)]
 
 
-def size_arg(text: str) -> int:
+def size_arg(text: str, decimal: bool = False) -> int:
     """:func:`parse_size` as an argparse ``type`` (its message becomes the usage error)."""
     try:
-        return parse_size(text)
+        return parse_size(text, decimal)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def sizes_arg(text: str) -> list[int]:
+def sizes_arg(text: str, decimal: bool = False) -> list[int]:
     """:func:`parse_sizes` as an argparse ``type``."""
     try:
-        return parse_sizes(text)
+        return parse_sizes(text, decimal)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -113,6 +134,38 @@ def density_arg(text: str) -> float:
 def densities_arg(text: str) -> list[float]:
     """A comma list of densities (each as :func:`density_arg`) as an argparse ``type``."""
     return [density_arg(t) for t in text.split(",")]
+
+
+def ints_arg(low: int) -> Callable[[str], list[int]]:
+    """An argparse ``type``: a comma list of integers, each at least ``low``."""
+    return lambda text: [int_arg(low)(t) for t in text.split(",")]
+
+
+def floats_arg(low: float, above: bool = False) -> Callable[[str], list[float]]:
+    """An argparse ``type``: a comma list of numbers, each as :func:`float_arg`."""
+    return lambda text: [float_arg(low, above)(t) for t in text.split(",")]
+
+
+def readable(text: str, folder: bool = False) -> Path:
+    """An argparse ``type`` for a file a script reads (``folder``: a folder it reads files
+    from): a usage error naming the option and the path when it is missing, of the other
+    kind or unreadable (it used to be a traceback once the script had started)."""
+    kind = "folder" if folder else "file"
+    why = None
+    if not os.path.exists(text):
+        why = f"no such {kind}"
+    elif os.path.isdir(text) != folder:
+        why = f"not a {kind}"
+    elif not os.access(text, os.R_OK | (os.X_OK if folder else 0)):
+        why = "permission denied"
+    if why:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {why}")
+    return Path(text)
+
+
+def readable_folder(text: str) -> Path:
+    """:func:`readable` for a folder."""
+    return readable(text, folder=True)
 
 
 def int_arg(low: int) -> Callable[[str], int]:
@@ -192,18 +245,46 @@ def refuse_unwritable(comm: Any, paths: list[Any], folders: list[Any] = (), pare
     if comm.rank == 0:
         bad = [f for f in paths if f is not None and not writable(f, parents)]
         bad += [d for d in folders if d is not None and not _writable_folder(d, parents)]
-    if comm.allreduce_ints([len(bad)], "max")[0]:
-        if comm.rank == 0:
-            prog = os.path.basename(sys.argv[0])
-            print(f"{prog}: error: cannot write {bad[0]}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    exit_on_any(comm, f"cannot write {bad[0]}" if bad else None)
 
 
-def unknown_algorithm(name: str, known: list[str]) -> str:
-    """The message for an unknown algorithm ``name``: a did-you-mean and the known ones."""
+def exit_on_any(comm: Any, error: str | None) -> None:
+    """Exit 2 on every rank when one has an ``error`` (this rank's message, or None), rank
+    0 alone printing the first such rank's message as argparse would (naming the rank when
+    it is another): a failure on one rank (a file it alone cannot read or write) used to be
+    that rank's traceback, the others going on to wait for it. One small allreduce when
+    none has an error."""
+    bad = int(comm.allreduce_ints([comm.size if error is None else comm.rank], "min")[0])
+    if bad == comm.size:
+        return
+    message = comm.allgather_object(error)[bad]
+    if comm.rank == 0:
+        where = f" (on rank {bad})" if bad else ""
+        prog = os.path.basename(sys.argv[0])
+        print(f"{prog}: error: {message}{where}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def unknown_algorithm(name: str, known: list[str], what: str = "algorithm") -> str:
+    """The message for an unknown algorithm (``what``) ``name``: a did-you-mean and the
+    known ones."""
     from ..registry import did_you_mean
 
-    return f"unknown algorithm {name!r}{did_you_mean(name, known)}; known: {', '.join(known)}"
+    return f"unknown {what} {name!r}{did_you_mean(name, known)}; known: {', '.join(known)}"
+
+
+def choices_arg(known: Any, what: str) -> Callable[[str], list[str]]:
+    """An argparse ``type``: a comma list of names from ``known`` (``what``: what a name
+    names, in the message), each refused with the known ones, as :func:`algorithm_arg`."""
+
+    def parse(text: str) -> list[str]:
+        names = [t.strip() for t in text.split(",")]
+        for name in names:
+            if name not in known:
+                raise argparse.ArgumentTypeError(unknown_algorithm(name, list(known), what))
+        return names
+
+    return parse
 
 
 def algorithm_arg(text: str) -> str:
@@ -312,7 +393,7 @@ def bench_parser(prog: str, doc: str, epilog: str) -> RankZeroParser:
     p = RankZeroParser(
         prog=prog,
         description=doc.split("\n\n")[0],
-        epilog=f"Sizes take binary suffixes: K = 2**10, M = 2**20, G = 2**30. {epilog}",
+        epilog=f"{SIZE_HELP} {epilog}",
     )
     add_launch_arguments(p)
     return p

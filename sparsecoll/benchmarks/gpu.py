@@ -28,7 +28,7 @@ import numpy as np
 from .. import __version__
 from .._array import cupy_or_none
 from ..comm import Communicator, mpi_library_version
-from .cli import DTYPES, add_timing_arguments, densities_arg, size_arg, sizes_arg
+from .cli import DTYPES, SIZE_HELP, add_timing_arguments, densities_arg, size_arg, sizes_arg
 from .problems import OVERLAP_HELP, OVERLAPS, make_problem
 
 __all__ = ["main"]
@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m sparsecoll.benchmarks.gpu",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=SIZE_HELP,
     )
     p.add_argument("suite", choices=("select", "allreduce"))
     p.add_argument(
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         type=sizes_arg,
         default=None,
         metavar="SIZES",
-        help="lengths n in elements, e.g. 1M,25M,100M or 1M:64M (K/M/G = 2**10/2**20/2**30)",
+        help="lengths n in elements, e.g. 1M,25M,100M or 1M:64M",
     )
     # the old spelling, kept working (mpiexec's -n is the rank count: prefer -m)
     p.add_argument("-n", dest="n", type=sizes_arg, help=argparse.SUPPRESS)
