@@ -94,17 +94,39 @@ def build_corpus(vocab: int) -> tuple[np.ndarray, list[str]]:
     return ids, ["<unk>", *top]
 
 
-def load_corpus(comm: Communicator, vocab: int, cache_dir: Path) -> np.ndarray:
-    """Rank 0 tokenizes once (cached in ``cache_dir``); every rank loads the cached ids."""
+def corpus_path(cache_dir: Path, vocab: int) -> Path:
+    """The cached token ids of this Python's standard library at ``vocab``."""
     key = hashlib.sha1(f"{sys.version}|{sysconfig.get_paths()['stdlib']}|{vocab}".encode())
-    path = cache_dir / f"sparsecoll-ttl-corpus-{key.hexdigest()[:12]}.npy"
+    return cache_dir / f"sparsecoll-ttl-corpus-{key.hexdigest()[:12]}.npy"
+
+
+def load_corpus(comm: Communicator, vocab: int, cache_dir: Path) -> np.ndarray:
+    """Rank 0 tokenizes once (cached in ``cache_dir``); every rank loads the cached ids.
+    A cache rank 0 cannot write, or one a rank cannot read (a folder not shared between
+    hosts), exits 2 on every rank, the failing rank named: it used to be that rank's
+    traceback, the others waiting for it (:func:`exit_on_any`)."""
+    from sparsecoll.benchmarks.cli import exit_on_any, writable
+
+    path = corpus_path(cache_dir, vocab)
+    error = None
     if comm.rank == 0 and not path.exists():
-        ids, _ = build_corpus(vocab)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")
-        np.save(tmp, ids)
-        tmp.replace(path)
-    comm.barrier()
-    return np.load(path)
+        if not writable(path):  # (before the tokenizing)
+            error = f"argument --cache-dir: cannot write {path}"
+        else:
+            try:
+                ids, _ = build_corpus(vocab)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")
+                np.save(tmp, ids)
+                tmp.replace(path)
+            except OSError as exc:
+                error = f"argument --cache-dir: cannot write {path}: {exc.strerror}"
+    exit_on_any(comm, error)
+    try:
+        ids = np.load(path)
+    except (OSError, ValueError) as exc:
+        error = f"argument --cache-dir: cannot read {path}: {getattr(exc, 'strerror', None) or exc}"
+    exit_on_any(comm, error)
+    return ids
 
 
 class Batches:
@@ -363,6 +385,22 @@ def interface_address(name: str) -> str:
         return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, packed)[20:24])  # SIOCGIFADDR
 
 
+def rendezvous_address(comm: Communicator, iface: str) -> str | None:
+    """Rank 0's IPv4 address on ``iface`` (None elsewhere): an interface rank 0 does not
+    have exits 2 on every rank; it was rank 0's OSError alone, the others waiting for it in
+    the process group's rendezvous."""
+    from sparsecoll.benchmarks.cli import exit_on_any
+
+    addr, error = None, None
+    if comm.rank == 0:
+        try:
+            addr = interface_address(iface)
+        except OSError as exc:
+            error = f"argument --iface: no IPv4 address on {iface!r}: {exc.strerror}"
+    exit_on_any(comm, error)
+    return addr
+
+
 def cutoffs_arg(text: str) -> list[int]:
     """``--cutoffs`` as an argparse ``type``: increasing positive integers, comma-separated
     (``AdaptiveLogSoftmaxWithLoss`` refused anything else inside torch, after the corpus)."""
@@ -460,10 +498,11 @@ def main(argv: list[str] | None = None) -> int:
     addr = None
     if args.iface:
         os.environ["GLOO_SOCKET_IFNAME"] = args.iface
-        addr = interface_address(args.iface) if comm.rank == 0 else None
+        addr = rendezvous_address(comm, args.iface)
+    # (the cache first: one rank that cannot write or read it stops every rank, before gloo)
+    ids = load_corpus(comm, args.vocab, args.cache_dir)
     init_process_group(comm, addr=addr)
     select.warmup()
-    ids = load_corpus(comm, args.vocab, args.cache_dir)
     n_params = sum(p.numel() for p in make_model(torch, args).parameters())
     if comm.rank == 0:
         print(f"# sparsecoll {sparsecoll.__version__} train_cluster: {mpi_library_version()}")
