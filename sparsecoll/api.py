@@ -29,6 +29,9 @@ from .sparse import (
 
 __all__ = ["allreduce", "collective_check", "iallreduce", "watch"]
 
+# named values behind a signature's values: ((their positions in it, {name: value}), ...)
+Detail = tuple[tuple[tuple[int, ...], dict[str, Any]], ...] | None
+
 SIGNATURE_LEN = 9  # (a GradientReducer's 4 values and an algorithm's 5)
 ALGORITHM_SIGNATURE_LEN = 5
 
@@ -246,12 +249,16 @@ def collective_check(
     error: BaseException | None,
     signature: list[int] | None,
     names: tuple[str, ...] = (),
+    detail: Detail = None,
 ) -> None:
     """Agree on input errors across ranks; raise the same error on every rank.
 
     ``error`` is this rank's local error (or None); ``signature`` the integers that must be
     equal on every rank (``names`` labels the first ones in messages). One small allreduce
-    when all is well; on failure the offending rank's message is shared.
+    when all is well; on failure the offending rank's message is shared. ``detail``:
+    ``((positions, values), ...)``, the named values that the signature's values at
+    ``positions`` digest (options in a CRC); gathered only when the ranks' signatures
+    differ, so that the message names the first value that differs there, with both ranks'.
     """
     if error is None and signature is not None:
         # (raised here alone, a bad signature would leave the other ranks waiting)
@@ -267,7 +274,7 @@ def collective_check(
         kind, msg = comm.bcast_object(_describe(error) if comm.rank == bad else None, bad)
         raise getattr(errors, kind)(f"{msg} on rank {bad}") from error
     if np.any(agreed[2::2] != -agreed[3::2]):
-        _raise_mismatch(comm, sig, names)
+        _raise_mismatch(comm, sig, names, detail)
 
 
 def _signature_error(signature: list[int], names: tuple[str, ...]) -> Exception | None:
@@ -306,14 +313,21 @@ def _describe(error: BaseException | None) -> tuple[str, str]:
     return "CollectiveRuntimeError", f"{type(error).__name__}: {error}"
 
 
-def _raise_mismatch(comm: Communicator, sig: list[int], names: tuple[str, ...]) -> None:
-    every = comm.allgather_object(sig)
+def _raise_mismatch(
+    comm: Communicator,
+    sig: list[int],
+    names: tuple[str, ...],
+    detail: Detail = None,
+) -> None:
+    gathered = comm.allgather_object((sig, detail))
+    every = [s for s, _ in gathered]
     for r, other in enumerate(every):
         if other != every[0]:
             pos = next(
                 (i for i, (a, b) in enumerate(zip(other, every[0])) if a != b),
                 min(len(other), len(every[0])),
             )
+            _raise_detail(pos, r, gathered[r][1], gathered[0][1])
             what = names[pos] if pos < len(names) else "algorithm options"
             a = other[pos] if pos < len(other) else None
             b = every[0][pos] if pos < len(every[0]) else None
@@ -330,3 +344,21 @@ def _raise_mismatch(comm: Communicator, sig: list[int], names: tuple[str, ...]) 
                 f"{what}{state} must be the same on every rank: rank {r} differs from rank 0"
             )
     raise AssertionError("signature mismatch not found")  # pragma: no cover
+
+
+def _raise_detail(pos: int, r: int, mine: Detail, first: Detail) -> None:
+    """Name the first value that differs between rank ``r``'s ``detail`` and rank 0's among
+    those behind the signature's value at ``pos`` (the first that differs); else nothing
+    (the values are alike: another state; or a call of another kind on some rank)."""
+    if mine is None or first is None or len(mine) != len(first):
+        return
+    for (where, values), (where0, values0) in zip(mine, first):
+        if pos not in where or where != where0:
+            continue
+        for key, value in values.items():
+            other = values0.get(key)
+            if repr(other) != repr(value):  # (as a CRC of their repr tells them apart)
+                raise CollectiveInputError(
+                    f"{key} must be the same on every rank: rank {r} has {value!r}, rank 0 "
+                    f"has {other!r}"
+                )

@@ -63,7 +63,7 @@ from ._array import (
 )
 from ._options import check_density, flag, integer, real
 from .algorithms.base import Algorithm
-from .api import algorithm_signature, collective_check, watch
+from .api import ALGORITHM_SIGNATURE_LEN, algorithm_signature, collective_check, watch
 from .comm import CommStats, Communicator, widening_buffer
 from .errors import NonFiniteError
 from .registry import algorithm_class, get_algorithm
@@ -223,19 +223,36 @@ class GradientReducer:
         opts.update(options)
         # (through the registry: an unknown option is named with the ones it takes)
         self.algorithm: Algorithm = get_algorithm(algorithm, **opts)
+        self._selector_args = selection_options or {}
+        self._options = _effective_options(cls, options)
+        self._selection_options = _effective_options(SELECTIONS[selection], self._selector_args)
         # agreed at every step with the algorithm: a rank whose warm-up lasted longer made
         # a dense allreduce while the others ran the sparse algorithm (the job hung), and
-        # average on some ranks only made their updates differ
-        self._crc = zlib.crc32(f"{algorithm} warmup={self.warmup} average={self.average}".encode())
+        # average on some ranks only made their updates differ; the others change what a
+        # rank selects and keeps (a rank with another density, error feedback, momentum or
+        # selection went on without an error). Not reuse_update (where the update lands),
+        # nor check (a rank without it takes no part in the agreement)
+        self._agreed_options = {
+            "algorithm": algorithm,
+            "warmup": self.warmup,
+            "average": self.average,
+            "density": density,
+            "error_feedback": self.error_feedback,
+            "momentum": self.momentum,
+            "selection": selection,
+            "selection_options": self._selection_options,
+        }
+        self._crc = zlib.crc32(repr(self._agreed_options).encode())
+        # (named in a mismatch's message: the CRC's, then the algorithm's options, which its
+        # signature holds with its state, after the step)
+        where = tuple(range(4, 4 + ALGORITHM_SIGNATURE_LEN))
+        self._detail = (((2,), self._agreed_options), (where, self._options))
         self._agreed = AGREED  # (the DDP hook's reducers: its own names, as its warm-up's)
         self._is_dense = algorithm == "dense"
         self._has_dense_path = hasattr(self.algorithm, "reduce_dense")
-        self._selector_args = selection_options or {}
-        # what a checkpoint's options must be (defaults filled in: an option given at its
-        # default is the same reducer); loading writes the saved instance's attributes,
-        # options included, over this reducer's
-        self._options = _effective_options(cls, options)
-        self._selection_options = _effective_options(SELECTIONS[selection], self._selector_args)
+        # (self._options, self._selection_options: what a checkpoint's options must be,
+        # defaults filled in: an option given at its default is the same reducer; loading
+        # writes the saved instance's attributes, options included, over this reducer's)
         self.reset()
 
     def reset(self) -> None:
@@ -381,7 +398,7 @@ class GradientReducer:
         t0 = time.perf_counter()
         try:
             if self.check:
-                collective_check(self.comm, error, sig, self._agreed)
+                collective_check(self.comm, error, sig, self._agreed, self._detail)
             elif error is not None:
                 raise error
             self._last.comm_s = time.perf_counter() - t0

@@ -403,25 +403,80 @@ def test_step_differing_across_ranks(comm):
         red.step(np.ones(20))
 
 
-@pytest.mark.parametrize("option", ["warmup", "average"])
+# (option, the other ranks' value, rank `bad`'s): every option that changes what the ranks
+# do together or what a rank selects and keeps
+DIFFERING_OPTIONS = {
+    "warmup": (0, 1),
+    "average": (True, False),
+    "density": (0.1, 0.2),
+    "error_feedback": (True, False),
+    "momentum": (0.0, 0.9),
+    "selection": ("exact", "sampling"),
+    "selection_options": ({"interval": 8}, {"interval": 4}),
+}
+
+
+@pytest.mark.parametrize("option", list(DIFFERING_OPTIONS))
 @pytest.mark.parametrize("algorithm", ["gtopk", "allgather", "dense"])
 def test_reducer_options_differing_across_ranks(comm, option, algorithm):
-    """A reducer built with another ``warmup`` or ``average`` on one rank raises on every
-    rank at its first step. A longer warm-up made that rank's step a dense allreduce while
-    the others ran gtopk's exchange: the job hung; ``average`` on some ranks only gave
-    them another update (no error)."""
+    """A reducer built with another option on one rank raises on every rank at its first
+    step, naming the option and both values. A longer warm-up made that rank's step a dense
+    allreduce while the others ran gtopk's exchange: the job hung; ``average`` on some ranks
+    only gave them another update (no error); another density (allgather, dense),
+    error_feedback, momentum, selection or selection_options went on without an error, the
+    ranks selecting or keeping differently."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    bad = comm.size - 1
+    usual, odd = DIFFERING_OPTIONS[option]
+    value = odd if comm.rank == bad else usual
+    kw = {option: value}
+    if option == "selection_options":
+        kw["selection"] = "reuse"
+    if option.startswith("selection") and algorithm == "dense":
+        pytest.skip("dense selects nothing")
+    red = GradientReducer(comm, 40, algorithm, **{"density": 0.1, **kw})
+    shown = (
+        (repr(odd), repr(usual))
+        if option != "selection_options"
+        else (r"\{.*'interval': 4.*\}", r"\{.*'interval': 8.*\}")
+    )
+    with pytest.raises(
+        CollectiveInputError,
+        match=f"{option} must be the same on every rank: rank {bad} has {shown[0]}, rank 0 "
+        f"has {shown[1]}",
+    ):
+        red.step(np.arange(40.0) + comm.rank)
+    assert_all(comm, red.steps == 0, "failed step counted")
+
+
+def test_reducer_algorithm_or_its_option_differing_across_ranks(comm):
+    """Another algorithm, or another option of it, on one rank: the error names it, with
+    both values (it said only that the rank's algorithm or options differ)."""
     if comm.size == 1:
         pytest.skip("needs two ranks to disagree")
     bad = comm.size - 1
     odd = comm.rank == bad
-    kw = {"warmup": int(odd)} if option == "warmup" else {"average": not odd}
-    red = GradientReducer(comm, 40, algorithm, 0.1, **kw)
+    grad = np.arange(40.0) + comm.rank
+    red = GradientReducer(comm, 40, "gtopk" if odd else "oktopk", 0.1)
     with pytest.raises(
         CollectiveInputError,
-        match=f"algorithm, warmup or average must be the same on every rank: rank {bad} differs",
+        match=f"algorithm must be the same on every rank: rank {bad} has 'gtopk', rank 0 "
+        f"has 'oktopk'",
     ):
-        red.step(np.arange(40.0) + comm.rank)
-    assert_all(comm, red.steps == 0, "failed step counted")
+        red.step(grad)
+    red = GradientReducer(comm, 40, "oktopk", 0.1, tau=2 if odd else 4)
+    with pytest.raises(
+        CollectiveInputError,
+        match=f"tau must be the same on every rank: rank {bad} has 2, rank 0 has 4",
+    ):
+        red.step(grad)
+    # the same options, another state: the message says so, naming no option
+    red = GradientReducer(comm, 40, "oktopk", 0.1)
+    if odd:
+        red.algorithm.threshold = 0.5
+    with pytest.raises(CollectiveInputError, match=r"algorithm options \(and the state"):
+        red.step(grad)
 
 
 def test_density_is_read_only(comm):
