@@ -590,3 +590,39 @@ def _worker() -> None:
 
 if __name__ == "__main__":
     _worker()
+
+
+def test_the_warm_up_holds_the_communicator_from_check_to_allreduce(monkeypatch):
+    """The warm-up's agreement and its dense allreduce belong together: another thread's
+    call on the communicator between them would match their messages. Before, the lock was
+    free between the two (each call took it alone)."""
+    torch = pytest.importorskip("torch")
+    import threading
+
+    from mpi4py import MPI
+
+    import sparsecoll.integrations.torch as hook_module
+    from sparsecoll.integrations.torch import SparseHookState, sparse_allreduce_hook
+
+    state = SparseHookState(MPI.COMM_SELF, algorithm="allgather", density=0.25, warmup=1)
+    free = []
+    check = hook_module.collective_check
+
+    def watched_check(comm, *args, **kwargs):
+        def other():  # (another thread: could it start a call now?)
+            lock = comm.serial()
+            got = lock.acquire(blocking=False)
+            free.append(got)
+            if got:
+                lock.release()
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        return check(comm, *args, **kwargs)
+
+    monkeypatch.setattr(hook_module, "collective_check", watched_check)
+    grad = torch.arange(8.0)
+    sparse_allreduce_hook(state, _Bucket(0, 1, grad, [torch.zeros(8)])).wait()
+    assert free == [False]
+    assert torch.equal(grad, torch.arange(8.0))  # (one rank: the mean is the bucket)

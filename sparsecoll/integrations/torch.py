@@ -430,19 +430,21 @@ def _reduce_dense(state: SparseHookState, work: Any, error: BaseException | None
             wide = widening_buffer(arr)  # (float16: the float32 array it is summed in)
         except Exception as exc:  # (shared with every rank: none is left waiting)
             error = exc
-    collective_check(state.comm, error, sig, HOOK_AGREED)
-    # on the bucket's GPU: the asynchronous hook runs this on the progress thread, whose
-    # current device is 0 (as every new CUDA host thread's)
-    with device_scope(arr), state.comm.measure() as st:
-        # the bucket's average overwrites it (float16: taken in float32, no overflow of a
-        # sum whose average fits)
-        state.comm.allreduce(arr, out=arr, op="mean", check=False, work=wide)
-        if is_device_array(arr):
-            # its last writes (the mean, a float16 cast) are kernels on CuPy's stream into
-            # torch's memory: nothing orders torch's stream after them, so wait (as
-            # GradientReducer.step does for a foreign out)
-            synchronize()
-    _add_totals(state._outside_stats, st)
+    # (the check and the allreduce as one: another thread between them matched messages)
+    with state.comm.serial():
+        collective_check(state.comm, error, sig, HOOK_AGREED)
+        # on the bucket's GPU: the asynchronous hook runs this on the progress thread, whose
+        # current device is 0 (as every new CUDA host thread's)
+        with device_scope(arr), state.comm.measure() as st:
+            # the bucket's average overwrites it (float16: taken in float32, no overflow of a
+            # sum whose average fits)
+            state.comm.allreduce(arr, out=arr, op="mean", check=False, work=wide)
+            if is_device_array(arr):
+                # its last writes (the mean, a float16 cast) are kernels on CuPy's stream into
+                # torch's memory: nothing orders torch's stream after them, so wait (as
+                # GradientReducer.step does for a foreign out)
+                synchronize()
+        _add_totals(state._outside_stats, st)
 
 
 def _bucket_reducer(state: SparseHookState, bucket: Any) -> GradientReducer | None:
