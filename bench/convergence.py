@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         float_arg,
         int_arg,
         refuse_unwritable,
+        unknown_algorithm,
     )
 
     # (checked before MPI starts: a usage error exits 2 on every rank, printed once)
@@ -301,6 +302,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="CSV file (rank 0)")
     ap.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
     args = ap.parse_args(argv)
+    # (an unknown name, such as a typo, was skipped: the run went on without it, exit 0)
+    known = sparsecoll.available_algorithms()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for method in methods:
+        if method_setup(method)[0] not in known:
+            names = [*known, *VARIANTS]
+            error = unknown_algorithm(method.removesuffix("+mc"), names, "method")
+            ap.error(f"argument --methods: {error} (each with an optional +mc)")
+    if not methods:
+        ap.error(f"argument --methods: expecting method names, got {args.methods!r}")
 
     import torch
 
@@ -311,8 +322,6 @@ def main(argv: list[str] | None = None) -> int:
     # (rank 0 writes it, making its folder: checked now, not once every method has trained)
     refuse_unwritable(comm, [args.out], parents=True)
     init_process_group(comm)
-    known = set(sparsecoll.available_algorithms())
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if comm.rank == 0:
         print(f"# sparsecoll {sparsecoll.__version__} convergence: {mpi_library_version()}")
         print(
@@ -323,10 +332,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     all_rows, summary = [], {}
     for method in methods:
-        if method_setup(method)[0] not in known:
-            if comm.rank == 0:
-                print(f"# {method}: not registered here, skipped")
-            continue
         rows = train(args, torch, comm, method)
         all_rows += rows
         summary[method] = summarize(rows, 3, args.warmup, args.density)

@@ -24,7 +24,7 @@ from convergence import BAND, CYCLE_AC, CYCLE_SPREAD, SETTLE, ratio_stats, step_
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sparsecoll.benchmarks.cli import density_arg, int_arg, readable
+    from sparsecoll.benchmarks.cli import check_columns, density_arg, int_arg, readable
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", type=readable)
@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         "--show", type=int_arg(0), default=10, help="out-of-band steps listed per method"
     )
     args = ap.parse_args(argv)
+    columns = ("method", "achieved_density")
+    check_columns(ap, [args.csv], columns, "a CSV of bench/convergence.py")
 
     runs: dict[str, list[dict]] = defaultdict(list)
     with open(args.csv, newline="") as f:

@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
 __all__ = ["Cluster", "main", "parse_rate", "parse_time"]
 
 PREFIX = "scemu"  # namespaces scemu-h0.., root-side veths scemu-v0.., bridge scemu-br
@@ -94,6 +96,16 @@ def parse_time(text: str) -> float:
     if not m or (m.group(2) and m.group(2) not in TIME_UNITS):
         raise ValueError(f"expecting a time like 50us or 1ms, got {text!r}")
     return float(m.group(1)) * TIME_UNITS[m.group(2) or "s"]
+
+
+def time_arg(text: str) -> str:
+    """A :func:`parse_time` time as an argparse ``type`` (the text kept, for tc)."""
+    try:
+        parse_time(text)
+    except ValueError:
+        message = f"expecting a time like 50us or 1ms, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+    return text
 
 
 def sh(*cmd: str, check: bool = True, ns: str | None = None) -> str:
@@ -339,20 +351,33 @@ def _on_signal(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sparsecoll.benchmarks.cli import int_arg
+
     p = argparse.ArgumentParser(
         prog="emulate_cluster.py",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Everything after -- is the command each rank runs (under mpiexec).",
     )
-    p.add_argument("-n", "--hosts", type=int, default=4, help="hosts = ranks (default 4)")
-    p.add_argument("--rate", default="1gbit", help="link rate, tc syntax (default 1gbit)")
-    p.add_argument("--delay", default="50us", help="one-way delay added by netem (default 50us)")
+    p.add_argument("-n", "--hosts", type=int_arg(1), default=4, help="hosts = ranks (default 4)")
+    p.add_argument(
+        "--rate", type=rate_arg, default="1gbit", help="link rate, tc syntax (default 1gbit)"
+    )
+    p.add_argument(
+        "--delay",
+        type=time_arg,
+        default="50us",
+        help="one-way delay added by netem (default 50us)",
+    )
     p.add_argument("--subnet", default="10.77.0.0/24", help="private subnet for the hosts")
     p.add_argument("--mpiexec", default=None, help="mpiexec to use (default: the venv's)")
     p.add_argument("--cleanup", action="store_true", help="only remove leftovers, then exit")
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
+    try:  # (the subnet against --hosts: checked before the root and tool checks, not after)
+        cluster = Cluster(args.hosts, args.rate, args.delay, args.subnet)
+    except ValueError as exc:
+        p.error(f"argument --subnet: {exc}")
     if args.cleanup:
         print("removed:", " ".join(cleanup()) or "nothing", file=sys.stderr)
         return 0
@@ -370,15 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             p.error(f"{tool} not found: apt-get install -y iproute2")
-    if args.hosts < 1:
-        p.error(f"expecting at least 1 host, got {args.hosts}")
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
     log = lambda msg: print(f"[emulate] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     rc = 1
     try:
         with (
-            Cluster(args.hosts, args.rate, args.delay, args.subnet) as cl,
+            cluster as cl,
             tempfile.TemporaryDirectory(prefix="sparsecoll-emulate-") as tmp,
         ):
             if not cl.netem:

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import argparse
 import csv
+import sys
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from convergence import FIELDS
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sparsecoll.benchmarks.cli import out_arg, readable, writable
+    from sparsecoll.benchmarks.cli import check_columns, out_arg, readable, writable
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", type=readable)
@@ -23,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         help="PNG (default: beside the CSV)",
     )
     args = ap.parse_args(argv)
+    check_columns(ap, [args.csv], FIELDS, "a CSV of bench/convergence.py", rows=True)
     if args.out is None and not writable(args.csv.with_suffix(".png")):
         ap.error(f"cannot write {args.csv.with_suffix('.png')} (beside the CSV): give -o")
 

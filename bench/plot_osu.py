@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from sparsecoll.benchmarks.cli import SIZE_HELP, out_arg, readable, size_arg
-from sparsecoll.benchmarks.model import read_rows
+from sparsecoll.benchmarks.cli import SIZE_HELP, check_columns, out_arg, readable, size_arg
+from sparsecoll.benchmarks.model import OSU_COLUMNS, read_rows
 
 __all__ = ["load", "main"]
 
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         "--size", type=size_arg, default=None, help="n for the bytes-vs-P figure (K/M/G ok)"
     )
     args = p.parse_args(argv)
+    check_columns(p, args.csv, OSU_COLUMNS, "an OSU-suite CSV (--format csv)")
     try:
         import matplotlib
 

@@ -17,6 +17,7 @@ import csv
 from pathlib import Path
 
 FIELDS = ("step_s", "comm_s", "wait_s")
+COLUMNS = ("step_s", "comm_s", "wall_s", "eval_loss")  # (wait_s: not in older CSVs)
 ORDER = ("compute", "dense", "oktopk", "exdyna", "oktopk-async", "exdyna-async")
 
 
@@ -42,12 +43,17 @@ def step_parts(rows: list[dict]) -> tuple[float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sparsecoll.benchmarks.cli import out_arg, readable_folder
+    from sparsecoll.benchmarks.cli import check_columns, out_arg, readable_folder
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", type=readable_folder, nargs="+")
     ap.add_argument("-o", "--out", type=out_arg(), required=True, help="PNG")
     args = ap.parse_args(argv)
+    for d in args.dirs:  # (an empty folder was a ValueError from max() once the plot was drawn)
+        found = sorted(d.glob("*.csv"))
+        if not found:
+            ap.error(f"no runs found in {d}: expecting bench/train_cluster.py's CSVs (--out-dir)")
+        check_columns(ap, found, COLUMNS, "a CSV of bench/train_cluster.py", rows=True)
 
     import matplotlib
 

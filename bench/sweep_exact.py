@@ -50,7 +50,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         sizes_arg,
     )
     from sparsecoll.benchmarks.problems import OVERLAPS
-    from sparsecoll.registry import available_algorithms
+    from sparsecoll.registry import algorithm_class, available_algorithms
 
     p = RankZeroParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter, epilog=SIZE_HELP
@@ -64,7 +64,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default="random,same,disjoint",
         help="comma-separated patterns",
     )
-    p.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    p.add_argument(
+        "--algorithms",
+        default=",".join(ALGORITHMS),
+        help="comma-separated exact algorithms ('all': every exact one)",
+    )
     p.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"))
     p.add_argument("-i", "--iterations", type=int_arg(1), default=5)
     p.add_argument("-x", "--warmup", type=int_arg(0), default=1)
@@ -73,9 +77,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     try:  # (an unknown name failed on every rank in its first call, with a traceback)
         known = available_algorithms()
-        args.algorithms = parse_algorithms([args.algorithms], known, "--algorithms")
+        names = parse_algorithms([args.algorithms], known, "--algorithms")
     except ValueError as exc:
         p.error(str(exc))  # every rank parses the same argv: all exit alike
+    # (a selecting algorithm ran, was marked NO against dense and made the sweep exit 1)
+    exact = [name for name in known if algorithm_class(name).exact]
+    named = [t.strip() for t in args.algorithms.split(",")]
+    for name in names:
+        if name in named and name not in exact:
+            p.error(
+                f"argument --algorithms: {name!r} selects (it is not exact); "
+                f"an exact sweep takes {', '.join(exact)}"
+            )
+    args.algorithms = [name for name in names if name in exact]  # 'all': the exact ones
     return args
 
 

@@ -262,10 +262,16 @@ def method_hook(method: str, comm: Communicator, args):
     return hook, state, state
 
 
-def check_methods(methods: list[str]) -> None:
-    """Fail before any training on a method this sparsecoll cannot run (same on every rank)."""
+def _has_async_hook() -> bool:
     from sparsecoll.integrations import torch as sc_torch
 
+    return hasattr(sc_torch, "async_sparse_allreduce_hook")
+
+
+def check_methods(methods: list[str]) -> None:
+    """Fail before any training on a method this sparsecoll cannot run (same on every rank)."""
+    if not methods:
+        raise ValueError("expecting method names: compute, dense, ALGO or ALGO-async")
     known = set(sparsecoll.available_algorithms())
     for m in methods:
         base = m[:-6] if m.endswith("-async") else m
@@ -273,7 +279,7 @@ def check_methods(methods: list[str]) -> None:
             continue
         if base not in known:
             raise ValueError(f"unknown method {m!r}: expecting compute, dense, ALGO or ALGO-async")
-        if m.endswith("-async") and not hasattr(sc_torch, "async_sparse_allreduce_hook"):
+        if m.endswith("-async") and not _has_async_hook():
             raise RuntimeError(
                 f"method {m!r} needs sparsecoll.integrations.torch.async_sparse_allreduce_hook, "
                 "which this version of sparsecoll does not have"
@@ -443,7 +449,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1.0,
         help="others stop at this x dense's wall-clock",
     )
-    ap.add_argument("--target", type=float, default=None, help="held-out loss (default: dense's)")
+    ap.add_argument(
+        "--target",
+        type=float_arg(0, above=True),
+        default=None,
+        help="held-out loss (default: dense's)",
+    )
     ap.add_argument("--eval-every", type=int_arg(1), default=10)
     ap.add_argument("--vocab", type=int_arg(1), default=32768)
     ap.add_argument(
@@ -476,6 +487,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"expecting --d-model a multiple of --heads {args.heads}, got {args.d_model}")
     args.max_steps = args.max_steps or 3 * args.steps
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    try:  # (a method none can run used to be refused once MPI had started; none ran nothing)
+        check_methods(methods)
+    except (ValueError, RuntimeError) as exc:
+        ap.error(f"argument --methods: {exc}")
 
     import torch
 
@@ -489,12 +504,6 @@ def main(argv: list[str] | None = None) -> int:
     comm = Communicator()
     # (rank 0 writes them, making the folder: checked now, not after the first method trained)
     refuse_unwritable(comm, [], [args.out_dir], parents=True)
-    try:
-        check_methods(methods)
-    except (ValueError, RuntimeError) as exc:
-        if comm.rank == 0:
-            print(f"train_cluster.py: error: {exc}", file=sys.stderr)
-        return 2
     addr = None
     if args.iface:
         os.environ["GLOO_SOCKET_IFNAME"] = args.iface

@@ -25,7 +25,9 @@ suites of bench:
   osu      OSU-style latency/bytes sweep over sizes
 
 bench parses its arguments, then (when not already started by mpiexec) relaunches itself
-under `mpiexec -n P` (--np P, default 4). Sizes take binary suffixes: 64K, 16M, 1G.
+under `mpiexec -n P` (--np P, default 4). Sizes are element counts with binary suffixes
+(K = 2**10, M = 2**20, G = 2**30: 64K, 16M, 1G); a decimal or an exponent is taken when the
+count is whole (1.5M = 1572864, 1e6), not rounded (1.5 is refused).
 """
 
 SUITES = {"main": "sparsecoll.benchmarks.main", "osu": "sparsecoll.benchmarks.osu"}

@@ -179,3 +179,90 @@ def test_every_size_option_documents_one_spelling(capsys, script) -> None:
         _main(script)(["--help"])
     assert exc.value.code == 0
     assert SIZE_HELP in " ".join(capsys.readouterr().out.split())
+
+
+DIGITS = str(ROOT / "bench" / "results" / "convergence_digits.csv")
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        # a CSV of another kind: a KeyError traceback ('P', 'method') once the script ran
+        ("plot_osu.py", [DIGITS], f"{DIGITS} is not an OSU-suite CSV (--format csv): no column"),
+        ("plot_convergence.py", [SHM], f"{SHM} is not a CSV of bench/convergence.py: no column"),
+        ("density_table.py", [SHM], f"{SHM} is not a CSV of bench/convergence.py: no column me"),
+        # an unchecked option: a held-out loss of nan or below 0 is never reached
+        ("train_cluster.py", ["--target", "nan"], "argument --target: expecting a number > 0"),
+        ("train_cluster.py", ["--target", "-1"], "argument --target: expecting a number > 0"),
+        # refused once MPI had started (rank 0 printing, every rank exiting 2)
+        ("train_cluster.py", ["--methods", "oktop"], "argument --methods: unknown method 'okt"),
+        # none: nothing trained, exit 0
+        ("train_cluster.py", ["--methods", ","], "argument --methods: expecting method names"),
+        ("convergence.py", ["--methods", ","], "argument --methods: expecting method names"),
+        # a typo was skipped ('not registered here'), the run going on without it, exit 0
+        ("convergence.py", ["--methods", "dense,oktop+mc"], "unknown method 'oktop' (did you"),
+        # a selecting algorithm ran, was marked NO against dense, the sweep exiting 1
+        ("sweep_exact.py", ["--algorithms", "dense,oktopk"], "'oktopk' selects (it is not exac"),
+    ],
+)
+def test_bench_scripts_refuse_inputs_of_another_kind(capsys, script, args, message) -> None:
+    test_bench_scripts_refuse_bad_inputs_in_process(capsys, script, args, message)
+
+
+def test_plot_train_cluster_refuses_a_folder_without_its_runs(tmp_path, capsys) -> None:
+    """An empty folder was a ValueError from max() of an empty sequence once the figure was
+    being drawn; a folder of other CSVs a KeyError ('eval_loss')."""
+    main = _main("plot_train_cluster.py")
+    out = str(tmp_path / "out.png")
+    for files, message in [
+        ({}, f"no runs found in {tmp_path}: expecting bench/train_cluster.py's CSVs"),
+        ({"dense.csv": Path(SHM).read_text()}, "dense.csv is not a CSV of bench/train_cluster"),
+        ({"dense.csv": "step_s,comm_s,wall_s,eval_loss\n"}, "dense.csv has no rows"),
+    ]:
+        for name, text in files.items():
+            (tmp_path / name).write_text(text)
+        with pytest.raises(SystemExit) as exc:
+            main([str(tmp_path), "-o", out])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count(message) == 1, err
+    assert not os.path.exists(out)
+
+
+def test_sweep_exact_all_is_every_exact_algorithm() -> None:
+    """'all' ran the selecting algorithms too (each marked NO, exit 1): now the exact ones."""
+    from sparsecoll.registry import algorithm_class, available_algorithms
+
+    spec = importlib.util.spec_from_file_location("sweep_exact", ROOT / "bench" / "sweep_exact.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    exact = [n for n in available_algorithms() if algorithm_class(n).exact]
+    assert len(exact) < len(available_algorithms())
+    assert mod.parse(["--algorithms", "all"]).algorithms == exact
+    assert mod.parse(["--algorithms", "dsa,dense"]).algorithms == ["dsa", "dense"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # plain int, checked only after the root and tool checks
+        (["-n", "0"], "argument -n/--hosts: expecting an integer >= 1, got '0'"),
+        (["-n", "2.5"], "argument -n/--hosts: expecting an integer >= 1, got '2.5'"),
+        # checked only when tc ran, as root, once the namespaces were made
+        (["--rate", "0gbit"], "argument --rate: expecting a rate like 1gbit or 100mbit"),
+        (["--rate", "fast"], "argument --rate: expecting a rate like 1gbit or 100mbit"),
+        (["--delay", "1 hour"], "argument --delay: expecting a time like 50us or 1ms"),
+        (["--subnet", "8.8.8.0/24"], "argument --subnet: subnet must be private"),
+        (["-n", "8", "--subnet", "10.0.0.0/29"], "argument --subnet: subnet 10.0.0.0/29 too sm"),
+    ],
+)
+def test_emulate_cluster_refuses_bad_values_before_the_root_check(capsys, args, message) -> None:
+    """Parsed in this process, before the root check (seen as no root here: without the
+    checks a root test run would make the namespaces, as the script did)."""
+    main = _main("emulate_cluster.py")
+    with mock.patch("os.geteuid", return_value=1000), pytest.raises(SystemExit) as exc:
+        main([*args, "--mpiexec", sys.executable, "--", "true"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count(message) == 1, err
+    assert "needs root" not in err

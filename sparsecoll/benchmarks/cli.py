@@ -9,6 +9,7 @@ says so in every size-taking script's ``--help``.
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import os
 import re
@@ -34,6 +35,7 @@ __all__ = [
     "add_timing_arguments",
     "algorithm_arg",
     "bench_parser",
+    "check_columns",
     "check_memory",
     "check_nprocs",
     "choices_arg",
@@ -161,6 +163,27 @@ def readable(text: str, folder: bool = False) -> Path:
     if why:
         raise argparse.ArgumentTypeError(f"cannot read {text}: {why}")
     return Path(text)
+
+
+def check_columns(
+    p: argparse.ArgumentParser, paths: Any, columns: Any, what: str, rows: bool = False
+) -> None:
+    """A usage error (exit 2) naming the file when a CSV of ``paths`` lacks one of
+    ``columns`` in its header (``what``: the kind of CSV the script reads; ``rows``: or
+    has no row under it): a CSV of another kind used to be a KeyError traceback once the
+    script had started."""
+    for path in paths:
+        try:
+            with open(path, newline="") as f:
+                lines = csv.reader(f)
+                header, first = next(lines, []), next(lines, None)
+        except (UnicodeDecodeError, csv.Error):
+            header, first = [], None
+        missing = [c for c in columns if c not in header]
+        if missing:
+            p.error(f"{path} is not {what}: no column {', '.join(missing)}")
+        if rows and first is None:
+            p.error(f"{path} has no rows")
 
 
 def readable_folder(text: str) -> Path:

@@ -55,6 +55,7 @@ from typing import Any
 __all__ = [
     "FORMULAS",
     "LINKS",
+    "OSU_COLUMNS",
     "Calibrated",
     "Counts",
     "Link",
@@ -203,6 +204,22 @@ FORMULAS: dict[str, Callable[[int, Problem], Counts]] = {
 AUTO_CANDIDATES = ("allgather", "dsa", "recursive_doubling", "dense")
 
 
+_INTS = (
+    "P",
+    "n",
+    "k",
+    "iterations",
+    "bytes_per_rank",
+    "bytes_recv_per_rank",
+    "messages_per_rank",
+    "meta_bytes_per_rank",
+    "meta_messages_per_rank",
+    "result_nnz",
+)
+_FLOATS = ("density", "avg_us", "min_us", "max_us", "median_us")
+OSU_COLUMNS = ("algorithm", "dtype", *_INTS, *_FLOATS)  # what :func:`read_rows` reads
+
+
 def read_rows(paths: Iterable[str]) -> list[dict[str, Any]]:
     """Rows of the OSU suite's CSV files, numbers converted; rows with errors dropped.
 
@@ -211,28 +228,15 @@ def read_rows(paths: Iterable[str]) -> list[dict[str, Any]]:
     ``avg_us``/``min_us``/``max_us`` were over ranks of each rank's own mean (now all four
     are over the same per-call samples).
     """
-    ints = (
-        "P",
-        "n",
-        "k",
-        "iterations",
-        "bytes_per_rank",
-        "bytes_recv_per_rank",
-        "messages_per_rank",
-        "meta_bytes_per_rank",
-        "meta_messages_per_rank",
-        "result_nnz",
-    )
-    floats = ("density", "avg_us", "min_us", "max_us", "median_us")
     rows = []
     for path in paths:
         with open(path, newline="") as f:
             for r in csv.DictReader(f):
                 if r.get("error"):
                     continue
-                for key in ints:
+                for key in _INTS:
                     r[key] = int(r[key])
-                for key in floats:
+                for key in _FLOATS:
                     r[key] = float(r[key])
                 if r.get("size_bytes"):
                     r["size_bytes"] = int(r["size_bytes"])
