@@ -587,6 +587,11 @@ class GradientReducer:
         steps = integer("the state's steps", state["steps"], 0)
         residual = self._saved_vector(state, "residual")
         velocity = self._saved_vector(state, "velocity")
+        if residual is not None and velocity is not None and residual.dtype != velocity.dtype:
+            raise ValueError(
+                f"the state's residual is {residual.dtype}, its velocity {velocity.dtype}: a "
+                f"state_dict() holds both in its gradients' dtype"
+            )
         if velocity is not None and not self.momentum:
             raise ValueError("state holds a momentum-correction velocity, this reducer has none")
         if velocity is None and self.momentum and steps and "momentum" not in state:
@@ -674,6 +679,12 @@ class GradientReducer:
             raise TypeError(f"grad must be float16, float32 or float64, got {arr.dtype}")
         res = self.residual
         if res is not None and res.dtype != arr.dtype:
+            if self._residual is None:  # (a restored state's, before its first step)
+                raise TypeError(
+                    f"the state restored by load_state_dict() was saved from {res.dtype} "
+                    f"gradients (step with those, load it with its residual and velocity cast "
+                    f"to {arr.dtype}, or reset() to drop it), grad is {arr.dtype}"
+                )
             raise TypeError(f"grad dtype changed from {res.dtype} to {arr.dtype}")
 
     @staticmethod

@@ -215,3 +215,17 @@ def test_residual_as_a_torch_tensor_loads():
     other.load_state_dict(state)
     for t in range(2, 5):
         assert np.array_equal(other.step(g[t]), red.step(g[t])), f"step {t}"
+
+
+def test_residual_and_velocity_of_different_dtypes_are_refused():
+    """A state_dict() holds the residual and the velocity in its gradients' dtype: a state
+    whose velocity is float32 beside a float64 residual is refused, naming both (before, it
+    loaded, and float64 steps took the velocity widened, float32 steps were refused)."""
+    red = reducer(momentum=0.5)
+    red.step(grads(1)[0])
+    state = saved(red)
+    state["velocity"] = state["velocity"].astype(np.float32)
+    other = reducer(momentum=0.5)
+    with pytest.raises(ValueError, match="residual is float64, its velocity float32"):
+        other.load_state_dict(state)
+    assert unchanged(other, 0, None)

@@ -845,6 +845,41 @@ def test_checkpoint_of_another_rank_is_refused(comm):
     assert_all(comm, np.array_equal(got.residual, red.residual), "own state after refusal")
 
 
+def test_restored_state_of_another_dtype_says_so_on_every_rank(comm):
+    """A state saved from float64 gradients, restored and stepped with float32 ones, raises
+    the same CollectiveTypeError on every rank at every step, naming the state's dtype, the
+    gradient's and the ways out, and changes nothing. Before, it said "grad dtype changed
+    from float64 to float32", of gradients this reducer was never given. Each way out works:
+    float64 gradients go on as the saved run, the state cast to float32 loads and steps in
+    float32, and reset() drops it."""
+    n, last = 200, comm.size - 1
+    g = [np.random.default_rng([5, comm.rank, t]).standard_normal(n) for t in range(3)]
+    red = GradientReducer(comm, n, "oktopk", 0.05, momentum=0.5)
+    for t in range(2):
+        red.step(g[t])
+    state = pickle.loads(pickle.dumps(red.state_dict()))
+    fresh = GradientReducer(comm, n, "oktopk", 0.05, momentum=0.5)
+    fresh.load_state_dict(state)
+    wrong = g[2].astype(np.float32) if comm.rank == last else g[2]
+    match = (
+        r"saved from float64 gradients \(step with those, load it with its residual and "
+        rf"velocity cast to float32, or reset\(\) to drop it\), grad is float32 on rank {last}"
+    )
+    for _ in range(2):
+        with pytest.raises(CollectiveTypeError, match=match):
+            fresh.step(wrong)
+    assert_all(comm, fresh.steps == 2 and fresh.residual.dtype == np.float64, "state changed")
+    problems = [] if np.array_equal(fresh.step(g[2]), red.step(g[2])) else ["float64 differs"]
+    cast = {key: state[key].astype(np.float32) for key in ("residual", "velocity")}
+    narrow = GradientReducer(comm, n, "oktopk", 0.05, momentum=0.5)
+    narrow.load_state_dict({**state, **cast})
+    if narrow.step(g[2].astype(np.float32)).dtype != np.float32:
+        problems.append("the cast state did not step in float32")
+    fresh.reset()
+    fresh.step(g[0].astype(np.float32))
+    check_everywhere(comm, problems, [])
+
+
 @pytest.mark.parametrize(
     ("algorithm", "selection"),
     [("allgather", "reuse"), ("oktopk", "reuse"), ("allgather", "sampling")],
