@@ -565,8 +565,14 @@ class GradientReducer:
         (ValueError, TypeError) on a state this reducer cannot take, having changed nothing."""
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"state version {state.get('version')} != {STATE_VERSION}")
+        version = state.get("version")
+        if version is None:
+            raise ValueError("state holds no format version: not a GradientReducer state_dict()")
+        if version != STATE_VERSION:
+            raise ValueError(
+                f"state is of format version {version!r}, this sparsecoll reads version "
+                f"{STATE_VERSION} (saved by another sparsecoll)"
+            )
         missing = [key for key in STATE_KEYS if key not in state]
         if missing:
             raise ValueError(

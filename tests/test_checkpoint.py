@@ -147,6 +147,8 @@ MALFORMED = {
         "residual holds NaN or Inf",
     ),
     "algorithm state not a dict": (_set("algorithm_state", None), "algorithm_state must be"),
+    "no format version": (_without("version"), "state holds no format version"),
+    "a later format": (_set("version", 2), "format version 2, this sparsecoll reads version 1"),
     "negative steps": (_set("steps", -1), "steps must be an integer >= 0"),
     "float steps": (_set("steps", 2.5), "steps must be an integer >= 0"),
 }
