@@ -484,6 +484,7 @@ class GradientReducer:
             "residual": None if res is None else np.array(to_host(res), copy=True),
             "velocity": None if self._velocity is None else np.array(to_host(self._velocity)),
             "algorithm_state": _host_copy(vars(self.algorithm)),
+            "algorithm_version": type(self.algorithm).state_version,
             "selection_state": _host_copy(_slot_values(self._selector)),
             "totals": self._totals.as_dict(),
             "density_sum": self._density_sum,
@@ -611,6 +612,7 @@ class GradientReducer:
                 raise TypeError(
                     f"the state's {key} must be a dict, got {type(state[key]).__name__}"
                 )
+        algorithm_state = self._saved_algorithm(state)
         extra = set(state["selection_state"]) - set(_slot_values(self._selector))
         if extra:
             raise ValueError(
@@ -625,12 +627,27 @@ class GradientReducer:
             "steps": steps,
             "residual": residual,
             "velocity": velocity,
-            "algorithm_state": copy.deepcopy(state["algorithm_state"]),
+            "algorithm_state": algorithm_state,
             "selection_state": copy.deepcopy(state["selection_state"]),
             "totals": totals,
             "density_sum": real("the state's density_sum", state["density_sum"]),
             "sparse_steps": integer("the state's sparse_steps", state["sparse_steps"], 0),
         }
+
+    def _saved_algorithm(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The state's algorithm_state, checked by the algorithm (its version, attribute
+        names, options and the kinds of its state): the attributes loading writes."""
+        algo = self.algorithm
+        # (a state saved before algorithm states were versioned: the first version)
+        version = state.get("algorithm_version", 1)
+        if version != algo.state_version:
+            raise ValueError(
+                f"the state's algorithm_state is {algo.name}'s state version {version!r}, this "
+                f"sparsecoll's {algo.name} reads version {algo.state_version} (saved by another "
+                f"sparsecoll: load it with a fresh reducer's algorithm_state and "
+                f"algorithm_version to keep its residual)"
+            )
+        return algo.check_state(state["algorithm_state"], self.n, self.comm.size)
 
     def _saved_vector(self, state: dict[str, Any], key: str) -> np.ndarray | None:
         """The state's ``key`` (its residual or velocity) as a new host array of n finite
