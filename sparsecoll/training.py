@@ -507,6 +507,12 @@ class GradientReducer:
         key missing, an entry of the wrong kind, a residual or velocity that is not n finite
         float values) is refused before anything changes (CollectiveTypeError, a TypeError,
         for the wrong kind); the residual and velocity may be numpy, torch or CuPy arrays.
+        The algorithm's state is checked by the algorithm (:meth:`Algorithm.check_state`:
+        the same attribute names and options, each value of its kind, bounds of this n and
+        number of ranks) and its version (``algorithm_version``); a state of another format
+        ``version`` is refused. The state's dtype is its gradients': a step with gradients
+        of another dtype raises, saying so (cast the residual and velocity before loading,
+        or reset()).
 
         Collective: call it on every rank. A state one rank cannot take, or saved at another
         step than the others', raises the same error on every rank, naming the rank, and
