@@ -501,6 +501,7 @@ class GradientReducer:
             "residual": None if res is None else np.array(to_host(res), copy=True),
             "velocity": None if self._velocity is None else np.array(to_host(self._velocity)),
             "algorithm_state": _host_copy(vars(self.algorithm)),
+            "algorithm_version": type(self.algorithm).state_version,
             "selection_state": _host_copy(_slot_values(self._selector)),
             "totals": self._totals.as_dict(),
             "density_sum": self._density_sum,
@@ -523,6 +524,12 @@ class GradientReducer:
         key missing, an entry of the wrong kind, a residual or velocity that is not n finite
         float values) is refused before anything changes (CollectiveTypeError, a TypeError,
         for the wrong kind); the residual and velocity may be numpy, torch or CuPy arrays.
+        The algorithm's state is checked by the algorithm (:meth:`Algorithm.check_state`:
+        the same attribute names and options, each value of its kind, bounds of this n and
+        number of ranks) and its version (``algorithm_version``); a state of another format
+        ``version`` is refused. The state's dtype is its gradients': a step with gradients
+        of another dtype raises, saying so (cast the residual and velocity before loading,
+        or reset()).
 
         Collective: call it on every rank. A state one rank cannot take, or saved at another
         step than the others', raises the same error on every rank, naming the rank, and
@@ -582,8 +589,14 @@ class GradientReducer:
         (ValueError, TypeError) on a state this reducer cannot take, having changed nothing."""
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"state version {state.get('version')} != {STATE_VERSION}")
+        version = state.get("version")
+        if version is None:
+            raise ValueError("state holds no format version: not a GradientReducer state_dict()")
+        if version != STATE_VERSION:
+            raise ValueError(
+                f"state is of format version {version!r}, this sparsecoll reads version "
+                f"{STATE_VERSION} (saved by another sparsecoll)"
+            )
         missing = [key for key in STATE_KEYS if key not in state]
         if missing:
             raise ValueError(
@@ -604,6 +617,11 @@ class GradientReducer:
         steps = integer("the state's steps", state["steps"], 0)
         residual = self._saved_vector(state, "residual")
         velocity = self._saved_vector(state, "velocity")
+        if residual is not None and velocity is not None and residual.dtype != velocity.dtype:
+            raise ValueError(
+                f"the state's residual is {residual.dtype}, its velocity {velocity.dtype}: a "
+                f"state_dict() holds both in its gradients' dtype"
+            )
         if velocity is not None and not self.momentum:
             raise ValueError("state holds a momentum-correction velocity, this reducer has none")
         if velocity is None and self.momentum and steps and "momentum" not in state:
@@ -617,6 +635,7 @@ class GradientReducer:
                 raise TypeError(
                     f"the state's {key} must be a dict, got {type(state[key]).__name__}"
                 )
+        algorithm_state = self._saved_algorithm(state)
         extra = set(state["selection_state"]) - set(_slot_values(self._selector))
         if extra:
             raise ValueError(
@@ -631,12 +650,27 @@ class GradientReducer:
             "steps": steps,
             "residual": residual,
             "velocity": velocity,
-            "algorithm_state": copy.deepcopy(state["algorithm_state"]),
+            "algorithm_state": algorithm_state,
             "selection_state": copy.deepcopy(state["selection_state"]),
             "totals": totals,
             "density_sum": real("the state's density_sum", state["density_sum"]),
             "sparse_steps": integer("the state's sparse_steps", state["sparse_steps"], 0),
         }
+
+    def _saved_algorithm(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The state's algorithm_state, checked by the algorithm (its version, attribute
+        names, options and the kinds of its state): the attributes loading writes."""
+        algo = self.algorithm
+        # (a state saved before algorithm states were versioned: the first version)
+        version = state.get("algorithm_version", 1)
+        if version != algo.state_version:
+            raise ValueError(
+                f"the state's algorithm_state is {algo.name}'s state version {version!r}, this "
+                f"sparsecoll's {algo.name} reads version {algo.state_version} (saved by another "
+                f"sparsecoll: load it with a fresh reducer's algorithm_state and "
+                f"algorithm_version to keep its residual)"
+            )
+        return algo.check_state(state["algorithm_state"], self.n, self.comm.size)
 
     def _saved_vector(self, state: dict[str, Any], key: str) -> np.ndarray | None:
         """The state's ``key`` (its residual or velocity) as a new host array of n finite
@@ -691,6 +725,12 @@ class GradientReducer:
             raise TypeError(f"grad must be float16, float32 or float64, got {arr.dtype}")
         res = self.residual
         if res is not None and res.dtype != arr.dtype:
+            if self._residual is None:  # (a restored state's, before its first step)
+                raise TypeError(
+                    f"the state restored by load_state_dict() was saved from {res.dtype} "
+                    f"gradients (step with those, load it with its residual and velocity cast "
+                    f"to {arr.dtype}, or reset() to drop it), grad is {arr.dtype}"
+                )
             raise TypeError(f"grad dtype changed from {res.dtype} to {arr.dtype}")
 
     @staticmethod

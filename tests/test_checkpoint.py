@@ -147,6 +147,8 @@ MALFORMED = {
         "residual holds NaN or Inf",
     ),
     "algorithm state not a dict": (_set("algorithm_state", None), "algorithm_state must be"),
+    "no format version": (_without("version"), "state holds no format version"),
+    "a later format": (_set("version", 2), "format version 2, this sparsecoll reads version 1"),
     "negative steps": (_set("steps", -1), "steps must be an integer >= 0"),
     "float steps": (_set("steps", 2.5), "steps must be an integer >= 0"),
 }
@@ -215,3 +217,126 @@ def test_residual_as_a_torch_tensor_loads():
     other.load_state_dict(state)
     for t in range(2, 5):
         assert np.array_equal(other.step(g[t]), red.step(g[t])), f"step {t}"
+
+
+def test_residual_and_velocity_of_different_dtypes_are_refused():
+    """A state_dict() holds the residual and the velocity in its gradients' dtype: a state
+    whose velocity is float32 beside a float64 residual is refused, naming both (before, it
+    loaded, and float64 steps took the velocity widened, float32 steps were refused)."""
+    red = reducer(momentum=0.5)
+    red.step(grads(1)[0])
+    state = saved(red)
+    state["velocity"] = state["velocity"].astype(np.float32)
+    other = reducer(momentum=0.5)
+    with pytest.raises(ValueError, match="residual is float64, its velocity float32"):
+        other.load_state_dict(state)
+    assert unchanged(other, 0, None)
+
+
+def _bounds_as(form):
+    def edit(bounds):
+        if form == "read-only":
+            bounds = bounds.copy()
+            bounds.flags.writeable = False
+        elif form == "strided":
+            bounds = np.repeat(bounds, 2)[::2]
+        elif form == "byte-swapped":
+            bounds = bounds.astype(bounds.dtype.newbyteorder())
+        elif form == "int32":
+            bounds = bounds.astype(np.int32)
+        else:  # "list"
+            bounds = bounds.tolist()
+        return bounds
+
+    return edit
+
+
+@pytest.mark.parametrize("form", ["read-only", "strided", "byte-swapped", "int32", "list"])
+@pytest.mark.parametrize(("algorithm", "key"), [("oktopk", "boundaries"), ("exdyna", "bounds")])
+def test_saved_bounds_of_any_array_form_go_on_alike(algorithm, key, form):
+    """The algorithm's region or partition bounds as another tool may have left them
+    (read-only, strided, in the other byte order, as int32 or as a list) are restored as a
+    new native int64 array, and the run goes on bit for bit. Before, they were restored
+    as they came: oktopk's bounds as a list failed at every step (no .max()), the others
+    ran on an array of another kind than the algorithm made."""
+    g = grads(7)
+    red = reducer(algorithm)
+    for t in range(3):
+        red.step(g[t])
+    state = saved(red)
+    state["algorithm_state"][key] = _bounds_as(form)(state["algorithm_state"][key])
+    other = reducer(algorithm)
+    other.load_state_dict(state)
+    got = getattr(other.algorithm, key)
+    assert isinstance(got, np.ndarray) and got.dtype == np.int64 and got.flags.writeable
+    for t in range(3, 7):
+        assert np.array_equal(other.step(g[t]), red.step(g[t])), f"step {t}"
+
+
+def _same_state(a, b) -> bool:
+    """Whether two state_dict()s hold the same values (arrays by dtype and content)."""
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, float) and a != a:
+        return isinstance(b, float) and b != b
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("n", [N, 5000])
+@pytest.mark.parametrize("algorithm", ["oktopk", "exdyna", "gtopk", "auto"])
+def test_every_state_saved_loads_back_and_saves_the_same(algorithm, n):
+    """A state saved at any step (before the first, in the run, after reset()) loads into a
+    new reducer, which saves the same state, steps as the saved reducer and saves the same
+    state again: what state_dict() writes is what the checks of load_state_dict() take
+    (exdyna's partitions for n below and above its block count, oktopk's regions)."""
+    g = [np.random.default_rng([3, t]).standard_normal(n).astype(np.float32) for t in range(6)]
+    options = {"momentum": 0.5, "selection": "exact" if algorithm == "exdyna" else "reuse"}
+
+    def build():
+        return GradientReducer(MPI.COMM_SELF, n, algorithm, 0.05, **options)
+
+    red = build()
+    for t in range(6):
+        if t == 4:
+            red.reset()
+        state = saved(red)
+        other = build()
+        other.load_state_dict(state)
+        assert _same_state(saved(other), state), f"state at step {t} loaded back"
+        assert np.array_equal(other.step(g[t]), red.step(g[t])), f"step {t}"
+        assert _same_state(saved(other), saved(red)), f"state after step {t}"
+
+
+def test_algorithm_state_of_another_version_is_refused(monkeypatch):
+    """An algorithm state saved before its class raised ``state_version`` (an attribute that
+    kept its name but changed its meaning) is refused, naming both versions; a state saved
+    before states were versioned is version 1. The DDP hook's state saved at another
+    density loads whatever its algorithm state's version: that state is replaced by a fresh
+    reducer's, as for any change of density."""
+    from sparsecoll.algorithms.oktopk import OkTopk
+    from sparsecoll.integrations.torch import SparseHookState
+
+    g = grads(1)[0]
+    red = reducer("oktopk")
+    red.step(g)
+    state = saved(red)
+    hook = SparseHookState(MPI.COMM_SELF, "oktopk", density=0.05)
+    hook.reducer(0, N, "torch.float32").step(g.astype(np.float32))
+    hooked = pickle.loads(pickle.dumps(hook.state_dict()))
+    monkeypatch.setattr(OkTopk, "state_version", 2)
+    fresh = reducer("oktopk")
+    with pytest.raises(ValueError, match="oktopk's state version 1, this sparsecoll's oktopk"):
+        fresh.load_state_dict(state)
+    assert unchanged(fresh, 0, None)
+    denser = SparseHookState(MPI.COMM_SELF, "oktopk", density=0.1)
+    denser.load_state_dict(hooked)
+    got = denser.reducer(0, N, "torch.float32")
+    assert got.k == 40 and got.steps == 1
+    monkeypatch.setattr(OkTopk, "state_version", 1)
+    del state["algorithm_version"]
+    fresh.load_state_dict(state)
+    assert np.array_equal(fresh.step(g), red.step(g))

@@ -656,6 +656,29 @@ def test_reducer_state_follows_the_gradient_to_another_device(xp):
             red.step(dg, out=out)
 
 
+@pytest.mark.parametrize(("algorithm", "key"), [("oktopk", "boundaries"), ("exdyna", "bounds")])
+def test_algorithm_state_with_device_arrays_loads(xp, algorithm, key):
+    """A state whose algorithm's bounds were put on a GPU loads: they come to the host, as
+    state_dict() saves them, and the run goes on bit for bit. Before, they were restored on
+    the device and the next step raised (numpy cannot read a CuPy array implicitly)."""
+    from mpi4py import MPI
+
+    import sparsecoll
+
+    n = 3000
+    g = [np.random.default_rng([7, t]).standard_normal(n).astype(np.float32) for t in range(5)]
+    comm = sparsecoll.Communicator(MPI.COMM_SELF)
+    red = sparsecoll.GradientReducer(comm, n, algorithm, 0.01)
+    for t in range(2):
+        red.step(g[t])
+    state = red.state_dict()
+    state["algorithm_state"][key] = xp.asarray(state["algorithm_state"][key])
+    other = sparsecoll.GradientReducer(comm, n, algorithm, 0.01)
+    other.load_state_dict(state)
+    for t in range(2, 5):
+        np.testing.assert_array_equal(other.step(g[t]), red.step(g[t]))
+
+
 def test_reducer_state_with_device_arrays_loads(xp):
     """A state whose residual and velocity were put on a GPU loads into a reducer (they
     come to the host, as

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -49,6 +49,7 @@ from ..api import collective_check
 from ..comm import Communicator
 from ..registry import algorithm_class, register_algorithm
 from ..sparse import SparseVector
+from . import _state
 from .base import Algorithm, sparse_is_cheaper
 
 __all__ = ["CANDIDATES", "Auto", "CostModel", "choose", "predict", "union_size"]
@@ -155,6 +156,7 @@ class Auto(Algorithm):
     """
 
     name = "auto"
+    state_kinds: ClassVar[dict[str, _state.Kind] | None] = {"theta": _state.optional(_state.number)}
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ import numpy as np
 from .._array import aligned_view, get_array_module, index_dtype, to_host
 from ..comm import Communicator
 from ..sparse import SparseVector, coalesce
+from ._state import Kind, check_saved
 
 __all__ = [
     "Algorithm",
@@ -47,6 +48,13 @@ class Algorithm(ABC):
         densifies: True when the algorithm needs O(n) memory per rank (dense references).
         required: options the constructor cannot do without (a selecting algorithm's k),
             listed as required although their default is None.
+        state_kinds: the attributes that calls change (what a GradientReducer checkpoint
+            restores), each with its kind (:mod:`sparsecoll.algorithms._state`); the
+            other attributes are the constructor's. None: not declared (all attributes
+            restored as saved).
+        state_version: the version of that state's meaning, saved with it: raise it when an
+            attribute keeps its name but changes what it holds, so that a state saved
+            before is refused instead of misread.
 
     Options are the constructor's parameters, documented in the class docstring's ``Args:``
     section; :func:`sparsecoll.get_algorithm` and the registry's listing read them from
@@ -57,6 +65,8 @@ class Algorithm(ABC):
     exact: ClassVar[bool] = True
     densifies: ClassVar[bool] = False
     required: ClassVar[tuple[str, ...]] = ()
+    state_kinds: ClassVar[dict[str, Kind] | None] = None
+    state_version: ClassVar[int] = 1
 
     def __init__(self, **options: Any) -> None:
         # What an algorithm without options inherits. It takes none, and its signature says
@@ -95,6 +105,13 @@ class Algorithm(ABC):
         dtype, its options and its step), each a Python or numpy integer within int64; more
         is a CollectiveInputError on every rank."""
         return []
+
+    def check_state(self, saved: dict[str, Any], n: int, size: int) -> dict[str, Any]:
+        """The attributes to restore from ``saved`` (this class's attributes as a checkpoint
+        holds them), checked for this instance on a problem of length ``n`` over ``size``
+        ranks. Raises ValueError (TypeError for a value of the wrong type) naming what does
+        not fit; changes nothing. Override to check how the attributes fit together."""
+        return check_saved(self, saved, n, size)
 
     def verify(
         self, result: SparseVector, reference: SparseVector, inputs: list[SparseVector]

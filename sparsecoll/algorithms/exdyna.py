@@ -57,7 +57,7 @@ partition, partitions in index order) and ``ranges`` (each partition's index ran
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -67,6 +67,7 @@ from .._options import flag, integer, real
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
+from . import _state
 from ._merge import gather, keep_bucket, take_at_least
 from ._window import (
     WINDOW_OFFSETS,
@@ -282,6 +283,21 @@ class ExDyna(Algorithm):
     name = "exdyna"
     exact = False
     required = ("k",)
+    state_kinds: ClassVar[dict[str, _state.Kind] | None] = {
+        "step": _state.count,
+        "n": _state.length,
+        "size": _state.ranks,
+        "block_size": _state.count,
+        "bounds": _state.splits,
+        "threshold": _state.optional(_state.number),
+        "growth": _state.number,
+        "swing": _state.number,
+        "trend_calls": _state.count,
+        "rederives": _state.count,
+        "recounts": _state.count,
+        "_cooldown": _state.count,
+        "_cooldown_side": _state.signed,
+    }
 
     def __init__(
         self,
@@ -339,11 +355,7 @@ class ExDyna(Algorithm):
         does it; calling it first lets :meth:`owned_range` answer before any call)."""
         if self.n is None:
             p = comm.size
-            target = min(max(n, 1), self.blocks or max(1024, 32 * p))
-            bs = -(-max(n, 1) // target)
-            if bs >= 32:
-                bs = -(-bs // 32) * 32
-            nblocks = -(-n // bs)
+            bs, nblocks = self._blocks(n, p)
             self.n, self.size, self.block_size = n, p, bs
             self.bounds = range_bounds(nblocks, p)
         elif n != self.n or comm.size != self.size:
@@ -351,6 +363,31 @@ class ExDyna(Algorithm):
                 f"exdyna was set up for n={self.n} on {self.size} ranks, got n={n} on "
                 f"{comm.size}; call reset() first"
             )
+
+    def _blocks(self, n: int, p: int) -> tuple[int, int]:
+        """The block size and the number of blocks for length ``n`` on ``p`` ranks."""
+        target = min(max(n, 1), self.blocks or max(1024, 32 * p))
+        bs = -(-max(n, 1) // target)
+        if bs >= 32:
+            bs = -(-bs // 32) * 32
+        return bs, -(-n // bs)
+
+    def check_state(self, saved: dict[str, Any], n: int, size: int) -> dict[str, Any]:
+        state = super().check_state(saved, n, size)
+        layout = (state["n"], state["size"], state["block_size"])
+        if state["n"] is None:
+            fits = layout == (None, None, 0) and state["bounds"] is None
+        else:
+            bs, nblocks = self._blocks(n, size)
+            bounds = state["bounds"]
+            fits = state["block_size"] == bs and bounds is not None and bounds[-1] == nblocks
+        if not fits:
+            bounds = None if state["bounds"] is None else state["bounds"].tolist()
+            raise ValueError(
+                f"the state's algorithm_state: exdyna's partitions (n, ranks, block size "
+                f"{layout}, bounds {bounds}) are not those it sets up for n={n} on {size} ranks"
+            )
+        return state
 
     def _partition(self, rank: int) -> int:
         """The partition ``rank`` selects from at the current call."""

@@ -30,7 +30,7 @@ residual. Then ``sum of results + sum of residuals == sum of inputs`` exactly (u
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -39,6 +39,7 @@ from .._array import get_array_module, to_host
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
+from . import _state
 from ._merge import isin_sorted, merge_two
 from .base import Algorithm, Fold, allclose_sparse, pack_pairs, recv_pairs
 
@@ -121,6 +122,7 @@ class GTopk(Algorithm):
     name = "gtopk"
     exact = False
     required = ("k",)
+    state_kinds: ClassVar[dict[str, _state.Kind] | None] = {}  # (k is the constructor's)
 
     def __init__(self, k: int | None = None) -> None:
         self.k = check_k(self.name, k)

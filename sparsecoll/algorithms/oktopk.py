@@ -85,7 +85,7 @@ value is in the result); the rest go back to the residual.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -94,6 +94,7 @@ from .._options import count_band, flag, integer, real
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
+from . import _state
 from ._merge import accumulate_dtype, isin_sorted, keep_bucket, merge_two
 from ._window import (
     bracket_edge,
@@ -218,6 +219,20 @@ class OkTopk(Algorithm):
     name = "oktopk"
     exact = False
     required = ("k",)
+    state_kinds: ClassVar[dict[str, _state.Kind] | None] = {
+        "step": _state.count,
+        "threshold": _state.number,
+        "streak": _state.signed,
+        "window_misses": _state.count,
+        "boundaries": _state.splits,
+        "_shape": _state.problem,
+        "_regions_from_data": _state.boolean,
+        "_repartition_due": _state.boolean,
+        "_trigger_rests": _state.boolean,
+        "_over": _state.boolean,
+        "_any_over": _state.boolean,
+        "early_repartitions": _state.count,
+    }
 
     def __init__(
         self,
@@ -265,6 +280,16 @@ class OkTopk(Algorithm):
     @classmethod
     def default_options(cls, n: int, k: int) -> dict[str, Any]:
         return {"k": k}
+
+    def check_state(self, saved: dict[str, Any], n: int, size: int) -> dict[str, Any]:
+        state = super().check_state(saved, n, size)
+        bounds = state["boundaries"]
+        if bounds is not None and (state["_shape"] is None or int(bounds[-1]) != n):
+            raise ValueError(
+                f"the state's algorithm_state: oktopk's boundaries {bounds.tolist()} are no "
+                f"regions of n={n} set up by a call"
+            )
+        return state
 
     def signature(self) -> list[int]:
         knobs = (self.rule, self.nudge, self.band, self.adaptive, self.imbalance)

@@ -58,7 +58,7 @@ HOOK_AGREED = (
 WARMUP_MARK = -1
 # what a bucket reducer's state holds for its density (its k): taken from a fresh reducer
 # when the state was saved at another density
-DENSITY_STATE = ("density", "algorithm_state", "selection_state")
+DENSITY_STATE = ("density", "algorithm_state", "algorithm_version", "selection_state")
 
 
 def _torch() -> Any:

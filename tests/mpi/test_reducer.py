@@ -900,6 +900,112 @@ def test_checkpoint_of_another_rank_is_refused(comm):
     assert_all(comm, np.array_equal(got.residual, red.residual), "own state after refusal")
 
 
+def test_restored_state_of_another_dtype_says_so_on_every_rank(comm):
+    """A state saved from float64 gradients, restored and stepped with float32 ones, raises
+    the same CollectiveTypeError on every rank at every step, naming the state's dtype, the
+    gradient's and the ways out, and changes nothing. Before, it said "grad dtype changed
+    from float64 to float32", of gradients this reducer was never given. Each way out works:
+    float64 gradients go on as the saved run, the state cast to float32 loads and steps in
+    float32, and reset() drops it."""
+    n, last = 200, comm.size - 1
+    g = [np.random.default_rng([5, comm.rank, t]).standard_normal(n) for t in range(3)]
+    red = GradientReducer(comm, n, "oktopk", 0.05, momentum=0.5)
+    for t in range(2):
+        red.step(g[t])
+    state = pickle.loads(pickle.dumps(red.state_dict()))
+    fresh = GradientReducer(comm, n, "oktopk", 0.05, momentum=0.5)
+    fresh.load_state_dict(state)
+    wrong = g[2].astype(np.float32) if comm.rank == last else g[2]
+    match = (
+        r"saved from float64 gradients \(step with those, load it with its residual and "
+        rf"velocity cast to float32, or reset\(\) to drop it\), grad is float32 on rank {last}"
+    )
+    for _ in range(2):
+        with pytest.raises(CollectiveTypeError, match=match):
+            fresh.step(wrong)
+    assert_all(comm, fresh.steps == 2 and fresh.residual.dtype == np.float64, "state changed")
+    problems = [] if np.array_equal(fresh.step(g[2]), red.step(g[2])) else ["float64 differs"]
+    cast = {key: state[key].astype(np.float32) for key in ("residual", "velocity")}
+    narrow = GradientReducer(comm, n, "oktopk", 0.05, momentum=0.5)
+    narrow.load_state_dict({**state, **cast})
+    if narrow.step(g[2].astype(np.float32)).dtype != np.float32:
+        problems.append("the cast state did not step in float32")
+    fresh.reset()
+    fresh.step(g[0].astype(np.float32))
+    check_everywhere(comm, problems, [])
+
+
+def _edit_algorithm_state(state, case, size):
+    """``state`` (a GradientReducer's, n = 600) as another sparsecoll or configuration would
+    have saved it: the ``case`` of test_algorithm_state_it_cannot_take_is_refused."""
+    algo = state["algorithm_state"]
+    if case == "unknown attribute":
+        algo["later"] = 1
+    elif case == "missing attribute":
+        del algo["_cooldown_side"]
+    elif case == "other option, unrecorded":
+        algo["tau"] = 8
+        del state["options"]
+    elif case == "other k, unrecorded density":
+        algo["k"] += 1
+        del state["density"]
+    elif case == "threshold not a number":
+        algo["threshold"] = "0.5"
+    elif case == "regions of more ranks":
+        algo["_shape"] = (600, size + 1)
+        algo["boundaries"] = np.linspace(0, 600, size + 2).astype(np.int64)
+        del state["ranks"]
+    elif case == "partitions of more ranks":
+        algo["size"] = size + 1
+        algo["bounds"] = np.arange(size + 2, dtype=np.int64)
+        del state["ranks"]
+    elif case == "partitions out of order":
+        algo["bounds"] = algo["bounds"][::-1]
+    else:  # "newer state version"
+        state["algorithm_version"] = 2
+
+
+ALGORITHM_STATE_CASES = {
+    "unknown attribute": ("oktopk", "holds later, which oktopk here does not have"),
+    "missing attribute": ("exdyna", "algorithm_state lacks _cooldown_side: not the state of"),
+    "other option, unrecorded": ("oktopk", "has tau=8, this reducer's oktopk has 32"),
+    "other k, unrecorded density": ("exdyna", "has k=16, this reducer's exdyna has 15"),
+    "threshold not a number": ("oktopk", "oktopk's threshold must be a real number, got str"),
+    "regions of more ranks": ("oktopk", "boundaries has {b} bounds (for {more} ranks), this"),
+    "partitions of more ranks": ("exdyna", "exdyna's size is for {more} ranks, this comm"),
+    "partitions out of order": ("exdyna", "exdyna's bounds must ascend from 0"),
+    "newer state version": ("oktopk", "oktopk's state version 2, this sparsecoll's oktopk"),
+}
+
+
+@pytest.mark.parametrize("case", list(ALGORITHM_STATE_CASES))
+def test_algorithm_state_it_cannot_take_is_refused(comm, case):
+    """The algorithm's state is checked before it is restored: its attribute names (another
+    sparsecoll's, another algorithm's), its options (a state from before they were recorded
+    in it), the kind of each value, partitions for this n and number of ranks, its version.
+    One rank's state it cannot take raises the same error on every rank, naming that rank
+    and what is wrong, and nothing loads. Before, the saved attributes were written over
+    the instance as they were: a later attribute was added, a missing one kept its fresh
+    value beside the saved others, options and k were replaced, and every step after
+    failed (a threshold of text, exdyna set up for other ranks) or ran with what it held."""
+    algorithm, match = ALGORITHM_STATE_CASES[case]
+    n, last = 600, comm.size - 1
+    g = [np.random.default_rng([8, comm.rank, t]).standard_normal(n) for t in range(3)]
+    red = GradientReducer(comm, n, algorithm, 0.025)
+    for t in range(2):
+        red.step(g[t])
+    state = pickle.loads(pickle.dumps(red.state_dict()))
+    if comm.rank == last:
+        _edit_algorithm_state(state, case, comm.size)
+    fresh = GradientReducer(comm, n, algorithm, 0.025)
+    match = re.escape(match.format(more=comm.size + 1, b=comm.size + 2)) + f".* rank {last}"
+    with pytest.raises((CollectiveInputError, CollectiveTypeError), match=match):
+        fresh.load_state_dict(state)
+    assert_all(comm, fresh.steps == 0 and fresh.residual is None, "a rank loaded")
+    fresh.load_state_dict(red.state_dict())  # (its own state: loads, and goes on alike)
+    check_everywhere(comm, [], [fresh.step(g[2]), red.step(g[2])])
+
+
 @pytest.mark.parametrize(
     ("algorithm", "selection"),
     [("allgather", "reuse"), ("oktopk", "reuse"), ("allgather", "sampling")],
