@@ -9,7 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["find_mpiexec", "launcher_mismatch", "mpiexec_command", "under_mpi"]
+__all__ = [
+    "find_mpiexec",
+    "launcher_mismatch",
+    "mpiexec_command",
+    "torch_launcher_mismatch",
+    "under_mpi",
+]
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 
@@ -41,6 +47,36 @@ def launcher_mismatch(world_size: int, library: str) -> str | None:
                 "build mpi4py against the launcher's MPI"
             )
     return None
+
+
+def torch_launcher_mismatch(world_size: int, world_rank: int) -> str | None:
+    """Why a torch launcher's environment disagrees with MPI's COMM_WORLD (None when not).
+
+    torchrun (or another launcher of torch's) sets ``WORLD_SIZE``/``RANK`` and
+    ``LOCAL_WORLD_SIZE``/``LOCAL_RANK`` for the processes it starts; it starts no MPI job,
+    so each of them is an MPI world of one. Taken as a mismatch: ``WORLD_SIZE`` or ``RANK``
+    unlike COMM_WORLD's size or this rank, or ``LOCAL_WORLD_SIZE``/``LOCAL_RANK`` counting
+    more processes than COMM_WORLD holds. Variables that are not integers are left alone.
+    """
+    wrong = []
+    for var, want, local in (
+        ("WORLD_SIZE", world_size, False),
+        ("RANK", world_rank, False),
+        ("LOCAL_WORLD_SIZE", world_size, True),
+        ("LOCAL_RANK", world_size - 1, True),
+    ):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and (int(value) > want if local else int(value) != want):
+            wrong.append(f"{var}={value}")
+    if not wrong:
+        return None
+    return (
+        f"the environment says {', '.join(wrong)} (a torch launcher's: torchrun?) but MPI's "
+        f"COMM_WORLD has {world_size} rank(s), this one rank {world_rank}: the processes "
+        f"were not started as one MPI job (under torchrun each is an MPI world of one, and "
+        f"torch's rendezvous would wait for ranks that never come); launch with "
+        f"`mpiexec -n N python script.py`, not torchrun"
+    )
 
 
 def find_mpiexec() -> str:

@@ -505,6 +505,12 @@ def _worker() -> None:
             st = state.stats()
             if not st["bytes_sent_last"] < st["dense_bytes_per_iteration"]:
                 problems.append(f"{name}: sent {st['bytes_sent_last']} bytes, dense sends less")
+        # a sub-communicator (here of one rank) unlike torch's world of 2 is not refused
+        # (it may match a DDP process_group's subgroup): only MPI's whole world must match
+        try:
+            SparseHookState(MPI.COMM_SELF, "allgather", density=0.1)
+        except RuntimeError as exc:
+            problems.append(f"a sub-communicator's state was refused: {exc}")
         problems += _resume_into_fresh_ddp(torch, DistributedDataParallel, comm)
         problems += _skipped_iteration_loses_nothing(torch, DistributedDataParallel, comm)
         problems += _bfloat16_buckets(torch, DistributedDataParallel, comm)
@@ -626,3 +632,121 @@ def test_the_warm_up_holds_the_communicator_from_check_to_allreduce(monkeypatch)
     sparse_allreduce_hook(state, _Bucket(0, 1, grad, [torch.zeros(8)])).wait()
     assert free == [False]
     assert torch.equal(grad, torch.arange(8.0))  # (one rank: the mean is the bucket)
+
+
+TORCHRUN_ENV = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+
+
+@pytest.fixture
+def no_launcher_env(monkeypatch):
+    """No torch launcher's variables, nor MASTER_ADDR/MASTER_PORT, in the environment."""
+    for var in (*TORCHRUN_ENV, "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+@pytest.fixture
+def rendezvous(no_launcher_env):
+    """torch.distributed.init_process_group replaced by a recorder of its arguments."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    calls = []
+    no_launcher_env.setattr(dist, "init_process_group", lambda *a, **kw: calls.append(kw))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "env", [TORCHRUN_ENV, {"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"}], ids=["all", "local"]
+)
+def test_init_process_group_refuses_a_torchrun_environment(rendezvous, no_launcher_env, env):
+    """Under torchrun (WORLD_SIZE=2, but each process an MPI world of one) the ranks got
+    rank 0 of 1 from MPI and waited in torch's rendezvous until its timeout (probe:
+    `torchrun --nproc_per_node 2 tr_sc_hang.py`); now refused before it, saying to use
+    mpiexec. (This process is an MPI world of one, as under torchrun.)"""
+    from sparsecoll.integrations.torch import init_process_group
+
+    for var, value in env.items():
+        no_launcher_env.setenv(var, value)
+    with pytest.raises(RuntimeError, match=r"LOCAL_WORLD_SIZE=2.*mpiexec -n N.*\(rank 0\)"):
+        init_process_group()
+    assert rendezvous == []
+
+
+def test_init_process_group_honours_master_port(rendezvous, no_launcher_env):
+    """MASTER_PORT is the rendezvous port (as MASTER_ADDR is its address; before, a free
+    port was always picked); `port=` comes first; a MASTER_PORT that is no port is refused
+    naming it. A launcher's variables that agree with MPI (one process of one) pass."""
+    from sparsecoll.integrations.torch import init_process_group
+
+    no_launcher_env.setenv("MASTER_PORT", "29517")
+    no_launcher_env.setenv("WORLD_SIZE", "1")
+    no_launcher_env.setenv("RANK", "0")
+    init_process_group()
+    init_process_group(port=29600)
+    assert [c["init_method"] for c in rendezvous] == [
+        "tcp://127.0.0.1:29517",
+        "tcp://127.0.0.1:29600",
+    ]
+    assert [(c["rank"], c["world_size"]) for c in rendezvous] == [(0, 1)] * 2
+    no_launcher_env.setenv("MASTER_PORT", "http")
+    with pytest.raises(ValueError, match="MASTER_PORT must be a TCP port.*'http'"):
+        init_process_group()
+
+
+@pytest.fixture
+def torch_world_of_two():
+    """torch.distributed initialized with 2 ranks in this process (torch's in-process
+    "fake" backend), while MPI's world is this one process: what torchrun makes."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+
+    def start(size: int = 2) -> None:
+        dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=size)
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_the_hook_refuses_a_torch_world_unlike_its_mpi_world(torch_world_of_two):
+    """torch.distributed with 2 ranks, the hook's communicator MPI's whole world of one (as
+    under torchrun): before, the hook averaged each rank's gradients with itself alone,
+    and the ranks' parameters drifted apart without an error (probe: `torchrun
+    --nproc_per_node 2 torchrun_user.py own`). Now refused at SparseHookState(), or at the
+    first bucket when torch.distributed started after the state was built; a torch world
+    of the MPI world's size, and no torch world at all, are fine."""
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from sparsecoll.integrations.torch import SparseHookState, sparse_allreduce_hook
+
+    built = SparseHookState(MPI.COMM_WORLD, density=0.5)  # (torch.distributed not started)
+    torch_world_of_two()
+    for comm in (None, MPI.COMM_WORLD, MPI.COMM_SELF):  # (COMM_SELF spans this world)
+        with pytest.raises(RuntimeError, match=r"torch.distributed has 2 ranks.*has 1.*mpiexec"):
+            SparseHookState(comm, density=0.5)
+    grad = torch.arange(4.0)
+    future = sparse_allreduce_hook(built, _Bucket(0, 1, grad, [torch.zeros(4)]))
+    with pytest.raises(RuntimeError, match="torch.distributed has 2 ranks"):
+        future.wait()
+    dist.destroy_process_group()
+    torch_world_of_two(1)
+    sparse_allreduce_hook(SparseHookState(density=0.5), _Bucket(0, 1, grad, [grad])).wait()
+
+
+def test_the_hook_takes_density_not_k():
+    """SparseHookState(k=10) said "k = round(density·n) = 1 ... pass density=10/n", from
+    the one-entry reducer it builds to check its options: now it says the hook takes a
+    density, since its buckets differ in size."""
+    pytest.importorskip("torch")
+    from mpi4py import MPI
+
+    from sparsecoll.integrations.torch import SparseHookState
+
+    with pytest.raises(TypeError, match="takes density, not k: DDP's buckets differ") as info:
+        SparseHookState(MPI.COMM_SELF, algorithm="exdyna", k=10)
+    assert "= 1" not in str(info.value)

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import warnings
 from typing import Any
 
 from .._array import as_array, device_scope, is_device_array, synchronize
+from .._launch import torch_launcher_mismatch
 from .._options import check_density
 from ..api import collective_check
 from ..comm import CommStats, Communicator, widening_buffer
@@ -85,10 +87,16 @@ def init_process_group(
 ) -> None:
     """Initialize ``torch.distributed`` with the rank and size of the MPI communicator.
 
-    Rank 0 picks the rendezvous address and a free TCP port and broadcasts them over MPI.
-    The address is, in order: ``addr``, the environment's ``MASTER_ADDR``, 127.0.0.1 when
-    every rank runs on the same host, else rank 0's host name resolved. ``kwargs`` go to
+    Rank 0 picks the rendezvous address and port and broadcasts them over MPI. The address
+    is, in order: ``addr``, the environment's ``MASTER_ADDR``, 127.0.0.1 when every rank
+    runs on the same host, else rank 0's host name resolved; the port: ``port``, the
+    environment's ``MASTER_PORT``, else a free TCP port. ``kwargs`` go to
     ``torch.distributed.init_process_group`` (e.g. ``timeout``).
+
+    Launch with mpiexec. Under torchrun each process is an MPI world of one: when
+    ``WORLD_SIZE``, ``RANK``, ``LOCAL_WORLD_SIZE`` or ``LOCAL_RANK`` (set by torchrun)
+    disagree with MPI's COMM_WORLD on any rank, every rank raises RuntimeError, naming the
+    rank (before, torch's rendezvous waited until its timeout).
     """
     _torch()
     import torch.distributed as dist
@@ -96,17 +104,71 @@ def init_process_group(
     c = Communicator.wrap(comm)
     if dist.is_initialized():
         raise RuntimeError("a torch process group is already initialized")
-    hosts = c.allgather_object(socket.gethostname())
-    info = None
+    world = _mpi_world()
+    mismatch = torch_launcher_mismatch(world.Get_size(), world.Get_rank())
+    seen = c.allgather_object((socket.gethostname(), mismatch))
+    for r, (_, why) in enumerate(seen):
+        if why is not None:
+            raise RuntimeError(f"{why} (rank {r})")
+    hosts = [h for h, _ in seen]
+    info: Any = None
     if c.rank == 0:
-        host = addr or os.environ.get("MASTER_ADDR")
-        if host is None:
-            same = all(h == hosts[0] for h in hosts)
-            host = "127.0.0.1" if same else socket.gethostbyname(hosts[0])
-        info = (host, port or _free_port("127.0.0.1" if host == "127.0.0.1" else ""))
-    host, port = c.bcast_object(info, 0)
+        try:
+            info = _rendezvous(hosts, addr, port)
+        except ValueError as exc:  # (shared with every rank: none is left waiting)
+            info = str(exc)
+    info = c.bcast_object(info, 0)
+    if isinstance(info, str):
+        raise ValueError(f"{info} (rank 0)")
+    host, port = info
     dist.init_process_group(
         backend, init_method=f"tcp://{host}:{port}", rank=c.rank, world_size=c.size, **kwargs
+    )
+
+
+def _mpi_world() -> Any:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def _rendezvous(hosts: list[str], addr: str | None, port: int | None) -> tuple[str, int]:
+    """Rank 0's choice of the rendezvous address and port (see init_process_group)."""
+    host = addr or os.environ.get("MASTER_ADDR")
+    if host is None:
+        same = all(h == hosts[0] for h in hosts)
+        host = "127.0.0.1" if same else socket.gethostbyname(hosts[0])
+    if port is None and os.environ.get("MASTER_PORT"):
+        value = os.environ["MASTER_PORT"].strip()
+        if not value.isdigit() or not 0 < int(value) < 65536:
+            raise ValueError(f"MASTER_PORT must be a TCP port (1 to 65535), got {value!r}")
+        port = int(value)
+    return host, port or _free_port("127.0.0.1" if host == "127.0.0.1" else "")
+
+
+def _world_mismatch(comm: Communicator) -> str | None:
+    """Why the hook cannot reduce over ``comm`` for torch.distributed's world (None when it
+    can, or when torch.distributed is not initialized): ``comm`` is the whole MPI world
+    but of another size than torch's, as under torchrun (each process an MPI world of one:
+    every rank would average its gradients with itself alone). A sub-communicator is left
+    alone (it may match a DDP process_group's subgroup). Every rank decides alike: torch's
+    world size, ``comm``'s size and whether it spans COMM_WORLD are the same on each."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    size = dist.get_world_size()
+    if size == comm.size:
+        return None
+    from mpi4py import MPI
+
+    if MPI.Comm.Compare(comm.mpi_comm, MPI.COMM_WORLD) not in (MPI.IDENT, MPI.CONGRUENT):
+        return None
+    return (
+        f"torch.distributed has {size} ranks but the hook's communicator, MPI's whole world, "
+        f"has {comm.size}: the processes were not started as one MPI job (under torchrun "
+        f"each is an MPI world of one, and the hook would average each rank's gradients "
+        f"with itself alone); launch with `mpiexec -n {size} python script.py` and "
+        f"sc_torch.init_process_group(), not torchrun"
     )
 
 
@@ -141,6 +203,7 @@ class SparseHookState:
         "_density",
         "_failed",
         "_failures",
+        "_launch_checked",
         "_layouts",
         "_outside_stats",
         "_pending",
@@ -175,7 +238,17 @@ class SparseHookState:
             )
         if "average" in options or "warmup" in options:
             raise TypeError("the hook always averages and handles the warm-up itself")
+        if "k" in options:  # (a bucket reducer's k is round(density·its n))
+            raise TypeError(
+                f"the hook takes density, not k: DDP's buckets differ in size, and each "
+                f"bucket reducer sends round(density·n) entries of its n; pass "
+                f"density=k/parameters (e.g. density={options['k']}/sum(p.numel() for p in "
+                f"model.parameters())) instead of k={options['k']!r}"
+            )
         self.comm = Communicator.wrap(comm)
+        # refused here, or at the first bucket when torch.distributed starts later
+        self._launch_checked = False
+        self._check_launch()
         self.algorithm = algorithm
         self.density = density
         self.warmup = warmup
@@ -198,6 +271,17 @@ class SparseHookState:
         self._failures: list[tuple[Any, BaseException]] = []  # async: errors held back
         # fail early, on every rank alike, on a bad algorithm name or option
         GradientReducer(self.comm, 1, algorithm, self.density, **options)
+
+    def _check_launch(self) -> None:
+        """Raise RuntimeError when torch's world is not the hook's (see _world_mismatch);
+        once torch.distributed is initialized, checked once."""
+        if self._launch_checked:
+            return
+        why = _world_mismatch(self.comm)
+        if why is not None:
+            raise RuntimeError(why)
+        dist = sys.modules.get("torch.distributed")
+        self._launch_checked = dist is not None and dist.is_initialized()
 
     @property
     def density(self) -> float:
@@ -452,6 +536,7 @@ def _bucket_reducer(state: SparseHookState, bucket: Any) -> GradientReducer | No
     bucket."""
     buf = bucket.buffer()
     red = None
+    state._check_launch()  # (raised before the bucket is counted: every bucket raises it)
     if state.iteration >= state.warmup:
         red = state.reducer(bucket.index(), int(buf.numel()), str(buf.dtype), bucket.parameters())
     if bucket.is_last():
