@@ -10,7 +10,9 @@ The watchdog (off by default; :func:`set_timeout` or ``SPARSECOLL_TIMEOUT=second
 the call each engine is running, and the blocking calls the user's threads make on the
 communicator (:meth:`Engine.watching`, where they run): past the timeout it prints this
 rank's state to stderr, asks every other rank (a small message on a second duplicate, never
-a collective) to print theirs, and after a short grace period calls MPI_Abort.
+a collective) to print theirs and to answer with it, and after a short grace period prints
+which ranks are in that call, which in another (or idle), and which did not answer (exited,
+in MPI_Finalize, or their watchdog stopped), then calls MPI_Abort.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 __all__ = ["Engine", "SparseRequest", "get_timeout", "set_timeout", "shutdown", "stop"]
 
 ALARM_TAG = 0x5C7  # tag of the watchdog's messages, on the engine's own duplicate
+ANSWER_TAG = 0x5C8  # tag of the answers to them: each rank's state
 WATCH_PERIOD = 0.05  # seconds between two looks of the watchdog
 GRACE = 1.0  # seconds the other ranks get to print their state before MPI_Abort
 
@@ -195,6 +198,7 @@ class Engine:
         self._last_call = 0
         self._blocking: dict[int, tuple[SparseRequest, float]] = {}  # by thread: watching
         self._reported = False
+        self._answers: list[Any] = []  # the watchdog's answers in flight (kept until abort)
         self._free = False  # free the duplicates when the thread ends (the user's comm was)
         self._ended = False  # the thread has left its loop
         self._stopped = False  # stop() ran (exit, MPI_Finalize): no more watchdog
@@ -420,6 +424,17 @@ class Engine:
             alarm = self._alarm.try_recv_ints(ALARM_TAG)
             if alarm is not None:
                 self._report(f"rank {alarm[0]} timed out in its call #{alarm[1][0]}")
+                self._answer(alarm[0])
+
+    def _answer(self, rank: int) -> None:
+        """Send this rank's state to ``rank``, whose watchdog fired (it prints who is where)."""
+        msg = np.frombuffer(_pad(f"{self._now()}\n{self.state()}".encode()), np.int64)
+        self._answers.append((self._alarm.isend(msg, rank, ANSWER_TAG), msg))
+
+    def _now(self) -> str:
+        """The call this rank is in ("#3 allreduce(...)"), or "" when idle."""
+        running = self._running()
+        return f"#{running[0][0].call} {running[0][0].label}" if running else ""
 
     def state(self) -> str:
         """This rank's progress: which call it has reached, with which algorithm."""
@@ -447,9 +462,43 @@ class Engine:
         self._report(f"timeout {timeout:g} s expired (SPARSECOLL_TIMEOUT); aborting the job")
         msg = np.array([call], dtype=np.int64)
         sends = [c.isend(msg, r, ALARM_TAG) for r in range(c.size) if r != c.rank]
-        time.sleep(GRACE)  # the other ranks print their state meanwhile
+        # the other ranks print their state meanwhile, and answer with it
+        _stderr(f"sparsecoll watchdog: rank {c.rank} of {c.size}: {self._others(GRACE)}")
         del sends
         c.abort(1)
+
+    def _others(self, grace: float) -> str:
+        """Where the other ranks are, from their answers within ``grace`` seconds: in this
+        rank's call, in another (or idle), or silent. A rank whose own watchdog fired too
+        answers here (it waits for answers as this one does)."""
+        c, mine = self._alarm, self._now()
+        where: dict[int, str] = {}
+        end = time.monotonic() + grace
+        while len(where) < c.size - 1 and time.monotonic() < end:
+            alarm = c.try_recv_ints(ALARM_TAG)
+            if alarm is not None:
+                self._answer(alarm[0])
+            got = c.try_recv_ints(ANSWER_TAG)
+            if got is None:
+                time.sleep(WATCH_PERIOD / 5)
+                continue
+            text = np.array(got[1], np.int64).tobytes().rstrip(b"\0").decode()
+            now, state = text.split("\n", 1)
+            where[got[0]] = "in it" if now == mine else state
+        silent = f"did not answer within {grace:g} s (exited, in MPI_Finalize, or no watchdog)"
+        by: dict[str, list[int]] = {"in it": [c.rank]}
+        for r in range(c.size):
+            if r != c.rank:
+                by.setdefault(where.get(r, silent), []).append(r)
+        return f"call {mine}: " + "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, sorted(rs)))} {what}"
+            for what, rs in by.items()
+        )
+
+
+def _pad(data: bytes) -> bytes:
+    """``data`` padded with NULs to a whole number of int64s (how the answers travel)."""
+    return data + b"\0" * (-len(data) % 8)
 
 
 def _stderr(line: str) -> None:

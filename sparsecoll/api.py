@@ -34,6 +34,9 @@ Detail = tuple[tuple[tuple[int, ...], dict[str, Any]], ...] | None
 
 SIGNATURE_LEN = 9  # (a GradientReducer's 4 values and an algorithm's 5)
 ALGORITHM_SIGNATURE_LEN = 5
+# the first signature value of a progress engine's start (see start_check): no call's
+# signature begins with it (n, a step count, a dtype code are >= 0)
+ENGINE_START = -(2**63) + 0x5C0
 
 
 def allreduce(
@@ -99,11 +102,17 @@ def allreduce(
     label = f"allreduce(algorithm={_name(algorithm)!r}, n={n!r})"
     # (serial: this rank's other threads wait: their calls would interleave)
     with c.serial(), watch(c, label):
-        return _allreduce(c, values, indices, n, algorithm, options)
+        return _allreduce(c, values, indices, n, algorithm, options, label)
 
 
 def _allreduce(
-    c: Communicator, values: Any, indices: Any, n: int, algorithm: Any, options: dict[str, Any]
+    c: Communicator,
+    values: Any,
+    indices: Any,
+    n: int,
+    algorithm: Any,
+    options: dict[str, Any],
+    label: str,
 ) -> SparseVector:
     algo: Any = None
     vals: Any = None
@@ -147,7 +156,7 @@ def _allreduce(
         error = None
     except Exception as exc:  # (shared with every rank: none is left waiting)
         error, sig = exc, None
-    collective_check(c, error, sig, ("n", "values dtype", "algorithm"))
+    collective_check(c, error, sig, ("n", "values dtype", "algorithm"), call=label)
     # IEEE sums, as MPI_SUM's: inf + (-inf) is NaN and an overflow inf, without a warning
     # (device inputs: work and return on their own GPU)
     with device_scope(vals), np.errstate(over="ignore", invalid="ignore"), c.measure() as stats:
@@ -177,7 +186,15 @@ def iallreduce(
     instance) are borrowed: do not modify them until the request has completed. A blocking
     call on the same communicator first waits for every pending request.
 
+    The first nonblocking call on a communicator starts its progress engine, with one
+    agreement that every rank's first nonblocking call makes (as a blocking call's input
+    agreement): a rank making a blocking call there instead raises, as this one does, a
+    CollectiveInputError naming which rank made which call.
+
     Raises:
+        CollectiveInputError: this is the first nonblocking call on ``comm`` here, and
+            another rank makes a blocking call instead (a blocking call and a nonblocking
+            one mixed across ranks), raised on every rank of the two calls.
         RuntimeError: MPI was not initialized with MPI_THREAD_MULTIPLE, or is finalized;
             the progress engine was shut down; a forked child (the engine is the parent's).
         TypeError: ``COMM_NULL`` or a freed communicator.
@@ -189,7 +206,7 @@ def iallreduce(
     def call() -> SparseVector:
         return allreduce(c, values, indices, n=n, algorithm=algorithm, **options)
 
-    return c.engine().submit(call, label, owner=c)
+    return c.engine(label).submit(call, label, owner=c)
 
 
 def _name(algorithm: Any) -> str:
@@ -207,7 +224,7 @@ def watch(c: Communicator, label: str) -> contextlib.AbstractContextManager[None
     if not thread_multiple():
         _unwatched()
         return contextlib.nullcontext()
-    return c.engine().watching(label)
+    return c.engine(label, blocking=True).watching(label)
 
 
 _warned: list[bool] = []
@@ -250,6 +267,8 @@ def collective_check(
     signature: list[int] | None,
     names: tuple[str, ...] = (),
     detail: Detail = None,
+    *,
+    call: str | None = None,
 ) -> None:
     """Agree on input errors across ranks; raise the same error on every rank.
 
@@ -259,6 +278,8 @@ def collective_check(
     ``((positions, values), ...)``, the named values that the signature's values at
     ``positions`` digest (options in a CRC); gathered only when the ranks' signatures
     differ, so that the message names the first value that differs there, with both ranks'.
+    ``call`` names this rank's call in the message when the ranks' calls are not of one
+    kind (a progress engine's start on some ranks: see :func:`start_check`).
     """
     if error is None and signature is not None:
         # (raised here alone, a bad signature would leave the other ranks waiting)
@@ -269,12 +290,45 @@ def collective_check(
     vec = [1 if error else 0, -(comm.rank if error else comm.size)]
     vec += [v for s in sig for v in (s, -s)]
     agreed = comm.allreduce_ints(vec, "max")
+    # (the values' max is agreed[2::2], their min -agreed[3::2]; an engine's start is first:
+    # a blocking call's input error on another rank is the mismatch's, not its own)
+    if -agreed[3] == ENGINE_START and (agreed[2] != ENGINE_START or agreed[4] != -agreed[5]):
+        _raise_mixed(comm, error is None and sig[:2] == [ENGINE_START, 0], call)
     if agreed[0]:
         bad = -int(agreed[1])
         kind, msg = comm.bcast_object(_describe(error) if comm.rank == bad else None, bad)
         raise getattr(errors, kind)(f"{msg} on rank {bad}") from error
     if np.any(agreed[2::2] != -agreed[3::2]):
         _raise_mismatch(comm, sig, names, detail)
+
+
+def start_check(comm: Communicator, call: str | None, blocking: bool) -> None:
+    """Before a communicator's progress engine duplicates it (collective): one agreement of
+    the shape of a blocking call's input agreement (:func:`collective_check`), marked as an
+    engine's start (for a nonblocking call, or to watch a blocking one). A rank whose first
+    call there is another kind (a blocking call: its agreement matches this one in MPI)
+    then raises with this one, naming both calls, instead of the duplication colliding with
+    the agreement's message (MPI's "Message truncated" abort)."""
+    collective_check(comm, None, [ENGINE_START, int(blocking)], call=call)
+
+
+def _raise_mixed(comm: Communicator, nonblocking: bool, call: str | None) -> None:
+    """Raise on every rank that blocking and nonblocking calls were mixed, naming each
+    rank's call (gathered: only on this failure)."""
+    kind = "nonblocking" if nonblocking else "blocking"
+    calls = comm.allgather_object(f"a {kind} call" + (f" ({call})" if call else ""))
+    ranks: dict[str, list[int]] = {}
+    for r, what in enumerate(calls):
+        ranks.setdefault(what, []).append(r)
+    listed = "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {what}"
+        for what, rs in ranks.items()
+    )
+    raise CollectiveInputError(
+        f"blocking and nonblocking calls mixed on this communicator ({listed}): every rank "
+        f"must make the same calls in the same order (the first nonblocking call on a "
+        f"communicator starts its progress engine, which every rank must do together)"
+    )
 
 
 def _signature_error(signature: list[int], names: tuple[str, ...]) -> Exception | None:

@@ -551,12 +551,15 @@ class Communicator:
         return comm if isinstance(comm, Communicator) else cls(comm)
 
     # -- progress engine ------------------------------------------------------------------
-    def engine(self) -> Any:
+    def engine(self, call: str | None = None, *, blocking: bool = False) -> Any:
         """The progress engine of this MPI communicator, started on first use.
 
         Starting it duplicates the communicator twice (collective: every rank must reach
-        its first nonblocking call on this communicator in the same order). Raises
-        RuntimeError when MPI was not initialized with MPI_THREAD_MULTIPLE.
+        its first nonblocking call on this communicator in the same order), after an
+        agreement that raises CollectiveInputError on every rank when some rank makes a
+        blocking call there instead (``call``: the label of the call that starts it, for
+        that message; ``blocking``: it is a blocking call, which the watchdog watches).
+        Raises RuntimeError when MPI was not initialized with MPI_THREAD_MULTIPLE.
         """
         engine = self._attached_engine()
         if engine is not None:
@@ -588,6 +591,9 @@ class Communicator:
             engine = self._attached_engine()  # aborted with "Message truncated")
             if engine is not None:
                 return engine
+            from .api import start_check  # (api imports this module)
+
+            start_check(self, call, blocking)
             work = self.mpi_comm.Dup()
             alarm = self.mpi_comm.Dup()
             poll = os.environ.get("SPARSECOLL_PROGRESS_POLL", "1").strip() != "0"

@@ -362,7 +362,7 @@ class GradientReducer:
         self._wait_pending()
         label = f"step({self.algorithm_name!r})"
         with self.comm.serial(), watch(self.comm, label), contextlib.ExitStack() as scope:
-            return self._step(grad, out, scope, failed, reuse)
+            return self._step(grad, out, scope, failed, reuse, label)
 
     def _step(
         self,
@@ -371,6 +371,7 @@ class GradientReducer:
         scope: contextlib.ExitStack,
         failed: BaseException | None,
         reuse: bool,
+        label: str,
     ) -> Any:
         arr, wrap, dest, error, prepared, saved, sig = None, identity, None, None, None, None, None
         self._can_take_back = False  # (a step failing on any rank leaves nothing to take back)
@@ -398,7 +399,7 @@ class GradientReducer:
         t0 = time.perf_counter()
         try:
             if self.check:
-                collective_check(self.comm, error, sig, self._agreed, self._detail)
+                collective_check(self.comm, error, sig, self._agreed, self._detail, call=label)
             elif error is not None:
                 raise error
             self._last.comm_s = time.perf_counter() - t0
@@ -436,10 +437,9 @@ class GradientReducer:
         its own ``wait()``, as a blocking step's until the next step.
         """
         reuse = out is None and self._update_free()
-        req = self.comm.engine().submit(
-            lambda: self._run_step(grad, out, reuse=reuse),
-            f"step_async({self.algorithm_name!r})",
-            self.comm,
+        label = f"step_async({self.algorithm_name!r})"
+        req = self.comm.engine(label).submit(
+            lambda: self._run_step(grad, out, reuse=reuse), label, self.comm
         )
         if reuse:
             self._update_lent = weakref.ref(req)

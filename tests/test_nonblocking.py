@@ -32,6 +32,8 @@ def test_exit_with_requests_pending():
         # a blocking GradientReducer.step (the synchronous DDP hook's call) is watched too;
         # its first step ran unwatched, so the engine's call numbers are one lower
         ("skip_step", "in call #2 step('oktopk')", "idle after call #1 step('oktopk')"),
+        # rank 1 skips the call and exits: it prints nothing, the rank that fired names it
+        ("skip_exit", "in call #3 iallreduce", None),
     ],
 )
 def test_watchdog_aborts_with_a_diagnostic(mode, waiting, idle):
@@ -46,8 +48,14 @@ def test_watchdog_aborts_with_a_diagnostic(mode, waiting, idle):
     # the ranks waiting in the call say so; the rank that skipped it answers the alarm
     for rank in (0, 2):
         assert f"sparsecoll watchdog: rank {rank} of 3: {waiting}" in out, out
-    assert f"sparsecoll watchdog: rank 1 of 3: {idle}" in out, out
-    assert "timed out in its call #" in out, out
+    if idle is not None:
+        assert f"sparsecoll watchdog: rank 1 of 3: {idle}" in out, out
+        assert "timed out in its call #" in out, out
+    # the rank that fired sums up from the others' answers: who is in its call, who is not
+    summary = [line for line in out.splitlines() if waiting[3:] in line and " in it" in line]
+    assert summary, out
+    absent = f"rank 1 {idle}" if idle else "rank 1 did not answer within"
+    assert any(absent in line for line in summary), out
     assert time.monotonic() - start < 100
 
 
@@ -424,7 +432,8 @@ def _raise() -> None:
         raise RuntimeError("rank 1 fails")
 
 
-def _skip() -> None:
+def _skip(exits: bool = False) -> None:
+    """Rank 1 skips call #3 and waits in raw MPI (``exits``: exits instead)."""
     import sparsecoll
 
     assert sparsecoll.get_timeout() == WATCHDOG_SECONDS
@@ -436,8 +445,11 @@ def _skip() -> None:
     sparsecoll.iallreduce(comm, vals, idx, n=10**5).wait()
     if comm.rank != 1:  # rank 1 skips call #3
         sparsecoll.iallreduce(comm, vals, idx, n=10**5, algorithm="allgather").wait()
-    comm.mpi_comm.Barrier()  # raw MPI, not watched; rank 1 waits here
-    print("not reached", flush=True)
+    if not exits:
+        comm.mpi_comm.Barrier()  # raw MPI, not watched; rank 1 waits here
+        print("not reached", flush=True)
+    elif comm.rank != 1:
+        print("not reached", flush=True)
 
 
 def _skip_step() -> None:
@@ -483,6 +495,7 @@ def _low_level(level: str) -> None:
 
 if __name__ == "__main__":
     modes = {"pending": _pending, "skip": _skip, "skip_step": _skip_step, "raise": _raise}
+    modes.update(skip_exit=lambda: _skip(exits=True))
     modes.update(fork=_fork, finalize=_finalize, queued=_queued, closed=_closed)
     modes.update(daemon=_daemon, stuck=_stuck)
     modes.update(

@@ -608,7 +608,7 @@ def async_sparse_allreduce_hook(state: SparseHookState, bucket):
 
     what = "dense warm-up" if red is None else repr(state.algorithm)
     label = f"ddp bucket {bucket.index()} ({what}, iteration {iteration})"
-    state.comm.engine().submit(run, label, owner=state.comm)
+    state.comm.engine(label).submit(run, label, owner=state.comm)
     # DDP reads the future's value in C++: a future completed by set_exception holds the
     # exception as its value ("Unable to cast <message> to Tensor"); chained, the error
     # reaches backward() as an error, with its type and message

@@ -730,3 +730,56 @@ def test_last_stats_is_the_calling_threads_last_call(comm):
     same = c.last_stats == mine and c.last_stats is not request
     assert_all(comm, same, f"last_stats {c.last_stats} (own call {mine}, request {request})")
     assert_all(comm, seen == [sparsecoll.CommStats()], f"another thread's: {seen}")
+
+
+def _first_call(kind: str, c, blocking: bool):
+    """The first call of ``kind`` on ``c``: blocking, or its nonblocking twin waited for."""
+    v, i = _input(c.rank, 7)
+    if kind == "allreduce":
+        if blocking:
+            return sparsecoll.allreduce(c, v, i, n=N)
+        return sparsecoll.iallreduce(c, v, i, n=N).wait()
+    red = GradientReducer(c, N, "allgather", 0.05)
+    g = np.zeros(N, np.float32)
+    g[i] = v
+    return red.step(g) if blocking else red.step_async(g).wait()
+
+
+@pytest.mark.parametrize("watched", [False, True])
+@pytest.mark.parametrize("kind", ["allreduce", "step"])
+def test_a_blocking_call_against_a_first_nonblocking_one_raises_everywhere(comm, kind, watched):
+    """Rank 0 makes a blocking call where the others make their first nonblocking call on
+    the communicator (a user's error): every rank raises the same CollectiveInputError
+    naming both calls (the nonblocking call's engine start duplicated the communicator,
+    colliding with rank 0's input agreement: MPICH aborted with "Message truncated"; with
+    the watchdog both started an engine, then waited on different communicators until it
+    fired). Nothing is left started: the same calls on every rank then work."""
+    from mpi4py import MPI
+
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    before = sparsecoll.get_timeout()
+    sparsecoll.set_timeout(600 if watched else None)
+    mine = sparsecoll.Communicator(MPI.COMM_WORLD.Dup())  # (no engine yet)
+    try:
+        with pytest.raises(sparsecoll.CollectiveInputError) as info:
+            _first_call(kind, mine, blocking=comm.rank == 0)
+        msg = str(info.value)
+        assert_all(comm, len(set(comm.allgather_object(msg))) == 1, msg)
+        others = "rank 1" if comm.size == 2 else f"ranks {', '.join(map(str, range(1, comm.size)))}"
+        label = "allreduce(algorithm='allgather', n=3000)" if kind == "allreduce" else "step"
+        assert_all(comm, "blocking and nonblocking calls mixed" in msg, msg)
+        assert_all(comm, f"rank 0: a blocking call ({label}" in msg, msg)
+        assert_all(
+            comm,
+            f"{others}: a nonblocking call (i{label}" in msg
+            or f"{others}: a nonblocking call ({label}_async" in msg,
+            msg,
+        )
+        got = _first_call(kind, mine, blocking=False)  # (the engine starts now, everywhere)
+        want = _first_call(kind, mine, blocking=True)
+        same = digest(got) == digest(want) if kind == "allreduce" else np.allclose(got, want)
+        assert_all(comm, same, "the calls after the error give other results")
+    finally:
+        sparsecoll.set_timeout(before)
+        mine.mpi_comm.Free()
