@@ -450,6 +450,54 @@ def test_moments_anywhere_in_the_float_range(name, dtype, seed, n, at) -> None:
         assert est.lo * chosen.k <= chosen.count <= est.hi * chosen.k, (chosen, shift)
 
 
+def two_pass(x: np.ndarray) -> tuple[float, float]:
+    """The oracle: mean, then the mean square of x - mean, in long double."""
+    v = x.astype(np.longdouble)
+    mean = v.mean()
+    return float(mean), float(np.sqrt(np.mean((v - mean) ** 2)))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(2, 3000),
+    offset=st.floats(1.0, 12.0),
+    sign=st.sampled_from([1.0, -1.0]),
+    outlier=st.booleans(),
+)
+def test_moments_of_data_with_a_large_offset(name, dtype, seed, n, offset, sign, outlier) -> None:
+    """std where |mean| >> std (a common offset 10**1 to 10**12 std, |x| all near one
+    magnitude, one outlier or none) as the two-pass std in long double: the sums are of
+    x minus a shift near the mean, not E[x²] - mean², which cancelled (before: std 0 for
+    float32 x around 1e8 with std 0.06, 2.4 for float64 around 1e8 with std 1), and
+    Gaussian-k then fell back to the exact top-k on such data."""
+    rng = np.random.default_rng(seed)
+    top = {np.float16: 3.0, np.float32: 6.0, np.float64: 14.0}[dtype]  # offsets x can hold
+    x = (sign * 10.0 ** min(offset, top) + rng.standard_normal(n)).astype(dtype)
+    if outlier:
+        x[rng.integers(n)] *= 1e3 if dtype != np.float16 else 30.0
+    assume(np.ptp(x) > 0)
+    want_mean, want_std = two_pass(x)
+    with backend(name):
+        mean, std = sel.moments(dev(x, name))
+    assert math.isclose(mean, want_mean, rel_tol=1e-13, abs_tol=1e-9 * want_std), (mean, want_mean)
+    assert math.isclose(std, want_std, rel_tol=1e-9), (std, want_std)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_gaussian_threshold_fits_data_with_a_large_offset(name, sign) -> None:
+    """Gaussian-k on a float64 gradient with a common offset of 1e8 std fits it (before:
+    std 0 or 2.4, so the exact fallback, "gaussian-exact")."""
+    x = sign * 1e8 + np.random.default_rng(7).standard_normal(200_000)
+    est = sel.GaussianThreshold(density=0.01)
+    with backend(name):
+        s = est.select(dev(x, name))
+    assert s.method == "gaussian", s
+    assert est.lo * s.k <= s.count <= est.hi * s.k, s
+
+
 def test_backend_module_contract() -> None:
     """Every CPU backend provides the functions the dispatch (and the GPU module) names."""
     for mod in (_numba, _numpy):

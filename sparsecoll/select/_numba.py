@@ -66,6 +66,7 @@ from ._common import (
     NAN_MESSAGE,
     key_info,
     key_value,
+    moment_shift,
     moments_from_sums,
     moments_of,
     threshold_key,
@@ -338,15 +339,18 @@ def _scatter_gt_eq(
 
 
 # reassoc lets LLVM split the float64 sums into vector lanes instead of one serial
-# chain of dependent adds; the result changes only by rounding.
-@_kernels(fastmath={"reassoc"})
-def _sums(x, bounds, s1, s2):  # pragma: no cover
+# chain of dependent adds; the result changes only by rounding. The sums are of
+# v = x - shift and v² (see _common.moment_shift: E[x²] - mean² cancels); contract lets
+# v² + q be one fused multiply-add, which pays for the subtraction (float64, one thread:
+# 4.00 ms without, 3.81 with, 3.79 unshifted, on 16M entries here).
+@_kernels(fastmath={"reassoc", "contract"})
+def _sums(x, shift, bounds, s1, s2):  # pragma: no cover
     for c in prange(bounds.shape[0] - 1):
         xc = x[bounds[c] : bounds[c + 1]]
         a = 0.0
         q = 0.0
         for i in range(xc.shape[0]):
-            v = np.float64(xc[i])
+            v = np.float64(xc[i]) - shift
             a += v
             q += v * v
         s1[c] = a
@@ -606,11 +610,13 @@ def moments(x: np.ndarray) -> tuple[float, float]:
         x = x.astype(np.float32)
     bounds = _bounds(n, 1)
     sums = np.empty((2, bounds.shape[0] - 1))
-    _run(_sums, n, x, bounds, *sums)
-    a, q = float(sums[0].sum()), float(sums[1].sum())
+    shift = moment_shift(x)
+    _run(_sums, n, x, shift, bounds, *sums)
+    with np.errstate(over="ignore", invalid="ignore"):  # (the chunks' sums: rescaled below)
+        a, q = float(sums[0].sum()), float(sums[1].sum())
     if x.dtype == np.float64:  # (float32's squares always fit)
-        return moments_of(x, (a, q))  # (summed again, scaled, only where they did not)
-    return moments_from_sums(n, a, q)
+        return moments_of(x, shift, (a, q))  # (summed again, scaled, only where they did not)
+    return moments_from_sums(n, a, q, shift)
 
 
 def warmup(parallel: bool = False) -> None:

@@ -58,7 +58,7 @@ def count_ge(x: np.ndarray, t: float) -> int:
 
 
 def moments(x: np.ndarray) -> tuple[float, float]:
-    return moments_of(x.astype(np.float64))
+    return moments_of(x)
 
 
 def accumulate(
