@@ -485,6 +485,36 @@ def test_moments_of_data_with_a_large_offset(name, dtype, seed, n, offset, sign,
     assert math.isclose(std, want_std, rel_tol=1e-9), (std, want_std)
 
 
+F64_MAX, F64_TINY = float(np.finfo(np.float64).max), float(np.finfo(np.float64).smallest_subnormal)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize(
+    "values",
+    [
+        [F64_MAX, -F64_MAX],  # std = the largest float: not inf (rounded up at the top)
+        [F64_TINY, 0.0, 2 * F64_TINY],  # d = x - shift cancel in the sum, d² vanish
+        [F64_TINY, 0.0, -F64_TINY],  # (so do the values themselves, unshifted)
+        [3 * F64_TINY, -F64_TINY, 0.0, 0.0],
+        [0.0],
+        [-F64_MAX, F64_MAX / 2, F64_MAX],
+    ],
+)
+@pytest.mark.parametrize("repeat", [1, 40])
+def test_moments_at_the_ends_of_float64(name, values, repeat) -> None:
+    """The two-pass std (long double) at float64's ends: the largest values of both signs,
+    subnormals whose squares vanish and whose sum cancels. Before: std inf for ±max (after
+    the shift; finite before it) and 0 for 0, ±5e-324 (sums 0 and 0 taken for all zeros)."""
+    x = np.array(values * repeat, dtype=np.float64)
+    want_mean, want_std = two_pass(x)
+    with backend(name):
+        mean, std = sel.moments(dev(x, name))
+    spread = 1e-14 * float(np.abs(x).max()) + 2 * F64_TINY  # (the mean's rounding)
+    assert math.isclose(mean, want_mean, rel_tol=1e-12, abs_tol=spread), (mean, want_mean)
+    assert math.isclose(std, want_std, rel_tol=1e-12, abs_tol=F64_TINY), (std, want_std)
+    assert (std > 0.0) == (want_std > 0.0), (std, want_std)  # (a subnormal std is not 0)
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_gaussian_threshold_fits_data_with_a_large_offset(name, sign) -> None:

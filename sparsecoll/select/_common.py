@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from .._array import get_array_module, to_host
 __all__ = [
     "MOMENT_SCALE",
     "NAN_MESSAGE",
+    "SHIFT_SQUARES_EXACT",
     "KeyInfo",
     "key_info",
     "moment_shift",
@@ -120,13 +122,30 @@ def moments_from_sums(
     """(mean, population std) of n values v from the sums ``a``, ``q`` of d = (v - shift)·scale
     and d² (scale a power of two). Non-finite sums give a non-finite mean or std."""
     mean = a / n
-    return shift + mean / scale, math.sqrt(max(q / n - mean * mean, 0.0)) / scale
+    std = math.sqrt(max(q / n - mean * mean, 0.0)) / scale
+    if math.isfinite(a) and math.isfinite(q):  # finite values: std <= half their range,
+        std = min(std, sys.float_info.max)  # not inf from a rounding up at the very top
+    return shift + mean / scale, std
 
 
-def underflowed(n: int, a: float, q: float) -> bool:
-    """Whether sums ``a``, ``q`` of n values and their squares come from values so small
-    (mean square below MOMENT_TINY, not all zero) that their squares lost bits."""
-    return q / n < MOMENT_TINY and (q != 0.0 or a != 0.0)
+# |shift| at or above this: every x != shift has (x - shift)² >= the least subnormal, so
+# sums a = q = 0 mean x == shift throughout (below it, tiny d = x - shift can square to 0
+# and cancel in a)
+SHIFT_SQUARES_EXACT = 2.0**-480
+
+
+def underflowed(x: Any, shift: float, a: float, q: float) -> bool:
+    """Whether sums ``a``, ``q`` of d = x - shift and d² come from d so small (mean square
+    below MOMENT_TINY, not all zero) that their squares lost bits. Sums both 0 are
+    checked against x (a pass) only when x is float64 and |shift| < SHIFT_SQUARES_EXACT:
+    all zeros, or subnormal data whose squares vanished and whose d cancelled."""
+    if q / int(x.shape[0]) >= MOMENT_TINY:
+        return False
+    if q != 0.0 or a != 0.0:
+        return True
+    if x.dtype != np.float64 or abs(shift) >= SHIFT_SQUARES_EXACT:
+        return False  # (float16/32 d² never vanish in float64)
+    return bool(get_array_module(x).any(x != shift))
 
 
 def _shifted_sums(x: Any, shift: float, scale: float) -> tuple[float, float]:
@@ -152,7 +171,7 @@ def moments_of(
     with np.errstate(over="ignore", invalid="ignore"):  # (numpy; rescaled below)
         a, q = sums if sums is not None else _shifted_sums(x, c, 1.0)
         if math.isfinite(a) and math.isfinite(q):
-            if not underflowed(n, a, q):
+            if not underflowed(x, c, a, q):
                 return moments_from_sums(n, a, q, c)
             scale = MOMENT_SCALE
         else:  # an overflow (or non-finite values, which stay so)
