@@ -615,8 +615,12 @@ def moments(x: np.ndarray) -> tuple[float, float]:
     with np.errstate(over="ignore", invalid="ignore"):  # (the chunks' sums: rescaled below)
         a, q = float(sums[0].sum()), float(sums[1].sum())
     if x.dtype == np.float64:  # (float32's squares always fit)
-        return moments_of(x, shift, (a, q))  # (summed again, scaled, only where they did not)
-    return moments_from_sums(n, a, q, shift)
+        mean, std = moments_of(x, shift, (a, q))  # (summed again, scaled, where they did not)
+    else:
+        mean, std = moments_from_sums(n, a, q, shift)
+    if mean != mean or std != std:  # NaN in x, or +inf with -inf (a pass only then)
+        _check_nan(*_keys(x))
+    return mean, std
 
 
 def warmup(parallel: bool = False) -> None:
