@@ -89,9 +89,10 @@ def key_value(key: int, dtype: Any) -> float:
 # as E[x²] - mean² cancels catastrophically where |mean| >> std (a large common offset:
 # std came out 0, or wrong by orders of magnitude, e.g. 0 for float32 x around 1e8 with
 # std 0.06, and the Gaussian estimators fell back to the exact select). With the shift the
-# variance is E[d²] - E[d]², whose rounding is ~eps·(1 + (mean - c)²/std²): c is the lower
-# median of a strided sample of SHIFT_SAMPLE entries, which lies within a few std of the
-# mean for any distribution, and is a value of x, so (mean - c)² <= n·std² even at worst.
+# variance is E[d²] - E[d]², whose rounding is ~eps·(1 + (mean - c)²/std²): c is the middle
+# value of a strided sample of SHIFT_SAMPLE entries, near x's median, which lies within a
+# std of the mean for any distribution; and c is a value of x, so (mean - c)² <= n·std²
+# even for a sample that misleads.
 # The sample costs a strided read of a few hundred entries, not a pass.
 # A float64 square passes the largest float64 from |d| ~ 1.3e154 on and loses bits
 # (subnormal, then 0) below ~1.5e-154. Where the plain sums overflowed, or the squares
@@ -104,8 +105,9 @@ SHIFT_SAMPLE = 255  # entries sampled for the shift
 
 
 def moment_shift(x: Any) -> float:
-    """The shift ``c`` the moment sums are taken around: the lower median of the finite
-    entries of a strided sample of x (numpy or CuPy; 0.0 when there are none), a value of x."""
+    """The shift ``c`` the moment sums are taken around: the middle value (the upper one of
+    two) of the finite entries of a strided sample of x (numpy or CuPy; 0.0 when there are
+    none), a value of x."""
     n = int(x.shape[0])
     stride = max(1, n // SHIFT_SAMPLE)
     sample = x[stride // 2 :: stride][:SHIFT_SAMPLE]
