@@ -699,19 +699,18 @@ def _count_at_edges(x, edges, out):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True)
 def _edges_below(x, lo, scale, top, edge_in, first, counts, hist):  # pragma: no cover
     # hist[j]: elements of |x| with exactly j edges <= them (NaN: none). A linear bin of
-    # [edges[0], the last finite edge] places each element (below: bin 0, above: bin top,
-    # infinities: bin top + 1, alone); every element of bin b has first[b] edges below it,
-    # plus one if it is >= edge_in[b] (the one edge that may lie in or next to the bin; inf
-    # if none). No branch on the data: a walk along the edges where a bin holds one
-    # mispredicted at ~5 ns an element.
+    # [edges[0], edges[-1]] places each element (below: bin 0, above: bin top); every
+    # element of bin b has first[b] edges below it, plus one if it is >= edge_in[b] (the
+    # one edge that may lie in or next to the bin; inf if none). No branch on the data:
+    # a walk along the edges where a bin holds one mispredicted at ~5 ns an element.
     for i in range(x.shape[0]):
         v = abs(x[i])
         f = (np.float64(v) - lo) * scale
         f = f if f > 0.0 else 0.0  # (NaN: bin 0, where no edge is <= it)
         f = f if f < top else np.float64(top)
-        b = int(f) + (v == np.inf)
+        b = int(f)
         counts[2 * b + (v >= edge_in[b])] += 1
-    for b in range(top + 2):
+    for b in range(top + 1):
         hist[first[b]] += counts[2 * b]
         hist[first[b] + 1] += counts[2 * b + 1]
 
@@ -722,23 +721,26 @@ LIFT = 2.0**600  # subnormal float64 edges times this: bins of a finite width
 
 @njit(cache=True, nogil=True)
 def _binned_at_edges(x, edges, top, out):  # pragma: no cover - compiled
-    # count_at_edges through `top` linear bins of [edges[0], the last finite edge], and one
-    # bin for the infinities (an infinite edge: edges past the dtype's largest finite value
-    # round to it): False (out untouched) when some bin may hold two edges
+    # count_at_edges through `top` linear bins of [edges[0], the last finite edge]: False
+    # (out untouched) when some bin may hold two edges. An infinite edge (edges past the
+    # dtype's largest finite value round to it) is the top bin's: the bins then reach two
+    # bins past the last finite edge, so every element of the top bin is above that edge,
+    # and only infinities are >= the one in it.
     e = edges.shape[0]
     fin = e - 1 if edges[e - 1] == np.inf else e  # the finite edges (distinct: one inf)
     lo, hi = np.float64(edges[0]), np.float64(edges[fin - 1])
-    scale = top / (hi - lo)
+    span = (hi - lo) * (1.0 + 2.0 / top) if fin < e else hi - lo
+    scale = top / span
     slack = 1e-3 / scale  # far beyond any rounding of the bin arithmetic
-    # bin b is [lo + b / scale, lo + (b + 1) / scale) (the top bin: everything finite above).
+    # bin b is [lo + b / scale, lo + (b + 1) / scale) (the top bin: everything above).
     # first[b]: edges surely below every element of bin b (bin 0 also holds everything
     # below lo), and edge_in[b] the one edge that may lie in or next to it (inf if none)
-    first = np.empty(top + 2, np.int64)
-    edge_in = np.full(top + 2, np.inf, dtype=x.dtype)
+    first = np.empty(top + 1, np.int64)
+    edge_in = np.full(top + 1, np.inf, dtype=x.dtype)
     f = 0
     g = 0
     for b in range(top + 1):
-        start = lo + b / scale
+        start = lo + b / scale  # (inf past float64's range: above every finite edge)
         while f < fin and np.float64(edges[f]) < start - slack:
             f += 1
         first[b] = 0 if b == 0 else f
@@ -749,9 +751,11 @@ def _binned_at_edges(x, edges, top, out):  # pragma: no cover - compiled
             return False
         if g > first[b]:
             edge_in[b] = edges[first[b]]
-    first[top + 1] = e - 1  # an infinity is >= every edge: e - 1 of them, and the last
-    edge_in[top + 1] = edges[e - 1]
-    counts = np.zeros(2 * (top + 2), np.int64)
+    if fin < e:
+        if first[top] != fin:  # (the top bin starts two bins above the last finite edge)
+            return False
+        edge_in[top] = edges[fin]
+    counts = np.zeros(2 * (top + 1), np.int64)
     hist = np.zeros(e + 2, np.int64)
     _edges_below(x, lo, scale, top, edge_in, first, counts, hist)
     c = 0
@@ -765,7 +769,7 @@ def count_at_edges(x: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """``[#(|x| >= e) for e in edges]`` (int64) for ascending edges, exactly as compared in
     x's dtype: one pass over x (a pass per edge below EDGE_BINS elements, or when edges
     lie too close together for the bins to tell them apart). Edges past the largest finite
-    value of x's dtype round to inf there, and count the infinities, in the same pass."""
+    value of x's dtype round to inf there and count the infinities, in the same pass."""
     if x.dtype == np.float16:  # exact in float32: every float16 is a float32
         x, edges = x.astype(np.float32), edges.astype(np.float32)
     x = np.ascontiguousarray(x)
@@ -778,7 +782,7 @@ def count_at_edges(x: np.ndarray, edges: np.ndarray) -> np.ndarray:
     out = np.empty(edges.shape[0], np.int64)
     lo, hi = float(edges[0]), float(edges[-1])
     if hi == math.inf and edges.shape[0] > 1:  # edges past the dtype's range round to inf:
-        hi = float(edges[-2])  # the infinities get a bin of their own, the rest are binned
+        hi = float(edges[-2])  # the finite ones are binned, inf takes the top bin
     binned = x.shape[0] >= EDGE_BINS and math.isfinite(lo) and math.isfinite(hi) and hi > lo
     if binned and not math.isfinite(EDGE_BINS / (hi - lo)):
         # float64 subnormal edges: bins finer than float64 can scale to. Lifted by a power
