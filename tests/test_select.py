@@ -837,6 +837,29 @@ def test_estimator_edges() -> None:
     np.testing.assert_array_equal(v.indices, s.indices)
 
 
+@pytest.mark.parametrize("name", ["numba", "numpy"])
+@given(x=vectors(), extra=st.integers(0, 3), data=st.data())
+def test_estimators_keep_their_count_contract_at_the_ends(name, x, extra, data) -> None:
+    """Every estimator on the ends of the range (all equal, all zeros, ±0, subnormals,
+    infinities, float16, heavy ties at the threshold; n from 0, k from 0 to n + 3, capped
+    at n): exactly k (Exact, and every exact fallback or trim) or within the stated band,
+    indices ascending, values = x[indices], no warning."""
+    n = x.shape[0]
+    k = data.draw(st.integers(0, n)) + extra
+    want = min(k, n)
+    with backend(name), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for est in (
+            sel.ExactThreshold(k),
+            sel.SamplingThreshold(k, min_sample=16),
+            sel.GaussianThreshold(k),
+        ):
+            s = est.select(x)
+            lo, hi = getattr(est, "lo", 1.0), getattr(est, "hi", 1.0)
+            assert s.k == want and (s.count == want or lo * want <= s.count <= hi * want), s
+            check_selection(s, x)
+
+
 def test_estimators_same_on_both_backends() -> None:
     x = gradient_like("student", 80_000, 11)
     out = {}
