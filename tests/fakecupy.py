@@ -539,7 +539,8 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("empty", "ones", "zeros"), ("dtype", "order")),
     **dict.fromkeys(("empty_like", "zeros_like"), ("dtype", "order", "subok", "shape")),
     **dict.fromkeys(
-        ("abs", "add", "isfinite", "isnan", "maximum", "minimum", "multiply"), _UFUNC_KW
+        ("abs", "add", "isfinite", "isnan", "maximum", "minimum", "multiply", "subtract"),
+        _UFUNC_KW,
     ),
     **dict.fromkeys(("all", "any", "max", "min"), ("axis", "out", "keepdims")),
     **dict.fromkeys(("argsort", "sort"), ("axis", "kind")),

@@ -205,6 +205,20 @@ def test_moments(xp, sel, x):
     np.testing.assert_allclose(std, want_var**0.5, rtol=1e-6, atol=1e-300)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(2, 3000), offset=st.floats(1.0, 12.0))
+def test_moments_with_a_large_offset(xp, sel, dtype, seed, n, offset):
+    """|mean| >> std: the std is the two-pass one (long double), as on the CPU (before:
+    E[x²] - mean², 0 or orders of magnitude off from an offset of ~1e7 std on)."""
+    top = {np.float16: 3.0, np.float32: 6.0, np.float64: 14.0}[dtype]
+    x = (10.0 ** min(offset, top) + np.random.default_rng(seed).standard_normal(n)).astype(dtype)
+    v = x.astype(np.longdouble)
+    want = float(np.sqrt(np.mean((v - v.mean()) ** 2)))
+    mean, std = sel.moments(xp.asarray(x))
+    np.testing.assert_allclose(mean, float(v.mean()), rtol=1e-13, atol=1e-9 * want)
+    np.testing.assert_allclose(std, want, rtol=1e-9, atol=1e-300)
+
+
 def test_selection_rejects_bad_input(xp, sel):
     with pytest.raises(TypeError, match="float16, float32 or float64"):
         sel.topk(xp.asarray(np.arange(5)), 2)

@@ -299,6 +299,7 @@ def test_nan_raises(name: str, x: np.ndarray, data: st.DataObject) -> None:
             lambda: sel.threshold(d, np.inf),
             lambda: sel.count_ge(d, 0.0),
             lambda: sel.kth_largest_abs(d, max(k, 1)),
+            lambda: sel.moments(d),  # (before: (nan, nan) on the CPU backends)
         ):
             with pytest.raises(ValueError, match="NaN"):
                 call()
@@ -448,6 +449,84 @@ def test_moments_anywhere_in_the_float_range(name, dtype, seed, n, at) -> None:
     for chosen in (want, got):
         assert chosen.method in ("gaussian", "gaussian-topk"), (chosen.method, shift)
         assert est.lo * chosen.k <= chosen.count <= est.hi * chosen.k, (chosen, shift)
+
+
+def two_pass(x: np.ndarray) -> tuple[float, float]:
+    """The oracle: mean, then the mean square of x - mean, in long double."""
+    v = x.astype(np.longdouble)
+    mean = v.mean()
+    return float(mean), float(np.sqrt(np.mean((v - mean) ** 2)))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(2, 3000),
+    offset=st.floats(1.0, 12.0),
+    sign=st.sampled_from([1.0, -1.0]),
+    outlier=st.booleans(),
+)
+def test_moments_of_data_with_a_large_offset(name, dtype, seed, n, offset, sign, outlier) -> None:
+    """std where |mean| >> std (a common offset 10**1 to 10**12 std, |x| all near one
+    magnitude, one outlier or none) as the two-pass std in long double: the sums are of
+    x minus a shift near the mean, not E[x²] - mean², which cancelled (before: std 0 for
+    float32 x around 1e8 with std 0.06, 2.4 for float64 around 1e8 with std 1), and
+    Gaussian-k then fell back to the exact top-k on such data."""
+    rng = np.random.default_rng(seed)
+    top = {np.float16: 3.0, np.float32: 6.0, np.float64: 14.0}[dtype]  # offsets x can hold
+    x = (sign * 10.0 ** min(offset, top) + rng.standard_normal(n)).astype(dtype)
+    if outlier:
+        x[rng.integers(n)] *= 1e3 if dtype != np.float16 else 30.0
+    assume(np.ptp(x) > 0)
+    want_mean, want_std = two_pass(x)
+    with backend(name):
+        mean, std = sel.moments(dev(x, name))
+    assert math.isclose(mean, want_mean, rel_tol=1e-13, abs_tol=1e-9 * want_std), (mean, want_mean)
+    assert math.isclose(std, want_std, rel_tol=1e-9), (std, want_std)
+
+
+F64_MAX, F64_TINY = float(np.finfo(np.float64).max), float(np.finfo(np.float64).smallest_subnormal)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize(
+    "values",
+    [
+        [F64_MAX, -F64_MAX],  # std = the largest float: not inf (rounded up at the top)
+        [F64_TINY, 0.0, 2 * F64_TINY],  # d = x - shift cancel in the sum, d² vanish
+        [F64_TINY, 0.0, -F64_TINY],  # (so do the values themselves, unshifted)
+        [3 * F64_TINY, -F64_TINY, 0.0, 0.0],
+        [0.0],
+        [-F64_MAX, F64_MAX / 2, F64_MAX],
+    ],
+)
+@pytest.mark.parametrize("repeat", [1, 40])
+def test_moments_at_the_ends_of_float64(name, values, repeat) -> None:
+    """The two-pass std (long double) at float64's ends: the largest values of both signs,
+    subnormals whose squares vanish and whose sum cancels. Before: std inf for ±max (after
+    the shift; finite before it) and 0 for 0, ±5e-324 (sums 0 and 0 taken for all zeros)."""
+    x = np.array(values * repeat, dtype=np.float64)
+    want_mean, want_std = two_pass(x)
+    with backend(name):
+        mean, std = sel.moments(dev(x, name))
+    spread = 1e-14 * float(np.abs(x).max()) + 2 * F64_TINY  # (the mean's rounding)
+    assert math.isclose(mean, want_mean, rel_tol=1e-12, abs_tol=spread), (mean, want_mean)
+    assert math.isclose(std, want_std, rel_tol=1e-12, abs_tol=F64_TINY), (std, want_std)
+    assert (std > 0.0) == (want_std > 0.0), (std, want_std)  # (a subnormal std is not 0)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_gaussian_threshold_fits_data_with_a_large_offset(name, sign) -> None:
+    """Gaussian-k on a float64 gradient with a common offset of 1e8 std fits it (before:
+    std 0 or 2.4, so the exact fallback, "gaussian-exact")."""
+    x = sign * 1e8 + np.random.default_rng(7).standard_normal(200_000)
+    est = sel.GaussianThreshold(density=0.01)
+    with backend(name):
+        s = est.select(dev(x, name))
+    assert s.method == "gaussian", s
+    assert est.lo * s.k <= s.count <= est.hi * s.k, s
 
 
 def test_backend_module_contract() -> None:
@@ -756,6 +835,29 @@ def test_estimator_edges() -> None:
     v = s.to_sparse()
     assert v.n == 1000
     np.testing.assert_array_equal(v.indices, s.indices)
+
+
+@pytest.mark.parametrize("name", ["numba", "numpy"])
+@given(x=vectors(), extra=st.integers(0, 3), data=st.data())
+def test_estimators_keep_their_count_contract_at_the_ends(name, x, extra, data) -> None:
+    """Every estimator on the ends of the range (all equal, all zeros, ±0, subnormals,
+    infinities, float16, heavy ties at the threshold; n from 0, k from 0 to n + 3, capped
+    at n): exactly k (Exact, and every exact fallback or trim) or within the stated band,
+    indices ascending, values = x[indices], no warning."""
+    n = x.shape[0]
+    k = data.draw(st.integers(0, n)) + extra
+    want = min(k, n)
+    with backend(name), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for est in (
+            sel.ExactThreshold(k),
+            sel.SamplingThreshold(k, min_sample=16),
+            sel.GaussianThreshold(k),
+        ):
+            s = est.select(x)
+            lo, hi = getattr(est, "lo", 1.0), getattr(est, "hi", 1.0)
+            assert s.k == want and (s.count == want or lo * want <= s.count <= hi * want), s
+            check_selection(s, x)
 
 
 def test_estimators_same_on_both_backends() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -66,6 +69,20 @@ def test_edge_totals_of_many_magnitudes(seed, t, dtype):
     assert np.array_equal(edge_totals(mags * signs, edges), ge)  # counts of |x|
 
 
+@contextlib.contextmanager
+def one_binned_pass() -> Iterator[None]:
+    """Inside: count_at_edges may not fall back to its pass per edge (the binned pass)."""
+    one_pass = _numba._count_at_edges
+
+    def per_edge(x, edges, out):  # (one distinct edge: one pass either way)
+        assert edges.shape[0] == 1, f"a pass per edge, {edges.shape[0]} of them"
+        one_pass(x, edges, out)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_numba, "_count_at_edges", per_edge)
+        yield
+
+
 @given(
     seed=st.integers(0, 2**32 - 1),
     dtype=st.sampled_from([np.float16, np.float32, np.float64]),
@@ -86,14 +103,35 @@ def test_edge_totals_of_subnormals_in_one_pass(seed, dtype, ulps):
     edges = np.maximum(window_edges(t, dtype), fi.smallest_subnormal)
     want = [np.count_nonzero(np.abs(mags) >= e) for e in edges]
 
-    one_pass = _numba._count_at_edges
+    with one_binned_pass():
+        assert np.array_equal(edge_totals(mags, edges), want)
 
-    def per_edge(x, edges, out):  # (one distinct edge: one pass either way)
-        assert edges.shape[0] == 1, f"a pass per edge, {edges.shape[0]} of them"
-        one_pass(x, edges, out)
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_numba, "_count_at_edges", per_edge)
+@pytest.mark.filterwarnings("error")
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+    at=st.floats(0.85, 1.0),  # (the top edge, t·1.25, past the largest finite value)
+    infs=st.integers(0, 5),
+)
+def test_edge_totals_past_the_largest_finite_value_in_one_pass(seed, dtype, at, infs):
+    """A window around a threshold near the dtype's largest finite value: its top edges
+    round to inf (only infinities reach them). Exact, and one binned pass, the infinities
+    in a bin of their own (before: hi = inf ruled the bins out, a pass per edge, 58 of them
+    at t = 3e38 in float32; and window_edges warned of the overflow)."""
+    fi = np.finfo(dtype)
+    rng = np.random.default_rng(seed)
+    m = int(rng.integers(EDGE_BINS, 3 * EDGE_BINS))
+    t = float(fi.max) * at
+    mags = (rng.uniform(0.7, 1.0, m) * float(fi.max)).astype(dtype)
+    mags[:infs] = np.inf
+    mags[infs : infs + 3] = fi.max
+    mags = rng.permutation(mags) * np.where(rng.random(m) < 0.5, -1, 1).astype(dtype)
+    edges = window_edges(t, dtype)
+    assert np.isinf(edges[-1])
+    want = [np.count_nonzero(np.abs(mags) >= e) for e in edges]
+
+    with one_binned_pass():
         assert np.array_equal(edge_totals(mags, edges), want)
 
 

@@ -29,8 +29,10 @@ WINDOW_OFFSETS = 0.003 * _J + (math.log(1.25) - 0.096) / 32**3 * _J**3
 
 def window_edges(threshold: float, dtype: Any) -> np.ndarray:
     """The E = 65 edges ``threshold·e^{WINDOW_OFFSETS}``, ascending, as ``dtype`` holds them
-    (what ``|x| >= edge`` compares against in that dtype)."""
-    return (threshold * np.exp(WINDOW_OFFSETS)).astype(dtype)
+    (what ``|x| >= edge`` compares against in that dtype: inf past its largest finite
+    value, which only infinities reach, as intended; no overflow warning)."""
+    with np.errstate(over="ignore"):
+        return (threshold * np.exp(WINDOW_OFFSETS)).astype(dtype)
 
 
 def nudged_up(threshold: float, factor: float) -> float:

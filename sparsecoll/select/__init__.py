@@ -6,8 +6,9 @@ Public functions (one dispatch for numpy, CuPy, and torch tensors, which come ba
     threshold(x, t)        -> (indices, values): every entry with |x| >= t
     count_ge(x, t)         -> int: how many entries have |x| >= t
     kth_largest_abs(x, k)  -> float: the k-th largest |x| (1 <= k <= n)
-    moments(x)             -> (mean, std) of x, in float64 (scaled where squares would
-                              pass float64's range: finite for any finite x)
+    moments(x)             -> (mean, std) of x, in float64, from sums of x - c for a c near
+                              the mean (no cancellation when |mean| >> std; scaled where
+                              squares would pass float64's range: finite for any finite x)
     accumulate(g, r, out=, cut=) -> Accumulation: out = g + r and the entries of out with
                               |out| >= cut, in one pass (error feedback fused with selection;
                               zero_cut= zeroes the likely-sent ones in out, buckets= bins them)

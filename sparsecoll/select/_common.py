@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any
 
 import numpy as np
 
+from .._array import get_array_module, to_host
+
 __all__ = [
     "MOMENT_SCALE",
     "NAN_MESSAGE",
+    "SHIFT_SQUARES_EXACT",
     "KeyInfo",
     "key_info",
+    "moment_shift",
     "moments_from_sums",
     "moments_of",
     "round_threshold",
@@ -80,40 +85,97 @@ def key_value(key: int, dtype: Any) -> float:
     return float(np.array(key, dtype=info.utype).view(dtype))
 
 
-# moments: a float64 square passes the largest float64 from |v| ~ 1.3e154 on and loses bits
+# moments are sums of d = x - c for a shift c near the data's centre, not of x: the variance
+# as E[x²] - mean² cancels catastrophically where |mean| >> std (a large common offset:
+# std came out 0, or wrong by orders of magnitude, e.g. 0 for float32 x around 1e8 with
+# std 0.06, and the Gaussian estimators fell back to the exact select). With the shift the
+# variance is E[d²] - E[d]², whose rounding is ~eps·(1 + (mean - c)²/std²): c is the middle
+# value of a strided sample of SHIFT_SAMPLE entries, near x's median, which lies within a
+# std of the mean for any distribution; and c is a value of x, so (mean - c)² <= n·std²
+# even for a sample that misleads.
+# The sample costs a strided read of a few hundred entries, not a pass.
+# A float64 square passes the largest float64 from |d| ~ 1.3e154 on and loses bits
 # (subnormal, then 0) below ~1.5e-154. Where the plain sums overflowed, or the squares
 # underflowed (mean square below MOMENT_TINY), the values are summed again scaled by a
 # power of two (exact): passes only for such data, which otherwise made the Gaussian
 # estimators fall back to the exact select. float16/float32 values never need it.
 MOMENT_SCALE = 2.0**600  # huge |v| / MOMENT_SCALE: squares finite; tiny |v| x it: normal
 MOMENT_TINY = 2.0**-900  # mean square below: redo scaled up
+SHIFT_SAMPLE = 255  # entries sampled for the shift
 
 
-def moments_from_sums(n: int, a: float, q: float, scale: float = 1.0) -> tuple[float, float]:
-    """(mean, population std) of n values v from the sums ``a``, ``q`` of w = v·scale and
-    w² (scale a power of two). Non-finite sums give a non-finite mean or std."""
+def moment_shift(x: Any) -> float:
+    """The shift ``c`` the moment sums are taken around: the middle value (the upper one of
+    two) of the finite entries of a strided sample of x (numpy or CuPy; 0.0 when there are
+    none), a value of x."""
+    n = int(x.shape[0])
+    stride = max(1, n // SHIFT_SAMPLE)
+    sample = x[stride // 2 :: stride][:SHIFT_SAMPLE]
+    sample = to_host(sample)
+    sample = sample[np.isfinite(sample)]
+    if sample.shape[0] == 0:
+        return 0.0
+    return float(np.partition(sample, sample.shape[0] // 2)[sample.shape[0] // 2])
+
+
+def moments_from_sums(
+    n: int, a: float, q: float, shift: float = 0.0, scale: float = 1.0
+) -> tuple[float, float]:
+    """(mean, population std) of n values v from the sums ``a``, ``q`` of d = (v - shift)·scale
+    and d² (scale a power of two). Non-finite sums give a non-finite mean or std."""
     mean = a / n
-    return mean / scale, math.sqrt(max(q / n - mean * mean, 0.0)) / scale
+    std = math.sqrt(max(q / n - mean * mean, 0.0)) / scale
+    if math.isfinite(a) and math.isfinite(q):  # finite values: std <= half their range,
+        std = min(std, sys.float_info.max)  # not inf from a rounding up at the very top
+    return shift + mean / scale, std
 
 
-def underflowed(n: int, a: float, q: float) -> bool:
-    """Whether sums ``a``, ``q`` of n values and their squares come from values so small
-    (mean square below MOMENT_TINY, not all zero) that their squares lost bits."""
-    return q / n < MOMENT_TINY and (q != 0.0 or a != 0.0)
+# |shift| at or above this: every x != shift has (x - shift)² >= the least subnormal, so
+# sums a = q = 0 mean x == shift throughout (below it, tiny d = x - shift can square to 0
+# and cancel in a)
+SHIFT_SQUARES_EXACT = 2.0**-480
 
 
-def moments_of(v: Any, sums: tuple[float, float] | None = None) -> tuple[float, float]:
-    """(mean, population std) of a float64 array of numpy or CuPy from its sum and dot
-    (``sums`` if already taken), and, only where those overflowed or the squares
-    underflowed, once more scaled."""
-    n = int(v.shape[0])
+def underflowed(x: Any, shift: float, a: float, q: float) -> bool:
+    """Whether sums ``a``, ``q`` of d = x - shift and d² come from d so small (mean square
+    below MOMENT_TINY, not all zero) that their squares lost bits. Sums both 0 are
+    checked against x (a pass) only when x is float64 and |shift| < SHIFT_SQUARES_EXACT:
+    all zeros, or subnormal data whose squares vanished and whose d cancelled."""
+    if q / int(x.shape[0]) >= MOMENT_TINY:
+        return False
+    if q != 0.0 or a != 0.0:
+        return True
+    if x.dtype != np.float64 or abs(shift) >= SHIFT_SQUARES_EXACT:
+        return False  # (float16/32 d² never vanish in float64)
+    return bool(get_array_module(x).any(x != shift))
+
+
+def _shifted_sums(x: Any, shift: float, scale: float) -> tuple[float, float]:
+    """The sums of d = x·scale - shift·scale and d², d in float64 (one pass to make d)."""
+    xp = get_array_module(x)
+    if scale == 1.0:
+        d = xp.subtract(x, shift, dtype=np.float64)
+    else:
+        d = xp.multiply(x, scale, dtype=np.float64)
+        d -= shift * scale
+    return float(d.sum()), float(d.dot(d))
+
+
+def moments_of(
+    x: Any, shift: float | None = None, sums: tuple[float, float] | None = None
+) -> tuple[float, float]:
+    """(mean, population std) of a float array x of numpy or CuPy, from the sums of
+    d = x - shift and d² in float64 (``sums`` if already taken; ``shift`` by default
+    :func:`moment_shift`), and, only where those overflowed or the squares underflowed,
+    once more scaled."""
+    n = int(x.shape[0])
+    c = moment_shift(x) if shift is None else shift
     with np.errstate(over="ignore", invalid="ignore"):  # (numpy; rescaled below)
-        a, q = sums if sums is not None else (float(v.sum()), float(v.dot(v)))
+        a, q = sums if sums is not None else _shifted_sums(x, c, 1.0)
         if math.isfinite(a) and math.isfinite(q):
-            if not underflowed(n, a, q):
-                return moments_from_sums(n, a, q)
+            if not underflowed(x, c, a, q):
+                return moments_from_sums(n, a, q, c)
             scale = MOMENT_SCALE
         else:  # an overflow (or non-finite values, which stay so)
             scale = 1.0 / MOMENT_SCALE
-        w = v * scale
-        return moments_from_sums(n, float(w.sum()), float(w.dot(w)), scale=scale)
+        return moments_from_sums(n, *_shifted_sums(x, c, scale), shift=c, scale=scale)

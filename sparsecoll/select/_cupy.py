@@ -217,7 +217,7 @@ def moments(x: Any) -> tuple[float, float]:
         raise ValueError("moments of an empty vector")
     from ._common import moments_of
 
-    mean, std = moments_of(x.astype(np.float64))
+    mean, std = moments_of(x)  # (sums of x - shift: see _common.moment_shift)
     if mean != mean or std != std:
         _check_nan(x)
     return mean, std

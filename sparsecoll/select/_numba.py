@@ -66,6 +66,7 @@ from ._common import (
     NAN_MESSAGE,
     key_info,
     key_value,
+    moment_shift,
     moments_from_sums,
     moments_of,
     threshold_key,
@@ -338,15 +339,18 @@ def _scatter_gt_eq(
 
 
 # reassoc lets LLVM split the float64 sums into vector lanes instead of one serial
-# chain of dependent adds; the result changes only by rounding.
-@_kernels(fastmath={"reassoc"})
-def _sums(x, bounds, s1, s2):  # pragma: no cover
+# chain of dependent adds; the result changes only by rounding. The sums are of
+# v = x - shift and v² (see _common.moment_shift: E[x²] - mean² cancels); contract lets
+# v² + q be one fused multiply-add, which pays for the subtraction (float64, one thread:
+# 4.00 ms without, 3.81 with, 3.79 unshifted, on 16M entries here).
+@_kernels(fastmath={"reassoc", "contract"})
+def _sums(x, shift, bounds, s1, s2):  # pragma: no cover
     for c in prange(bounds.shape[0] - 1):
         xc = x[bounds[c] : bounds[c + 1]]
         a = 0.0
         q = 0.0
         for i in range(xc.shape[0]):
-            v = np.float64(xc[i])
+            v = np.float64(xc[i]) - shift
             a += v
             q += v * v
         s1[c] = a
@@ -606,11 +610,17 @@ def moments(x: np.ndarray) -> tuple[float, float]:
         x = x.astype(np.float32)
     bounds = _bounds(n, 1)
     sums = np.empty((2, bounds.shape[0] - 1))
-    _run(_sums, n, x, bounds, *sums)
-    a, q = float(sums[0].sum()), float(sums[1].sum())
+    shift = moment_shift(x)
+    _run(_sums, n, x, shift, bounds, *sums)
+    with np.errstate(over="ignore", invalid="ignore"):  # (the chunks' sums: rescaled below)
+        a, q = float(sums[0].sum()), float(sums[1].sum())
     if x.dtype == np.float64:  # (float32's squares always fit)
-        return moments_of(x, (a, q))  # (summed again, scaled, only where they did not)
-    return moments_from_sums(n, a, q)
+        mean, std = moments_of(x, shift, (a, q))  # (summed again, scaled, where they did not)
+    else:
+        mean, std = moments_from_sums(n, a, q, shift)
+    if mean != mean or std != std:  # NaN in x, or +inf with -inf (a pass only then)
+        _check_nan(*_keys(x))
+    return mean, std
 
 
 def warmup(parallel: bool = False) -> None:
@@ -711,11 +721,16 @@ LIFT = 2.0**600  # subnormal float64 edges times this: bins of a finite width
 
 @njit(cache=True, nogil=True)
 def _binned_at_edges(x, edges, top, out):  # pragma: no cover - compiled
-    # count_at_edges through `top` linear bins of [edges[0], edges[-1]]: False (out
-    # untouched) when some bin may hold two edges
+    # count_at_edges through `top` linear bins of [edges[0], the last finite edge]: False
+    # (out untouched) when some bin may hold two edges. An infinite edge (edges past the
+    # dtype's largest finite value round to it) is the top bin's: the bins then reach two
+    # bins past the last finite edge, so every element of the top bin is above that edge,
+    # and only infinities are >= the one in it.
     e = edges.shape[0]
-    lo, hi = np.float64(edges[0]), np.float64(edges[-1])
-    scale = top / (hi - lo)
+    fin = e - 1 if edges[e - 1] == np.inf else e  # the finite edges (distinct: one inf)
+    lo, hi = np.float64(edges[0]), np.float64(edges[fin - 1])
+    span = (hi - lo) * (1.0 + 2.0 / top) if fin < e else hi - lo
+    scale = top / span
     slack = 1e-3 / scale  # far beyond any rounding of the bin arithmetic
     # bin b is [lo + b / scale, lo + (b + 1) / scale) (the top bin: everything above).
     # first[b]: edges surely below every element of bin b (bin 0 also holds everything
@@ -725,17 +740,21 @@ def _binned_at_edges(x, edges, top, out):  # pragma: no cover - compiled
     f = 0
     g = 0
     for b in range(top + 1):
-        start = lo + b / scale
-        while f < e and np.float64(edges[f]) < start - slack:
+        start = lo + b / scale  # (inf past float64's range: above every finite edge)
+        while f < fin and np.float64(edges[f]) < start - slack:
             f += 1
         first[b] = 0 if b == 0 else f
         end = lo + (b + 1) / scale + slack if b < top else np.inf
-        while g < e and np.float64(edges[g]) <= end:
+        while g < fin and np.float64(edges[g]) <= end:
             g += 1
         if g - first[b] > 1:
             return False
         if g > first[b]:
             edge_in[b] = edges[first[b]]
+    if fin < e:
+        if first[top] != fin:  # (the top bin starts two bins above the last finite edge)
+            return False
+        edge_in[top] = edges[fin]
     counts = np.zeros(2 * (top + 1), np.int64)
     hist = np.zeros(e + 2, np.int64)
     _edges_below(x, lo, scale, top, edge_in, first, counts, hist)
@@ -749,17 +768,21 @@ def _binned_at_edges(x, edges, top, out):  # pragma: no cover - compiled
 def count_at_edges(x: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """``[#(|x| >= e) for e in edges]`` (int64) for ascending edges, exactly as compared in
     x's dtype: one pass over x (a pass per edge below EDGE_BINS elements, or when edges
-    lie too close together for the bins to tell them apart)."""
+    lie too close together for the bins to tell them apart). Edges past the largest finite
+    value of x's dtype round to inf there and count the infinities, in the same pass."""
     if x.dtype == np.float16:  # exact in float32: every float16 is a float32
         x, edges = x.astype(np.float32), edges.astype(np.float32)
     x = np.ascontiguousarray(x)
-    edges = np.ascontiguousarray(edges, dtype=x.dtype)
+    with np.errstate(over="ignore"):  # (edges past x's range: inf, as compared in x's dtype)
+        edges = np.ascontiguousarray(edges, dtype=x.dtype)
     # equal edges (subnormal ones round together) would share a bin: count each value once
     tied = bool(np.any(edges[1:] == edges[:-1]))
     if tied:
         edges, which = np.unique(edges, return_inverse=True)
     out = np.empty(edges.shape[0], np.int64)
     lo, hi = float(edges[0]), float(edges[-1])
+    if hi == math.inf and edges.shape[0] > 1:  # edges past the dtype's range round to inf:
+        hi = float(edges[-2])  # the finite ones are binned, inf takes the top bin
     binned = x.shape[0] >= EDGE_BINS and math.isfinite(lo) and math.isfinite(hi) and hi > lo
     if binned and not math.isfinite(EDGE_BINS / (hi - lo)):
         # float64 subnormal edges: bins finer than float64 can scale to. Lifted by a power

@@ -58,7 +58,10 @@ def count_ge(x: np.ndarray, t: float) -> int:
 
 
 def moments(x: np.ndarray) -> tuple[float, float]:
-    return moments_of(x.astype(np.float64))
+    mean, std = moments_of(x)
+    if mean != mean or std != std:  # NaN in x, or +inf with -inf (a pass only then)
+        _keys(x)  # (raises on NaN)
+    return mean, std
 
 
 def accumulate(
