@@ -42,6 +42,7 @@ import contextlib
 import copy
 import inspect
 import math
+import numbers
 import time
 import weakref
 import zlib
@@ -103,6 +104,8 @@ _MISMATCH = {
         "residual on each and lose the others'"
     ),
 }
+# selection options each rank may set its own way (not agreed at each step)
+RANK_LOCAL_SELECTION_OPTIONS = ("seed",)
 # local selection policies for the algorithms that take a local top-k (not dense, not exdyna)
 SELECTIONS = {
     "exact": None,  # select.topk every step
@@ -232,7 +235,10 @@ class GradientReducer:
         # rank selects and keeps (a rank with another density, error feedback, momentum or
         # selection went on without an error). Not reuse_update (where the update lands),
         # nor check (a rank without it takes no part in the agreement)
-        self._agreed_options = {
+        # (in a canonical form: np.float64(0.1) and 0.1 are one density, and only plain
+        # values, which any rank can pickle, go to the other ranks when a value differs;
+        # not a selection's seed: each rank may sample its own way)
+        agreed = {
             "algorithm": algorithm,
             "warmup": self.warmup,
             "average": self.average,
@@ -240,13 +246,18 @@ class GradientReducer:
             "error_feedback": self.error_feedback,
             "momentum": self.momentum,
             "selection": selection,
-            "selection_options": self._selection_options,
         }
+        agreed.update(
+            (f"selection_options[{name!r}]", value)
+            for name, value in self._selection_options.items()
+            if name not in RANK_LOCAL_SELECTION_OPTIONS
+        )
+        self._agreed_options = _canonical(agreed)
         self._crc = zlib.crc32(repr(self._agreed_options).encode())
         # (named in a mismatch's message: the CRC's, then the algorithm's options, which its
         # signature holds with its state, after the step)
         where = tuple(range(4, 4 + ALGORITHM_SIGNATURE_LEN))
-        self._detail = (((2,), self._agreed_options), (where, self._options))
+        self._detail = (((2,), self._agreed_options), (where, _canonical(self._options)))
         self._agreed = AGREED  # (the DDP hook's reducers: its own names, as its warm-up's)
         self._is_dense = algorithm == "dense"
         self._has_dense_path = hasattr(self.algorithm, "reduce_dense")
@@ -1184,6 +1195,24 @@ class _StepInfo:
 
     def record(self, nnz: int, selected: int) -> None:
         self.nnz, self.selected = nnz, selected
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` as plain Python values that compare and print alike on every rank: numbers
+    as int or float (a numpy scalar as the Python one), containers item by item, and any
+    other object as its type's name alone (its repr may hold an address; what it does is
+    not compared)."""
+    if value is None or isinstance(value, (str, bool, np.bool_)):
+        return value if not isinstance(value, np.bool_) else bool(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_canonical(v) for v in value)
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
 
 def _effective_options(cls: Any, given: dict[str, Any]) -> dict[str, Any]:

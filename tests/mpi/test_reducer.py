@@ -436,18 +436,64 @@ def test_reducer_options_differing_across_ranks(comm, option, algorithm):
     if option.startswith("selection") and algorithm == "dense":
         pytest.skip("dense selects nothing")
     red = GradientReducer(comm, 40, algorithm, **{"density": 0.1, **kw})
-    shown = (
-        (repr(odd), repr(usual))
-        if option != "selection_options"
-        else (r"\{.*'interval': 4.*\}", r"\{.*'interval': 8.*\}")
-    )
+    name, shown = option, (repr(odd), repr(usual))
+    if option == "selection_options":  # (the option that differs, with both values)
+        name, shown = r"selection_options\['interval'\]", ("4", "8")
     with pytest.raises(
         CollectiveInputError,
-        match=f"{option} must be the same on every rank: rank {bad} has {shown[0]}, rank 0 "
+        match=f"{name} must be the same on every rank: rank {bad} has {shown[0]}, rank 0 "
         f"has {shown[1]}",
     ):
         red.step(np.arange(40.0) + comm.rank)
     assert_all(comm, red.steps == 0, "failed step counted")
+
+
+def test_reducer_options_alike_in_value_are_agreed(comm):
+    """Options are agreed by value: a numpy scalar and the Python number are one density,
+    a selection's seed may differ between ranks (each samples its own way), and a seed
+    given as a Generator on every rank is not refused for the address in its repr (both
+    raised 'must be the same on every rank')."""
+    rank_value = np.float64(0.1) if comm.rank % 2 else 0.1
+    for selection, options in (
+        ("exact", {}),
+        ("sampling", {"seed": comm.rank}),
+        ("sampling", {"seed": np.random.default_rng(0)}),
+        ("reuse", {"interval": np.int64(4) if comm.rank % 2 else 4}),
+    ):
+        red = GradientReducer(
+            comm, 400, "allgather", rank_value, selection=selection, selection_options=options
+        )
+        red.step(np.arange(400.0) + comm.rank)
+        assert red.steps == 1
+
+
+class _OptionProbe(sparsecoll.Algorithm):
+    """allgather with an option that may hold any object (a function)."""
+
+    name = "option_probe"
+
+    def __init__(self, k=None, scale=abs):
+        self.k, self.scale = k, scale
+
+    def reduce(self, comm, x):
+        return sparsecoll.get_algorithm("allgather").reduce(comm, x)
+
+
+def test_a_differing_step_with_an_unpicklable_option_raises_everywhere(comm):
+    """A reducer whose algorithm option cannot be pickled (a lambda) on one rank: a
+    differing grad dtype is raised on every rank as such. The mismatch's message gathers
+    the options from every rank: the lambda's pickling failed on that rank alone, the
+    others waiting in the gather for ever."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    if "option_probe" not in sparsecoll.available_algorithms():
+        sparsecoll.register_algorithm(_OptionProbe)
+    bad = comm.size - 1
+    opts = {"scale": lambda v: v} if comm.rank == bad else {}
+    red = GradientReducer(comm, 100, "option_probe", 0.1, **opts)
+    dtype = np.float32 if comm.rank == bad else np.float64
+    with pytest.raises(CollectiveTypeError, match="grad dtype must be the same on every rank"):
+        red.step(np.ones(100, dtype))
 
 
 def test_reducer_algorithm_or_its_option_differing_across_ranks(comm):
