@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_density", "count_band", "flag", "integer", "real"]
+__all__ = ["check_density", "choice", "count_band", "flag", "integer", "real"]
 
 
 def real(name: str, value: Any) -> float:
@@ -27,10 +27,14 @@ def check_density(value: Any) -> float:
 
 
 def integer(name: str, value: Any, low: int) -> int:
-    """``value`` (a Python or numpy integer, not a bool, at least ``low``) as an int; else a
-    ValueError, whatever the type (as the integer options have always raised)."""
-    integral = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-    if not integral or value < low:
+    """``value`` (a Python or numpy integer, not a bool, at least ``low``) as an int: a
+    TypeError for another type (a float, even 3.0, as numpy's ``np.zeros(3.0)``), a
+    ValueError for an integer below ``low``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name} must be an integer >= {low}, got {value!r} ({type(value).__name__})"
+        )
+    if value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return int(value)
 
@@ -40,6 +44,17 @@ def flag(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
     return bool(value)
+
+
+def choice(name: str, value: Any, choices: Any) -> str:
+    """``value`` (a str among ``choices``): a TypeError for another type, a ValueError for
+    another name."""
+    what = f"{name} must be one of {', '.join(choices)}, got {value!r}"
+    if not isinstance(value, str):
+        raise TypeError(f"{what} ({type(value).__name__})")
+    if value not in choices:
+        raise ValueError(what)
+    return value
 
 
 def count_band(name: str, value: Any) -> tuple[float, float]:

@@ -61,7 +61,7 @@ from ._array import (
     to_host,
     to_module,
 )
-from ._options import check_density, flag, integer, real
+from ._options import check_density, choice, flag, integer, real
 from .algorithms.base import Algorithm
 from .api import ALGORITHM_SIGNATURE_LEN, algorithm_signature, collective_check, watch
 from .comm import CommStats, Communicator, widening_buffer
@@ -203,9 +203,7 @@ class GradientReducer:
         self.check = flag("check", check)
         self.reuse_update = flag("reuse_update", reuse_update)
         self.algorithm_name = algorithm
-        if not isinstance(selection, str) or selection not in SELECTIONS:
-            raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}")
-        self.selection = selection
+        self.selection = choice("selection", selection, SELECTIONS)
         if selection_options is not None and not isinstance(selection_options, dict):
             raise TypeError(
                 f"selection_options must be a dict of the estimator's options or None, got "
