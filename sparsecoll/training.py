@@ -66,7 +66,13 @@ from .algorithms.base import Algorithm
 from .api import ALGORITHM_SIGNATURE_LEN, algorithm_signature, collective_check, watch
 from .comm import CommStats, Communicator, widening_buffer
 from .errors import NonFiniteError
-from .registry import algorithm_class, get_algorithm
+from .registry import (
+    _accepts_any,
+    algorithm_class,
+    algorithm_options,
+    get_algorithm,
+    refuse_unknown,
+)
 from .select._common import round_threshold
 from .sparse import VALUE_DTYPES, SparseVector
 
@@ -110,6 +116,43 @@ SELECTIONS = {
     "sampling": select.SamplingThreshold,  # DGC: threshold from a random sample
     "gaussian": select.GaussianThreshold,  # Gaussian-k: normal quantile, refined
 }
+# (GradientReducer's own keywords after n and algorithm: named in a misspelled option's hint)
+REDUCER_KEYWORDS = (
+    "density",
+    "warmup",
+    "average",
+    "error_feedback",
+    "momentum",
+    "selection",
+    "selection_options",
+    "reuse_update",
+    "check",
+)
+
+
+def _selection_takes(selection: str) -> list[str]:
+    """The options selection ``selection``'s estimator takes in selection_options (not k
+    nor density: the reducer's density sets k)."""
+    est = SELECTIONS[selection]
+    if est is None:
+        return []
+    return [p for p in inspect.signature(est).parameters if p not in ("k", "density")]
+
+
+def _check_selection_options(selection: str, given: dict[str, Any]) -> None:
+    """Refuse ``given`` (selection_options) that ``selection`` does not take: a ValueError
+    for options given to the exact selection (they went unused), naming the selections that
+    take them; a TypeError for a name the estimator does not take, with a did-you-mean."""
+    if given and SELECTIONS[selection] is None:
+        fits = [s for s in SELECTIONS if given.keys() <= set(_selection_takes(s))]
+        where = " or ".join(f"selection={s!r}" for s in fits) or "another selection"
+        raise ValueError(
+            f"selection_options={given!r} would go unused: selection={selection!r} takes no "
+            f"options; they are for {where}"
+        )
+    refuse_unknown(
+        f"selection {selection!r} (selection_options)", given, _selection_takes(selection)
+    )
 
 
 class GradientReducer:
@@ -209,6 +252,7 @@ class GradientReducer:
                 f"selection_options must be a dict of the estimator's options or None, got "
                 f"{type(selection_options).__name__}"
             )
+        _check_selection_options(selection, selection_options or {})
         if SELECTIONS[selection] is not None:  # bad estimator options fail here, early
             SELECTIONS[selection](k=self.k, **(selection_options or {}))
         cls = algorithm_class(algorithm)
@@ -217,6 +261,10 @@ class GradientReducer:
                 f"GradientReducer sets k from density (k = round(density·n) = {self.k}); "
                 f"pass density={options['k']}/n instead of k={options['k']}"
             )
+        if not _accepts_any(cls):  # (the algorithm's options but k, which density sets)
+            takes = [name for name in algorithm_options(algorithm) if name != "k"]
+            what = f"GradientReducer(algorithm={algorithm!r}) (besides its own keywords)"
+            refuse_unknown(what, options, takes, also=REDUCER_KEYWORDS)
         opts = cls.default_options(self.n, self.k)
         opts.update(options)
         # (through the registry: an unknown option is named with the ones it takes)

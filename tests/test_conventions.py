@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from sparsecoll import GradientReducer
 from sparsecoll._progress import SparseRequest
 
 
@@ -20,3 +21,24 @@ def test_exception_waits_for_the_call_as_a_future_does():
     ok = SparseRequest(2, "test call")
     ok._finish(3, None)
     assert ok.exception(timeout=0) is None and ok.result() == 3
+
+
+def test_a_misspelled_reducer_option_is_named_with_a_did_you_mean():
+    with pytest.raises(TypeError, match="got densty \\(did you mean 'density'\\?\\)") as info:
+        GradientReducer(None, n=100, algorithm="oktopk", densty=0.1)
+    assert "takes tau," in str(info.value)  # the options it takes: not k, which it refuses
+    with pytest.raises(TypeError, match="got taux \\(did you mean 'tau'\\?\\)"):
+        GradientReducer(None, n=100, algorithm="oktopk", taux=3)
+
+
+def test_a_misspelled_selection_option_lists_the_selections_options():
+    with pytest.raises(TypeError, match="selection 'reuse'.* takes interval, .*") as info:
+        GradientReducer(None, n=100, selection="reuse", selection_options={"intervall": 3})
+    assert "(did you mean 'interval'?)" in str(info.value)
+    assert "__init__" not in str(info.value)
+
+
+def test_selection_options_for_the_exact_selection_are_refused():
+    with pytest.raises(ValueError, match="selection='exact' takes no options.*'reuse'"):
+        GradientReducer(None, n=4, selection_options={"interval": 3})
+    GradientReducer(None, n=4, selection_options={})  # (nothing to leave unused)
