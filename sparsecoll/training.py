@@ -749,8 +749,12 @@ class GradientReducer:
         if not same_device(dest, arr):
             where = "a host array" if get_array_module(dest) is np else f"GPU {dest.device.id}"
             raise TypeError(f"out must live on the same device as grad, got it on {where}")
-        if not dest.flags.c_contiguous:
-            raise ValueError("out must be contiguous")
+        if not dest.flags.c_contiguous:  # (written as flat memory in C order)
+            raise ValueError(
+                "out must be C-contiguous, got a non-C-contiguous array (e.g. Fortran order, "
+                "channels_last or a strided view): pass a C-contiguous buffer, or copy the "
+                "returned update into it"
+            )
         if not getattr(dest.flags, "writeable", True):  # (CuPy arrays have no such flag)
             raise ValueError("out must be writeable, got a read-only array")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
 from sparsecoll import GradientReducer
@@ -42,3 +43,10 @@ def test_selection_options_for_the_exact_selection_are_refused():
     with pytest.raises(ValueError, match="selection='exact' takes no options.*'reuse'"):
         GradientReducer(None, n=4, selection_options={"interval": 3})
     GradientReducer(None, n=4, selection_options={})  # (nothing to leave unused)
+
+
+def test_out_that_is_not_c_contiguous_is_named_so():
+    red = GradientReducer(None, n=12, algorithm="allgather", density=1.0)
+    grad = np.arange(12, dtype=np.float32).reshape(3, 4)
+    with pytest.raises(ValueError, match="out must be C-contiguous"):
+        red.step(grad, out=np.asfortranarray(np.zeros((3, 4), np.float32)))
