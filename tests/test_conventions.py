@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from sparsecoll import GradientReducer
+from sparsecoll import GradientReducer, SparseVector
 from sparsecoll._progress import SparseRequest
 
 
@@ -50,3 +50,16 @@ def test_out_that_is_not_c_contiguous_is_named_so():
     grad = np.arange(12, dtype=np.float32).reshape(3, 4)
     with pytest.raises(ValueError, match="out must be C-contiguous"):
         red.step(grad, out=np.asfortranarray(np.zeros((3, 4), np.float32)))
+
+
+def test_sparse_vector_protocols():
+    v = SparseVector.from_coo([4, 1, 4], np.array([1.0, 2.0, 3.0], np.float32), n=6)
+    assert repr(SparseVector([3, 1], [1.0, 2.0], 4)) == "SparseVector(n=4, nnz=2, dtype=list)"
+    assert v.shape == (6,) and len(v) == 6
+    dense = np.asarray(v)  # the dense vector, not a 0-d object array
+    assert dense.dtype == np.float32 and np.array_equal(dense, v.to_dense())
+    assert np.asarray(v, dtype=np.float64).dtype == np.float64
+    empty = SparseVector.empty(5)
+    for x in (v, empty):  # an empty result (nnz 0) of length 5 was true
+        with pytest.raises(ValueError, match="ambiguous.*nnz > 0"):
+            bool(x)
