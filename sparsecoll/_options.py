@@ -4,11 +4,21 @@ naming the option and what it takes (float() and bool() took strings, None and T
 from __future__ import annotations
 
 import numbers
+import os
 from typing import Any
 
 import numpy as np
 
-__all__ = ["check_density", "choice", "count_band", "flag", "integer", "real"]
+__all__ = [
+    "check_density",
+    "choice",
+    "count_band",
+    "env_flag",
+    "env_integer",
+    "flag",
+    "integer",
+    "real",
+]
 
 
 def real(name: str, value: Any) -> float:
@@ -67,3 +77,35 @@ def count_band(name: str, value: Any) -> tuple[float, float]:
     if not 0.0 <= lo <= 1.0 <= hi:
         raise ValueError(f"{what}, got {value!r}")
     return lo, hi
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool | None) -> bool | None:
+    """The environment variable ``name`` as a bool (1/true/yes/on, 0/false/no/off, any
+    case); ``default`` when unset or empty; a ValueError naming it for another value (it was
+    read as false, silently)."""
+    raw = os.environ.get(name, "")
+    text = raw.strip().lower()
+    if not text:
+        return default
+    if text not in _TRUE + _FALSE:
+        raise ValueError(
+            f"{name} must be one of {', '.join(_TRUE)} (on) or {', '.join(_FALSE)} (off), "
+            f"got {raw!r}"
+        )
+    return text in _TRUE
+
+
+def env_integer(name: str, low: int) -> int | None:
+    """The environment variable ``name`` as an integer >= ``low``; None when unset or empty;
+    a ValueError naming it for another value (it was dropped, silently)."""
+    raw = os.environ.get(name, "")
+    try:
+        value = int(raw.strip()) if raw.strip() else None
+    except ValueError:
+        value = low - 1
+    if value is not None and value < low:
+        raise ValueError(f"{name} must be an integer >= {low} (unset: the default), got {raw!r}")
+    return value

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from sparsecoll import GradientReducer, SparseVector
+from sparsecoll import Communicator, GradientReducer, SparseVector
 from sparsecoll._progress import SparseRequest
 
 
@@ -63,3 +63,40 @@ def test_sparse_vector_protocols():
     for x in (v, empty):  # an empty result (nnz 0) of length 5 was true
         with pytest.raises(ValueError, match="ambiguous.*nnz > 0"):
             bool(x)
+
+
+@pytest.mark.parametrize("bad", ["x", "-1", "0", "2.5"])
+def test_a_bad_num_threads_variable_is_an_error_naming_it(monkeypatch, bad):
+    numba_kernels = pytest.importorskip("sparsecoll.select._numba")
+    monkeypatch.setattr(numba_kernels, "_threads", None)  # (read again)
+    monkeypatch.setenv("SPARSECOLL_NUM_THREADS", bad)
+    with pytest.raises(ValueError, match=f"SPARSECOLL_NUM_THREADS must be .*got '{bad}'"):
+        numba_kernels.get_num_threads()
+    monkeypatch.setattr(numba_kernels, "_threads", None)
+    monkeypatch.setenv("SPARSECOLL_NUM_THREADS", " 1 ")
+    assert numba_kernels.get_num_threads() == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "poll"),
+    [
+        *[("1", True), ("true", True), ("YES", True), ("on", True), ("0", False)],
+        *[("off", False), ("No", False), ("false", False), ("", False)],
+    ],
+)
+def test_the_poll_variable_takes_the_usual_spellings(monkeypatch, text, poll):
+    from mpi4py import MPI
+
+    monkeypatch.setenv("SPARSECOLL_POLL", text)
+    assert Communicator(MPI.COMM_SELF).poll is poll
+
+
+@pytest.mark.parametrize("name", ["SPARSECOLL_POLL", "SPARSECOLL_CUDA_AWARE"])
+def test_a_bad_flag_variable_is_an_error_naming_it(monkeypatch, name):
+    from mpi4py import MPI
+
+    from sparsecoll.comm import _query_cuda_aware
+
+    monkeypatch.setenv(name, "maybe")
+    with pytest.raises(ValueError, match=f"{name} must be one of 1, true, .*got 'maybe'"):
+        Communicator(MPI.COMM_SELF) if name == "SPARSECOLL_POLL" else _query_cuda_aware()
