@@ -546,6 +546,10 @@ class Communicator:
         self._lock: Any = None  # see serial()
         self.poll = bool(env_flag("SPARSECOLL_POLL", False)) if poll is None else bool(poll)
 
+    def __repr__(self) -> str:
+        name = self.mpi_comm.Get_name() or type(self.mpi_comm).__name__
+        return f"<sparsecoll.Communicator rank {self.rank} of {self.size} on {name}>"
+
     @classmethod
     def wrap(cls, comm: Any) -> Communicator:
         """Return ``comm`` if it already is a Communicator, else wrap it."""

@@ -159,7 +159,7 @@ class GradientReducer:
     """Sparse allreduce of gradients with error feedback; one instance per gradient vector.
 
     Args:
-        comm: an mpi4py Intracomm or a :class:`sparsecoll.Communicator`.
+        comm: an mpi4py Intracomm, a :class:`sparsecoll.Communicator`, or None (COMM_WORLD).
         n: the gradient length (every step's gradient must have n elements, any shape).
         algorithm: a registered algorithm name (``"dense"`` for the uncompressed baseline).
         density: the fraction of entries to send: ``k = round(density·n)`` entries per rank

@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+import sparsecoll
 from sparsecoll import Communicator, GradientReducer, SparseVector
 from sparsecoll._progress import SparseRequest
 
@@ -100,3 +101,27 @@ def test_a_bad_flag_variable_is_an_error_naming_it(monkeypatch, name):
     monkeypatch.setenv(name, "maybe")
     with pytest.raises(ValueError, match=f"{name} must be one of 1, true, .*got 'maybe'"):
         Communicator(MPI.COMM_SELF) if name == "SPARSECOLL_POLL" else _query_cuda_aware()
+
+
+def test_cli_version_and_an_unknown_suite(capsys):
+    from sparsecoll import __version__
+    from sparsecoll.__main__ import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"sparsecoll {__version__}"
+    assert main(["bench", "osuu"]) == 2  # (before any launch)
+    err = capsys.readouterr().err
+    assert "unknown suite 'osuu' (did you mean 'osu'?); suites: main, osu" in err
+    assert "unrecognized arguments" not in err
+
+
+def test_communicator_repr_and_comm_none_is_comm_world():
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    shown = f"<sparsecoll.Communicator rank {world.rank} of {world.size} on MPI_COMM_WORLD>"
+    assert repr(Communicator(None)) == shown
+    vals, idx = np.ones(2, np.float32), [3, 1]
+    assert sparsecoll.allreduce(None, vals, idx, n=4).indices.tolist() == [1, 3]
+    assert sparsecoll.iallreduce(None, vals, idx, n=4).wait().indices.tolist() == [1, 3]
+    assert GradientReducer(None, n=4, density=0.5).comm.mpi_comm == world
