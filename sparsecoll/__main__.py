@@ -14,6 +14,7 @@ from ._launch import launcher_mismatch, mpiexec_command, under_mpi
 
 USAGE = """usage: python -m sparsecoll bench [SUITE] [--np P] [options]
        python -m sparsecoll algorithms
+       python -m sparsecoll --version
 
 commands:
   bench         run a benchmark suite (python -m sparsecoll bench [SUITE] --help)
@@ -38,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
+    if argv and argv[0] in ("--version", "-V"):
+        from . import __version__
+
+        print(f"sparsecoll {__version__}")
+        return 0
     if argv and argv[0] == "algorithms":
         from .registry import describe_algorithms
 
@@ -54,6 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     suite = "main"
     if rest and rest[0] in SUITES:
         suite = rest.pop(0)
+    elif rest and not rest[0].startswith("-"):  # (argparse: "unrecognized arguments: foo")
+        from .registry import did_you_mean
+
+        hint = did_you_mean(rest[0], list(SUITES))
+        print(
+            f"python -m sparsecoll bench: error: unknown suite {rest[0]!r}{hint}; suites: "
+            f"{', '.join(SUITES)} (main when none is given)",
+            file=sys.stderr,
+        )
+        return 2
     module = importlib.import_module(SUITES[suite])
     # parse here, before relaunching: help and usage errors print once, not once per rank
     args = module.parse_args(rest)

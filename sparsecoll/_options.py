@@ -4,11 +4,21 @@ naming the option and what it takes (float() and bool() took strings, None and T
 from __future__ import annotations
 
 import numbers
+import os
 from typing import Any
 
 import numpy as np
 
-__all__ = ["check_density", "count_band", "flag", "integer", "real"]
+__all__ = [
+    "check_density",
+    "choice",
+    "count_band",
+    "env_flag",
+    "env_integer",
+    "flag",
+    "integer",
+    "real",
+]
 
 
 def real(name: str, value: Any) -> float:
@@ -27,10 +37,14 @@ def check_density(value: Any) -> float:
 
 
 def integer(name: str, value: Any, low: int) -> int:
-    """``value`` (a Python or numpy integer, not a bool, at least ``low``) as an int; else a
-    ValueError, whatever the type (as the integer options have always raised)."""
-    integral = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-    if not integral or value < low:
+    """``value`` (a Python or numpy integer, not a bool, at least ``low``) as an int: a
+    TypeError for another type (a float, even 3.0, as numpy's ``np.zeros(3.0)``), a
+    ValueError for an integer below ``low``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name} must be an integer >= {low}, got {value!r} ({type(value).__name__})"
+        )
+    if value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return int(value)
 
@@ -40,6 +54,17 @@ def flag(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
     return bool(value)
+
+
+def choice(name: str, value: Any, choices: Any) -> str:
+    """``value`` (a str among ``choices``): a TypeError for another type, a ValueError for
+    another name."""
+    what = f"{name} must be one of {', '.join(choices)}, got {value!r}"
+    if not isinstance(value, str):
+        raise TypeError(f"{what} ({type(value).__name__})")
+    if value not in choices:
+        raise ValueError(what)
+    return value
 
 
 def count_band(name: str, value: Any) -> tuple[float, float]:
@@ -52,3 +77,35 @@ def count_band(name: str, value: Any) -> tuple[float, float]:
     if not 0.0 <= lo <= 1.0 <= hi:
         raise ValueError(f"{what}, got {value!r}")
     return lo, hi
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool | None) -> bool | None:
+    """The environment variable ``name`` as a bool (1/true/yes/on, 0/false/no/off, any
+    case); ``default`` when unset or empty; a ValueError naming it for another value (it was
+    read as false, silently)."""
+    raw = os.environ.get(name, "")
+    text = raw.strip().lower()
+    if not text:
+        return default
+    if text not in _TRUE + _FALSE:
+        raise ValueError(
+            f"{name} must be one of {', '.join(_TRUE)} (on) or {', '.join(_FALSE)} (off), "
+            f"got {raw!r}"
+        )
+    return text in _TRUE
+
+
+def env_integer(name: str, low: int) -> int | None:
+    """The environment variable ``name`` as an integer >= ``low``; None when unset or empty;
+    a ValueError naming it for another value (it was dropped, silently)."""
+    raw = os.environ.get(name, "")
+    try:
+        value = int(raw.strip()) if raw.strip() else None
+    except ValueError:
+        value = low - 1
+    if value is not None and value < low:
+        raise ValueError(f"{name} must be an integer >= {low} (unset: the default), got {raw!r}")
+    return value

@@ -132,6 +132,28 @@ class SparseRequest:
                 such as a callback of the DDP hook's future): only that thread can complete
                 it, so it waited for ever.
         """
+        self._complete(timeout)
+        if self._error is not None:
+            raise self._error
+        self._taken = True
+        return self._value
+
+    result = wait
+
+    def test(self) -> bool:
+        """Whether the call has completed (successfully or not); never waits."""
+        return self._event.is_set()
+
+    done = test
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The call's error, or None if it succeeded; as ``concurrent.futures.Future``, it
+        first waits for the call to complete (TimeoutError, RuntimeError: as ``wait()``)."""
+        self._complete(timeout)
+        return self._error
+
+    def _complete(self, timeout: float | None) -> None:
+        """Block until the call completes (the errors of ``wait()`` but the call's own)."""
         if not self._event.is_set() and threading.current_thread() is self._worker:
             raise RuntimeError(
                 f"wait() on {self.label} (call #{self.call}), not complete, from the "
@@ -147,22 +169,6 @@ class SparseRequest:
             raise TimeoutError(
                 f"{self.label} (call #{self.call}) did not complete within {timeout} s"
             )
-        if self._error is not None:
-            raise self._error
-        self._taken = True
-        return self._value
-
-    result = wait
-
-    def test(self) -> bool:
-        """Whether the call has completed (successfully or not); never waits."""
-        return self._event.is_set()
-
-    done = test
-
-    def exception(self) -> BaseException | None:
-        """The call's error once completed (None if it succeeded or is still running)."""
-        return self._error
 
     def __repr__(self) -> str:
         state = "done" if self.test() else "pending"

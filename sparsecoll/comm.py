@@ -69,6 +69,7 @@ from ._array import (
     pinned_empty,
     synchronize,
 )
+from ._options import env_flag
 from .sparse import VALUE_DTYPES
 
 __all__ = ["CommStats", "Communicator", "Request", "mpi_library_version"]
@@ -254,9 +255,9 @@ def _query_cuda_aware(comm: Any = None) -> bool:
     global lookup would miss a library loaded with RTLD_LOCAL), then the MPI-4.1
     memory-allocation-kinds info key of ``comm`` (``cuda`` among its kinds).
     """
-    env = os.environ.get("SPARSECOLL_CUDA_AWARE")
+    env = env_flag("SPARSECOLL_CUDA_AWARE", None)
     if env is not None:
-        return env.strip().lower() in ("1", "true", "yes", "on")
+        return env
     MPI = _mpi()
     try:
         fn = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
@@ -543,7 +544,11 @@ class Communicator:
         self._cuda_aware: bool | None = None
         self._engine: Any = None  # the progress engine, once found (see _attached_engine)
         self._lock: Any = None  # see serial()
-        self.poll = os.environ.get("SPARSECOLL_POLL") == "1" if poll is None else bool(poll)
+        self.poll = bool(env_flag("SPARSECOLL_POLL", False)) if poll is None else bool(poll)
+
+    def __repr__(self) -> str:
+        name = self.mpi_comm.Get_name() or type(self.mpi_comm).__name__
+        return f"<sparsecoll.Communicator rank {self.rank} of {self.size} on {name}>"
 
     @classmethod
     def wrap(cls, comm: Any) -> Communicator:
@@ -596,7 +601,7 @@ class Communicator:
             start_check(self, call, blocking)
             work = self.mpi_comm.Dup()
             alarm = self.mpi_comm.Dup()
-            poll = os.environ.get("SPARSECOLL_PROGRESS_POLL", "1").strip() != "0"
+            poll = bool(env_flag("SPARSECOLL_PROGRESS_POLL", True))
             engine = Engine(Communicator(work, poll=poll), Communicator(alarm, poll=True))
             self.mpi_comm.Set_attr(_engine_keyval(), engine)
             self._engine = engine

@@ -179,14 +179,26 @@ _GET_ALGORITHM_DOC = """A new instance of the algorithm ``name``, built with ``o
 def get_algorithm(name: str, **options: Any) -> Algorithm:
     cls = algorithm_class(name)
     if options and not _accepts_any(cls):
-        unknown = sorted(set(options) - set(_options(cls)))
-        if unknown:
-            takes = ", ".join(_options(cls)) or "no options"
-            hint = did_you_mean(unknown[0], list(_options(cls)))
-            if not hint and "density" in unknown and "k" in _options(cls):
-                hint = " (k is a count of entries: k = round(density·n))"
-            raise TypeError(f"algorithm {name!r} takes {takes}, got {', '.join(unknown)}{hint}")
+        takes = list(_options(cls))
+        hint = ""
+        if "density" in options and "density" not in takes and "k" in takes:
+            hint = " (k is a count of entries: k = round(density·n))"
+        refuse_unknown(f"algorithm {name!r}", options, takes, hint=hint)
     return cls(**options)
+
+
+def refuse_unknown(
+    what: str, given: Any, takes: list[str], also: tuple[str, ...] = (), hint: str = ""
+) -> None:
+    """Raise TypeError (as Python does for an unexpected keyword) when ``given`` (names) holds
+    one that ``what`` does not take: the message lists ``takes`` and the closest of
+    ``takes`` and ``also`` (other keywords of the caller) to the first unknown name, else
+    ``hint``."""
+    unknown = sorted(set(given) - set(takes))
+    if unknown:
+        hint = did_you_mean(unknown[0], [*takes, *also]) or hint
+        listed = ", ".join(takes) or "no options"
+        raise TypeError(f"{what} takes {listed}, got {', '.join(unknown)}{hint}")
 
 
 get_algorithm.__doc__ = _GET_ALGORITHM_DOC

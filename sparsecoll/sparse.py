@@ -115,7 +115,12 @@ class SparseVector:
     # -- views --------------------------------------------------------------------------
     @property
     def nnz(self) -> int:
-        return int(self.indices.shape[0])
+        return len(self.indices)  # (the plain constructor may hold lists)
+
+    @property
+    def shape(self) -> tuple[int]:
+        """``(n,)``, the dense shape, as numpy's."""
+        return (self.n,)
 
     @property
     def dtype(self) -> np.dtype:
@@ -138,8 +143,22 @@ class SparseVector:
     def __len__(self) -> int:
         return self.n
 
+    def __bool__(self) -> bool:
+        # (len() made it n > 0: a result with no entries was true); numpy's convention
+        raise ValueError(
+            "the truth value of a SparseVector is ambiguous: use v.nnz > 0 (it has entries) "
+            "or v.n > 0 (its length)"
+        )
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """``np.asarray(v)``: the dense array (as :meth:`to_dense`), always a new one."""
+        if copy is False:
+            raise ValueError("a SparseVector's dense array is a new array: copy=False is refused")
+        return np.asarray(self.to_dense(), dtype=dtype)
+
     def __repr__(self) -> str:
-        return f"SparseVector(n={self.n}, nnz={self.nnz}, dtype={self.values.dtype})"
+        dtype = getattr(self.values, "dtype", type(self.values).__name__)
+        return f"SparseVector(n={self.n}, nnz={self.nnz}, dtype={dtype})"
 
 
 def _wrapped(x: SparseVector, wrap: Any) -> SparseVector:

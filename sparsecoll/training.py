@@ -62,12 +62,18 @@ from ._array import (
     to_host,
     to_module,
 )
-from ._options import check_density, flag, integer, real
+from ._options import check_density, choice, flag, integer, real
 from .algorithms.base import Algorithm
 from .api import ALGORITHM_SIGNATURE_LEN, algorithm_signature, collective_check, watch
 from .comm import CommStats, Communicator, widening_buffer
 from .errors import NonFiniteError
-from .registry import algorithm_class, get_algorithm
+from .registry import (
+    _accepts_any,
+    algorithm_class,
+    algorithm_options,
+    get_algorithm,
+    refuse_unknown,
+)
 from .select._common import round_threshold
 from .sparse import VALUE_DTYPES, SparseVector
 
@@ -113,13 +119,50 @@ SELECTIONS = {
     "sampling": select.SamplingThreshold,  # DGC: threshold from a random sample
     "gaussian": select.GaussianThreshold,  # Gaussian-k: normal quantile, refined
 }
+# (GradientReducer's own keywords after n and algorithm: named in a misspelled option's hint)
+REDUCER_KEYWORDS = (
+    "density",
+    "warmup",
+    "average",
+    "error_feedback",
+    "momentum",
+    "selection",
+    "selection_options",
+    "reuse_update",
+    "check",
+)
+
+
+def _selection_takes(selection: str) -> list[str]:
+    """The options selection ``selection``'s estimator takes in selection_options (not k
+    nor density: the reducer's density sets k)."""
+    est = SELECTIONS[selection]
+    if est is None:
+        return []
+    return [p for p in inspect.signature(est).parameters if p not in ("k", "density")]
+
+
+def _check_selection_options(selection: str, given: dict[str, Any]) -> None:
+    """Refuse ``given`` (selection_options) that ``selection`` does not take: a ValueError
+    for options given to the exact selection (they went unused), naming the selections that
+    take them; a TypeError for a name the estimator does not take, with a did-you-mean."""
+    if given and SELECTIONS[selection] is None:
+        fits = [s for s in SELECTIONS if given.keys() <= set(_selection_takes(s))]
+        where = " or ".join(f"selection={s!r}" for s in fits) or "another selection"
+        raise ValueError(
+            f"selection_options={given!r} would go unused: selection={selection!r} takes no "
+            f"options; they are for {where}"
+        )
+    refuse_unknown(
+        f"selection {selection!r} (selection_options)", given, _selection_takes(selection)
+    )
 
 
 class GradientReducer:
     """Sparse allreduce of gradients with error feedback; one instance per gradient vector.
 
     Args:
-        comm: an mpi4py Intracomm or a :class:`sparsecoll.Communicator`.
+        comm: an mpi4py Intracomm, a :class:`sparsecoll.Communicator`, or None (COMM_WORLD).
         n: the gradient length (every step's gradient must have n elements, any shape).
         algorithm: a registered algorithm name (``"dense"`` for the uncompressed baseline).
         density: the fraction of entries to send: ``k = round(density·n)`` entries per rank
@@ -206,14 +249,13 @@ class GradientReducer:
         self.check = flag("check", check)
         self.reuse_update = flag("reuse_update", reuse_update)
         self.algorithm_name = algorithm
-        if not isinstance(selection, str) or selection not in SELECTIONS:
-            raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}")
-        self.selection = selection
+        self.selection = choice("selection", selection, SELECTIONS)
         if selection_options is not None and not isinstance(selection_options, dict):
             raise TypeError(
                 f"selection_options must be a dict of the estimator's options or None, got "
                 f"{type(selection_options).__name__}"
             )
+        _check_selection_options(selection, selection_options or {})
         if SELECTIONS[selection] is not None:  # bad estimator options fail here, early
             SELECTIONS[selection](k=self.k, **(selection_options or {}))
         cls = algorithm_class(algorithm)
@@ -222,6 +264,10 @@ class GradientReducer:
                 f"GradientReducer sets k from density (k = round(density·n) = {self.k}); "
                 f"pass density={options['k']}/n instead of k={options['k']}"
             )
+        if not _accepts_any(cls):  # (the algorithm's options but k, which density sets)
+            takes = [name for name in algorithm_options(algorithm) if name != "k"]
+            what = f"GradientReducer(algorithm={algorithm!r}) (besides its own keywords)"
+            refuse_unknown(what, options, takes, also=REDUCER_KEYWORDS)
         opts = cls.default_options(self.n, self.k)
         opts.update(options)
         # (through the registry: an unknown option is named with the ones it takes)
@@ -754,8 +800,12 @@ class GradientReducer:
         if not same_device(dest, arr):
             where = "a host array" if get_array_module(dest) is np else f"GPU {dest.device.id}"
             raise TypeError(f"out must live on the same device as grad, got it on {where}")
-        if not dest.flags.c_contiguous:
-            raise ValueError("out must be contiguous")
+        if not dest.flags.c_contiguous:  # (written as flat memory in C order)
+            raise ValueError(
+                "out must be C-contiguous, got a non-C-contiguous array (e.g. Fortran order, "
+                "channels_last or a strided view): pass a C-contiguous buffer, or copy the "
+                "returned update into it"
+            )
         if not getattr(dest.flags, "writeable", True):  # (CuPy arrays have no such flag)
             raise ValueError("out must be writeable, got a read-only array")
 

@@ -113,8 +113,11 @@ def test_options_are_checked():
         Auto(latency=1.0)
     with pytest.raises(TypeError, match="takes alpha, beta, .*got latency"):
         sparsecoll.get_algorithm("auto", latency=1.0)
-    for bad in (-1.0, float("inf"), True, "1e-6", None):
+    for bad in (-1.0, float("inf")):
         with pytest.raises(ValueError, match="finite non-negative"):
+            Auto(alpha=bad)
+    for bad in (True, "1e-6", None):  # a wrong type: TypeError, as numpy's
+        with pytest.raises(TypeError, match="alpha must be a real number"):
             Auto(alpha=bad)
     assert Auto(delta=np.float32(1e-9)).model.delta == float(np.float32(1e-9))
     a = Auto(alpha=1e-5, beta=2e-10)

@@ -5,6 +5,7 @@ and bool() took strings, None and True; a band that was not a pair failed unpack
 from __future__ import annotations
 
 import math
+import numbers
 
 import pytest
 from mpi4py import MPI
@@ -93,6 +94,50 @@ def test_a_bad_option_is_named(build, option, value, extra):
     # unpacking error that happens to derive from them; the message names the option
     assert info.type.__module__ in ("builtins", "sparsecoll.errors"), info.value
     assert option in str(info.value), info.value
+
+
+INTEGER_OPTIONS = {"tau", "blocks", "k", "interval", "warmup", "min_sample", "retries", "seed"}
+FLAG_OPTIONS = {"adaptive", "rebalance", "hold_band", "average", "error_feedback", "reuse_update"}
+CHOICE_OPTIONS = {"rule", "selection", "nonfinite"}
+
+
+def _is_real(v):
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _wrong_type(option, value):
+    """Whether ``value`` has the wrong type for ``option`` (numpy's convention: TypeError),
+    rather than a wrong value of the right type (ValueError)."""
+    if option in INTEGER_OPTIONS:
+        return not isinstance(value, numbers.Integral) or isinstance(value, bool)
+    if option in FLAG_OPTIONS or option == "check":
+        return not isinstance(value, bool)
+    if option in CHOICE_OPTIONS:
+        return not isinstance(value, str)
+    if option == "band":
+        pair = isinstance(value, (list, tuple)) and len(value) == 2
+        return not (pair and all(_is_real(v) for v in value))
+    if option == "selection_options":
+        return not isinstance(value, dict)
+    return not _is_real(value)  # the real-number options
+
+
+@pytest.mark.parametrize(
+    ("build", "option", "value", "extra"),
+    [
+        pytest.param(build, option, v, extra, id=f"{getattr(build, '__name__', '')}-{option}-{v!r}")
+        for build, option, values, extra in CASES
+        if build is not _hook_state  # (its options: sparsecoll/integrations/torch.py)
+        for v in values
+    ],
+)
+def test_a_wrong_type_is_a_type_error_and_a_wrong_value_a_value_error(build, option, value, extra):
+    expected = TypeError if _wrong_type(option, value) else ValueError
+    if build is REUSE and option == "density" and value is None:
+        expected = ValueError  # (None is the default: then neither k nor density is given)
+    with pytest.raises((TypeError, ValueError)) as info:
+        build(**extra, **{option: value})
+    assert isinstance(info.value, expected), (type(info.value).__name__, info.value)
 
 
 @pytest.mark.parametrize(

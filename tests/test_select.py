@@ -797,7 +797,7 @@ def test_estimator_retries_validated() -> None:
     for est_cls in (sel.SamplingThreshold, sel.GaussianThreshold):
         with pytest.raises(ValueError, match="retries"):
             est_cls(10, retries=-1)
-        with pytest.raises(ValueError, match="retries"):
+        with pytest.raises(TypeError, match="retries"):  # a float: the wrong type
             est_cls(10, retries=1.5)
     x = np.random.default_rng(5).standard_normal(20000).astype(np.float32)
     assert sel.SamplingThreshold(10, retries=0).select(x).count >= 8

@@ -45,6 +45,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .._array import index_dtype
+from .._options import real
 from ..api import collective_check
 from ..comm import Communicator
 from ..registry import algorithm_class, register_algorithm
@@ -170,10 +171,7 @@ class Auto(Algorithm):
             alpha=alpha, beta=beta, gamma_sort=gamma_sort, gamma_merge=gamma_merge, delta=delta
         )
         for k, v in constants.items():
-            number = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(
-                v, (bool, np.bool_)
-            )
-            if not (number and math.isfinite(v) and v >= 0):
+            if not (math.isfinite(real(k, v)) and v >= 0):  # (real: TypeError for a str)
                 raise ValueError(f"{k} must be a finite non-negative number, got {v!r}")
         self.model = CostModel(**{k: float(v) for k, v in constants.items()})
         self.theta: float | None = None  # learned overlap exponent, None before a first call

@@ -63,7 +63,7 @@ import numpy as np
 
 from .. import select
 from .._array import get_array_module, index_dtype, to_host
-from .._options import flag, integer, real
+from .._options import choice, flag, integer, real
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
@@ -309,9 +309,7 @@ class ExDyna(Algorithm):
     ) -> None:
         self.k = check_k(self.name, k)
         self.blocks = None if blocks is None else integer("blocks", blocks, 1)
-        if not isinstance(rule, str) or rule not in RULES:
-            raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
-        self.rule = rule
+        self.rule = choice("rule", rule, RULES)
         self.rebalance = flag("rebalance", rebalance)
         self.tolerance = real("tolerance", tolerance)
         if not 0.0 <= self.tolerance < 1.0:

@@ -90,7 +90,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .._array import get_array_module, to_host
-from .._options import count_band, flag, integer, real
+from .._options import choice, count_band, flag, integer, real
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
@@ -251,9 +251,7 @@ class OkTopk(Algorithm):
             if not imbalance > 0.0:  # (inf: never, as None)
                 raise ValueError(f"imbalance must be a number > 0 or None, got {imbalance!r}")
         self.imbalance = imbalance
-        if not isinstance(rule, str) or rule not in RULES:
-            raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
-        self.rule = rule
+        self.rule = choice("rule", rule, RULES)
         self.adaptive = flag("adaptive", adaptive)
         self.tau, self.tau_prime = integer("tau", tau, 1), integer("tau_prime", tau_prime, 1)
         self.nudge = real("nudge", nudge)

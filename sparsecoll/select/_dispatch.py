@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
-import os
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from .._array import as_array, get_array_module, index_dtype
+from .._options import env_flag
 from ..sparse import VALUE_DTYPES, SparseVector
 from ._common import round_threshold
 
@@ -39,7 +39,7 @@ __all__ = [
 BACKEND_FUNCTIONS = ("topk", "threshold", "count_ge", "kth_largest_abs", "moments", "accumulate")
 
 _CPU_BACKENDS = ("numba", "numpy")
-_choice: str | None = "numpy" if os.environ.get("SPARSECOLL_NO_NUMBA") == "1" else None
+_choice: str | None = "numpy" if env_flag("SPARSECOLL_NO_NUMBA", False) else None
 
 
 def _load(name: str) -> Any:

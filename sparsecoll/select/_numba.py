@@ -62,6 +62,7 @@ except ImportError:  # pragma: no cover - older or newer Numba without it
 
 
 from .._array import index_dtype
+from .._options import env_integer
 from ._common import (
     NAN_MESSAGE,
     key_info,
@@ -126,12 +127,9 @@ def get_num_threads() -> int:
     global _threads
     if _threads is None:
         pool = numba.config.NUMBA_NUM_THREADS
-        if os.environ.get("SPARSECOLL_NUM_THREADS", "").strip().isdigit():
-            want = int(os.environ["SPARSECOLL_NUM_THREADS"])
-        elif "NUMBA_NUM_THREADS" in os.environ:
-            want = pool
-        else:
-            want = _cores() // _local_ranks()
+        want = env_integer("SPARSECOLL_NUM_THREADS", 1)  # (x or -1: an error, not dropped)
+        if want is None:
+            want = pool if "NUMBA_NUM_THREADS" in os.environ else _cores() // _local_ranks()
         _threads = min(pool, max(1, want))
     return _threads
 
