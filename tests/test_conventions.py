@@ -125,3 +125,14 @@ def test_communicator_repr_and_comm_none_is_comm_world():
     assert sparsecoll.allreduce(None, vals, idx, n=4).indices.tolist() == [1, 3]
     assert sparsecoll.iallreduce(None, vals, idx, n=4).wait().indices.tolist() == [1, 3]
     assert GradientReducer(None, n=4, density=0.5).comm.mpi_comm == world
+
+
+def test_accumulate_names_c_contiguity():
+    """select.accumulate's buffers must be C-contiguous (1-D: a strided view is not); the
+    message said only 'contiguous', as the reducer's out= did."""
+    from sparsecoll import select
+
+    grad = np.ones(12)
+    out = np.empty(24)[::2]
+    with pytest.raises(ValueError, match="out must be C-contiguous"):
+        select.accumulate(grad, out=out)

@@ -288,7 +288,7 @@ def accumulate(
         if get_array_module(a) is not xp or a.dtype != arr.dtype or a.shape != arr.shape:
             raise TypeError(f"{name} must be a {arr.dtype} array of shape {arr.shape} like grad")
         if not a.flags.c_contiguous:
-            raise ValueError(f"{name} must be contiguous")
+            raise ValueError(f"{name} must be C-contiguous")
     t = _check_t(cut, arr.dtype) if cut != math.inf else math.inf
     if t == 0.0:  # zeros are never selected: the smallest positive value instead
         t = float(np.finfo(arr.dtype).smallest_subnormal)
