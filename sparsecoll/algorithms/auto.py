@@ -44,12 +44,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .. import _state
 from .._array import index_dtype
 from ..api import collective_check
 from ..comm import Communicator
 from ..registry import algorithm_class, register_algorithm
 from ..sparse import SparseVector
-from . import _state
 from .base import Algorithm, sparse_is_cheaper
 
 __all__ = ["CANDIDATES", "Auto", "CostModel", "choose", "predict", "union_size"]
