@@ -63,6 +63,7 @@ from ._array import (
     to_module,
 )
 from ._options import check_density, choice, flag, integer, real
+from ._state import Kind, check_values, optional, positive, within
 from .algorithms.base import Algorithm
 from .api import ALGORITHM_SIGNATURE_LEN, algorithm_signature, collective_check, watch
 from .comm import CommStats, Communicator, widening_buffer
@@ -97,6 +98,16 @@ EVERY_NONZERO = math.ulp(0.0)
 # step count, so that the DDP hook's dense warm-up, which holds -1 there, differs from a
 # step there first)
 AGREED = ("n", "grad dtype", "algorithm, warmup or average", "step")
+# the exact top-k's predicted cut (see _predict_cut), saved as "topk_state": each attribute's
+# kind as a checkpoint must hold it (a restored run then predicts its first cut as the
+# saved run would have, instead of one more full top-k read)
+_PREDICTION: dict[str, Kind] = {
+    "_cut": optional(positive),
+    "_kth": within(0.0, math.inf),
+    "_growth": within(-0.5, 0.5),
+    "_slope": within(1.0, 30.0),
+    "_zcut": within(0.0, math.inf),
+}
 # why a checkpoint saved with another value of these is refused (given the saved value)
 _MISMATCH = {
     "error_feedback": lambda saved: (
@@ -560,6 +571,8 @@ class GradientReducer:
             "algorithm_state": _host_copy(vars(self.algorithm)),
             "algorithm_version": type(self.algorithm).state_version,
             "selection_state": _host_copy(_slot_values(self._selector)),
+            "selection_version": _selection_version(self.selection),
+            "topk_state": {name: getattr(self, name) for name in _PREDICTION},
             "totals": self._totals.as_dict(),
             "density_sum": self._density_sum,
             "sparse_steps": self._sparse_steps,
@@ -583,7 +596,9 @@ class GradientReducer:
         for the wrong kind); the residual and velocity may be numpy, torch or CuPy arrays.
         The algorithm's state is checked by the algorithm (:meth:`Algorithm.check_state`:
         the same attribute names and options, each value of its kind, bounds of this n and
-        number of ranks) and its version (``algorithm_version``); a state of another format
+        number of ranks) and its version (``algorithm_version``); the selection's state alike
+        (the estimator's ``state_kinds``, its options, ``selection_version``), and the exact
+        top-k's predicted cut (``topk_state``) by kind; a state of another format
         ``version`` is refused. The state's dtype is its gradients': a step with gradients
         of another dtype raises, saying so (cast the residual and velocity before loading,
         or reset()).
@@ -614,6 +629,8 @@ class GradientReducer:
         vars(self.algorithm).update(new["algorithm_state"])
         for name, value in new["selection_state"].items():
             setattr(self._selector, name, value)
+        for name, value in new["topk_state"].items():
+            setattr(self, name, value)
         self._totals = new["totals"]
         self._density_sum = new["density_sum"]
         self._sparse_steps = new["sparse_steps"]
@@ -693,12 +710,8 @@ class GradientReducer:
                     f"the state's {key} must be a dict, got {type(state[key]).__name__}"
                 )
         algorithm_state = self._saved_algorithm(state)
-        extra = set(state["selection_state"]) - set(_slot_values(self._selector))
-        if extra:
-            raise ValueError(
-                f"state holds selection state ({', '.join(sorted(extra))}) that this "
-                f"reducer's selection={self.selection!r} does not have"
-            )
+        selection_state = self._saved_selection(state)
+        topk_state = self._saved_prediction(state)
         try:
             totals = CommStats(**state["totals"])
         except TypeError as exc:  # (a field this sparsecoll does not count)
@@ -708,7 +721,8 @@ class GradientReducer:
             "residual": residual,
             "velocity": velocity,
             "algorithm_state": algorithm_state,
-            "selection_state": copy.deepcopy(state["selection_state"]),
+            "selection_state": selection_state,
+            "topk_state": topk_state,
             "totals": totals,
             "density_sum": real("the state's density_sum", state["density_sum"]),
             "sparse_steps": integer("the state's sparse_steps", state["sparse_steps"], 0),
@@ -718,16 +732,30 @@ class GradientReducer:
         """The state's algorithm_state, checked by the algorithm (its version, attribute
         names, options and the kinds of its state): the attributes loading writes."""
         algo = self.algorithm
-        # (a state saved before algorithm states were versioned: the first version)
-        version = state.get("algorithm_version", 1)
-        if version != algo.state_version:
-            raise ValueError(
-                f"the state's algorithm_state is {algo.name}'s state version {version!r}, this "
-                f"sparsecoll's {algo.name} reads version {algo.state_version} (saved by another "
-                f"sparsecoll: load it with a fresh reducer's algorithm_state and "
-                f"algorithm_version to keep its residual)"
-            )
+        _check_version(state, "algorithm", algo.name, algo.state_version)
         return algo.check_state(state["algorithm_state"], self.n, self.comm.size)
+
+    def _saved_selection(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The state's selection_state, checked as an algorithm's is (its version, slot
+        names, options equal to this reducer's estimator's, each state slot of its kind):
+        the slots loading writes (none for the exact selection, which keeps no state)."""
+        _check_version(state, "selection", self.selection, _selection_version(self.selection))
+        est = self._selector
+        kinds = {} if est is None else est.state_kinds
+        own = _slot_values(est)
+        saved = state["selection_state"]
+        return check_values("selection", self.selection, own, kinds, saved, self.n, self.comm.size)
+
+    def _saved_prediction(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The state's topk_state (the exact top-k's predicted cut), checked by kind; this
+        reducer's fresh prediction for a state saved before it was kept."""
+        saved = state.get("topk_state")
+        own = {name: getattr(self, name) for name in _PREDICTION}
+        if saved is None:
+            return own
+        if not isinstance(saved, dict):
+            raise TypeError(f"the state's topk_state must be a dict, got {type(saved).__name__}")
+        return check_values("topk", "exact top-k", own, _PREDICTION, saved, self.n, self.comm.size)
 
     def _saved_vector(self, state: dict[str, Any], key: str) -> np.ndarray | None:
         """The state's ``key`` (its residual or velocity) as a new host array of n finite
@@ -753,7 +781,7 @@ class GradientReducer:
         if engine is not None and not engine.is_worker_thread():
             engine.drain()
 
-    _CUT_STATE = ("_cut", "_kth", "_growth", "_slope", "_zcut", "_full_topk")
+    _CUT_STATE = (*_PREDICTION, "_full_topk")
 
     def _selection_snapshot(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """What a step's selection changes before the step is known to succeed on every rank:
@@ -1280,6 +1308,24 @@ def _effective_options(cls: Any, given: dict[str, Any]) -> dict[str, Any]:
         for name, value in sorted(options.items())
         if name not in ("k", "density")
     }
+
+
+def _selection_version(selection: str) -> int:
+    """The version of the selection estimator's state (1 for the exact selection)."""
+    cls = SELECTIONS[selection]
+    return 1 if cls is None else cls.state_version
+
+
+def _check_version(state: dict[str, Any], what: str, name: str, version: int) -> None:
+    """Refuse a state whose ``{what}_state`` (``name``'s) is of another version than
+    ``version`` (one saved before these states were versioned: the first)."""
+    saved = state.get(f"{what}_version", 1)
+    if saved != version:
+        raise ValueError(
+            f"the state's {what}_state is {name}'s state version {saved!r}, this sparsecoll's "
+            f"{name} reads version {version} (saved by another sparsecoll: load it with a "
+            f"fresh reducer's {what}_state and {what}_version to keep its residual)"
+        )
 
 
 def _slot_values(obj: Any) -> dict[str, Any]:

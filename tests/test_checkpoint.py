@@ -283,18 +283,36 @@ def _same_state(a, b) -> bool:
         return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
     if isinstance(a, float) and a != a:
         return isinstance(b, float) and b != b
+    if isinstance(a, np.random.Generator):  # (a sampler's: where its draws go on from)
+        return isinstance(b, np.random.Generator) and _same_state(
+            a.bit_generator.state, b.bit_generator.state
+        )
     return type(a) is type(b) and a == b
 
 
 @pytest.mark.parametrize("n", [N, 5000])
-@pytest.mark.parametrize("algorithm", ["oktopk", "exdyna", "gtopk", "auto"])
-def test_every_state_saved_loads_back_and_saves_the_same(algorithm, n):
+@pytest.mark.parametrize(
+    ("algorithm", "selection"),
+    [
+        ("oktopk", "reuse"),
+        ("exdyna", "exact"),
+        ("gtopk", "reuse"),
+        ("auto", "reuse"),
+        ("allgather", "exact"),
+        ("allgather", "sampling"),
+        ("allgather", "gaussian"),
+    ],
+)
+def test_every_state_saved_loads_back_and_saves_the_same(algorithm, selection, n):
     """A state saved at any step (before the first, in the run, after reset()) loads into a
     new reducer, which saves the same state, steps as the saved reducer and saves the same
     state again: what state_dict() writes is what the checks of load_state_dict() take
-    (exdyna's partitions for n below and above its block count, oktopk's regions)."""
+    (exdyna's partitions for n below and above its block count, oktopk's regions, each
+    selection's state, the exact top-k's predicted cut)."""
     g = [np.random.default_rng([3, t]).standard_normal(n).astype(np.float32) for t in range(6)]
-    options = {"momentum": 0.5, "selection": "exact" if algorithm == "exdyna" else "reuse"}
+    options = {"momentum": 0.5, "selection": selection}
+    if selection == "sampling":  # (a sample smaller than n: the generator's draws matter)
+        options["selection_options"] = {"min_sample": 64}
 
     def build():
         return GradientReducer(MPI.COMM_SELF, n, algorithm, 0.05, **options)
@@ -340,3 +358,84 @@ def test_algorithm_state_of_another_version_is_refused(monkeypatch):
     del state["algorithm_version"]
     fresh.load_state_dict(state)
     assert np.array_equal(fresh.step(g), red.step(g))
+
+
+def _selection_edit(case):
+    """A reuse selection's saved state edited as the ``case`` of
+    test_selection_state_it_cannot_take_is_refused says."""
+
+    def edit(state):
+        sel = state["selection_state"]
+        if case == "interval, options unrecorded":
+            sel["interval"] = 4
+            del state["selection_options"]
+        elif case == "threshold of text":
+            sel["_t"] = "x"
+        elif case == "threshold NaN":
+            sel["_t"] = float("nan")
+        elif case == "step a float":
+            sel["step"] = 2.0
+        elif case == "slot missing":
+            del sel["recomputes"]
+        else:  # "newer version"
+            state["selection_version"] = 2
+
+    return edit
+
+
+SELECTION_CASES = {
+    "interval, options unrecorded": (ValueError, "has interval=4, this reducer's reuse has 32"),
+    "threshold of text": (TypeError, "reuse's _t must be a real number, got str"),
+    "threshold NaN": (ValueError, "reuse's _t must be a number > 0, got nan"),
+    "step a float": (TypeError, "reuse's step must be an integer, got float"),
+    "slot missing": (ValueError, "selection_state lacks recomputes: not the state of"),
+    "newer version": (ValueError, "reuse's state version 2, this sparsecoll's reuse reads"),
+}
+
+
+@pytest.mark.parametrize("case", list(SELECTION_CASES))
+def test_selection_state_it_cannot_take_is_refused(case):
+    """The selection estimator's saved state is checked as the algorithm's is: its options
+    equal to the reducer's (not written over it), each state slot of its kind, every slot
+    there, its version; the reducer is left as it was, and then loads its own state.
+    Before, the slots were written over the estimator as they came: interval=4 ran with
+    4 where the state lacked selection_options, a threshold of text loaded and then failed
+    at every step, a missing slot kept its fresh value beside the saved others."""
+    g = grads(6)
+    kw = {"selection": "reuse"}
+    red = reducer(**kw)
+    for t in range(3):
+        red.step(g[t])
+    state = saved(red)
+    _selection_edit(case)(state)
+    fresh = reducer(**kw)
+    etype, match = SELECTION_CASES[case]
+    with pytest.raises(etype, match=re.escape(match)):
+        fresh.load_state_dict(state)
+    assert unchanged(fresh, 0, None) and fresh._selector.step == 0
+    assert fresh._selector.interval == 32
+    fresh.load_state_dict(saved(red))
+    for t in range(3, 6):
+        assert np.array_equal(fresh.step(g[t]), red.step(g[t])), f"step {t}"
+
+
+def test_restored_run_predicts_the_exact_top_k_cut_as_the_saved_one():
+    """The exact top-k's predicted candidate cut is saved (five numbers), so a restored run
+    reads x in full no more often than the saved run goes on to: its full_topk_steps rise
+    alike, and its updates are the same. Before, the first step after a restore had no
+    prediction and made one more full top-k read."""
+    g = [np.random.default_rng([5, t]).standard_normal(5000) for t in range(8)]
+    red = GradientReducer(MPI.COMM_SELF, 5000, "allgather", 0.01)
+    for t in range(4):
+        red.step(g[t])
+    before = red.stats()["full_topk_steps"]
+    other = GradientReducer(MPI.COMM_SELF, 5000, "allgather", 0.01)
+    other.load_state_dict(saved(red))
+    for t in range(4, 8):
+        assert np.array_equal(other.step(g[t]), red.step(g[t])), f"step {t}"
+    after = red.stats()["full_topk_steps"] - before
+    assert other.stats()["full_topk_steps"] == after
+    wrong = saved(red)
+    wrong["topk_state"]["_slope"] = 0.0
+    with pytest.raises(ValueError, match=r"exact top-k's _slope must be a number in \[1.0, 30.0\]"):
+        other.load_state_dict(wrong)

@@ -44,13 +44,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .. import _state
 from .._array import index_dtype
 from .._options import real
 from ..api import collective_check
 from ..comm import Communicator
 from ..registry import algorithm_class, register_algorithm
 from ..sparse import SparseVector
-from . import _state
 from .base import Algorithm, sparse_is_cheaper
 
 __all__ = ["CANDIDATES", "Auto", "CostModel", "choose", "predict", "union_size"]

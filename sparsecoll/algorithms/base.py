@@ -19,9 +19,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .._array import aligned_view, get_array_module, index_dtype, to_host
+from .._state import Kind, check_saved
 from ..comm import Communicator
 from ..sparse import SparseVector, coalesce
-from ._state import Kind, check_saved
 
 __all__ = [
     "Algorithm",
@@ -49,7 +49,7 @@ class Algorithm(ABC):
         required: options the constructor cannot do without (a selecting algorithm's k),
             listed as required although their default is None.
         state_kinds: the attributes that calls change (what a GradientReducer checkpoint
-            restores), each with its kind (:mod:`sparsecoll.algorithms._state`); the
+            restores), each with its kind (:mod:`sparsecoll._state`); the
             other attributes are the constructor's. None: not declared (all attributes
             restored as saved).
         state_version: the version of that state's meaning, saved with it: raise it when an

@@ -61,13 +61,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .. import select
+from .. import _state, select
 from .._array import get_array_module, index_dtype, to_host
 from .._options import choice, flag, integer, real
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from . import _state
 from ._merge import gather, keep_bucket, take_at_least
 from ._window import (
     WINDOW_OFFSETS,

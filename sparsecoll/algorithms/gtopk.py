@@ -34,12 +34,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .. import select
+from .. import _state, select
 from .._array import get_array_module, to_host
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from . import _state
 from ._merge import isin_sorted, merge_two
 from .base import Algorithm, Fold, allclose_sparse, pack_pairs, recv_pairs
 

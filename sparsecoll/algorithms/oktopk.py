@@ -89,12 +89,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .. import _state
 from .._array import get_array_module, to_host
 from .._options import choice, count_band, flag, integer, real
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from . import _state
 from ._merge import accumulate_dtype, isin_sorted, keep_bucket, merge_two
 from ._window import (
     bracket_edge,

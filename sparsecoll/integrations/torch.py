@@ -33,7 +33,7 @@ from typing import Any
 
 from .._array import as_array, device_scope, is_device_array, synchronize
 from .._launch import torch_launcher_mismatch
-from .._options import check_density
+from .._options import check_density, integer
 from ..api import collective_check
 from ..comm import CommStats, Communicator, widening_buffer
 from ..errors import NonFiniteError
@@ -60,7 +60,10 @@ HOOK_AGREED = (
 WARMUP_MARK = -1
 # what a bucket reducer's state holds for its density (its k): taken from a fresh reducer
 # when the state was saved at another density
-DENSITY_STATE = ("density", "algorithm_state", "algorithm_version", "selection_state")
+DENSITY_STATE = (
+    "density", "algorithm_state", "algorithm_version", "selection_state", "selection_version",
+    "topk_state",
+)  # fmt: skip
 
 
 def _torch() -> Any:
@@ -416,7 +419,8 @@ class SparseHookState:
         left as it was."""
         error, sig = None, None
         try:
-            iteration = int(state["iteration"])
+            # (as saved: an int >= 0; int() took 2.7 as 2 and "3" as 3)
+            iteration = integer("the saved iteration", state["iteration"], 0)
             layouts = state.get("layouts", {})
             for key in ("reducers", "layouts"):  # (read after the ranks agree: checked here)
                 if not isinstance(state.get(key, {}), dict):
@@ -424,10 +428,14 @@ class SparseHookState:
                         f"the saved {key} must be a dict, got {type(state[key]).__name__}"
                     )
             for index, saved in state["reducers"].items():
+                # (a bucket index: another key, e.g. "0", never matched a bucket)
+                integer("a saved bucket index", index, 0)
                 try:  # (as the bucket's reducer will take it)
-                    self._new_reducer(int(saved["n"]), saved)
+                    self._new_reducer(integer("n", saved["n"], 0), saved)
                 except Exception as exc:
                     raise ValueError(f"the saved state of bucket {index}: {exc}") from exc
+            for index, layout in layouts.items():
+                _check_layout(index, layout, state["reducers"])
             sig = [iteration, len(state["reducers"])]
         except Exception as exc:  # (shared with every rank: none is left waiting)
             error = exc
@@ -439,6 +447,21 @@ class SparseHookState:
         self._pending = dict(state["reducers"])
         self._pending_layouts = dict(layouts)
         self._pending_until = self.iteration + 3
+
+
+def _check_layout(index: Any, layout: Any, reducers: dict[Any, Any]) -> None:
+    """A saved bucket layout as state_dict() writes it: for a saved bucket, its size (the
+    bucket's n), dtype name and parameter shapes (another never matched a bucket: the
+    bucket's state was dropped after 3 iterations, with a warning only)."""
+    saved = reducers.get(index)
+    if saved is None:
+        raise ValueError(f"the saved layouts hold bucket {index!r}, whose state is not saved")
+    ok = isinstance(layout, tuple) and len(layout) == 3 and isinstance(layout[1], str)
+    if not ok or layout[0] != saved["n"] or not isinstance(layout[2], tuple):
+        raise ValueError(
+            f"the saved layout of bucket {index} must be (n={saved['n']}, a dtype name, "
+            f"the parameters' shapes), got {layout!r}"
+        )
 
 
 def _reduce_bucket(

@@ -42,6 +42,7 @@ import numpy as np
 
 from .._array import get_array_module, identity, to_module
 from .._options import count_band, flag, integer, real
+from .._state import Kind, count, optional, positive
 from ..sparse import SparseVector
 from ._dispatch import _prepare, count_ge, kth_largest_abs, moments, threshold, topk
 
@@ -110,11 +111,18 @@ class ThresholdEstimator(ABC):
     """Base class: the requested size, as ``k`` or as ``density`` (k = round(density·n)).
 
     ``band`` is the stated count band (multiples of k) of the default settings.
+    ``state_kinds``: the slots that calls change (what a GradientReducer checkpoint's
+    ``selection_state`` restores), each with its kind (:mod:`sparsecoll._state`); the other
+    slots are the constructor's, which a checkpoint must hold alike. ``state_version``: the
+    version of that state's meaning, saved with it (raise it when a slot keeps its name but
+    changes what it holds).
     """
 
     __slots__ = ("density", "k")
     band: ClassVar[tuple[float, float]] = (1.0, 1.0)
     name: ClassVar[str] = ""
+    state_kinds: ClassVar[dict[str, Kind]] = {}
+    state_version: ClassVar[int] = 1
 
     def __init__(self, k: int | None = None, *, density: float | None = None) -> None:
         if (k is None) == (density is None):
@@ -188,6 +196,12 @@ class ReuseThreshold(ThresholdEstimator):
     __slots__ = ("_t", "hi", "hold_band", "interval", "lo", "nudge", "recomputes", "step")
     band = (0.8, 1.25)
     name = "reuse"
+    # (a threshold is never 0 or NaN: observe() keeps it >= the smallest positive float)
+    state_kinds: ClassVar[dict[str, Kind]] = {
+        "_t": optional(positive),
+        "step": count,
+        "recomputes": count,
+    }
 
     def __init__(
         self,
@@ -290,6 +304,7 @@ class SamplingThreshold(ThresholdEstimator):
     __slots__ = ("hi", "lo", "min_sample", "retries", "rng", "sample")
     band = (0.8, 1.3)
     name = "sample"
+    state_kinds: ClassVar[dict[str, Kind]] = {"rng": lambda value, n, size: _generator(value)}
 
     def __init__(
         self,
@@ -347,6 +362,13 @@ class SamplingThreshold(ThresholdEstimator):
             # Too few: move down the sample in proportion to the shortfall.
             r = min(s, max(r + 1, math.ceil(r * k / max(c, 1))))
         return _exact(x, n, k, "sample-exact", tries + 1)
+
+
+def _generator(value: Any) -> Any:
+    """A numpy Generator (SamplingThreshold's, where its draws go on from)."""
+    if not isinstance(value, np.random.Generator):
+        raise TypeError(f"must be a numpy random Generator, got {type(value).__name__}")
+    return value
 
 
 def _tail(t: float, mean: float, std: float) -> float:

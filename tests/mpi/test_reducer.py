@@ -843,7 +843,8 @@ def test_hook_state_density_change_carries_the_residual(comm, algorithm, options
 def test_hook_state_checkpoint_is_checked_where_it_is_loaded(comm):
     """SparseHookState.load_state_dict() checks the saved state on every rank alike: one
     rank loading a state of another algorithm, another error_feedback, of another
-    iteration, or with saved layouts that are no dict, raises the same error on every rank,
+    iteration, an iteration that is no integer >= 0, a bucket index or layout that no
+    bucket could match, or with saved layouts that are no dict, raises the same error on every rank,
     naming it, and every state is left as it was; a state saved at another density is
     taken, residual and step count carried over. Before, any state loaded, and the
     bucket's first sparse iteration raised a ValueError inside the hook on that rank alone
@@ -871,6 +872,19 @@ def test_hook_state_checkpoint_is_checked_where_it_is_loaded(comm):
         # (read after the ranks agreed: it raised a TypeError on that rank alone, the state
         # half-loaded)
         ({**saved, "layouts": None}, f"layouts must be a dict, got NoneType on rank {bad}"),
+        # (int() took these: 2.7 as 2, "3" as 3)
+        ({**saved, "iteration": 2.7}, f"iteration must be an integer >= 0, got 2.7 on rank {bad}"),
+        ({**saved, "iteration": "3"}, f"iteration must be an integer >= 0, got '3' on rank {bad}"),
+        ({**saved, "iteration": -1}, f"iteration must be an integer >= 0, got -1 on rank {bad}"),
+        # (a bucket index or layout no bucket could match: dropped later, on a warning)
+        (
+            {**saved, "reducers": {"0": saved["reducers"][0]}, "layouts": {}},
+            f"bucket index must be an integer >= 0, got '0' on rank {bad}",
+        ),
+        (
+            {**saved, "layouts": {0: list(saved["layouts"][0])}},
+            f"layout of bucket 0 must be \\(n={n}, .* on rank {bad}",
+        ),
     ]
     if comm.size > 1:
         cases.append(({**saved, "iteration": 7}, "iteration must be the same on every rank"))
@@ -1050,6 +1064,43 @@ def test_algorithm_state_it_cannot_take_is_refused(comm, case):
         fresh.load_state_dict(state)
     assert_all(comm, fresh.steps == 0 and fresh.residual is None, "a rank loaded")
     fresh.load_state_dict(red.state_dict())  # (its own state: loads, and goes on alike)
+    check_everywhere(comm, [], [fresh.step(g[2]), red.step(g[2])])
+
+
+SELECTION_STATE_CASES = {
+    # case: (selection, what the last rank's state is edited to, message)
+    "reuse interval, unrecorded": ("reuse", {"interval": 4}, "has interval=4, this reducer's"),
+    "reuse threshold of text": ("reuse", {"_t": "x"}, "reuse's _t must be a real number"),
+    "sampler not a generator": ("sampling", {"rng": 0}, "sampling's rng must be a numpy random"),
+    "exact with a slot": ("exact", {"_t": 1.0}, "holds _t, which exact here does not have"),
+}
+
+
+@pytest.mark.parametrize("case", list(SELECTION_STATE_CASES))
+def test_selection_state_it_cannot_take_is_refused(comm, case):
+    """The selection estimator's saved state is checked (options, kinds, slot names) on
+    every rank alike: one rank's state it cannot take raises the same error on every rank,
+    naming that rank, and nothing loads. Before, it was written over that rank's
+    estimator as it came: another interval ran there (the state lacking
+    selection_options), a threshold of text failed at that rank's every step."""
+    selection, edit, match = SELECTION_STATE_CASES[case]
+    n, last = 600, comm.size - 1
+    g = [np.random.default_rng([9, comm.rank, t]).standard_normal(n) for t in range(3)]
+    kw = {"selection": selection}
+    if selection == "sampling":
+        kw["selection_options"] = {"min_sample": 64}
+    red = GradientReducer(comm, n, "allgather", 0.025, **kw)
+    for t in range(2):
+        red.step(g[t])
+    state = pickle.loads(pickle.dumps(red.state_dict()))
+    if comm.rank == last:
+        state["selection_state"].update(edit)
+        state.pop("selection_options")
+    fresh = GradientReducer(comm, n, "allgather", 0.025, **kw)
+    with pytest.raises((CollectiveInputError, CollectiveTypeError), match=f"{match}.* rank {last}"):
+        fresh.load_state_dict(state)
+    assert_all(comm, fresh.steps == 0 and fresh.residual is None, "a rank loaded")
+    fresh.load_state_dict(red.state_dict())
     check_everywhere(comm, [], [fresh.step(g[2]), red.step(g[2])])
 
 

@@ -1,13 +1,15 @@
-"""Checking a stateful algorithm's saved state (a GradientReducer checkpoint's
-``algorithm_state``: the instance's attributes) before it is restored.
+"""Checking a saved state before it is restored: a stateful algorithm's (a GradientReducer
+checkpoint's ``algorithm_state``: the instance's attributes) and a selection estimator's
+(its ``selection_state``: the estimator's slots), alike.
 
-An algorithm lists what its calls change in ``state_kinds``: each attribute's kind, a
-function ``(value, n, size) -> value`` that returns what to restore (the value itself, or
-for an array a native int64 host copy) or raises TypeError (wrong type) or ValueError. Its
-other attributes are the constructor's: a saved state must hold the same values (loading
-would otherwise run the saved options under this instance's name), and they are not
-written over. Values are restored as saved, not converted: a threshold saved as a numpy
-float32 keeps its arithmetic (a Python float would round the next steps differently).
+An algorithm (an estimator) lists what its calls change in ``state_kinds``: each
+attribute's kind, a function ``(value, n, size) -> value`` that returns what to restore
+(the value itself, or for an array a native int64 host copy) or raises TypeError (wrong
+type) or ValueError. Its other attributes are the constructor's: a saved state must hold
+the same values (loading would otherwise run the saved options under this instance's
+name), and they are not written over. Values are restored as saved, not converted: a
+threshold saved as a numpy float32 keeps its arithmetic (a Python float would round the
+next steps differently).
 """
 
 from __future__ import annotations
@@ -19,20 +21,23 @@ from typing import Any
 
 import numpy as np
 
-from .._array import as_array, to_host
+from ._array import as_array, to_host
 
 __all__ = [
     "Kind",
     "boolean",
     "check_saved",
+    "check_values",
     "count",
     "length",
     "number",
     "optional",
+    "positive",
     "problem",
     "ranks",
     "signed",
     "splits",
+    "within",
 ]
 
 Kind = Callable[[Any, int, int], Any]
@@ -62,6 +67,24 @@ def number(value: Any, n: int, size: int) -> Any:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"must be a real number, got {type(value).__name__}")
     return value
+
+
+def positive(value: Any, n: int, size: int) -> Any:
+    """A real number > 0 (a threshold; infinity too: the one an exact step keeps at k = 0)."""
+    if not number(value, n, size) > 0:  # (NaN too)
+        raise ValueError(f"must be a number > 0, got {value!r}")
+    return value
+
+
+def within(low: float, high: float) -> Kind:
+    """A real number in [low, high] (NaN is not)."""
+
+    def check(value: Any, n: int, size: int) -> Any:
+        if not low <= number(value, n, size) <= high:
+            raise ValueError(f"must be a number in [{low}, {high}], got {value!r}")
+        return value
+
+    return check
 
 
 def boolean(value: Any, n: int, size: int) -> Any:
@@ -140,28 +163,41 @@ def _same(a: Any, b: Any) -> bool:
 
 def check_saved(algo: Any, saved: dict[str, Any], n: int, size: int) -> dict[str, Any]:
     """What restoring ``saved`` (``algo``'s attributes as a checkpoint holds them) writes
-    over ``algo``'s attributes: its state, checked by kind (see the module docstring);
+    over ``algo``'s attributes: :func:`check_values` of its ``vars`` and ``state_kinds``."""
+    return check_values("algorithm", algo.name, vars(algo), algo.state_kinds, saved, n, size)
+
+
+def check_values(
+    what: str,
+    name: str,
+    own: dict[str, Any],
+    kinds: dict[str, Kind] | None,
+    saved: dict[str, Any],
+    n: int,
+    size: int,
+) -> dict[str, Any]:
+    """What restoring ``saved`` (an object's attributes ``own`` as a checkpoint's
+    ``{what}_state`` holds them: the algorithm's or the selection estimator's, called
+    ``name``) writes over them: its state, checked by ``kinds`` (see the module docstring);
     raises ValueError or TypeError naming what does not fit, having changed nothing.
-    An algorithm with no ``state_kinds`` (None: one registered from outside) is checked for
-    the same attribute names only, and all of them are restored as saved."""
-    name = algo.name
-    own = vars(algo)
+    ``kinds`` None (an algorithm registered from outside) checks the attribute names only,
+    and all of them are restored as saved."""
+    key = f"{what}_state"
     missing = sorted(set(own) - set(saved))
     extra = sorted(set(saved) - set(own))
     if missing or extra:
         parts = [f"lacks {', '.join(missing)}"] if missing else []
         parts += [f"holds {', '.join(extra)}, which {name} here does not have"] if extra else []
         raise ValueError(
-            f"the state's algorithm_state {'; '.join(parts)}: not the state of this "
-            f"sparsecoll's {name} (saved by another sparsecoll, or by another algorithm)"
+            f"the state's {key} {'; '.join(parts)}: not the state of this "
+            f"sparsecoll's {name} (saved by another sparsecoll, or by another {what})"
         )
-    kinds = algo.state_kinds
     if kinds is None:
         return copy.deepcopy(saved)
     for attr, value in own.items():
         if attr not in kinds and not _same(saved[attr], value):
             raise ValueError(
-                f"the state's algorithm_state has {attr}={saved[attr]!r}, this reducer's "
+                f"the state's {key} has {attr}={saved[attr]!r}, this reducer's "
                 f"{name} has {value!r} (the state of another configuration)"
             )
     restored = {}
@@ -169,5 +205,5 @@ def check_saved(algo: Any, saved: dict[str, Any], n: int, size: int) -> dict[str
         try:
             restored[attr] = kind(saved[attr], n, size)
         except (TypeError, ValueError) as exc:
-            raise type(exc)(f"the state's algorithm_state: {name}'s {attr} {exc}") from None
+            raise type(exc)(f"the state's {key}: {name}'s {attr} {exc}") from None
     return copy.deepcopy(restored)
