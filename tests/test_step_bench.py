@@ -283,7 +283,7 @@ def test_training_scripts_refuse_an_output_they_cannot_write(tmp_path, script, o
         ("oktopk_density.py", ["--steps", "5", "--skip", "5"], "expecting --skip < --steps 5"),
         ("oktopk_density.py", ["--density", "0"], "argument --density: density must be in"),
         ("exdyna_threshold.py", ["--steps", "5", "--skip", "5"], "expecting --skip < --steps 5"),
-        ("exdyna_threshold.py", ["--n", "0"], "argument --n: expecting an integer >= 1"),
+        ("exdyna_threshold.py", ["--n", "0"], "argument --n: sizes must be positive, got '0'"),
         # --every 0: a ZeroDivisionError on rank 0 alone
         ("exdyna_rebalance.py", ["--every", "0"], "argument --every: expecting an integer >= 1"),
         ("exdyna_rebalance.py", ["--calls", "0"], "argument --calls: expecting an integer >= 1"),
