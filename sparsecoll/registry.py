@@ -78,10 +78,13 @@ def algorithm_class(name: str) -> type[Algorithm]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        known = sorted(_REGISTRY)
-        raise UnknownAlgorithmError(
-            f"unknown algorithm {name!r}{did_you_mean(name, known)}; known: {', '.join(known)}"
-        ) from None
+        raise UnknownAlgorithmError(unknown_name("algorithm", name, sorted(_REGISTRY))) from None
+
+
+def unknown_name(what: str, name: str, known: list[str]) -> str:
+    """The message for an unknown ``name`` of a ``what`` (an algorithm, a bench method): a
+    did-you-mean and the ``known`` ones."""
+    return f"unknown {what} {name!r}{did_you_mean(name, known)}; known: {', '.join(known)}"
 
 
 def did_you_mean(word: object, choices: list[str]) -> str:

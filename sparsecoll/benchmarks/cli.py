@@ -291,9 +291,9 @@ def exit_on_any(comm: Any, error: str | None) -> None:
 def unknown_algorithm(name: str, known: list[str], what: str = "algorithm") -> str:
     """The message for an unknown algorithm (``what``) ``name``: a did-you-mean and the
     known ones."""
-    from ..registry import did_you_mean
+    from ..registry import unknown_name
 
-    return f"unknown {what} {name!r}{did_you_mean(name, known)}; known: {', '.join(known)}"
+    return unknown_name(what, name, known)
 
 
 def choices_arg(known: Any, what: str) -> Callable[[str], list[str]]:
