@@ -8,6 +8,8 @@
 #
 # Each step stays under 10 minutes (the device tool's limit for one command), so they run as
 # separate calls; each writes env.txt and STEP.log to OUTDIR (e.g. $OUT on the device tool).
+# PYTEST_ARGS adds options to the outer pytest of `tests` and `mpi` (e.g. "-n 8" with
+# pytest-xdist: the launcher's mpiexec runs stay one pytest per rank).
 # Expects python3 with CuPy, Numba, mpi4py, pytest and hypothesis, and the mpiexec of the MPI
 # that mpi4py was built with: a system Open MPI's (found below), or on PATH, or the one a
 # carried `mpich` wheel installed next to itself (pip install --target DIR puts it in DIR/bin).
@@ -58,7 +60,7 @@ case "$what" in
 tests)
     # the device-buffer tests in one process (real CuPy here): selection on every backend,
     # arrays, coalescing, kernels, torch CUDA tensors; the OSU suite's own tests
-    timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -rs -p no:cacheprovider \
+    timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} \
         ${TESTS:-tests/test_gpu.py tests/test_select.py tests/test_osu.py} \
         -k "${TESTS_K:-gpu or cupy or select or osu or cuda or nvrtc}" > "$out/tests.log" 2>&1
     echo "pytest exit $?" >> "$out/tests.log"
@@ -67,7 +69,7 @@ mpi)
     # the collectives on device buffers under mpiexec at P = 1, 2, 3 and 4 (ranks share the
     # GPU round-robin: P > 1 on one GPU stages through host memory)
     SPARSECOLL_NPROCS=${SPARSECOLL_NPROCS:-1,2,3,4} timeout ${TEST_TIMEOUT:-560} \
-        python3 -m pytest -q -rs -p no:cacheprovider tests/test_mpi.py \
+        python3 -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} tests/test_mpi.py \
         -k "${TESTS_K:-gpu or osu}" > "$out/mpi.log" 2>&1
     echo "pytest exit $?" >> "$out/mpi.log"
     ;;

@@ -505,6 +505,19 @@ def _free(dtype: Any) -> None:
         dtype.Free()
 
 
+_ISENDRECV: bool | None = None  # MPI_Isendrecv usable? (None: not tried yet)
+
+
+def _isendrecv_works(mpi_comm: Any) -> bool:
+    """Whether MPI_Isendrecv (MPI 4.0) can be used; before MPI 4 (Open MPI 4.x, MPICH 3.x)
+    mpi4py raises NotImplementedError for it, and a send and a receive stand in for it."""
+    global _ISENDRECV
+    if _ISENDRECV is None:
+        version = _mpi().Get_version()
+        _ISENDRECV = tuple(version) >= (4, 0) and hasattr(mpi_comm, "Isendrecv")
+    return _ISENDRECV
+
+
 def _nonblocking(name: str) -> str:
     """MPI's nonblocking variant of a blocking call: Allgatherv -> Iallgatherv."""
     return "I" + name[0].lower() + name[1:]
@@ -660,6 +673,15 @@ class Communicator:
         """Run MPI's blocking call ``name`` on this communicator, or in polling mode its
         nonblocking variant completed by Test calls with sleeps."""
         if self.poll:
+            if name == "Sendrecv" and not _isendrecv_works(self.mpi_comm):
+                smsg, dest, stag, rmsg, source, rtag = args
+                MPI = _mpi()
+                reqs = [
+                    self.mpi_comm.Irecv(rmsg, source, rtag),
+                    self.mpi_comm.Isend(smsg, dest, stag),
+                ]
+                _poll(lambda: MPI.Request.Testall(reqs))
+                return None
             req = getattr(self.mpi_comm, _nonblocking(name))(*args)
             _poll(req.Test)
             return None

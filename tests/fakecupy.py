@@ -672,6 +672,7 @@ def installed() -> Iterator[Any]:
 
     names = ("cupy", "cupy.cuda", "cupy.cuda.nccl")
     saved = {name: sys.modules.get(name) for name in names}
+    before = set(sys.modules)
     sys.modules.update({"cupy": module, "cupy.cuda": module.cuda, "cupy.cuda.nccl": nccl})
     _array.cupy_or_none.cache_clear()
     try:
@@ -682,4 +683,11 @@ def installed() -> Iterator[Any]:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = old
+        # CuPy's own modules first imported while the fake stood in (by torch, say) may
+        # hold the fake as `cupy`: forget them, so the real ones import afresh (on a GPU
+        # machine a later NVRTC test once failed on "module 'numpy' has no attribute
+        # '_environment'" after such an import)
+        for name in set(sys.modules) - before:
+            if name.split(".")[0] in ("cupy", "cupyx", "cupy_backends"):
+                sys.modules.pop(name, None)
         _array.cupy_or_none.cache_clear()

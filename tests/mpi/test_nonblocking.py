@@ -48,6 +48,34 @@ def test_iallreduce_equals_allreduce(comm, name):
         assert_all(comm, g.info["stats"] == w.info["stats"], f"{g.info} != {w.info}")
 
 
+def test_iallreduce_without_mpi4_isendrecv(comm, monkeypatch):
+    """Before MPI 4.0 (Open MPI 4.x, MPICH 3.x) there is no MPI_Isendrecv, and mpi4py
+    raises NotImplementedError for it: the progress thread's polling waits then pair an
+    Irecv with an Isend, with the same results and bytes."""
+    from sparsecoll import comm as comm_module
+
+    asked = []
+
+    def without(mpi_comm):
+        asked.append(1)
+        return False
+
+    monkeypatch.setattr(comm_module, "_isendrecv_works", without)
+    inputs = [_input(comm.rank, seed) for seed in range(2)]
+    for name in NAMES:
+        reqs = [
+            sparsecoll.iallreduce(comm, v, i, n=N, algorithm=name, **_opts(name)) for v, i in inputs
+        ]
+        got = [r.wait() for r in reqs]
+        want = [
+            sparsecoll.allreduce(comm, v, i, n=N, algorithm=name, **_opts(name)) for v, i in inputs
+        ]
+        for g, w in zip(got, want):
+            assert_all(comm, digest(g) == digest(w), f"{name}: iallreduce differs from allreduce")
+            assert_all(comm, g.info["stats"] == w.info["stats"], f"{g.info} != {w.info}")
+    assert_all(comm, comm.size == 1 or len(asked) > 0, "the fallback never ran")
+
+
 @pytest.mark.parametrize("setting", ["0", "1"])
 def test_progress_poll_setting(comm, monkeypatch, setting):
     """SPARSECOLL_PROGRESS_POLL=0: the progress thread waits in MPI's blocking calls
