@@ -420,6 +420,104 @@ class ElementwiseKernel:
         return args[-1] if self.n_out == 1 else args[self.n_in :]
 
 
+# -- RawModule: numpy re-statements of sparsecoll's selection kernels (select/_cupy.py) ---------
+def _pick(key: np.ndarray, hi: Any, icut: Any) -> np.ndarray:
+    i = np.arange(key.shape[0])
+    return (key > hi) | ((key == hi) & (i <= int(icut)))
+
+
+def _tiles(hit: np.ndarray, counts: np.ndarray) -> None:
+    from sparsecoll.select._cupy import _TILE
+
+    padded = np.zeros(counts.shape[0] * _TILE, dtype=np.uint32)
+    padded[: hit.shape[0]] = hit
+    counts[...] = padded.reshape(-1, _TILE).sum(axis=1)
+
+
+def _check_ends(ends: np.ndarray, counts: np.ndarray, hits: int) -> None:
+    if not np.array_equal(ends, np.cumsum(counts, dtype=np.uint64)) or int(ends[-1]) != hits:
+        raise AssertionError("fakecupy: a write pass got counts that do not match its input")
+
+
+def _sc_hist(bits, n, absmask, infkey, pmask, prefix, shift, hist) -> None:
+    from sparsecoll.select._cupy import _BINS
+
+    key = bits[: int(n)] & absmask
+    hist[_BINS] += np.count_nonzero(key > infkey)
+    key = key[(key & pmask) == prefix]
+    np.add.at(
+        hist, ((key >> bits.dtype.type(shift)) & bits.dtype.type(_BINS - 1)).astype(np.intp), 1
+    )
+
+
+def _sc_gather(bits, n, absmask, pmask, prefix, ckey, cidx, count) -> None:
+    key = bits[: int(n)] & absmask
+    idx = np.flatnonzero((key & pmask) == prefix)[::-1]  # (any order: the GPU's is not fixed)
+    ckey[: idx.shape[0]] = key[idx]
+    cidx[: idx.shape[0]] = idx
+    count[0] += idx.shape[0]
+
+
+def _sc_count(bits, n, absmask, infkey, hi, icut, counts, flag) -> None:
+    key = bits[: int(n)] & absmask
+    _tiles(_pick(key, hi, icut), counts)
+    if np.any(key > infkey):
+        flag[0] = 1
+
+
+def _sc_write(bits, n, absmask, hi, icut, ends, counts, oidx, oval) -> None:
+    idx = np.flatnonzero(_pick(bits[: int(n)] & absmask, hi, icut))
+    _check_ends(ends, counts, idx.shape[0])
+    oidx[...] = idx
+    oval[...] = bits[idx]
+
+
+def _sc_mask_count(mask, n, counts) -> None:
+    _tiles(mask[: int(n)] != 0, counts)
+
+
+def _sc_mask_write(mask, n, ends, counts, oidx) -> None:
+    idx = np.flatnonzero(mask[: int(n)])
+    _check_ends(ends, counts, idx.shape[0])
+    oidx[...] = idx
+
+
+RAW_KERNELS = {
+    "sc_hist": _sc_hist,
+    "sc_gather": _sc_gather,
+    "sc_count": _sc_count,
+    "sc_write": _sc_write,
+    "sc_mask_count": _sc_mask_count,
+    "sc_mask_write": _sc_mask_write,
+}
+
+
+class RawModule:
+    """``cupy.RawModule``: ``get_function(name)`` runs the numpy re-statement registered
+    under ``name`` in ``RAW_KERNELS`` (the CUDA source is compiled only on a real GPU)."""
+
+    def __init__(self, code: str = "", options: tuple = (), **kwargs: Any) -> None:
+        if not isinstance(code, str) or not code:
+            raise TypeError("RawModule needs its CUDA source")
+        self.code = code
+
+    def get_function(self, name: str) -> Any:
+        if name not in RAW_KERNELS or f" {name}(" not in self.code:
+            raise NotImplementedError(f"fakecupy has no re-statement of raw kernel {name!r}")
+
+        def launch(grid: tuple, block: tuple, args: tuple, **kwargs: Any) -> None:
+            if not (
+                isinstance(grid, tuple) and isinstance(block, tuple) and isinstance(args, tuple)
+            ):
+                raise TypeError("a raw kernel takes (grid, block, args) tuples")
+            if any(isinstance(a, (int, float)) and not isinstance(a, np.generic) for a in args):
+                raise TypeError(f"{name}: pass scalars as numpy scalars of the C type")
+            _on_current_device(args)
+            RAW_KERNELS[name](*_unwrap(list(args)))
+
+        return launch
+
+
 # -- NCCL, emulated with MPI on the fake device memory (which is host memory) -------------------
 class _FakeNccl(types.ModuleType):
     """``cupy.cuda.nccl`` for fake arrays: the same calls, carried out by MPI on the raw
@@ -635,6 +733,7 @@ module = _Module("cupy", __doc__)
 module.__name__ = "cupy"
 module.ndarray = ndarray
 module.ElementwiseKernel = ElementwiseKernel
+module.RawModule = RawModule
 module.asarray = _asarray
 module.array = _asarray
 module.ascontiguousarray = _ascontiguousarray

@@ -143,6 +143,40 @@ def test_topk_exact(xp, sel, x, k):
     np.testing.assert_array_equal(vals.get(), x[want])
 
 
+@given(x=vectors(), k=st.integers(1, 3100), cap=st.sampled_from([0, 1, 5]))
+def test_topk_exact_through_every_digit(xp, sel, x, k, cap):
+    """With a tiny candidate cap the radix select refines digit after digit (12 bits a
+    pass) down to one key, and cuts the ties there by index: the paths that skewed
+    or tied data of millions of entries take."""
+    k = min(k, x.shape[0])
+    if k == 0 or k == x.shape[0]:
+        return
+    saved = sel._CANDIDATES
+    sel._CANDIDATES = cap
+    try:
+        idx, _ = sel.topk(xp.asarray(x), k)
+        kth = sel.kth_largest_abs(xp.asarray(x), k)
+    finally:
+        sel._CANDIDATES = saved
+    want = reference_topk(x, k)
+    np.testing.assert_array_equal(idx.get(), want)
+    assert kth == float(np.sort(np.abs(x.astype(np.float64)))[::-1][k - 1])
+
+
+@given(n=st.integers(0, 20000), p=st.sampled_from([0.0, 0.001, 0.3, 1.0]), seed=st.integers(0, 99))
+def test_flatnonzero_mask(xp, sel, n, p, seed):
+    """The two-pass compaction of a bool mask equals flatnonzero, over many tiles, and on
+    a slice that starts inside a tile."""
+    mask = np.random.default_rng(seed).random(n) < p
+    got = sel.flatnonzero_mask(xp.asarray(mask))
+    assert got.dtype == index_dtype(n)
+    np.testing.assert_array_equal(got.get(), np.flatnonzero(mask))
+    lo = n // 3
+    np.testing.assert_array_equal(
+        sel.flatnonzero_mask(xp.asarray(mask)[lo:]).get(), np.flatnonzero(mask[lo:])
+    )
+
+
 @given(x=vectors(), data=st.data())
 def test_threshold_count_kth(xp, sel, x, data):
     n = x.shape[0]
@@ -417,10 +451,28 @@ def test_kernel_sources_compile_with_nvrtc():
             return spec
 
     cap = Capture()
-    keys = ("unsigned short", "unsigned int", "unsigned long long")
-    jobs = [(_cupy._hist_kernel.__wrapped__(cap), u, "float") for u in keys]
-    jobs += [(_cupy._ge_kernel.__wrapped__(cap), u, "float") for u in keys]
-    jobs += [
+    # the selection kernels (a RawModule per key and index width)
+    for key_bytes in (2, 4, 8):
+        for index_bytes in (4, 8):
+            source = _cupy.kernel_source(key_bytes, index_bytes)
+            prog = nvrtc.createProgram(source, "select.cu", [], [])
+            try:
+                nvrtc.compileProgram(prog, [*_cupy.KERNEL_OPTIONS, "-arch=compute_90"])
+            except Exception:
+                pytest.fail(
+                    f"selection kernels ({key_bytes}, {index_bytes}):\n{nvrtc.getProgramLog(prog)}"
+                )
+            ptx = nvrtc.getPTX(prog)
+            for name in (
+                "sc_hist",
+                "sc_gather",
+                "sc_count",
+                "sc_write",
+                "sc_mask_count",
+                "sc_mask_write",
+            ):
+                assert name.encode() in ptx, name
+    jobs = [
         (_array._segment_sum_kernel.__wrapped__(cap), "unsigned int", t)
         for t in ("float", "double")
     ]
@@ -465,17 +517,8 @@ def _kernel_uses(cp):
     from sparsecoll import _array
     from sparsecoll.select import _cupy
 
-    keys = [{"U": np.dtype(t)} for t in (np.uint16, np.uint32, np.uint64)]
     floats = [{"T": np.dtype(t)} for t in (np.float32, np.float64)]  # (float16: CuPy ufuncs)
-    uses = [
-        (
-            _cupy._hist_kernel.__wrapped__(cp),
-            {"absmask", "infkey", "pmask", "prefix", "shift"},
-            keys,
-        ),
-        (_cupy._ge_kernel.__wrapped__(cp), {"absmask", "infkey", "tkey"}, keys),
-        (_array._segment_sum_kernel.__wrapped__(cp), set(), floats),
-    ]
+    uses = [(_array._segment_sum_kernel.__wrapped__(cp), set(), floats)]
     for has_r in (False, True):
         for has_u in (False, True):
             kern = _cupy._accumulate_kernel.__wrapped__(cp, has_r, has_u)
@@ -530,7 +573,7 @@ def test_kernels_compile_as_cupy_generates_them():
                     pytest.fail(f"{kern.name} ({types}, 32-bit index {idx32}):\n{code}\n{exc}")
                 assert len(cubin) > 1000
                 compiled += 1
-    assert compiled == 2 * (3 + 3 + 2 + 4 * 2)
+    assert compiled == 2 * (2 + 4 * 2)
 
 
 @given(x=vectors(), data=st.data())

@@ -1,19 +1,28 @@
 """Selection on the GPU (CuPy): exact top-k by radix select, threshold selection, counts.
 
 Every function takes a 1-D CuPy float array ``x`` (float16/32/64) and keeps it on the device:
-only scalars (counts, the threshold) come back to the host, never the vector.
+only scalars, and the 4096 counters of a histogram, come back to the host, never the vector.
 
 Order by magnitude uses *keys*: the bits of ``x`` with the sign bit cleared, read as an
 unsigned integer of the same width. For IEEE floats the key order is the order of ``|x|``
 (``-0.0`` and ``0.0`` share a key; every NaN has a key above ``inf``'s). Every function raises
 ValueError when x holds a NaN (the check rides along a pass each makes anyway: a counter in
-the first histogram pass, a flag in the threshold-mask kernel).
+the first histogram pass, a flag in the counting pass of a compaction).
 
-Top-k is a radix select over 16-bit digits of the key (1 pass for float16, 2 for float32,
-4 for float64): each pass builds a 65536-bin histogram of the current digit over the keys
-that match the digits fixed so far (one kernel, atomics into global memory), then picks the
-digit where the running count from the top reaches k. The final key T is the exact k-th
-largest; the result is every index with key > T plus the lowest-index ones with key == T.
+Top-k is a radix select over 12-bit digits of the key, from the top: a pass builds a
+4096-bin histogram of the next digit over the keys matching the digits fixed so far (each
+block counts into shared memory, then adds its counts to the global histogram). The digit
+where the running count from the top reaches k fixes the next 12 bits. Once the keys in
+that bin are few (or the bin is one key), they are gathered with their indices and sorted:
+that gives the exact k-th largest key T and, among the keys equal to T, the index of the
+last one kept (ties go to the lower index). A float32 top-k is then one histogram pass, one
+gather pass and a compaction; on skewed data, one more histogram pass per 12 bits.
+
+Compaction (the selected indices in ascending order, with their values) is two passes: one
+counts the hits of each tile of 4096 entries, a prefix sum of those counts gives each tile
+its place in the output, and the second pass writes each tile's hits there (a block-wide
+scan of warp ballots orders them). ``cupy.flatnonzero`` instead writes a mask, then scans
+it in 64-bit integers.
 """
 
 from __future__ import annotations
@@ -30,8 +39,237 @@ __all__ = ["count_ge", "kth_largest_abs", "moments", "threshold", "topk"]
 
 _UINT = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 _INF_KEY = {2: 0x7C00, 4: 0x7F80_0000, 8: 0x7FF0_0000_0000_0000}
-_DIGIT = 16
+_DIGIT = 12  # bits of the key fixed per histogram pass
 _BINS = 1 << _DIGIT
+_CANDIDATES = 1 << 21  # gather a bin's keys and sort them once it holds at most this many
+_BLOCK = 256  # threads of a compaction block
+_ITEMS = 16  # entries per thread: a compaction tile is 4096 entries
+_TILE = _BLOCK * _ITEMS
+_HIST_BLOCK = 512
+_C_KEY = {2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
+_C_INDEX = {4: "int", 8: "long long"}
+
+# The kernels, for one key type U (the unsigned integer of x's width) and one index type I
+# of the output. pick(): the selection {key > hi} plus {key == hi, index <= icut}.
+_SOURCE = r"""
+typedef KEY_T U;
+typedef INDEX_T I;
+#define BINS BINS_V
+#define BLOCK BLOCK_V
+#define ITEMS ITEMS_V
+#define TILE (BLOCK * ITEMS)
+
+__device__ __forceinline__ bool pick(U key, U hi, long long i, long long icut) {
+    return key > hi || (key == hi && i <= icut);
+}
+
+__device__ __forceinline__ void count_key(unsigned int* sh, U key, U infkey, U pmask,
+                                          U prefix, int shift) {
+    if ((U)(key & pmask) == prefix) atomicAdd(&sh[(unsigned int)(key >> shift) & (BINS - 1)], 1u);
+    if (key > infkey) atomicAdd(&sh[BINS], 1u);
+}
+
+extern "C" {
+
+// hist[d] += how many keys matching `prefix` under `pmask` have digit d at `shift`;
+// hist[BINS] += how many keys are NaNs'. Counted per block in shared memory first.
+__global__ void sc_hist(const U* __restrict__ bits, long long n, U absmask, U infkey,
+                        U pmask, U prefix, int shift, unsigned long long* __restrict__ hist) {
+    __shared__ unsigned int sh[BINS + 1];
+    for (int j = threadIdx.x; j <= BINS; j += blockDim.x) sh[j] = 0;
+    __syncthreads();
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n; i += 4 * stride) {  // four loads in flight
+        U k0 = bits[i] & absmask, k1 = bits[i + stride] & absmask;
+        U k2 = bits[i + 2 * stride] & absmask, k3 = bits[i + 3 * stride] & absmask;
+        count_key(sh, k0, infkey, pmask, prefix, shift);
+        count_key(sh, k1, infkey, pmask, prefix, shift);
+        count_key(sh, k2, infkey, pmask, prefix, shift);
+        count_key(sh, k3, infkey, pmask, prefix, shift);
+    }
+    for (; i < n; i += stride) count_key(sh, bits[i] & absmask, infkey, pmask, prefix, shift);
+    __syncthreads();
+    for (int j = threadIdx.x; j <= BINS; j += blockDim.x) {
+        unsigned int c = sh[j];
+        if (c) atomicAdd(&hist[j], (unsigned long long)c);
+    }
+}
+
+// Every key matching `prefix` under `pmask`, with its index, in no particular order.
+__global__ void sc_gather(const U* __restrict__ bits, long long n, U absmask, U pmask,
+                          U prefix, U* __restrict__ ckey, long long* __restrict__ cidx,
+                          unsigned long long* __restrict__ count) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const unsigned int lane = threadIdx.x & 31;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        U key = bits[i] & absmask;
+        bool hit = (U)(key & pmask) == prefix;
+        unsigned int ballot = __ballot_sync(__activemask(), hit);
+        if (hit) {  // one atomic per warp
+            int leader = __ffs(ballot) - 1;
+            unsigned long long base = 0;
+            if ((int)lane == leader) base = atomicAdd(count, (unsigned long long)__popc(ballot));
+            base = __shfl_sync(ballot, base, leader);
+            unsigned long long pos = base + __popc(ballot & ((1u << lane) - 1u));
+            ckey[pos] = key;
+            cidx[pos] = i;
+        }
+    }
+}
+
+__device__ __forceinline__ unsigned int block_sum(unsigned int c, unsigned int* ws) {
+    for (int o = 16; o; o >>= 1) c += __shfl_down_sync(0xffffffffu, c, o);
+    if ((threadIdx.x & 31) == 0) ws[threadIdx.x >> 5] = c;
+    __syncthreads();
+    unsigned int t = 0;
+    for (int w = 0; w < BLOCK / 32; ++w) t += ws[w];
+    return t;
+}
+
+// counts[b] = the picks in tile b; flag[0] = 1 when some key is a NaN's.
+__global__ void sc_count(const U* __restrict__ bits, long long n, U absmask, U infkey, U hi,
+                         long long icut, unsigned int* __restrict__ counts,
+                         unsigned long long* __restrict__ flag) {
+    __shared__ unsigned int ws[BLOCK / 32];
+    const long long start = (long long)blockIdx.x * TILE + threadIdx.x;
+    unsigned int c = 0;
+    bool nan = false;
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+        long long i = start + (long long)it * BLOCK;
+        if (i < n) {
+            U key = bits[i] & absmask;
+            c += pick(key, hi, i, icut);
+            nan |= key > infkey;
+        }
+    }
+    if (nan) flag[0] = 1ull;  // (a benign race: every writer stores 1)
+    unsigned int t = block_sum(c, ws);
+    if (threadIdx.x == 0) counts[blockIdx.x] = t;
+}
+
+// The picks of tile b, in index order, at ends[b] - counts[b] onwards: indices and raw bits.
+__global__ void sc_write(const U* __restrict__ bits, long long n, U absmask, U hi,
+                         long long icut, const unsigned long long* __restrict__ ends,
+                         const unsigned int* __restrict__ counts, I* __restrict__ oidx,
+                         U* __restrict__ oval) {
+    __shared__ unsigned int ws[BLOCK / 32];
+    const unsigned int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long start = (long long)blockIdx.x * TILE + threadIdx.x;
+    unsigned long long pos = ends[blockIdx.x] - counts[blockIdx.x];
+    U raw[ITEMS];
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+        long long i = start + (long long)it * BLOCK;
+        raw[it] = i < n ? bits[i] : (U)0;
+    }
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+        long long i = start + (long long)it * BLOCK;
+        bool hit = i < n && pick(raw[it] & absmask, hi, i, icut);
+        unsigned int ballot = __ballot_sync(0xffffffffu, hit);
+        if (lane == 0) ws[warp] = __popc(ballot);
+        __syncthreads();
+        unsigned int before = 0, total = 0;
+        for (int w = 0; w < BLOCK / 32; ++w) {
+            unsigned int c = ws[w];
+            before += w < (int)warp ? c : 0u;
+            total += c;
+        }
+        if (hit) {
+            unsigned long long p = pos + before + __popc(ballot & ((1u << lane) - 1u));
+            oidx[p] = (I)i;
+            oval[p] = raw[it];
+        }
+        pos += total;
+        __syncthreads();
+    }
+}
+
+// The same two passes over a bool mask (the indices of its true entries).
+__global__ void sc_mask_count(const unsigned char* __restrict__ mask, long long n,
+                              unsigned int* __restrict__ counts) {
+    __shared__ unsigned int ws[BLOCK / 32];
+    const long long start = (long long)blockIdx.x * TILE + threadIdx.x;
+    unsigned int c = 0;
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+        long long i = start + (long long)it * BLOCK;
+        if (i < n) c += mask[i] != 0;
+    }
+    unsigned int t = block_sum(c, ws);
+    if (threadIdx.x == 0) counts[blockIdx.x] = t;
+}
+
+__global__ void sc_mask_write(const unsigned char* __restrict__ mask, long long n,
+                              const unsigned long long* __restrict__ ends,
+                              const unsigned int* __restrict__ counts, I* __restrict__ oidx) {
+    __shared__ unsigned int ws[BLOCK / 32];
+    const unsigned int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long start = (long long)blockIdx.x * TILE + threadIdx.x;
+    unsigned long long pos = ends[blockIdx.x] - counts[blockIdx.x];
+    unsigned char m[ITEMS];
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+        long long i = start + (long long)it * BLOCK;
+        m[it] = i < n ? mask[i] : (unsigned char)0;
+    }
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+        bool hit = m[it] != 0;
+        unsigned int ballot = __ballot_sync(0xffffffffu, hit);
+        if (lane == 0) ws[warp] = __popc(ballot);
+        __syncthreads();
+        unsigned int before = 0, total = 0;
+        for (int w = 0; w < BLOCK / 32; ++w) {
+            unsigned int c = ws[w];
+            before += w < (int)warp ? c : 0u;
+            total += c;
+        }
+        if (hit) oidx[pos + before + __popc(ballot & ((1u << lane) - 1u))] =
+            (I)(start + (long long)it * BLOCK);
+        pos += total;
+        __syncthreads();
+    }
+}
+
+}  // extern "C"
+"""
+
+
+def kernel_source(key_bytes: int, index_bytes: int) -> str:
+    """The CUDA source of the selection kernels for keys of ``key_bytes`` bytes and output
+    indices of ``index_bytes`` bytes (the NVRTC compile test reads it too)."""
+    return (
+        _SOURCE.replace("KEY_T", _C_KEY[key_bytes])
+        .replace("INDEX_T", _C_INDEX[index_bytes])
+        .replace("BINS_V", str(_BINS))
+        .replace("BLOCK_V", str(_BLOCK))
+        .replace("ITEMS_V", str(_ITEMS))
+    )
+
+
+KERNEL_OPTIONS = ("--std=c++14",)
+
+
+@functools.cache
+def _module(cp: Any, key_bytes: int, index_bytes: int) -> Any:
+    return cp.RawModule(code=kernel_source(key_bytes, index_bytes), options=KERNEL_OPTIONS)
+
+
+def _kernel(cp: Any, name: str, key_bytes: int, index_bytes: int = 8) -> Any:
+    return _module(cp, key_bytes, index_bytes).get_function(name)
+
+
+@functools.cache
+def _grid_cap(cp: Any) -> int:
+    """Blocks of a grid-stride pass: enough to fill every multiprocessor."""
+    try:
+        sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
+    except Exception:  # (the fake CuPy in CI has no device attributes)
+        sms = 132
+    return 4 * sms
 
 
 def _nan_error() -> ValueError:
@@ -62,67 +300,126 @@ def _empty(n: int, dtype: Any) -> tuple[Any, Any]:
     return cp.zeros(0, dtype=index_dtype(n)), cp.zeros(0, dtype=dtype)
 
 
-@functools.cache
-def _hist_kernel(cp: Any) -> Any:
-    # hist[digit of key] += 1 for every key whose higher digits equal the prefix so far;
-    # hist[65536] counts NaN keys (above inf's). The casts: numpy's uint64 may be
-    # "unsigned long", which atomicAdd has no overload for.
-    return cp.ElementwiseKernel(
-        "U bits, U absmask, U infkey, U pmask, U prefix, int32 shift",
-        "raw uint64 hist",
-        """
-        U key = bits & absmask;
-        if ((key & pmask) == prefix) {
-            atomicAdd((unsigned long long*)&hist[(int)((key >> shift) & 0xFFFF)], 1ULL);
-        }
-        if (key > infkey) {
-            atomicAdd((unsigned long long*)&hist[65536], 1ULL);
-        }
-        """,
-        "sparsecoll_radix_hist",
-    )
+def _histogram(bits: Any, absmask: Any, infkey: Any, pmask: int, prefix: int, shift: int):
+    """The 4096-bin histogram of the digit at ``shift`` over the keys that match ``prefix``
+    under ``pmask``, with the NaN count last, on the host (numpy uint64)."""
+    cp = cupy_or_none()
+    ut = bits.dtype.type
+    n = int(bits.shape[0])
+    hist = cp.zeros(_BINS + 1, dtype=np.uint64)
+    grid = max(1, min(-(-n // _HIST_BLOCK), _grid_cap(cp)))
+    args = (bits, np.int64(n), absmask, infkey, ut(pmask), ut(prefix), np.int32(shift), hist)
+    _kernel(cp, "sc_hist", bits.dtype.itemsize)((grid,), (_HIST_BLOCK,), args)
+    return hist.get()
 
 
-@functools.cache
-def _ge_kernel(cp: Any) -> Any:
-    # m = |x| >= t compared as keys; flag[0] = 1 when some key is a NaN's (a benign race:
-    # every writer stores 1).
-    return cp.ElementwiseKernel(
-        "U bits, U absmask, U infkey, U tkey",
-        "bool m, raw int32 flag",
-        """
-        U key = bits & absmask;
-        m = key >= tkey;
-        if (key > infkey) flag[0] = 1;
-        """,
-        "sparsecoll_ge_mask",
-    )
-
-
-def _kth_key(x: Any, k: int) -> tuple[int, int]:
-    """(T, need): T the k-th largest key of ``x`` (1 <= k <= x.size), ``need`` how many
-    entries with key == T belong to the top k (those with key > T number k - need)."""
+def _cut(x: Any, k: int, early: bool) -> tuple[int, int]:
+    """``(hi, icut)`` for ``1 <= k <= x.size``: the top k of ``x`` are the entries with
+    key > hi, then those with key == hi and index <= icut (``icut = x.size``: all of them),
+    and ``hi`` is the exact k-th largest key unless ``early``: then it may be the lowest key
+    of a digit bin that the top k take whole (the same entries, found sooner)."""
     cp = cupy_or_none()
     bits, absmask, infkey = _bits(x)
     ut = bits.dtype.type
-    width = 8 * bits.dtype.itemsize
-    hist = cp.empty(_BINS + 1, dtype=np.uint64)
-    prefix = 0
-    pmask = 0
+    n = int(x.shape[0])
+    key_bits = 8 * bits.dtype.itemsize - 1
+    full = (1 << key_bits) - 1
+    prefix = pmask = 0
     remaining = k  # how many of the top k lie among the keys matching the prefix
-    for shift in range(width - _DIGIT, -1, -_DIGIT):
-        hist.fill(0)
-        _hist_kernel(cp)(bits, absmask, infkey, ut(pmask), ut(prefix), np.int32(shift), hist)
-        if pmask == 0 and int(hist[_BINS]):
+    shift = key_bits
+    while True:
+        shift = max(shift - _DIGIT, 0)
+        hist = _histogram(bits, absmask, infkey, pmask, prefix, shift)
+        if pmask == 0 and hist[_BINS]:
             raise _nan_error()
-        from_top = cp.cumsum(hist[_BINS - 1 :: -1])  # from_top[j]: keys with digit >= BINS-1-j
-        j = int(cp.searchsorted(from_top, cp.asarray([remaining], dtype=np.uint64))[0])
+        from_top = np.cumsum(hist[_BINS - 1 :: -1])  # [j]: keys with digit >= BINS-1-j
+        j = int(np.searchsorted(from_top, remaining))
         if j:
             remaining -= int(from_top[j - 1])
         digit = _BINS - 1 - j
+        in_bin = int(hist[digit])
         prefix |= digit << shift
-        pmask |= (_BINS - 1) << shift
-    return prefix, remaining
+        pmask = (pmask | ((_BINS - 1) << shift)) & full
+        if early and remaining == in_bin:  # the bin is taken whole: every key >= its lowest
+            return prefix, n
+        if shift == 0 or in_bin <= _CANDIDATES:
+            break
+    # the keys of the bin, sorted: the remaining-th largest is the k-th largest overall
+    ckey = cp.empty(in_bin, dtype=bits.dtype)
+    cidx = cp.empty(in_bin, dtype=np.int64)
+    count = cp.zeros(1, dtype=np.uint64)
+    grid = max(1, min(-(-n // _HIST_BLOCK), _grid_cap(cp)))
+    args = (bits, np.int64(n), absmask, ut(pmask), ut(prefix), ckey, cidx, count)
+    _kernel(cp, "sc_gather", bits.dtype.itemsize)((grid,), (_HIST_BLOCK,), args)
+    skey = cp.sort(ckey)
+    t = skey[in_bin - remaining : in_bin - remaining + 1]
+    ends = [cp.searchsorted(skey, t, side=side).astype(np.uint64) for side in ("left", "right")]
+    lo, hi_pos, tval = (int(v) for v in cp.concatenate([*ends, t.astype(np.uint64)]).get())
+    need = remaining - (in_bin - hi_pos)  # of the keys equal to T, how many are kept
+    if need == hi_pos - lo:
+        return tval, n
+    tied = cp.sort(cidx[ckey == ut(tval)])
+    return tval, int(tied[need - 1])
+
+
+def _count(x: Any, hi: int, icut: int) -> tuple[Any, Any, int]:
+    """The counting pass of :func:`_compact`: ``(counts per tile, their running sums,
+    the total)``; raises if some entry is a NaN."""
+    cp = cupy_or_none()
+    bits, absmask, infkey = _bits(x)
+    n = int(x.shape[0])
+    tiles = -(-n // _TILE)
+    counts = cp.empty(tiles, dtype=np.uint32)
+    flag = cp.zeros(1, dtype=np.uint64)
+    args = (bits, np.int64(n), absmask, infkey, bits.dtype.type(hi), np.int64(icut), counts, flag)
+    _kernel(cp, "sc_count", bits.dtype.itemsize)((tiles,), (_BLOCK,), args)
+    ends = cp.cumsum(counts, dtype=np.uint64)
+    total, nan = (int(v) for v in cp.concatenate([ends[-1:], flag]).get())
+    if nan:
+        raise _nan_error()
+    return counts, ends, total
+
+
+def _compact(x: Any, hi: int, icut: int) -> tuple[Any, Any]:
+    """``(indices ascending, values)`` of the entries with key > hi, or key == hi and
+    index <= icut; raises if some entry is a NaN."""
+    cp = cupy_or_none()
+    n = int(x.shape[0])
+    if n == 0:
+        return _empty(n, x.dtype)
+    counts, ends, total = _count(x, hi, icut)
+    bits, absmask, _ = _bits(x)
+    itype = index_dtype(n)
+    idx = cp.empty(total, dtype=itype)
+    vals = cp.empty(total, dtype=x.dtype)
+    if total:
+        args = (bits, np.int64(n), absmask, bits.dtype.type(hi), np.int64(icut), ends, counts,
+                idx, vals.view(bits.dtype))  # fmt: skip
+        tiles = int(counts.shape[0])
+        _kernel(cp, "sc_write", bits.dtype.itemsize, itype.itemsize)((tiles,), (_BLOCK,), args)
+    return idx, vals
+
+
+def flatnonzero_mask(mask: Any) -> Any:
+    """``cupy.flatnonzero`` of a contiguous bool vector, as indices of ``index_dtype``: two
+    passes over the bytes instead of a 64-bit scan."""
+    cp = cupy_or_none()
+    n = int(mask.shape[0])
+    itype = index_dtype(n)
+    tiles = -(-n // _TILE)
+    if tiles == 0:
+        return cp.zeros(0, dtype=itype)
+    counts = cp.empty(tiles, dtype=np.uint32)
+    _kernel(cp, "sc_mask_count", 4, itype.itemsize)(
+        (tiles,), (_BLOCK,), (mask, np.int64(n), counts)
+    )
+    ends = cp.cumsum(counts, dtype=np.uint64)
+    idx = cp.empty(int(ends[-1]), dtype=itype)
+    if idx.shape[0]:
+        _kernel(cp, "sc_mask_write", 4, itype.itemsize)(
+            (tiles,), (_BLOCK,), (mask, np.int64(n), ends, counts, idx)
+        )
+    return idx
 
 
 def topk(x: Any, k: int) -> tuple[Any, Any]:
@@ -142,15 +439,11 @@ def topk(x: Any, k: int) -> tuple[Any, Any]:
     if k >= n:
         _check_nan(x)
         return cp.arange(n, dtype=itype), x.copy()
-    t, need = _kth_key(x, k)
-    bits, absmask, infkey = _bits(x)
-    tt = bits.dtype.type(t)
-    idx = cp.flatnonzero(_key_mask(bits, absmask, infkey, tt))
-    if idx.shape[0] > k:  # more ties at T than fit: keep the first `need` of them
-        tie = (bits[idx] & absmask) == tt
-        idx = idx[~tie | (cp.cumsum(tie) <= need)]
-    idx = idx.astype(itype, copy=False)
-    return idx, x[idx]
+    hi, icut = _cut(x, k, early=True)
+    idx, vals = _compact(x, hi, icut)
+    if idx.shape[0] != k:  # pragma: no cover - a broken kernel, not bad input
+        raise RuntimeError(f"top-k selected {idx.shape[0]} entries, not k = {k}")
+    return idx, vals
 
 
 def _at_least(t: float, dtype: Any) -> Any:
@@ -172,40 +465,26 @@ def _check_nan(x: Any) -> None:
         raise _nan_error()
 
 
-def _ge_mask(x: Any, t: float) -> Any:
-    """The mask ``|x| >= t`` (exact for a float64 t); raises on NaN in x or t."""
+def _threshold_key(x: Any, t: float) -> int:
+    """The key k with ``|x| >= t`` exactly when key >= k (exact for a float64 t)."""
     t = float(t)
     if t != t:
         raise ValueError("the threshold is NaN")
-    bits, absmask, infkey = _bits(x)
     tv = _at_least(t, x.dtype)
-    tkey = bits.dtype.type(0) if tv < 0 else np.array(tv, dtype=x.dtype).view(bits.dtype)[()]
-    return _key_mask(bits, absmask, infkey, tkey)
-
-
-def _key_mask(bits: Any, absmask: Any, infkey: Any, tkey: Any) -> Any:
-    """The mask ``key >= tkey`` in one pass; raises if some key is a NaN's."""
-    cp = cupy_or_none()
-    mask = cp.empty(bits.shape[0], dtype=np.bool_)
-    flag = cp.zeros(1, dtype=np.int32)
-    if bits.shape[0]:
-        _ge_kernel(cp)(bits, absmask, infkey, tkey, mask, flag)
-        if int(flag[0]):
-            raise _nan_error()
-    return mask
+    return 0 if tv < 0 else int(np.array(tv, dtype=x.dtype).view(_UINT[x.dtype.itemsize])[()])
 
 
 def threshold(x: Any, t: float) -> tuple[Any, Any]:
     """Every entry with ``|x| >= t``: ``(indices ascending, values)``."""
     x = _check(x)
-    idx = cupy_or_none().flatnonzero(_ge_mask(x, t)).astype(index_dtype(x.shape[0]), copy=False)
-    return idx, x[idx]
+    return _compact(x, _threshold_key(x, t), x.shape[0])
 
 
 def count_ge(x: Any, t: float) -> int:
     """How many entries have ``|x| >= t``."""
     x = _check(x)
-    return int(cupy_or_none().count_nonzero(_ge_mask(x, t)))
+    tkey = _threshold_key(x, t)
+    return _count(x, tkey, x.shape[0])[2] if x.shape[0] else 0
 
 
 def moments(x: Any) -> tuple[float, float]:
@@ -232,7 +511,7 @@ def kth_largest_abs(x: Any, k: int) -> float:
     n = int(x.shape[0])
     if n == 0:
         return 0.0
-    t, _ = _kth_key(x, min(max(int(k), 1), n))
+    t, _ = _cut(x, min(max(int(k), 1), n), early=False)
     return float(np.array([t], dtype=_UINT[x.dtype.itemsize]).view(x.dtype)[0])
 
 
@@ -281,11 +560,11 @@ def accumulate(
     outs = [acc] + ([uo] if u is not None else []) + [sel, bad]
     if n:
         _accumulate_kernel(cp, r is not None, u is not None)(*args, dt(cut), *outs)
-    idx = cp.flatnonzero(sel[lo:hi])
+    idx = flatnonzero_mask(sel[lo:hi])
     if z is not None:
         z.fill(0)
     hits = int(idx.shape[0])
-    idx = (idx[: cap if hits <= cap else 0] + lo).astype(itype, copy=False)
+    idx = idx[: cap if hits <= cap else 0].astype(itype, copy=False) + np.dtype(itype).type(lo)
     vals = acc[idx]
     count = int(cp.count_nonzero(acc[lo:hi])) if nonzeros else None
     if zero_cut < math.inf:
