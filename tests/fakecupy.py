@@ -458,18 +458,38 @@ def _sc_gather(bits, n, absmask, pmask, prefix, ckey, cidx, count) -> None:
     count[0] += idx.shape[0]
 
 
-def _sc_count(bits, n, absmask, infkey, hi, icut, counts, flag) -> None:
+def _sc_count(bits, n, absmask, infkey, cut, counts, flag) -> None:
     key = bits[: int(n)] & absmask
-    _tiles(_pick(key, hi, icut), counts)
+    _tiles(_pick(key, cut[0], cut[1]), counts)
     if np.any(key > infkey):
         flag[0] = 1
 
 
-def _sc_write(bits, n, absmask, hi, icut, ends, counts, oidx, oval) -> None:
-    idx = np.flatnonzero(_pick(bits[: int(n)] & absmask, hi, icut))
+def _sc_write(bits, n, absmask, cut, ends, counts, oidx, oval) -> None:
+    idx = np.flatnonzero(_pick(bits[: int(n)] & absmask, cut[0], cut[1]))
     _check_ends(ends, counts, idx.shape[0])
     oidx[...] = idx
     oval[...] = bits[idx]
+
+
+def _sc_gather_packed(bits, n, absmask, pmask, prefix, cand, ncand, counts) -> None:
+    key = bits[: int(n)] & absmask
+    p = key & pmask
+    _tiles(p > prefix, counts)
+    idx = np.flatnonzero(p == prefix)[::-1]  # (any order)
+    inverted = (absmask & ~key[idx]).astype(np.uint64)
+    cand[: idx.shape[0]] = (inverted << np.uint64(32)) | idx.astype(np.uint64)
+    ncand[0] += idx.shape[0]
+
+
+def _sc_take_packed(sorted_, take, absmask, counts, cut) -> None:
+    from sparsecoll.select._cupy import _TILE
+
+    kept = sorted_[: int(take)]
+    np.add.at(counts, (kept & np.uint64(0xFFFFFFFF)) // np.uint64(_TILE), 1)
+    last = int(kept[-1])
+    cut[0] = int(absmask) & ~(last >> 32)
+    cut[1] = last & 0xFFFFFFFF
 
 
 def _sc_mask_count(mask, n, counts) -> None:
@@ -487,6 +507,8 @@ RAW_KERNELS = {
     "sc_gather": _sc_gather,
     "sc_count": _sc_count,
     "sc_write": _sc_write,
+    "sc_gather_packed": _sc_gather_packed,
+    "sc_take_packed": _sc_take_packed,
     "sc_mask_count": _sc_mask_count,
     "sc_mask_write": _sc_mask_write,
 }

@@ -468,6 +468,8 @@ def test_kernel_sources_compile_with_nvrtc():
                 "sc_gather",
                 "sc_count",
                 "sc_write",
+                "sc_gather_packed",
+                "sc_take_packed",
                 "sc_mask_count",
                 "sc_mask_write",
             ):

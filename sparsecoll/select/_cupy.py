@@ -128,10 +128,12 @@ __device__ __forceinline__ unsigned int block_sum(unsigned int c, unsigned int* 
 }
 
 // counts[b] = the picks in tile b; flag[0] = 1 when some key is a NaN's.
-__global__ void sc_count(const U* __restrict__ bits, long long n, U absmask, U infkey, U hi,
-                         long long icut, unsigned int* __restrict__ counts,
+__global__ void sc_count(const U* __restrict__ bits, long long n, U absmask, U infkey,
+                         const long long* __restrict__ cut, unsigned int* __restrict__ counts,
                          unsigned long long* __restrict__ flag) {
     __shared__ unsigned int ws[BLOCK / 32];
+    const U hi = (U)cut[0];
+    const long long icut = cut[1];
     const long long start = (long long)blockIdx.x * TILE + threadIdx.x;
     unsigned int c = 0;
     bool nan = false;
@@ -150,11 +152,14 @@ __global__ void sc_count(const U* __restrict__ bits, long long n, U absmask, U i
 }
 
 // The picks of tile b, in index order, at ends[b] - counts[b] onwards: indices and raw bits.
-__global__ void sc_write(const U* __restrict__ bits, long long n, U absmask, U hi,
-                         long long icut, const unsigned long long* __restrict__ ends,
+__global__ void sc_write(const U* __restrict__ bits, long long n, U absmask,
+                         const long long* __restrict__ cut,
+                         const unsigned long long* __restrict__ ends,
                          const unsigned int* __restrict__ counts, I* __restrict__ oidx,
                          U* __restrict__ oval) {
     __shared__ unsigned int ws[BLOCK / 32];
+    const U hi = (U)cut[0];
+    const long long icut = cut[1];
     const unsigned int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long start = (long long)blockIdx.x * TILE + threadIdx.x;
     unsigned long long pos = ends[blockIdx.x] - counts[blockIdx.x];
@@ -184,6 +189,59 @@ __global__ void sc_write(const U* __restrict__ bits, long long n, U absmask, U h
         }
         pos += total;
         __syncthreads();
+    }
+}
+
+// Keys of 31 bits or fewer, n <= 2^32: tile b's keys above the prefix's bin are counted
+// into counts[b], and the bin's keys are gathered packed as (inverted key) << 32 | index,
+// so an ascending sort orders them by key descending, then index ascending.
+__global__ void sc_gather_packed(const U* __restrict__ bits, long long n, U absmask, U pmask,
+                                 U prefix, unsigned long long* __restrict__ cand,
+                                 unsigned long long* __restrict__ ncand,
+                                 unsigned int* __restrict__ counts) {
+    __shared__ unsigned int ws[BLOCK / 32];
+    const unsigned int lane = threadIdx.x & 31;
+    const long long start = (long long)blockIdx.x * TILE + threadIdx.x;
+    U raw[ITEMS];
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+        long long i = start + (long long)it * BLOCK;
+        raw[it] = i < n ? bits[i] : (U)0;
+    }
+    unsigned int above = 0;
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+        long long i = start + (long long)it * BLOCK;
+        U key = raw[it] & absmask;
+        U p = key & pmask;
+        bool in = i < n;
+        above += in && p > prefix;
+        bool hit = in && p == prefix;
+        unsigned int ballot = __ballot_sync(0xffffffffu, hit);
+        if (ballot) {  // one atomic per warp
+            int leader = __ffs(ballot) - 1;
+            unsigned long long base = 0;
+            if ((int)lane == leader) base = atomicAdd(ncand, (unsigned long long)__popc(ballot));
+            base = __shfl_sync(0xffffffffu, base, leader);
+            if (hit)
+                cand[base + __popc(ballot & ((1u << lane) - 1u))] =
+                    ((unsigned long long)(U)(absmask & (U)~key) << 32) | (unsigned long long)i;
+        }
+    }
+    unsigned int t = block_sum(above, ws);
+    if (threadIdx.x == 0) counts[blockIdx.x] = t;
+}
+
+// The first `take` of the sorted packed candidates are kept: count each in its tile, and
+// write the cut (the last kept key and its index) for the write pass.
+__global__ void sc_take_packed(const unsigned long long* __restrict__ sorted, long long take,
+                               U absmask, unsigned int* __restrict__ counts,
+                               long long* __restrict__ cut) {
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < take) atomicAdd(&counts[(sorted[j] & 0xffffffffull) / TILE], 1u);
+    if (j == take - 1) {
+        cut[0] = (long long)(U)(absmask & (U)~(U)(sorted[j] >> 32));
+        cut[1] = (long long)(sorted[j] & 0xffffffffull);
     }
 }
 
@@ -362,7 +420,11 @@ def _cut(x: Any, k: int, early: bool) -> tuple[int, int]:
     return tval, int(tied[need - 1])
 
 
-def _count(x: Any, hi: int, icut: int) -> tuple[Any, Any, int]:
+def _device_cut(hi: int, icut: int) -> Any:
+    return cupy_or_none().asarray(np.array([hi, icut], dtype=np.int64))
+
+
+def _count(x: Any, cut: Any) -> tuple[Any, Any, int]:
     """The counting pass of :func:`_compact`: ``(counts per tile, their running sums,
     the total)``; raises if some entry is a NaN."""
     cp = cupy_or_none()
@@ -371,7 +433,7 @@ def _count(x: Any, hi: int, icut: int) -> tuple[Any, Any, int]:
     tiles = -(-n // _TILE)
     counts = cp.empty(tiles, dtype=np.uint32)
     flag = cp.zeros(1, dtype=np.uint64)
-    args = (bits, np.int64(n), absmask, infkey, bits.dtype.type(hi), np.int64(icut), counts, flag)
+    args = (bits, np.int64(n), absmask, infkey, cut, counts, flag)
     _kernel(cp, "sc_count", bits.dtype.itemsize)((tiles,), (_BLOCK,), args)
     ends = cp.cumsum(counts, dtype=np.uint64)
     total, nan = (int(v) for v in cp.concatenate([ends[-1:], flag]).get())
@@ -380,24 +442,67 @@ def _count(x: Any, hi: int, icut: int) -> tuple[Any, Any, int]:
     return counts, ends, total
 
 
-def _compact(x: Any, hi: int, icut: int) -> tuple[Any, Any]:
-    """``(indices ascending, values)`` of the entries with key > hi, or key == hi and
-    index <= icut; raises if some entry is a NaN."""
+def _write(x: Any, cut: Any, counts: Any, ends: Any, total: int) -> tuple[Any, Any]:
+    """The writing pass of :func:`_compact`."""
     cp = cupy_or_none()
-    n = int(x.shape[0])
-    if n == 0:
-        return _empty(n, x.dtype)
-    counts, ends, total = _count(x, hi, icut)
     bits, absmask, _ = _bits(x)
-    itype = index_dtype(n)
+    itype = index_dtype(x.shape[0])
     idx = cp.empty(total, dtype=itype)
     vals = cp.empty(total, dtype=x.dtype)
     if total:
-        args = (bits, np.int64(n), absmask, bits.dtype.type(hi), np.int64(icut), ends, counts,
-                idx, vals.view(bits.dtype))  # fmt: skip
+        args = (bits, np.int64(x.shape[0]), absmask, cut, ends, counts, idx, vals.view(bits.dtype))
         tiles = int(counts.shape[0])
         _kernel(cp, "sc_write", bits.dtype.itemsize, itype.itemsize)((tiles,), (_BLOCK,), args)
     return idx, vals
+
+
+def _compact(x: Any, hi: int, icut: int) -> tuple[Any, Any]:
+    """``(indices ascending, values)`` of the entries with key > hi, or key == hi and
+    index <= icut; raises if some entry is a NaN."""
+    if x.shape[0] == 0:
+        return _empty(0, x.dtype)
+    cut = _device_cut(hi, icut)
+    counts, ends, total = _count(x, cut)
+    return _write(x, cut, counts, ends, total)
+
+
+def _topk_packed(x: Any, k: int) -> tuple[Any, Any] | None:
+    """Top-k of a float16/float32 ``x`` (n <= 2^32) with one wait for the host: a histogram
+    pass, then a pass that counts each tile's keys above the k-th key's bin and gathers the
+    bin's keys packed with their indices, a sort of those, and the writing pass. None when
+    the bin holds too many keys (skewed or tied data): the general path refines first."""
+    cp = cupy_or_none()
+    bits, absmask, infkey = _bits(x)
+    n = int(x.shape[0])
+    key_bits = 8 * bits.dtype.itemsize - 1
+    shift = max(key_bits - _DIGIT, 0)
+    hist = _histogram(bits, absmask, infkey, 0, 0, shift)
+    if hist[_BINS]:
+        raise _nan_error()
+    from_top = np.cumsum(hist[_BINS - 1 :: -1])
+    j = int(np.searchsorted(from_top, k))
+    remaining = k - (int(from_top[j - 1]) if j else 0)
+    digit = _BINS - 1 - j
+    in_bin = int(hist[digit])
+    if in_bin > _CANDIDATES:
+        return None
+    ut = bits.dtype.type
+    tiles = -(-n // _TILE)
+    cand = cp.empty(in_bin, dtype=np.uint64)
+    ncand = cp.zeros(1, dtype=np.uint64)
+    counts = cp.empty(tiles, dtype=np.uint32)
+    pmask = ((_BINS - 1) << shift) & ((1 << key_bits) - 1)
+    args = (bits, np.int64(n), absmask, ut(pmask), ut(digit << shift), cand, ncand, counts)
+    kb = bits.dtype.itemsize
+    _kernel(cp, "sc_gather_packed", kb)((tiles,), (_BLOCK,), args)
+    cand.sort()
+    cut = cp.empty(2, dtype=np.int64)
+    grid = -(-remaining // _BLOCK)
+    _kernel(cp, "sc_take_packed", kb)(
+        (grid,), (_BLOCK,), (cand, np.int64(remaining), absmask, counts, cut)
+    )
+    ends = cp.cumsum(counts, dtype=np.uint64)
+    return _write(x, cut, counts, ends, k)
 
 
 def flatnonzero_mask(mask: Any) -> Any:
@@ -439,8 +544,10 @@ def topk(x: Any, k: int) -> tuple[Any, Any]:
     if k >= n:
         _check_nan(x)
         return cp.arange(n, dtype=itype), x.copy()
-    hi, icut = _cut(x, k, early=True)
-    idx, vals = _compact(x, hi, icut)
+    got = _topk_packed(x, k) if x.dtype.itemsize <= 4 and n <= 1 << 32 else None
+    if got is None:
+        got = _compact(x, *_cut(x, k, early=True))
+    idx, vals = got
     if idx.shape[0] != k:  # pragma: no cover - a broken kernel, not bad input
         raise RuntimeError(f"top-k selected {idx.shape[0]} entries, not k = {k}")
     return idx, vals
@@ -484,7 +591,7 @@ def count_ge(x: Any, t: float) -> int:
     """How many entries have ``|x| >= t``."""
     x = _check(x)
     tkey = _threshold_key(x, t)
-    return _count(x, tkey, x.shape[0])[2] if x.shape[0] else 0
+    return _count(x, _device_cut(tkey, x.shape[0]))[2] if x.shape[0] else 0
 
 
 def moments(x: Any) -> tuple[float, float]:
