@@ -1,5 +1,16 @@
 """sparsecoll: sparse collectives (sparse allreduce) for distributed deep learning."""
 
+import os as _os
+
+# Numba colours its error messages with colorama, whose init() registers an exit handler
+# that writes a terminal reset (ESC[0m) whenever stdout is a terminal. Numba builds such
+# messages while it compiles (overloads it tries and drops), and Open MPI 4 gives every rank
+# a pseudo-terminal as stdout, even when mpiexec's output goes to a file or a pipe, so each
+# rank's output ended in a stray escape (seen on the H100 machine: CSV and JSON from
+# `python -m sparsecoll bench osu` no longer parsed). Plain messages instead, unless the
+# user chose otherwise (read when Numba is first imported).
+_os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
+
 from ._progress import SparseRequest, get_timeout, set_timeout
 from .algorithms.base import Algorithm
 from .api import allreduce, iallreduce

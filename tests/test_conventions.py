@@ -136,3 +136,22 @@ def test_accumulate_names_c_contiguity():
     out = np.empty(24)[::2]
     with pytest.raises(ValueError, match="out must be C-contiguous"):
         select.accumulate(grad, out=out)
+
+
+def test_numba_writes_no_terminal_escape_at_exit():
+    """Under Open MPI 4 a rank's stdout is a pseudo-terminal, and Numba's coloured error
+    messages (built while it compiles) made colorama write ESC[0m there at exit, into CSV
+    and JSON output. sparsecoll turns the colouring off unless the user set it."""
+    import os
+    import subprocess
+    import sys
+
+    name = "NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING"
+    code = (
+        "import os, sparsecoll, numba.core.errors as e; "
+        f"print(type(e.termcolor()).__name__, os.environ['{name}'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != name}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["NOPColorScheme", "1"]

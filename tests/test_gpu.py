@@ -634,6 +634,21 @@ def test_accumulate_matches_cpu_backend(xp, x, data):
         np.testing.assert_array_equal(dv, hv)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_accumulate_cut_zero_never_selects_zeros(xp, dtype):
+    """cut=0 selects the nonzeros (the smallest subnormal stands in for it): exact zeros
+    and -0.0 stay out, the smallest subnormal is in. On an H100 the compare once took the
+    subnormal cut as zero."""
+    from sparsecoll import select
+
+    tiny = np.finfo(dtype).smallest_subnormal
+    g = np.array([0.5, 0.0, -0.25, -0.0, tiny, 1.0, -tiny, 3.0], dtype=dtype)
+    r = np.array([-0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -3.0], dtype=dtype)
+    got = select.accumulate(xp.asarray(g), xp.asarray(r), out=xp.empty(8, dtype), cut=0.0)
+    assert got.hits == 4
+    np.testing.assert_array_equal(got.indices.get(), [2, 4, 5, 6])
+
+
 def test_from_coo_on_another_device_than_the_current(xp):
     """SparseVector.from_coo checks, coalesces and returns inputs on GPU 1 on GPU 1 while GPU
     0 is current; indices on another GPU than the values are refused."""

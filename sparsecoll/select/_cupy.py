@@ -634,9 +634,19 @@ def _accumulate_kernel(cp: Any, has_r: bool, has_u: bool) -> Any:
         body += "v = m * u + g; uo = v;\n"
     if has_r:
         body += "v = v + r;\n"
+    # |v| >= cut compared on the magnitude bits: a subnormal cut (the smallest one stands for
+    # "nonzero") must not be flushed to zero (on an H100 a zero acc was selected with it)
     body += """
         acc = v;
-        sel = abs(v) >= cut;
+        bool ge;
+        if (sizeof(T) == 4) {
+            ge = (__float_as_uint((float)v) & 0x7fffffffu)
+                 >= (__float_as_uint((float)cut) & 0x7fffffffu);
+        } else {
+            ge = ((unsigned long long)__double_as_longlong((double)v) & 0x7fffffffffffffffull)
+                 >= ((unsigned long long)__double_as_longlong((double)cut) & 0x7fffffffffffffffull);
+        }
+        sel = ge && !isnan(v);
         if (!isfinite(v)) atomicAdd((unsigned long long*)&bad[0], 1ULL);
     """
     # --fmad=false: m*u + g rounded twice, as numpy and the CPU pass do (a fused
