@@ -20,9 +20,11 @@ gather pass and a compaction; on skewed data, one more histogram pass per 12 bit
 
 Compaction (the selected indices in ascending order, with their values) is two passes: one
 counts the hits of each tile of 4096 entries, a prefix sum of those counts gives each tile
-its place in the output, and the second pass writes each tile's hits there (a block-wide
-scan of warp ballots orders them). ``cupy.flatnonzero`` instead writes a mask, then scans
-it in 64-bit integers.
+its place in the output, and the second pass writes each tile's hits there (each thread
+takes 16 consecutive entries; a block-wide scan of the threads' counts orders them).
+``cupy.flatnonzero`` instead writes a mask, then scans it in 64-bit integers. For a
+float16/float32 top-k the pass that gathers the k-th key's bin also counts each tile's
+keys above that bin, so the histogram is the only wait for the host.
 """
 
 from __future__ import annotations
@@ -151,7 +153,29 @@ __global__ void sc_count(const U* __restrict__ bits, long long n, U absmask, U i
     if (threadIdx.x == 0) counts[blockIdx.x] = t;
 }
 
+// Exclusive prefix sum of c over the block (thread order), and the block's total.
+__device__ __forceinline__ unsigned int block_scan(unsigned int c, unsigned int* ws,
+                                                   unsigned int* total) {
+    const unsigned int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned int x = c;
+    for (int o = 1; o < 32; o <<= 1) {
+        unsigned int y = __shfl_up_sync(0xffffffffu, x, o);
+        if ((int)lane >= o) x += y;
+    }
+    if (lane == 31) ws[warp] = x;
+    __syncthreads();
+    unsigned int before = 0, t = 0;
+    for (int w = 0; w < BLOCK / 32; ++w) {
+        unsigned int v = ws[w];
+        before += w < (int)warp ? v : 0u;
+        t += v;
+    }
+    *total = t;
+    return before + x - c;
+}
+
 // The picks of tile b, in index order, at ends[b] - counts[b] onwards: indices and raw bits.
+// Each thread takes ITEMS consecutive entries, so one block scan orders the whole tile.
 __global__ void sc_write(const U* __restrict__ bits, long long n, U absmask,
                          const long long* __restrict__ cut,
                          const unsigned long long* __restrict__ ends,
@@ -160,35 +184,23 @@ __global__ void sc_write(const U* __restrict__ bits, long long n, U absmask,
     __shared__ unsigned int ws[BLOCK / 32];
     const U hi = (U)cut[0];
     const long long icut = cut[1];
-    const unsigned int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long start = (long long)blockIdx.x * TILE + threadIdx.x;
-    unsigned long long pos = ends[blockIdx.x] - counts[blockIdx.x];
+    const long long base = (long long)blockIdx.x * TILE + (long long)threadIdx.x * ITEMS;
     U raw[ITEMS];
+    unsigned int c = 0;
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) raw[it] = base + it < n ? bits[base + it] : (U)0;
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it)
+        c += base + it < n && pick(raw[it] & absmask, hi, base + it, icut);
+    unsigned int total;
+    unsigned long long p = ends[blockIdx.x] - counts[blockIdx.x] + block_scan(c, ws, &total);
 #pragma unroll
     for (int it = 0; it < ITEMS; ++it) {
-        long long i = start + (long long)it * BLOCK;
-        raw[it] = i < n ? bits[i] : (U)0;
-    }
-#pragma unroll
-    for (int it = 0; it < ITEMS; ++it) {
-        long long i = start + (long long)it * BLOCK;
-        bool hit = i < n && pick(raw[it] & absmask, hi, i, icut);
-        unsigned int ballot = __ballot_sync(0xffffffffu, hit);
-        if (lane == 0) ws[warp] = __popc(ballot);
-        __syncthreads();
-        unsigned int before = 0, total = 0;
-        for (int w = 0; w < BLOCK / 32; ++w) {
-            unsigned int c = ws[w];
-            before += w < (int)warp ? c : 0u;
-            total += c;
-        }
-        if (hit) {
-            unsigned long long p = pos + before + __popc(ballot & ((1u << lane) - 1u));
-            oidx[p] = (I)i;
+        if (base + it < n && pick(raw[it] & absmask, hi, base + it, icut)) {
+            oidx[p] = (I)(base + it);
             oval[p] = raw[it];
+            ++p;
         }
-        pos += total;
-        __syncthreads();
     }
 }
 
@@ -264,32 +276,19 @@ __global__ void sc_mask_write(const unsigned char* __restrict__ mask, long long 
                               const unsigned long long* __restrict__ ends,
                               const unsigned int* __restrict__ counts, I* __restrict__ oidx) {
     __shared__ unsigned int ws[BLOCK / 32];
-    const unsigned int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long start = (long long)blockIdx.x * TILE + threadIdx.x;
-    unsigned long long pos = ends[blockIdx.x] - counts[blockIdx.x];
+    const long long base = (long long)blockIdx.x * TILE + (long long)threadIdx.x * ITEMS;
     unsigned char m[ITEMS];
+    unsigned int c = 0;
 #pragma unroll
     for (int it = 0; it < ITEMS; ++it) {
-        long long i = start + (long long)it * BLOCK;
-        m[it] = i < n ? mask[i] : (unsigned char)0;
+        m[it] = base + it < n ? mask[base + it] : (unsigned char)0;
+        c += m[it] != 0;
     }
+    unsigned int total;
+    unsigned long long p = ends[blockIdx.x] - counts[blockIdx.x] + block_scan(c, ws, &total);
 #pragma unroll
-    for (int it = 0; it < ITEMS; ++it) {
-        bool hit = m[it] != 0;
-        unsigned int ballot = __ballot_sync(0xffffffffu, hit);
-        if (lane == 0) ws[warp] = __popc(ballot);
-        __syncthreads();
-        unsigned int before = 0, total = 0;
-        for (int w = 0; w < BLOCK / 32; ++w) {
-            unsigned int c = ws[w];
-            before += w < (int)warp ? c : 0u;
-            total += c;
-        }
-        if (hit) oidx[pos + before + __popc(ballot & ((1u << lane) - 1u))] =
-            (I)(start + (long long)it * BLOCK);
-        pos += total;
-        __syncthreads();
-    }
+    for (int it = 0; it < ITEMS; ++it)
+        if (m[it]) oidx[p++] = (I)(base + it);
 }
 
 }  // extern "C"
