@@ -158,6 +158,7 @@ def test_bench_scripts_refuse_bad_inputs_in_process(capsys, script, args, messag
     [
         "async_step.py",
         "exdyna_threshold.py",
+        "gpu_kernels.py",
         "gpu_step.py",
         "oktopk_density.py",
         "oktopk_regions.py",
