@@ -341,31 +341,6 @@ def _segment_sum(v: np.ndarray, h: np.ndarray, e: np.ndarray, out: np.ndarray) -
         out[i] = acc
 
 
-def _radix_hist(
-    bits: np.ndarray,
-    absmask: Any,
-    infkey: Any,
-    pmask: Any,
-    prefix: Any,
-    shift: Any,
-    hist: np.ndarray,
-) -> None:
-    key = bits & absmask
-    hist[65536] += np.count_nonzero(key > infkey)
-    key = key[(key & pmask) == prefix]
-    digit = (key >> bits.dtype.type(shift)) & bits.dtype.type(0xFFFF)
-    np.add.at(hist, digit.astype(np.intp), 1)
-
-
-def _ge_mask(
-    bits: np.ndarray, absmask: Any, infkey: Any, tkey: Any, m: np.ndarray, flag: np.ndarray
-) -> None:
-    key = bits & absmask
-    m[...] = key >= tkey
-    if np.any(key > infkey):
-        flag[0] = 1
-
-
 def _accumulate(*args: Any) -> None:
     # the arguments of select._cupy._accumulate_kernel: g, [r], [u, m], cut, acc, [uo], sel, bad
     layouts = {5: (False, False), 6: (True, False), 8: (False, True), 9: (True, True)}
@@ -392,8 +367,6 @@ def _accumulate(*args: Any) -> None:
 KERNELS = {
     "sparsecoll_accumulate": _accumulate,
     "sparsecoll_segment_sum": _segment_sum,
-    "sparsecoll_radix_hist": _radix_hist,
-    "sparsecoll_ge_mask": _ge_mask,
 }
 
 

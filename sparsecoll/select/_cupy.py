@@ -364,10 +364,25 @@ def _histogram(bits: Any, absmask: Any, infkey: Any, pmask: int, prefix: int, sh
     ut = bits.dtype.type
     n = int(bits.shape[0])
     hist = cp.zeros(_BINS + 1, dtype=np.uint64)
-    grid = max(1, min(-(-n // _HIST_BLOCK), _grid_cap(cp)))
     args = (bits, np.int64(n), absmask, infkey, ut(pmask), ut(prefix), np.int32(shift), hist)
-    _kernel(cp, "sc_hist", bits.dtype.itemsize)((grid,), (_HIST_BLOCK,), args)
+    _kernel(cp, "sc_hist", bits.dtype.itemsize)((_stride_grid(n),), (_HIST_BLOCK,), args)
     return hist.get()
+
+
+def _stride_grid(n: int) -> int:
+    """Blocks of ``_HIST_BLOCK`` threads for a grid-stride pass over n entries."""
+    return max(1, min(-(-n // _HIST_BLOCK), _grid_cap(cupy_or_none())))
+
+
+def _bin_of(hist: Any, remaining: int) -> tuple[int, int, int]:
+    """``(digit, remaining, in_bin)``: the bin of the histogram where the running count
+    from the top reaches ``remaining``, how many of those lie in it, and its count."""
+    from_top = np.cumsum(hist[_BINS - 1 :: -1])  # [j]: keys with digit >= BINS-1-j
+    j = int(np.searchsorted(from_top, remaining))
+    if j:
+        remaining -= int(from_top[j - 1])
+    digit = _BINS - 1 - j
+    return digit, remaining, int(hist[digit])
 
 
 def _cut(x: Any, k: int, early: bool) -> tuple[int, int]:
@@ -389,12 +404,7 @@ def _cut(x: Any, k: int, early: bool) -> tuple[int, int]:
         hist = _histogram(bits, absmask, infkey, pmask, prefix, shift)
         if pmask == 0 and hist[_BINS]:
             raise _nan_error()
-        from_top = np.cumsum(hist[_BINS - 1 :: -1])  # [j]: keys with digit >= BINS-1-j
-        j = int(np.searchsorted(from_top, remaining))
-        if j:
-            remaining -= int(from_top[j - 1])
-        digit = _BINS - 1 - j
-        in_bin = int(hist[digit])
+        digit, remaining, in_bin = _bin_of(hist, remaining)
         prefix |= digit << shift
         pmask = (pmask | ((_BINS - 1) << shift)) & full
         if early and remaining == in_bin:  # the bin is taken whole: every key >= its lowest
@@ -405,9 +415,8 @@ def _cut(x: Any, k: int, early: bool) -> tuple[int, int]:
     ckey = cp.empty(in_bin, dtype=bits.dtype)
     cidx = cp.empty(in_bin, dtype=np.int64)
     count = cp.zeros(1, dtype=np.uint64)
-    grid = max(1, min(-(-n // _HIST_BLOCK), _grid_cap(cp)))
     args = (bits, np.int64(n), absmask, ut(pmask), ut(prefix), ckey, cidx, count)
-    _kernel(cp, "sc_gather", bits.dtype.itemsize)((grid,), (_HIST_BLOCK,), args)
+    _kernel(cp, "sc_gather", bits.dtype.itemsize)((_stride_grid(n),), (_HIST_BLOCK,), args)
     skey = cp.sort(ckey)
     t = skey[in_bin - remaining : in_bin - remaining + 1]
     ends = [cp.searchsorted(skey, t, side=side).astype(np.uint64) for side in ("left", "right")]
@@ -478,11 +487,7 @@ def _topk_packed(x: Any, k: int) -> tuple[Any, Any] | None:
     hist = _histogram(bits, absmask, infkey, 0, 0, shift)
     if hist[_BINS]:
         raise _nan_error()
-    from_top = np.cumsum(hist[_BINS - 1 :: -1])
-    j = int(np.searchsorted(from_top, k))
-    remaining = k - (int(from_top[j - 1]) if j else 0)
-    digit = _BINS - 1 - j
-    in_bin = int(hist[digit])
+    digit, remaining, in_bin = _bin_of(hist, k)
     if in_bin > _CANDIDATES:
         return None
     ut = bits.dtype.type
@@ -552,20 +557,6 @@ def topk(x: Any, k: int) -> tuple[Any, Any]:
     return idx, vals
 
 
-def _at_least(t: float, dtype: Any) -> Any:
-    """The smallest value of ``dtype`` that is >= t, so ``|x| >= t`` can be tested in
-    ``dtype`` without rounding changing the answer (-inf when every |x| qualifies)."""
-    dtype = np.dtype(dtype)
-    t = float(t)
-    if t <= 0:
-        return dtype.type(-np.inf)
-    with np.errstate(over="ignore"):
-        v = dtype.type(t)
-    if float(v) < t:
-        v = np.nextafter(v, dtype.type(np.inf))
-    return v
-
-
 def _check_nan(x: Any) -> None:
     if x.shape[0] and bool(cupy_or_none().isnan(x).any()):
         raise _nan_error()
@@ -576,8 +567,9 @@ def _threshold_key(x: Any, t: float) -> int:
     t = float(t)
     if t != t:
         raise ValueError("the threshold is NaN")
-    tv = _at_least(t, x.dtype)
-    return 0 if tv < 0 else int(np.array(tv, dtype=x.dtype).view(_UINT[x.dtype.itemsize])[()])
+    from ._common import threshold_key
+
+    return threshold_key(t, x.dtype)
 
 
 def threshold(x: Any, t: float) -> tuple[Any, Any]:
