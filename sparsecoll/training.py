@@ -412,11 +412,13 @@ class GradientReducer:
     def _update_free(self) -> bool:
         """Whether a step made now may write the reused update buffer: reuse_update is on,
         and no step_async's update in it is still to be handed over (by wait(); a request
-        dropped unwaited hands over nothing)."""
+        dropped unwaited hands over nothing). Never waits: a step whose request has not
+        completed yet still holds the buffer (exception() would wait for it, and
+        step_async, which asks this, then waited for the earlier step's other ranks)."""
         if not self.reuse_update:
             return False
         req = None if self._update_lent is None else self._update_lent()
-        return req is None or req._taken or req.exception() is not None
+        return req is None or req._taken or (req.test() and req._error is not None)
 
     def _fail_step(self, error: BaseException) -> None:
         """Take part in a step that failed on this rank before it could start (the DDP

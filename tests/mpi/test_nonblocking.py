@@ -258,6 +258,32 @@ def test_reused_update_of_step_async_outlives_later_submissions(comm, name):
     assert_all(comm, reused, "the buffer was not reused once its update was handed over")
 
 
+def test_step_async_with_reuse_update_does_not_wait_for_the_step_before(comm):
+    """step_async returns at once with an earlier step_async still pending, reuse_update or
+    not: it asked the earlier request for its exception(), which waits for the call, so each
+    submission waited for the step before it (for the other ranks to reach it), and with
+    the queue held by this rank (here a local gate that this thread opens after
+    submitting) for ever."""
+    n = 500
+    g = np.random.default_rng([5, comm.rank]).standard_normal(n).astype(np.float32)
+    red = GradientReducer(comm, n, "allgather", 0.05, reuse_update=True)
+    gate = threading.Event()
+    opener = threading.Timer(20, gate.set)  # (without the fix: opens the gate, ends the wait)
+    opener.start()
+    try:
+        blocker = comm.engine().submit(gate.wait, "gate")  # holds the queue (local)
+        first = red.step_async(g)
+        second = red.step_async(g)
+        returned = not gate.is_set()
+    finally:
+        gate.set()
+        opener.cancel()
+    assert blocker.wait() is True
+    a, b = first.wait(), second.wait()
+    assert_all(comm, returned, "step_async waited for the pending step before it")
+    assert_all(comm, not np.shares_memory(a, b), "two pending steps wrote one update buffer")
+
+
 def test_wait_timeout_leaves_the_request_running(comm):
     engine = comm.engine()
     gate = threading.Event()
