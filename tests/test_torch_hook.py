@@ -444,6 +444,31 @@ def _branch_unused_everywhere(torch, ddp_cls, comm) -> list[str]:
     return [f"a branch unused everywhere: gradients off by {err:.3g}"] if err > 1e-5 else []
 
 
+def _warm_up_is_watched(torch, ddp_cls, comm) -> list[str]:
+    """With the watchdog on, the synchronous hook's dense warm-up is watched as its steps
+    are (a blocking call on the state's communicator, numbered among the engine's calls):
+    before, it ran unwatched, and a rank that skipped a warm-up iteration left the others
+    waiting for ever under SPARSECOLL_TIMEOUT (scratch hookwd.py: no diagnostic, no abort)."""
+    import sparsecoll
+    from sparsecoll.integrations.torch import SparseHookState, sparse_allreduce_hook
+
+    mine = comm.Dup()  # (a progress engine of its own: the calls counted are this test's)
+    before = sparsecoll.get_timeout()
+    sparsecoll.set_timeout(600)
+    try:
+        ddp = ddp_cls(torch.nn.Linear(4, 2))
+        ddp.register_comm_hook(
+            SparseHookState(mine, "allgather", density=0.5), sparse_allreduce_hook
+        )
+        ddp(torch.ones(3, 4)).sum().backward()  # the warm-up iteration
+        state = sparsecoll.Communicator(mine).engine().state()
+    finally:
+        sparsecoll.set_timeout(before)
+    mine.Free()
+    want = "idle after call #1 ddp bucket 0 (dense warm-up, iteration 0) (1 started, 1 completed)"
+    return [] if state == want else [f"the warm-up with the watchdog on: engine {state!r}"]
+
+
 def _worker() -> None:
     from mpi4py import MPI
 
@@ -517,6 +542,7 @@ def _worker() -> None:
         problems += _one_state_two_models(torch, DistributedDataParallel, comm)
         problems += _density_schedule(torch, DistributedDataParallel, comm)
         problems += _branch_unused_everywhere(torch, DistributedDataParallel, comm)
+        problems += _warm_up_is_watched(torch, DistributedDataParallel, comm)
 
         # a reduction error (NaN on rank 0) reaches backward() on every rank with its type
         # and message (a future completed by set_exception gave "Unable to cast ... to

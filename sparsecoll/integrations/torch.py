@@ -34,7 +34,7 @@ from typing import Any
 from .._array import as_array, device_scope, is_device_array, synchronize
 from .._launch import torch_launcher_mismatch
 from .._options import check_density, integer
-from ..api import collective_check
+from ..api import collective_check, watch
 from ..comm import CommStats, Communicator, widening_buffer
 from ..errors import NonFiniteError
 from ..sparse import VALUE_DTYPES
@@ -465,13 +465,18 @@ def _check_layout(index: Any, layout: Any, reducers: dict[Any, Any]) -> None:
 
 
 def _reduce_bucket(
-    state: SparseHookState, buf: Any, red: GradientReducer | None, iteration: int, last: bool
+    state: SparseHookState,
+    buf: Any,
+    red: GradientReducer | None,
+    iteration: int,
+    last: bool,
+    label: str,
 ) -> None:
     """Overwrite ``buf`` with the bucket's average: dense during the warm-up (``red`` None),
     else ``red``'s sparse update. ``last``: the iteration's last bucket, after which an
-    iteration in which a bucket failed is taken back."""
+    iteration in which a bucket failed is taken back. ``label``: the watchdog's name for it."""
     try:
-        _reduce_one(state, buf, red, iteration)
+        _reduce_one(state, buf, red, iteration, label)
     finally:
         if last:
             _end_iteration(state, iteration)
@@ -492,7 +497,7 @@ def _end_iteration(state: SparseHookState, iteration: int) -> None:
 
 
 def _reduce_one(
-    state: SparseHookState, buf: Any, red: GradientReducer | None, iteration: int
+    state: SparseHookState, buf: Any, red: GradientReducer | None, iteration: int, label: str
 ) -> None:
     # numpy has no bfloat16: such a bucket is reduced in float32 (exact widening), its
     # residual kept in float32, and the update rounded back into the bucket. The widening
@@ -506,7 +511,7 @@ def _reduce_one(
         error = exc
     try:
         if red is None:
-            _reduce_dense(state, work, error)
+            _reduce_dense(state, work, error, label)
         else:
             if error is not None:
                 red._fail_step(error)  # (raises, on every rank)
@@ -526,9 +531,13 @@ def _reduce_one(
         buf.copy_(work)
 
 
-def _reduce_dense(state: SparseHookState, work: Any, error: BaseException | None) -> None:
+def _reduce_dense(
+    state: SparseHookState, work: Any, error: BaseException | None, label: str
+) -> None:
     """Overwrite ``work`` with its average over the ranks (the warm-up), after the ranks
-    agree that every one has its bucket ready (``error``: this rank's failure to)."""
+    agree that every one has its bucket ready (``error``: this rank's failure to). Watched
+    as a blocking call (with the watchdog on) under ``label``, as a bucket's step is: a
+    rank that skipped a warm-up iteration left the others waiting for ever."""
     arr, wide, sig = None, None, None
     if error is None:
         try:
@@ -538,7 +547,7 @@ def _reduce_dense(state: SparseHookState, work: Any, error: BaseException | None
         except Exception as exc:  # (shared with every rank: none is left waiting)
             error = exc
     # (the check and the allreduce as one: another thread between them matched messages)
-    with state.comm.serial():
+    with state.comm.serial(), watch(state.comm, label):
         collective_check(state.comm, error, sig, HOOK_AGREED)
         # on the bucket's GPU: the asynchronous hook runs this on the progress thread, whose
         # current device is 0 (as every new CUDA host thread's)
@@ -580,7 +589,8 @@ def sparse_allreduce_hook(state: SparseHookState, bucket):
     fut = torch.futures.Future()
     iteration, last = state.iteration, bucket.is_last()
     try:
-        _reduce_bucket(state, buf, _bucket_reducer(state, bucket), iteration, last)
+        red = _bucket_reducer(state, bucket)
+        _reduce_bucket(state, buf, red, iteration, last, _label(state, bucket, red, iteration))
     except Exception as exc:
         # raised inside the hook, the error leaves DDP's reducer mid-iteration (the next
         # forward fails an internal assertion): like the asynchronous hook, hand it over in
@@ -614,7 +624,7 @@ def async_sparse_allreduce_hook(state: SparseHookState, bucket):
         try:
             if error is not None:
                 raise error
-            _reduce_bucket(state, buf, red, iteration, last)
+            _reduce_bucket(state, buf, red, iteration, last, label)
         except BaseException as exc:
             # DDP's backward raises as soon as it sees a failed future, with the later
             # buckets still queued here (they would then write into buffers DDP has given
@@ -629,13 +639,18 @@ def async_sparse_allreduce_hook(state: SparseHookState, bucket):
                 for failed, exc in failures:
                     failed.set_exception(exc)
 
-    what = "dense warm-up" if red is None else repr(state.algorithm)
-    label = f"ddp bucket {bucket.index()} ({what}, iteration {iteration})"
+    label = _label(state, bucket, red, iteration)
     state.comm.engine(label).submit(run, label, owner=state.comm)
     # DDP reads the future's value in C++: a future completed by set_exception holds the
     # exception as its value ("Unable to cast <message> to Tensor"); chained, the error
     # reaches backward() as an error, with its type and message
     return fut.then(_value)
+
+
+def _label(state: SparseHookState, bucket: Any, red: Any, iteration: int) -> str:
+    """The bucket's reduction as the watchdog names it."""
+    what = "dense warm-up" if red is None else repr(state.algorithm)
+    return f"ddp bucket {bucket.index()} ({what}, iteration {iteration})"
 
 
 def _value(fut: Any) -> Any:
