@@ -30,7 +30,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Engine", "SparseRequest", "get_timeout", "set_timeout", "shutdown", "stop"]
+__all__ = [
+    "Engine",
+    "SparseRequest",
+    "get_timeout",
+    "set_timeout",
+    "shutdown",
+    "starting",
+    "stop",
+]
 
 ALARM_TAG = 0x5C7  # tag of the watchdog's messages, on the engine's own duplicate
 ANSWER_TAG = 0x5C8  # tag of the answers to them: each rank's state
@@ -86,6 +94,37 @@ def get_timeout() -> float | None:
             ) from None
         _timeout_read = True
     return _timeout
+
+
+@contextlib.contextmanager
+def starting(comm: Any, call: str | None) -> Iterator[None]:
+    """Around the collective start of ``comm``'s progress engine (its agreement and its
+    duplications), which no engine watches yet: with the watchdog on, past the timeout
+    print this rank's state and call MPI_Abort. (Every rank starts the engine at its first
+    nonblocking call on the communicator, or its first blocking one under the watchdog: a
+    rank that skipped that call left the others in the start for ever, with no word.)"""
+    timeout = get_timeout()
+    if not timeout:
+        yield
+        return
+
+    def fire() -> None:
+        _stderr(
+            f"sparsecoll watchdog: rank {comm.rank} of {comm.size}: in the start of the "
+            f"communicator's progress engine{f' (for {call})' if call else ''} for "
+            f"{timeout:g} s, which every rank makes at its first nonblocking or watched "
+            f"call there; some rank has not made it; timeout "
+            f"{timeout:g} s expired (SPARSECOLL_TIMEOUT); aborting the job"
+        )
+        comm.abort(1)
+
+    timer = threading.Timer(timeout, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 class SparseRequest:

@@ -603,7 +603,7 @@ class Communicator:
                 f"(its default) before importing mpi4py.MPI, with an MPI library that "
                 f"supports it"
             )
-        from ._progress import Engine
+        from ._progress import Engine, starting
 
         with self.serial():  # (two threads starting it at once duplicated it 4 times: MPICH
             engine = self._attached_engine()  # aborted with "Message truncated")
@@ -611,9 +611,10 @@ class Communicator:
                 return engine
             from .api import start_check  # (api imports this module)
 
-            start_check(self, call, blocking)
-            work = self.mpi_comm.Dup()
-            alarm = self.mpi_comm.Dup()
+            with starting(self, call):  # (watched: no engine watches it yet)
+                start_check(self, call, blocking)
+                work = self.mpi_comm.Dup()
+                alarm = self.mpi_comm.Dup()
             poll = bool(env_flag("SPARSECOLL_PROGRESS_POLL", True))
             engine = Engine(Communicator(work, poll=poll), Communicator(alarm, poll=True))
             self.mpi_comm.Set_attr(_engine_keyval(), engine)

@@ -60,6 +60,24 @@ def test_watchdog_aborts_with_a_diagnostic(mode, waiting, idle):
 
 
 @pytest.mark.mpi
+def test_watchdog_aborts_when_a_rank_skips_the_first_call():
+    """The first nonblocking (or, under the watchdog, blocking) call on a communicator
+    starts its progress engine, collectively, before any engine can watch: a rank that
+    skipped it left the others there for ever under SPARSECOLL_TIMEOUT (the job hung)."""
+    from .mpirun import run_mpi
+
+    start = time.monotonic()
+    env = {"SPARSECOLL_TIMEOUT": str(WATCHDOG_SECONDS)}
+    proc = run_mpi(3, [__file__, "skip_first"], timeout=120, env=env)
+    out = proc.stdout
+    assert proc.returncode != 0, out[-6000:]
+    assert "not reached" not in out, out[-6000:]
+    waiting = "in the start of the communicator's progress engine (for iallreduce("
+    assert any(f"rank {r} of 3: {waiting}" in out for r in (0, 2)), out[-6000:]
+    assert time.monotonic() - start < 100
+
+
+@pytest.mark.mpi
 def test_uncaught_exception_with_requests_pending_ends_the_job():
     """One rank dies of an uncaught exception with requests pending, the others exit
     normally: without the abort the job hung (that rank in MPI_Finalize, waiting for the
@@ -452,6 +470,19 @@ def _skip(exits: bool = False) -> None:
         print("not reached", flush=True)
 
 
+def _skip_first() -> None:
+    """Rank 1 skips the first call on the communicator, which starts its progress engine,
+    and waits in raw MPI."""
+    import sparsecoll
+
+    comm = sparsecoll.Communicator()
+    vals, idx = _inputs(comm.rank)
+    if comm.rank != 1:
+        sparsecoll.iallreduce(comm, vals, idx, n=10**5).wait()
+    comm.mpi_comm.Barrier()  # raw MPI, not watched; rank 1 waits here
+    print("not reached", flush=True)
+
+
 def _skip_step() -> None:
     import numpy as np
 
@@ -495,6 +526,7 @@ def _low_level(level: str) -> None:
 
 if __name__ == "__main__":
     modes = {"pending": _pending, "skip": _skip, "skip_step": _skip_step, "raise": _raise}
+    modes.update(skip_first=_skip_first)
     modes.update(skip_exit=lambda: _skip(exits=True))
     modes.update(fork=_fork, finalize=_finalize, queued=_queued, closed=_closed)
     modes.update(daemon=_daemon, stuck=_stuck)
