@@ -377,6 +377,7 @@ def test_gpu_select_bench_runs(xp, capsys):
 
 
 _HARNESS = r"""
+%(preamble)s
 template <typename X> struct Raw {
   X* p;
   __device__ X& operator[](long long i) const { return p[i]; }
@@ -404,7 +405,7 @@ _CTYPES = {
 def _kernel_source(spec, utype: str, ttype: str) -> str:
     """CUDA source shaped like CuPy's ElementwiseKernel code: raw parameters indexable,
     array parameters bound by reference to element i, scalars by value."""
-    in_params, out_params, operation, name = spec
+    in_params, out_params, operation, name, preamble = spec
     params, prep = [], []
     for text, is_out in [(p, False) for p in in_params.split(",")] + [
         (p, True) for p in out_params.split(",")
@@ -422,6 +423,7 @@ def _kernel_source(spec, utype: str, ttype: str) -> str:
         else:
             params.append(f"const {ctype} {nm}")
     return _HARNESS % {
+        "preamble": preamble,
         "U": utype,
         "T": ttype,
         "name": name,
@@ -446,9 +448,9 @@ def test_kernel_sources_compile_with_nvrtc():
         def __init__(self):
             self.options = {}  # compiler options by kernel name
 
-        def ElementwiseKernel(self, *spec, options=()):
+        def ElementwiseKernel(self, *spec, options=(), preamble=""):
             self.options[spec[3]] = list(options)
-            return spec
+            return (*spec, preamble)
 
     cap = Capture()
     # the selection kernels (a RawModule per key and index width)
@@ -576,6 +578,31 @@ def test_kernels_compile_as_cupy_generates_them():
                 assert len(cubin) > 1000
                 compiled += 1
     assert compiled == 2 * (2 + 4 * 2)
+
+
+def test_kernels_keep_float32_subnormals_under_cupys_ftz():
+    """CuPy compiles every kernel with ``-ftz=true`` appended to its options
+    (``cupy.cuda.compiler._compile_with_cache_cuda``), and float32 arithmetic then flushes
+    subnormal operands and results to 0: the fused pass on a GPU turned g + r for a
+    subnormal g into 0 (PTX ``add.rn.ftz.f32``), where the host keeps it (and
+    test_accumulate_cut_zero_never_selects_zeros expects it). The sums and products of
+    sparsecoll's kernels must compile to IEEE float32 instructions even so."""
+    import re
+
+    cp, _carray, _kernel, _scalar, core, compiler = _cupy_codegen()
+    found = []
+    for kern, scalars, _ in _kernel_uses(cp):
+        opts = core.assemble_cupy_compiler_options(tuple(kern.kwargs.get("options", ())))
+        opts += ("-arch=sm_90", "--device-as-default-execution-space", "-ftz=true")
+        types = {"T": np.dtype(np.float32)}
+        code = _cupy_generated_source((_carray, _kernel, _scalar), cp, kern, scalars, types, True)
+        ptx, _ = compiler._NVRTCProgram(code, "kern.cu", (), (), method="ptx").compile(opts)
+        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+        arithmetic = re.findall(r"\b(?:add|sub|mul|fma|div)\.[\w.]*f32\b", ptx)
+        flushing = sorted({op for op in arithmetic if ".ftz" in op})
+        assert not flushing, f"{kern.name}: {flushing}"
+        found += arithmetic
+    assert {"add.rn.f32", "mul.rn.f32"} <= set(found)  # (the check reads the PTX it means to)
 
 
 @given(x=vectors(), data=st.data())
