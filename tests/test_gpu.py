@@ -8,6 +8,8 @@ On the fake, the selection tests check the radix-select logic around the histogr
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -807,3 +809,56 @@ def test_reducer_state_with_device_arrays_loads(xp):
         want = red.step(g[t])
         np.testing.assert_array_equal(on_host.step(g[t]), want)
         np.testing.assert_array_equal(on_device.step(xp.asarray(g[t])).get(), want)
+
+
+@pytest.mark.skipif(
+    os.environ.get("SPARSECOLL_CPU_KERNELS") != "1",
+    reason="set SPARSECOLL_CPU_KERNELS=1 (a minute or more: a CPU thread per CUDA thread)",
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_selection_kernels_run_on_cpu_threads(monkeypatch, dtype):
+    """The selection module's CUDA C itself (not the fake's numpy re-statements), compiled
+    with g++ and run a std::thread per CUDA thread (tests/cudaemu.py), under the host code
+    of select._cupy: top-k by both paths, every digit, threshold, counts and the mask
+    compaction, on lengths around the tile and warp edges. Warp intrinsics abort when a
+    lane of their mask does not take part or a shuffle reads a lane outside it."""
+    from . import cudaemu
+
+    if not cudaemu.available():
+        pytest.skip("no g++")
+    from sparsecoll.select import _cupy
+
+    rng = np.random.default_rng([7, np.dtype(dtype).itemsize])
+    with fakecupy.installed() as fake:
+        monkeypatch.setattr(fake, "RawModule", cudaemu.RawModule)
+        _cupy._module.cache_clear()
+        try:
+            for n in (33, 4097, 9000):
+                for kind in ("normal", "ties", "sub"):
+                    if kind == "ties":
+                        x = rng.integers(-3, 4, n).astype(dtype)
+                    elif kind == "sub":
+                        x = rng.integers(-5, 6, n) * np.finfo(dtype).smallest_subnormal
+                        x = x.astype(dtype)
+                    else:
+                        x = rng.standard_normal(n).astype(dtype)
+                    x[rng.integers(0, n)] = -np.inf
+                    absx = np.abs(x.astype(np.float64))
+                    d = fake.asarray(x)
+                    for k, cap in ((1, 1 << 21), (n // 3 + 1, 1 << 21), (n - 1, 0)):
+                        monkeypatch.setattr(_cupy, "_CANDIDATES", cap)
+                        want = reference_topk(x, k)
+                        idx, vals = _cupy.topk(d, k)
+                        np.testing.assert_array_equal(idx.get(), want)
+                        np.testing.assert_array_equal(vals.get(), x[want])
+                        assert _cupy.kth_largest_abs(d, k) == np.sort(absx)[::-1][k - 1]
+                    t = float(absx[rng.integers(0, n)])
+                    np.testing.assert_array_equal(
+                        _cupy.threshold(d, t)[0].get(), np.flatnonzero(absx >= t)
+                    )
+                    assert _cupy.count_ge(d, t) == int(np.count_nonzero(absx >= t))
+                mask = rng.random(n) < 0.3
+                got = _cupy.flatnonzero_mask(fake.asarray(mask)[n // 3 :])
+                np.testing.assert_array_equal(got.get(), np.flatnonzero(mask[n // 3 :]))
+        finally:
+            _cupy._module.cache_clear()
