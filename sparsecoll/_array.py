@@ -349,12 +349,36 @@ def segment_sum(vals: Any, heads: Any) -> Any:
     return out
 
 
+# CuPy compiles every kernel with -ftz=true (cupy/cuda/compiler.py): float32 additions and
+# products then flush subnormal operands and results to 0, which the host never does (g + r
+# with a subnormal g gave 0 in the fused pass: PTX add.rn.ftz.f32). sc_add and sc_mul round
+# once in IEEE arithmetic whatever that flag (PTX without .ftz; float64 never flushes) and are
+# never fused into an FMA. The template serves other types (float16: CuPy's own operators).
+IEEE_ARITHMETIC = r"""
+template <typename X> __device__ __forceinline__ X sc_add(X a, X b) { return a + b; }
+template <typename X> __device__ __forceinline__ X sc_mul(X a, X b) { return a * b; }
+__device__ __forceinline__ float sc_add(float a, float b) {
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float sc_mul(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ double sc_add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ double sc_mul(double a, double b) { return __dmul_rn(a, b); }
+"""
+
+
 @functools.cache
 def _segment_sum_kernel(cp: Any) -> Any:
     # One thread per segment: out[i] = sum of v[h[i]:e[i]] in index order.
     return cp.ElementwiseKernel(
         "raw T v, int64 h, int64 e",
         "T out",
-        "T acc = 0; for (long long j = h; j < e; ++j) acc += v[j]; out = acc;",
+        "T acc = 0; for (long long j = h; j < e; ++j) acc = sc_add(acc, v[j]); out = acc;",
         "sparsecoll_segment_sum",
+        preamble=IEEE_ARITHMETIC,
     )

@@ -8,6 +8,8 @@ On the fake, the selection tests check the radix-select logic around the histogr
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -377,6 +379,7 @@ def test_gpu_select_bench_runs(xp, capsys):
 
 
 _HARNESS = r"""
+%(preamble)s
 template <typename X> struct Raw {
   X* p;
   __device__ X& operator[](long long i) const { return p[i]; }
@@ -404,7 +407,7 @@ _CTYPES = {
 def _kernel_source(spec, utype: str, ttype: str) -> str:
     """CUDA source shaped like CuPy's ElementwiseKernel code: raw parameters indexable,
     array parameters bound by reference to element i, scalars by value."""
-    in_params, out_params, operation, name = spec
+    in_params, out_params, operation, name, preamble = spec
     params, prep = [], []
     for text, is_out in [(p, False) for p in in_params.split(",")] + [
         (p, True) for p in out_params.split(",")
@@ -422,6 +425,7 @@ def _kernel_source(spec, utype: str, ttype: str) -> str:
         else:
             params.append(f"const {ctype} {nm}")
     return _HARNESS % {
+        "preamble": preamble,
         "U": utype,
         "T": ttype,
         "name": name,
@@ -446,9 +450,9 @@ def test_kernel_sources_compile_with_nvrtc():
         def __init__(self):
             self.options = {}  # compiler options by kernel name
 
-        def ElementwiseKernel(self, *spec, options=()):
+        def ElementwiseKernel(self, *spec, options=(), preamble=""):
             self.options[spec[3]] = list(options)
-            return spec
+            return (*spec, preamble)
 
     cap = Capture()
     # the selection kernels (a RawModule per key and index width)
@@ -576,6 +580,31 @@ def test_kernels_compile_as_cupy_generates_them():
                 assert len(cubin) > 1000
                 compiled += 1
     assert compiled == 2 * (2 + 4 * 2)
+
+
+def test_kernels_keep_float32_subnormals_under_cupys_ftz():
+    """CuPy compiles every kernel with ``-ftz=true`` appended to its options
+    (``cupy.cuda.compiler._compile_with_cache_cuda``), and float32 arithmetic then flushes
+    subnormal operands and results to 0: the fused pass on a GPU turned g + r for a
+    subnormal g into 0 (PTX ``add.rn.ftz.f32``), where the host keeps it (and
+    test_accumulate_cut_zero_never_selects_zeros expects it). The sums and products of
+    sparsecoll's kernels must compile to IEEE float32 instructions even so."""
+    import re
+
+    cp, _carray, _kernel, _scalar, core, compiler = _cupy_codegen()
+    found = []
+    for kern, scalars, _ in _kernel_uses(cp):
+        opts = core.assemble_cupy_compiler_options(tuple(kern.kwargs.get("options", ())))
+        opts += ("-arch=sm_90", "--device-as-default-execution-space", "-ftz=true")
+        types = {"T": np.dtype(np.float32)}
+        code = _cupy_generated_source((_carray, _kernel, _scalar), cp, kern, scalars, types, True)
+        ptx, _ = compiler._NVRTCProgram(code, "kern.cu", (), (), method="ptx").compile(opts)
+        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+        arithmetic = re.findall(r"\b(?:add|sub|mul|fma|div)\.[\w.]*f32\b", ptx)
+        flushing = sorted({op for op in arithmetic if ".ftz" in op})
+        assert not flushing, f"{kern.name}: {flushing}"
+        found += arithmetic
+    assert {"add.rn.f32", "mul.rn.f32"} <= set(found)  # (the check reads the PTX it means to)
 
 
 @given(x=vectors(), data=st.data())
@@ -780,3 +809,56 @@ def test_reducer_state_with_device_arrays_loads(xp):
         want = red.step(g[t])
         np.testing.assert_array_equal(on_host.step(g[t]), want)
         np.testing.assert_array_equal(on_device.step(xp.asarray(g[t])).get(), want)
+
+
+@pytest.mark.skipif(
+    os.environ.get("SPARSECOLL_CPU_KERNELS") != "1",
+    reason="set SPARSECOLL_CPU_KERNELS=1 (a minute or more: a CPU thread per CUDA thread)",
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_selection_kernels_run_on_cpu_threads(monkeypatch, dtype):
+    """The selection module's CUDA C itself (not the fake's numpy re-statements), compiled
+    with g++ and run a std::thread per CUDA thread (tests/cudaemu.py), under the host code
+    of select._cupy: top-k by both paths, every digit, threshold, counts and the mask
+    compaction, on lengths around the tile and warp edges. Warp intrinsics abort when a
+    lane of their mask does not take part or a shuffle reads a lane outside it."""
+    from . import cudaemu
+
+    if not cudaemu.available():
+        pytest.skip("no g++")
+    from sparsecoll.select import _cupy
+
+    rng = np.random.default_rng([7, np.dtype(dtype).itemsize])
+    with fakecupy.installed() as fake:
+        monkeypatch.setattr(fake, "RawModule", cudaemu.RawModule)
+        _cupy._module.cache_clear()
+        try:
+            for n in (33, 4097, 9000):
+                for kind in ("normal", "ties", "sub"):
+                    if kind == "ties":
+                        x = rng.integers(-3, 4, n).astype(dtype)
+                    elif kind == "sub":
+                        x = rng.integers(-5, 6, n) * np.finfo(dtype).smallest_subnormal
+                        x = x.astype(dtype)
+                    else:
+                        x = rng.standard_normal(n).astype(dtype)
+                    x[rng.integers(0, n)] = -np.inf
+                    absx = np.abs(x.astype(np.float64))
+                    d = fake.asarray(x)
+                    for k, cap in ((1, 1 << 21), (n // 3 + 1, 1 << 21), (n - 1, 0)):
+                        monkeypatch.setattr(_cupy, "_CANDIDATES", cap)
+                        want = reference_topk(x, k)
+                        idx, vals = _cupy.topk(d, k)
+                        np.testing.assert_array_equal(idx.get(), want)
+                        np.testing.assert_array_equal(vals.get(), x[want])
+                        assert _cupy.kth_largest_abs(d, k) == np.sort(absx)[::-1][k - 1]
+                    t = float(absx[rng.integers(0, n)])
+                    np.testing.assert_array_equal(
+                        _cupy.threshold(d, t)[0].get(), np.flatnonzero(absx >= t)
+                    )
+                    assert _cupy.count_ge(d, t) == int(np.count_nonzero(absx >= t))
+                mask = rng.random(n) < 0.3
+                got = _cupy.flatnonzero_mask(fake.asarray(mask)[n // 3 :])
+                np.testing.assert_array_equal(got.get(), np.flatnonzero(mask[n // 3 :]))
+        finally:
+            _cupy._module.cache_clear()

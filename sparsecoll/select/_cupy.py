@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .._array import cupy_or_none, index_dtype
+from .._array import IEEE_ARITHMETIC, cupy_or_none, index_dtype
 
 __all__ = ["count_ge", "kth_largest_abs", "moments", "threshold", "topk"]
 
@@ -622,9 +622,9 @@ def _accumulate_kernel(cp: Any, has_r: bool, has_u: bool) -> Any:
     outs = ["T acc"] + (["T uo"] if has_u else []) + ["bool sel", "raw uint64 bad"]
     body = "T v = g;\n"
     if has_u:
-        body += "v = m * u + g; uo = v;\n"
+        body += "v = sc_add(sc_mul(m, u), g); uo = v;\n"
     if has_r:
-        body += "v = v + r;\n"
+        body += "v = sc_add(v, r);\n"
     # |v| >= cut compared on the magnitude bits: a subnormal cut (the smallest one stands for
     # "nonzero") must not be flushed to zero (on an H100 a zero acc was selected with it)
     body += """
@@ -640,10 +640,16 @@ def _accumulate_kernel(cp: Any, has_r: bool, has_u: bool) -> Any:
         sel = ge && !isnan(v);
         if (!isfinite(v)) atomicAdd((unsigned long long*)&bad[0], 1ULL);
     """
-    # --fmad=false: m*u + g rounded twice, as numpy and the CPU pass do (a fused
-    # multiply-add rounds once: 1 ulp off the CPU's result, seen on an H100)
+    # sc_add/sc_mul (IEEE_ARITHMETIC): m*u + g rounded twice, as numpy and the CPU pass do
+    # (a fused multiply-add rounds once: 1 ulp off the CPU's result, seen on an H100), and
+    # subnormals kept under CuPy's -ftz=true; --fmad=false keeps any other product unfused
     return cp.ElementwiseKernel(
-        ", ".join(ins), ", ".join(outs), body, "sparsecoll_accumulate", options=("--fmad=false",)
+        ", ".join(ins),
+        ", ".join(outs),
+        body,
+        "sparsecoll_accumulate",
+        options=("--fmad=false",),
+        preamble=IEEE_ARITHMETIC,
     )
 
 
