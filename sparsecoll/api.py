@@ -13,6 +13,7 @@ import numpy as np
 
 from . import errors
 from ._array import as_array, device_scope, get_array_module, identity
+from ._options import canonical, effective_options
 from ._progress import SparseRequest, get_timeout
 from .algorithms.base import Algorithm
 from .comm import Communicator, thread_multiple
@@ -119,6 +120,7 @@ def _allreduce(
     idx: Any = None
     x: Any = None
     wrap: Any = identity
+    detail: Detail = None
     try:
         if isinstance(algorithm, Algorithm):
             if options:
@@ -126,6 +128,10 @@ def _allreduce(
             algo = algorithm
         elif isinstance(algorithm, str):
             algo = get_algorithm(algorithm, **options)
+            # (a fresh instance: its signature differs across ranks by its options alone,
+            # which a mismatch's message then names, with both ranks' values)
+            where = tuple(range(3, 3 + ALGORITHM_SIGNATURE_LEN))
+            detail = ((where, canonical(effective_options(type(algo), options))),)
         else:
             got = type(algorithm).__name__
             if isinstance(algorithm, type):
@@ -156,7 +162,7 @@ def _allreduce(
         error = None
     except Exception as exc:  # (shared with every rank: none is left waiting)
         error, sig = exc, None
-    collective_check(c, error, sig, ("n", "values dtype", "algorithm"), call=label)
+    collective_check(c, error, sig, ("n", "values dtype", "algorithm"), detail, call=label)
     # IEEE sums, as MPI_SUM's: inf + (-inf) is NaN and an overflow inf, without a warning
     # (device inputs: work and return on their own GPU)
     with device_scope(vals), np.errstate(over="ignore", invalid="ignore"), c.measure() as stats:
