@@ -244,3 +244,26 @@ def test_a_bfloat16_tensor_is_refused_with_the_way_out():
     vals = torch.ones(3, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"bfloat16.*widen it to float32 first"):
         SparseVector.from_coo(np.arange(3), vals, 8)
+
+
+def test_a_tensor_numpy_refuses_for_another_reason_gets_no_widening_hint():
+    """The hint 'widen it to float32 first' came with any float tensor numpy refused: a
+    float32 sparse COO tensor (the natural thing to hand a sparse allreduce, as values or
+    as indices), a negative view, bfloat16 indices. A sparse tensor now gets the way to
+    pass its entries, which works; the others numpy's own message alone."""
+    torch = pytest.importorskip("torch")
+    t = torch.sparse_coo_tensor([[3, 1]], [2.0, 1.0], (8,), check_invariants=True)
+    for indices, values in ((np.arange(2), t), (t, np.ones(2))):
+        with pytest.raises(TypeError, match=r"layout sparse_coo.*t\.indices\(\)\[0\]") as info:
+            SparseVector.from_coo(indices, values, 8)
+        assert "widen" not in str(info.value)
+    for indices, values in (
+        (np.arange(2), torch.ones(2)._neg_view()),
+        (torch.ones(2, dtype=torch.bfloat16), np.ones(2)),
+    ):
+        with pytest.raises(TypeError, match="numpy cannot take") as info:
+            SparseVector.from_coo(indices, values, 8)
+        assert "widen" not in str(info.value)
+    c = t.coalesce()
+    v = SparseVector.from_coo(c.indices()[0], c.values(), 8)
+    assert v.to_dense().tolist() == [0, 1, 0, 2, 0, 0, 0, 0]
