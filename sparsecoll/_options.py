@@ -40,16 +40,19 @@ def check_density(value: Any) -> float:
     return value
 
 
-def integer(name: str, value: Any, low: int) -> int:
+def integer(name: str, value: Any, low: int, *, int64: bool = False) -> int:
     """``value`` (a Python or numpy integer, not a bool, at least ``low``) as an int: a
     TypeError for another type (a float, even 3.0, as numpy's ``np.zeros(3.0)``), a
-    ValueError for an integer below ``low``."""
+    ValueError for an integer below ``low``, or with ``int64`` (a value the ranks agree on
+    as an int64) at or above 2**63."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(
             f"{name} must be an integer >= {low}, got {value!r} ({type(value).__name__})"
         )
     if value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if int64 and value >= 2**63:
+        raise ValueError(f"{name} must be below 2**63, got {value!r}")
     return int(value)
 
 

@@ -240,7 +240,7 @@ class GradientReducer:
         **options: Any,
     ) -> None:
         self.comm = Communicator.wrap(comm)
-        n = integer("n", n, 0)
+        n = integer("n", n, 0, int64=True)
         if not isinstance(algorithm, str):
             raise TypeError(
                 f"algorithm must be a registered name, got {type(algorithm).__name__} (the"

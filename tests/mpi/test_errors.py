@@ -257,8 +257,10 @@ LONE = {
     "gtopk:k": (ValueError, "k must be below 2**63"),
     "oktopk:k": (ValueError, "k must be below 2**63"),
     "exdyna:k": (ValueError, "k must be below 2**63"),
-    "oktopk:tau": (ValueError, "does not fit in int64"),
-    "exdyna:blocks": (ValueError, "does not fit in int64"),
+    # (were "an algorithm option does not fit in int64: ...", naming no option)
+    "oktopk:tau": (ValueError, "tau must be below 2**63, got 1180591620717411303424"),
+    "oktopk:tau_prime": (ValueError, "tau_prime must be below 2**63"),
+    "exdyna:blocks": (ValueError, "blocks must be below 2**63"),
 }
 
 
