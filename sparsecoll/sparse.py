@@ -38,7 +38,7 @@ class SparseVector:
     """A sparse vector of length ``n`` in COO form (``indices``, ``values``).
 
     Build one with :meth:`from_coo` (validates and coalesces) or :meth:`from_dense`;
-    the plain constructor trusts its arguments and is meant for internal use.
+    the plain constructor trusts its arrays (only n is checked) and is meant for internal use.
 
     Attributes:
         indices: sorted unique indices (int32 for n <= 2**31, else int64).
@@ -66,7 +66,8 @@ class SparseVector:
     def __init__(self, indices: Any, values: Any, n: int) -> None:
         self.indices = indices
         self.values = values
-        self.n = int(n)
+        # (int(n) took 5.5 as 5, "7" as 7: a length is checked even here)
+        self.n = _length(n)
         self.contributed: Any = None
         self.local: SparseVector | None = None
         self.info: dict[str, Any] = {}
@@ -161,6 +162,15 @@ class SparseVector:
         return f"SparseVector(n={self.n}, nnz={self.nnz}, dtype={dtype})"
 
 
+def _length(n: Any) -> int:
+    """``n`` (a Python or numpy integer, not a bool, >= 0) as an int."""
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"n must be an integer, got {type(n).__name__}")
+    if n < 0:
+        raise ValueError(f"n must be non-negative, got {n}")
+    return int(n)
+
+
 def _wrapped(x: SparseVector, wrap: Any) -> SparseVector:
     """``x`` with its arrays converted back to the caller's kind by ``wrap``."""
     x.indices, x.values = wrap(x.indices), wrap(x.values)
@@ -214,10 +224,7 @@ def check_same_device(indices: Any, values: Any) -> None:
 
 def check_local(indices: Any, values: Any, n: Any) -> None:
     """Raise ValueError/TypeError when this rank's COO input breaks the contract."""
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-        raise TypeError(f"n must be an integer, got {type(n).__name__}")
-    if n < 0:
-        raise ValueError(f"n must be non-negative, got {n}")
+    _length(n)
     if n > np.iinfo(np.int64).max:
         raise ValueError(f"n must be below 2**63 (indices are int64 at most), got {n}")
     if getattr(values, "ndim", None) != 1:

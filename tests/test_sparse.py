@@ -267,3 +267,21 @@ def test_a_tensor_numpy_refuses_for_another_reason_gets_no_widening_hint():
     c = t.coalesce()
     v = SparseVector.from_coo(c.indices()[0], c.values(), 8)
     assert v.to_dense().tolist() == [0, 1, 0, 2, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("n", "etype", "text"),
+    [
+        (5.5, TypeError, "n must be an integer, got float"),
+        (5.0, TypeError, "n must be an integer, got float"),
+        ("7", TypeError, "n must be an integer, got str"),
+        (True, TypeError, "n must be an integer, got bool"),
+        (-1, ValueError, "n must be non-negative, got -1"),
+    ],
+)
+def test_the_plain_constructor_checks_n(n, etype, text):
+    """SparseVector(indices, values, n) trusts its arrays, but int(n) made 5.5 a vector of
+    length 5 (its to_dense() 5 long), "7" one of 7, True one of 1, silently."""
+    with pytest.raises(etype, match=text):
+        SparseVector(np.array([1]), np.array([2.0]), n)
+    assert SparseVector(np.array([1]), np.array([2.0]), np.uint8(6)).to_dense().shape == (6,)
