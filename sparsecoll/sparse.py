@@ -17,6 +17,7 @@ from ._array import (
     device_scope,
     get_array_module,
     index_dtype,
+    is_device_array,
     same_device,
     segment_sum,
     stable_argsort,
@@ -131,15 +132,34 @@ class SparseVector:
     def xp(self) -> Any:
         return get_array_module(self.values)
 
-    def to_dense(self) -> Any:
+    def to_dense(self, out: Any = None) -> Any:
         """A dense array of length ``n`` (same kind and dtype as ``values``: numpy, CuPy,
-        or torch for the results of torch input)."""
+        or torch for the results of torch input).
+
+        Args:
+            out: an array to fill instead of a new one (as scipy's ``toarray(out=)``): of
+                shape ``(n,)`` and the values' dtype, on their device (numpy or a torch CPU
+                tensor for host values, CuPy on their GPU), writable, strided or not. It is
+                zeroed, the entries written, and returned.
+        """
         vals, wrap = as_array(self.values, "values", writable=True)
         idx, _ = as_array(self.indices, "indices", writable=True)
+        xp = get_array_module(vals)
+        if out is None:
+            with device_scope(vals):
+                dense = xp.zeros(self.n, dtype=vals.dtype)
+                dense[idx] = vals
+            return wrap(dense)
+        buf = _dense_out(out, vals, self.n)
         with device_scope(vals):
-            out = get_array_module(vals).zeros(self.n, dtype=vals.dtype)
-            out[idx] = vals
-        return wrap(out)
+            # (an out that holds the vector's own arrays: zeroing it would lose them)
+            if xp.may_share_memory(buf, vals):
+                vals = vals.copy()
+            if xp.may_share_memory(buf, idx):
+                idx = idx.copy()
+            buf[...] = 0
+            buf[idx] = vals
+        return out
 
     def __len__(self) -> int:
         return self.n
@@ -169,6 +189,21 @@ def _length(n: Any) -> int:
     if n < 0:
         raise ValueError(f"n must be non-negative, got {n}")
     return int(n)
+
+
+def _dense_out(out: Any, vals: Any, n: int) -> Any:
+    """``out`` (:meth:`SparseVector.to_dense`'s) as an array to write into, checked."""
+    buf, _ = as_array(out, "out", writable=True)
+    if not same_device(buf, vals):
+        where = "on their GPU" if is_device_array(vals) else "on the host"
+        raise TypeError(f"out must live where the values do ({where})")
+    if tuple(buf.shape) != (n,):
+        raise ValueError(f"out must have shape ({n},), got {tuple(buf.shape)}")
+    if buf.dtype.newbyteorder("=") != vals.dtype.newbyteorder("="):
+        raise TypeError(f"out must be {vals.dtype} (the values' dtype), got {buf.dtype}")
+    if isinstance(buf, np.ndarray) and not buf.flags.writeable:
+        raise ValueError("out is read-only")
+    return buf
 
 
 def _wrapped(x: SparseVector, wrap: Any) -> SparseVector:

@@ -285,3 +285,34 @@ def test_the_plain_constructor_checks_n(n, etype, text):
     with pytest.raises(etype, match=text):
         SparseVector(np.array([1]), np.array([2.0]), n)
     assert SparseVector(np.array([1]), np.array([2.0]), np.uint8(6)).to_dense().shape == (6,)
+
+
+def test_to_dense_fills_out():
+    """to_dense(out=) (as scipy's toarray(out=)) zeroes the given array, writes the entries
+    and returns it, strided or a torch tensor too; an out holding the vector's own arrays
+    is written correctly; a wrong shape, dtype, a read-only or a list is refused."""
+    v = SparseVector.from_coo([4, 1, 4], [1.0, 2.0, 3.0], n=6)
+    want = [0.0, 2.0, 0.0, 0.0, 4.0, 0.0]
+    out = np.full(6, 9.0)
+    assert v.to_dense(out=out) is out and out.tolist() == want
+    grid = np.full((6, 2), 9.0)
+    v.to_dense(out=grid[:, 1])
+    assert grid[:, 1].tolist() == want and grid[:, 0].tolist() == [9.0] * 6
+    buf = np.array([5.0, 6.0, 0.0, 0.0, 0.0])
+    own = SparseVector(np.array([3, 4]), buf[:2], 5)
+    assert own.to_dense(out=buf).tolist() == [0.0, 0.0, 0.0, 5.0, 6.0]
+    read_only = np.zeros(6)
+    read_only.flags.writeable = False
+    for bad, etype, text in (
+        (np.zeros(5), ValueError, r"shape \(6,\), got \(5,\)"),
+        (np.zeros((6, 1)), ValueError, r"shape \(6,\), got \(6, 1\)"),
+        (np.zeros(6, np.float32), TypeError, "must be float64 .* got float32"),
+        (read_only, ValueError, "read-only"),
+        ([0.0] * 6, TypeError, "array written in place"),
+    ):
+        with pytest.raises(etype, match=text):
+            v.to_dense(out=bad)
+    torch = pytest.importorskip("torch")
+    t = SparseVector.from_coo(torch.tensor([4, 1]), torch.tensor([1.0, 2.0]), 6)
+    out = torch.full((6,), 7.0)
+    assert t.to_dense(out=out) is out and out.tolist() == [0.0, 2.0, 0.0, 0.0, 1.0, 0.0]
