@@ -4,9 +4,11 @@ nonblocking twin ``sparsecoll.iallreduce``."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import warnings
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -120,7 +122,7 @@ def _allreduce(
     idx: Any = None
     x: Any = None
     wrap: Any = identity
-    detail: Detail = None
+    detail: Any = None
     try:
         if isinstance(algorithm, Algorithm):
             if options:
@@ -129,9 +131,9 @@ def _allreduce(
         elif isinstance(algorithm, str):
             algo = get_algorithm(algorithm, **options)
             # (a fresh instance: its signature differs across ranks by its options alone,
-            # which a mismatch's message then names, with both ranks' values)
-            where = tuple(range(3, 3 + ALGORITHM_SIGNATURE_LEN))
-            detail = ((where, canonical(effective_options(type(algo), options))),)
+            # which a mismatch's message then names, with both ranks' values; made only
+            # then, when it is gathered)
+            detail = functools.partial(_options_detail, type(algo), options)
         else:
             got = type(algorithm).__name__
             if isinstance(algorithm, type):
@@ -215,6 +217,12 @@ def iallreduce(
     return c.engine(label).submit(call, label, owner=c)
 
 
+def _options_detail(cls: Any, options: dict[str, Any]) -> Detail:
+    """The detail (:func:`collective_check`) of a named algorithm's options."""
+    where = tuple(range(3, 3 + ALGORITHM_SIGNATURE_LEN))
+    return ((where, canonical(effective_options(cls, options))),)
+
+
 def _name(algorithm: Any) -> str:
     return algorithm if isinstance(algorithm, str) else type(algorithm).__name__
 
@@ -272,7 +280,7 @@ def collective_check(
     error: BaseException | None,
     signature: list[int] | None,
     names: tuple[str, ...] = (),
-    detail: Detail = None,
+    detail: Detail | Callable[[], Detail] = None,
     *,
     call: str | None = None,
 ) -> None:
@@ -283,7 +291,8 @@ def collective_check(
     when all is well; on failure the offending rank's message is shared. ``detail``:
     ``((positions, values), ...)``, the named values that the signature's values at
     ``positions`` digest (options in a CRC); gathered only when the ranks' signatures
-    differ, so that the message names the first value that differs there, with both ranks'.
+    differ, so that the message names the first value that differs there, with both ranks'
+    (or a function making it then: what it costs is paid only on a mismatch).
     ``call`` names this rank's call in the message when the ranks' calls are not of one
     kind (a progress engine's start on some ranks: see :func:`start_check`).
     """
@@ -377,9 +386,9 @@ def _raise_mismatch(
     comm: Communicator,
     sig: list[int],
     names: tuple[str, ...],
-    detail: Detail = None,
+    detail: Detail | Callable[[], Detail] = None,
 ) -> None:
-    gathered = comm.allgather_object((sig, detail))
+    gathered = comm.allgather_object((sig, detail() if callable(detail) else detail))
     every = [s for s, _ in gathered]
     for r, other in enumerate(every):
         if other != every[0]:
