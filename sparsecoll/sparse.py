@@ -213,10 +213,11 @@ def _wrapped(x: SparseVector, wrap: Any) -> SparseVector:
 
 
 def as_indices(indices: Any) -> Any:
-    """``indices`` as an array (:func:`as_array`); an empty list or tuple is an empty
-    index array, as in numpy's own ``x[[]]`` (``np.asarray([])`` is float64)."""
+    """``indices`` as an array (:func:`as_array`); an empty list, tuple or range is an empty
+    index array, as in numpy's own ``x[[]]`` (``np.asarray([])`` and ``np.asarray(range(0))``
+    are float64, where a range of entries is int64)."""
     idx, _ = as_array(indices, "indices")
-    if isinstance(indices, (list, tuple)):
+    if isinstance(indices, (list, tuple, range)):
         if not len(indices):
             idx = idx.astype(np.int64)
         elif idx.dtype.kind not in "iu":
@@ -224,7 +225,7 @@ def as_indices(indices: Any) -> Any:
     return idx
 
 
-def _beyond_int64(indices: list[Any] | tuple[Any, ...]) -> None:
+def _beyond_int64(indices: list[Any] | tuple[Any, ...] | range) -> None:
     """Raise ValueError when ``indices`` holds only integers: numpy made floats (or objects)
     of them because one lies beyond int64 and uint64 both (``[2**63, 1]`` is float64,
     rounded), and "indices must be integers, got float64" would misname the problem."""
