@@ -148,11 +148,8 @@ def _as_array(x: Any, name: str, writable: bool) -> tuple[Any, Any]:
             try:
                 return np.asarray(x), wrap
             except Exception as exc:  # e.g. bfloat16, which numpy has no type for
-                hint = ""
-                if x.is_floating_point():  # (bfloat16: the DDP hooks widen such buckets)
-                    hint = "; widen it to float32 first (tensor.float())"
                 raise TypeError(
-                    f"{name}: numpy cannot take a {x.dtype} tensor ({exc}){hint}"
+                    f"{name}: numpy cannot take a {_torch_kind(x)} ({exc}){_torch_hint(x, name)}"
                 ) from exc
     dl = _dlpack_device_type(x) if hasattr(x, "__dlpack_device__") else None
     if is_device_array(x) or dl in (_DL_CUDA, _DL_CUDA_MANAGED):
@@ -189,6 +186,30 @@ def _as_array(x: Any, name: str, writable: bool) -> tuple[Any, Any]:
             return np.from_dlpack(x), wrap
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     return a, wrap
+
+
+def _torch_kind(x: Any) -> str:
+    """``torch.float32 tensor``, with its layout when it is not a strided (dense) one."""
+    layout = str(x.layout).removeprefix("torch.")
+    return f"{x.dtype} tensor" + ("" if layout == "strided" else f" of layout {layout}")
+
+
+def _torch_hint(x: Any, name: str) -> str:
+    """What to pass instead of the torch tensor ``x`` that numpy could not take: a sparse
+    tensor's values and indices; a float tensor of a type numpy lacks (bfloat16, float8)
+    widened (the DDP hooks widen such buckets). Not the widening for a float32 tensor that
+    numpy refused for another reason (sparse, a negative view), nor for indices (integers)."""
+    import torch
+
+    if x.layout != torch.strided:
+        return (
+            "; for a 1-D sparse COO tensor t, pass its entries: t = t.coalesce(), then "
+            "t.values() as the values and t.indices()[0] as the indices"
+        )
+    numpy_has = (torch.float16, torch.float32, torch.float64)
+    if x.is_floating_point() and x.dtype not in numpy_has and name != "indices":
+        return "; widen it to float32 first (tensor.float())"
+    return ""
 
 
 def identity(a: Any) -> Any:

@@ -3,6 +3,8 @@ naming the option and what it takes (float() and bool() took strings, None and T
 
 from __future__ import annotations
 
+import functools
+import inspect
 import numbers
 import os
 from typing import Any
@@ -10,9 +12,11 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "canonical",
     "check_density",
     "choice",
     "count_band",
+    "effective_options",
     "env_flag",
     "env_integer",
     "flag",
@@ -36,16 +40,19 @@ def check_density(value: Any) -> float:
     return value
 
 
-def integer(name: str, value: Any, low: int) -> int:
+def integer(name: str, value: Any, low: int, *, int64: bool = False) -> int:
     """``value`` (a Python or numpy integer, not a bool, at least ``low``) as an int: a
     TypeError for another type (a float, even 3.0, as numpy's ``np.zeros(3.0)``), a
-    ValueError for an integer below ``low``."""
+    ValueError for an integer below ``low``, or with ``int64`` (a value the ranks agree on
+    as an int64) at or above 2**63."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(
             f"{name} must be an integer >= {low}, got {value!r} ({type(value).__name__})"
         )
     if value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if int64 and value >= 2**63:
+        raise ValueError(f"{name} must be below 2**63, got {value!r}")
     return int(value)
 
 
@@ -109,3 +116,49 @@ def env_integer(name: str, low: int) -> int | None:
     if value is not None and value < low:
         raise ValueError(f"{name} must be an integer >= {low} (unset: the default), got {raw!r}")
     return value
+
+
+def canonical(value: Any) -> Any:
+    """``value`` as plain Python values that compare and print alike on every rank: numbers
+    as int or float (a numpy scalar as the Python one), containers item by item, and any
+    other object as its type's name alone (its repr may hold an address; what it does is
+    not compared)."""
+    if value is None or isinstance(value, (str, bool, np.bool_)):
+        return value if not isinstance(value, np.bool_) else bool(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(canonical(v) for v in value)
+    if isinstance(value, dict):
+        return {str(k): canonical(v) for k, v in value.items()}
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def effective_options(
+    cls: Any, given: dict[str, Any], leave_out: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The options ``cls`` (an algorithm or a selection estimator; None: no options) is built
+    with, by name: its constructor's defaults, then ``given``; without those in
+    ``leave_out``. (Without a signature that inspect can read: ``given`` alone.)"""
+    if cls is None:
+        return {}
+    options = dict(_defaults(cls))
+    options.update(given)
+    # (a list and a tuple of the same values, e.g. band=, are the same option)
+    return {
+        name: tuple(value) if isinstance(value, list) else value
+        for name, value in sorted(options.items())
+        if name not in leave_out
+    }
+
+
+@functools.cache
+def _defaults(cls: Any) -> tuple[tuple[str, Any], ...]:
+    """The constructor defaults of ``cls`` (read once: allreduce reads them at every call)."""
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple((p.name, p.default) for p in params if p.default is not inspect.Parameter.empty)

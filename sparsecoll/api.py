@@ -4,15 +4,18 @@ nonblocking twin ``sparsecoll.iallreduce``."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import warnings
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from . import errors
 from ._array import as_array, device_scope, get_array_module, identity
+from ._options import canonical, effective_options
 from ._progress import SparseRequest, get_timeout
 from .algorithms.base import Algorithm
 from .comm import Communicator, thread_multiple
@@ -119,6 +122,7 @@ def _allreduce(
     idx: Any = None
     x: Any = None
     wrap: Any = identity
+    detail: Any = None
     try:
         if isinstance(algorithm, Algorithm):
             if options:
@@ -126,6 +130,10 @@ def _allreduce(
             algo = algorithm
         elif isinstance(algorithm, str):
             algo = get_algorithm(algorithm, **options)
+            # (a fresh instance: its signature differs across ranks by its options alone,
+            # which a mismatch's message then names, with both ranks' values; made only
+            # then, when it is gathered)
+            detail = functools.partial(_options_detail, type(algo), options)
         else:
             got = type(algorithm).__name__
             if isinstance(algorithm, type):
@@ -156,7 +164,7 @@ def _allreduce(
         error = None
     except Exception as exc:  # (shared with every rank: none is left waiting)
         error, sig = exc, None
-    collective_check(c, error, sig, ("n", "values dtype", "algorithm"), call=label)
+    collective_check(c, error, sig, ("n", "values dtype", "algorithm"), detail, call=label)
     # IEEE sums, as MPI_SUM's: inf + (-inf) is NaN and an overflow inf, without a warning
     # (device inputs: work and return on their own GPU)
     with device_scope(vals), np.errstate(over="ignore", invalid="ignore"), c.measure() as stats:
@@ -207,6 +215,12 @@ def iallreduce(
         return allreduce(c, values, indices, n=n, algorithm=algorithm, **options)
 
     return c.engine(label).submit(call, label, owner=c)
+
+
+def _options_detail(cls: Any, options: dict[str, Any]) -> Detail:
+    """The detail (:func:`collective_check`) of a named algorithm's options."""
+    where = tuple(range(3, 3 + ALGORITHM_SIGNATURE_LEN))
+    return ((where, canonical(effective_options(cls, options))),)
 
 
 def _name(algorithm: Any) -> str:
@@ -266,7 +280,7 @@ def collective_check(
     error: BaseException | None,
     signature: list[int] | None,
     names: tuple[str, ...] = (),
-    detail: Detail = None,
+    detail: Detail | Callable[[], Detail] = None,
     *,
     call: str | None = None,
 ) -> None:
@@ -277,7 +291,8 @@ def collective_check(
     when all is well; on failure the offending rank's message is shared. ``detail``:
     ``((positions, values), ...)``, the named values that the signature's values at
     ``positions`` digest (options in a CRC); gathered only when the ranks' signatures
-    differ, so that the message names the first value that differs there, with both ranks'.
+    differ, so that the message names the first value that differs there, with both ranks'
+    (or a function making it then: what it costs is paid only on a mismatch).
     ``call`` names this rank's call in the message when the ranks' calls are not of one
     kind (a progress engine's start on some ranks: see :func:`start_check`).
     """
@@ -371,9 +386,9 @@ def _raise_mismatch(
     comm: Communicator,
     sig: list[int],
     names: tuple[str, ...],
-    detail: Detail = None,
+    detail: Detail | Callable[[], Detail] = None,
 ) -> None:
-    gathered = comm.allgather_object((sig, detail))
+    gathered = comm.allgather_object((sig, detail() if callable(detail) else detail))
     every = [s for s, _ in gathered]
     for r, other in enumerate(every):
         if other != every[0]:

@@ -17,6 +17,7 @@ from ._array import (
     device_scope,
     get_array_module,
     index_dtype,
+    is_device_array,
     same_device,
     segment_sum,
     stable_argsort,
@@ -38,7 +39,7 @@ class SparseVector:
     """A sparse vector of length ``n`` in COO form (``indices``, ``values``).
 
     Build one with :meth:`from_coo` (validates and coalesces) or :meth:`from_dense`;
-    the plain constructor trusts its arguments and is meant for internal use.
+    the plain constructor trusts its arrays (only n is checked) and is meant for internal use.
 
     Attributes:
         indices: sorted unique indices (int32 for n <= 2**31, else int64).
@@ -66,7 +67,8 @@ class SparseVector:
     def __init__(self, indices: Any, values: Any, n: int) -> None:
         self.indices = indices
         self.values = values
-        self.n = int(n)
+        # (int(n) took 5.5 as 5, "7" as 7: a length is checked even here)
+        self.n = _length(n)
         self.contributed: Any = None
         self.local: SparseVector | None = None
         self.info: dict[str, Any] = {}
@@ -130,15 +132,34 @@ class SparseVector:
     def xp(self) -> Any:
         return get_array_module(self.values)
 
-    def to_dense(self) -> Any:
+    def to_dense(self, out: Any = None) -> Any:
         """A dense array of length ``n`` (same kind and dtype as ``values``: numpy, CuPy,
-        or torch for the results of torch input)."""
+        or torch for the results of torch input).
+
+        Args:
+            out: an array to fill instead of a new one (as scipy's ``toarray(out=)``): of
+                shape ``(n,)`` and the values' dtype, on their device (numpy or a torch CPU
+                tensor for host values, CuPy on their GPU), writable, strided or not. It is
+                zeroed, the entries written, and returned.
+        """
         vals, wrap = as_array(self.values, "values", writable=True)
         idx, _ = as_array(self.indices, "indices", writable=True)
+        xp = get_array_module(vals)
+        if out is None:
+            with device_scope(vals):
+                dense = xp.zeros(self.n, dtype=vals.dtype)
+                dense[idx] = vals
+            return wrap(dense)
+        buf = _dense_out(out, vals, self.n)
         with device_scope(vals):
-            out = get_array_module(vals).zeros(self.n, dtype=vals.dtype)
-            out[idx] = vals
-        return wrap(out)
+            # (an out that holds the vector's own arrays: zeroing it would lose them)
+            if xp.may_share_memory(buf, vals):
+                vals = vals.copy()
+            if xp.may_share_memory(buf, idx):
+                idx = idx.copy()
+            buf[...] = 0
+            buf[idx] = vals
+        return out
 
     def __len__(self) -> int:
         return self.n
@@ -161,6 +182,30 @@ class SparseVector:
         return f"SparseVector(n={self.n}, nnz={self.nnz}, dtype={dtype})"
 
 
+def _length(n: Any) -> int:
+    """``n`` (a Python or numpy integer, not a bool, >= 0) as an int."""
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"n must be an integer, got {type(n).__name__}")
+    if n < 0:
+        raise ValueError(f"n must be non-negative, got {n}")
+    return int(n)
+
+
+def _dense_out(out: Any, vals: Any, n: int) -> Any:
+    """``out`` (:meth:`SparseVector.to_dense`'s) as an array to write into, checked."""
+    buf, _ = as_array(out, "out", writable=True)
+    if not same_device(buf, vals):
+        where = "on their GPU" if is_device_array(vals) else "on the host"
+        raise TypeError(f"out must live where the values do ({where})")
+    if tuple(buf.shape) != (n,):
+        raise ValueError(f"out must have shape ({n},), got {tuple(buf.shape)}")
+    if buf.dtype.newbyteorder("=") != vals.dtype.newbyteorder("="):
+        raise TypeError(f"out must be {vals.dtype} (the values' dtype), got {buf.dtype}")
+    if isinstance(buf, np.ndarray) and not buf.flags.writeable:
+        raise ValueError("out is read-only")
+    return buf
+
+
 def _wrapped(x: SparseVector, wrap: Any) -> SparseVector:
     """``x`` with its arrays converted back to the caller's kind by ``wrap``."""
     x.indices, x.values = wrap(x.indices), wrap(x.values)
@@ -168,10 +213,11 @@ def _wrapped(x: SparseVector, wrap: Any) -> SparseVector:
 
 
 def as_indices(indices: Any) -> Any:
-    """``indices`` as an array (:func:`as_array`); an empty list or tuple is an empty
-    index array, as in numpy's own ``x[[]]`` (``np.asarray([])`` is float64)."""
+    """``indices`` as an array (:func:`as_array`); an empty list, tuple or range is an empty
+    index array, as in numpy's own ``x[[]]`` (``np.asarray([])`` and ``np.asarray(range(0))``
+    are float64, where a range of entries is int64)."""
     idx, _ = as_array(indices, "indices")
-    if isinstance(indices, (list, tuple)):
+    if isinstance(indices, (list, tuple, range)):
         if not len(indices):
             idx = idx.astype(np.int64)
         elif idx.dtype.kind not in "iu":
@@ -179,7 +225,7 @@ def as_indices(indices: Any) -> Any:
     return idx
 
 
-def _beyond_int64(indices: list[Any] | tuple[Any, ...]) -> None:
+def _beyond_int64(indices: list[Any] | tuple[Any, ...] | range) -> None:
     """Raise ValueError when ``indices`` holds only integers: numpy made floats (or objects)
     of them because one lies beyond int64 and uint64 both (``[2**63, 1]`` is float64,
     rounded), and "indices must be integers, got float64" would misname the problem."""
@@ -214,10 +260,7 @@ def check_same_device(indices: Any, values: Any) -> None:
 
 def check_local(indices: Any, values: Any, n: Any) -> None:
     """Raise ValueError/TypeError when this rank's COO input breaks the contract."""
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-        raise TypeError(f"n must be an integer, got {type(n).__name__}")
-    if n < 0:
-        raise ValueError(f"n must be non-negative, got {n}")
+    _length(n)
     if n > np.iinfo(np.int64).max:
         raise ValueError(f"n must be below 2**63 (indices are int64 at most), got {n}")
     if getattr(values, "ndim", None) != 1:

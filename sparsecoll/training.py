@@ -42,7 +42,6 @@ import contextlib
 import copy
 import inspect
 import math
-import numbers
 import time
 import weakref
 import zlib
@@ -62,7 +61,7 @@ from ._array import (
     to_host,
     to_module,
 )
-from ._options import check_density, choice, flag, integer, real
+from ._options import canonical, check_density, choice, effective_options, flag, integer, real
 from ._state import Kind, check_values, optional, positive, within
 from .algorithms.base import Algorithm
 from .api import ALGORITHM_SIGNATURE_LEN, algorithm_signature, collective_check, watch
@@ -130,6 +129,8 @@ SELECTIONS = {
     "sampling": select.SamplingThreshold,  # DGC: threshold from a random sample
     "gaussian": select.GaussianThreshold,  # Gaussian-k: normal quantile, refined
 }
+# (the options the reducer's density sets: not compared as options, nor saved with them)
+REDUCER_SETS = ("k", "density")
 # (GradientReducer's own keywords after n and algorithm: named in a misspelled option's hint)
 REDUCER_KEYWORDS = (
     "density",
@@ -239,7 +240,7 @@ class GradientReducer:
         **options: Any,
     ) -> None:
         self.comm = Communicator.wrap(comm)
-        n = integer("n", n, 0)
+        n = integer("n", n, 0, int64=True)
         if not isinstance(algorithm, str):
             raise TypeError(
                 f"algorithm must be a registered name, got {type(algorithm).__name__} (the"
@@ -284,8 +285,10 @@ class GradientReducer:
         # (through the registry: an unknown option is named with the ones it takes)
         self.algorithm: Algorithm = get_algorithm(algorithm, **opts)
         self._selector_args = selection_options or {}
-        self._options = _effective_options(cls, options)
-        self._selection_options = _effective_options(SELECTIONS[selection], self._selector_args)
+        self._options = effective_options(cls, options, leave_out=REDUCER_SETS)
+        self._selection_options = effective_options(
+            SELECTIONS[selection], self._selector_args, leave_out=REDUCER_SETS
+        )
         # agreed at every step with the algorithm: a rank whose warm-up lasted longer made
         # a dense allreduce while the others ran the sparse algorithm (the job hung), and
         # average on some ranks only made their updates differ; the others change what a
@@ -309,12 +312,12 @@ class GradientReducer:
             for name, value in self._selection_options.items()
             if name not in RANK_LOCAL_SELECTION_OPTIONS
         )
-        self._agreed_options = _canonical(agreed)
+        self._agreed_options = canonical(agreed)
         self._crc = zlib.crc32(repr(self._agreed_options).encode())
         # (named in a mismatch's message: the CRC's, then the algorithm's options, which its
         # signature holds with its state, after the step)
         where = tuple(range(4, 4 + ALGORITHM_SIGNATURE_LEN))
-        self._detail = (((2,), self._agreed_options), (where, _canonical(self._options)))
+        self._detail = (((2,), self._agreed_options), (where, canonical(self._options)))
         self._agreed = AGREED  # (the DDP hook's reducers: its own names, as its warm-up's)
         self._is_dense = algorithm == "dense"
         self._has_dense_path = hasattr(self.algorithm, "reduce_dense")
@@ -1275,41 +1278,6 @@ class _StepInfo:
 
     def record(self, nnz: int, selected: int) -> None:
         self.nnz, self.selected = nnz, selected
-
-
-def _canonical(value: Any) -> Any:
-    """``value`` as plain Python values that compare and print alike on every rank: numbers
-    as int or float (a numpy scalar as the Python one), containers item by item, and any
-    other object as its type's name alone (its repr may hold an address; what it does is
-    not compared)."""
-    if value is None or isinstance(value, (str, bool, np.bool_)):
-        return value if not isinstance(value, np.bool_) else bool(value)
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if isinstance(value, (list, tuple)):
-        return tuple(_canonical(v) for v in value)
-    if isinstance(value, dict):
-        return {str(k): _canonical(v) for k, v in value.items()}
-    return f"<{type(value).__module__}.{type(value).__qualname__}>"
-
-
-def _effective_options(cls: Any, given: dict[str, Any]) -> dict[str, Any]:
-    """The options ``cls`` (an algorithm or a selection estimator; None: no options) is built
-    with: its constructor's defaults, then ``given`` (``k`` and ``density`` left out: the
-    reducer's density sets them)."""
-    if cls is None:
-        return {}
-    params = inspect.signature(cls).parameters.values()
-    options = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
-    options.update(given)
-    # (a list and a tuple of the same values, e.g. band=, are the same option)
-    return {
-        name: tuple(value) if isinstance(value, list) else value
-        for name, value in sorted(options.items())
-        if name not in ("k", "density")
-    }
 
 
 def _selection_version(selection: str) -> int:

@@ -251,8 +251,10 @@ def test_reducer_step_representations(self_comm):
 
 def test_empty_list_of_indices(self_comm):
     """A rank with nothing to send may pass [] (numpy makes it float64, and indexing with
-    ``x[[]]`` takes it too); it was refused as "indices must be integers, got float64"."""
-    for empty in ([], ()):
+    ``x[[]]`` takes it too); it was refused as "indices must be integers, got float64". So
+    may an empty range (a rank's empty slice, range(lo, lo)), where a range of entries was
+    taken: numpy makes range(0) float64 too."""
+    for empty in ([], (), range(0), range(7, 7)):
         out = sparsecoll.allreduce(self_comm, np.zeros(0, np.float32), empty, n=3)
         assert out.nnz == 0 and out.values.dtype == np.float32
         assert sparsecoll.SparseVector.from_coo(empty, np.zeros(0), 3).nnz == 0

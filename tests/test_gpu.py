@@ -295,6 +295,17 @@ def test_coalesce_on_device_equals_host(xp, n, m, dtype, seed):
     assert back.indices.dtype == index_dtype(n)
 
 
+def test_to_dense_fills_a_device_out(xp):
+    """to_dense(out=) on the device: a device array filled and returned; a host array for a
+    device vector refused (writes to a host copy would be lost)."""
+    v = SparseVector.from_coo(xp.asarray([4, 1, 4]), xp.asarray([1.0, 2.0, 3.0]), 6)
+    out = xp.asarray(np.full(6, 9.0))
+    assert v.to_dense(out=out) is out
+    assert out.get().tolist() == [0.0, 2.0, 0.0, 0.0, 4.0, 0.0]
+    with pytest.raises(TypeError, match="where the values do"):
+        v.to_dense(out=np.zeros(6))
+
+
 @pytest.mark.parametrize("m", [0, 1, 4, 7])
 def test_pair_buffers_unpack_aligned(xp, m):
     """int32 indices then float64 values: an odd count leaves the values misaligned."""

@@ -156,3 +156,22 @@ def test_a_wrong_type_is_a_type_error_and_a_wrong_value_a_value_error(build, opt
 def test_good_options_still_taken(build, option, value):
     extra = {"k": 4} if build in (REUSE, SAMPLING) else {}
     build(**extra, **{option: value})
+
+
+@pytest.mark.parametrize(
+    ("build", "option"), [(OKTOPK, "tau"), (OKTOPK, "tau_prime"), (EXDYNA, "blocks")]
+)
+def test_an_integer_option_beyond_int64_is_named(build, option):
+    """The ranks agree on these options as int64: 2**63 was taken here and refused at the
+    call as 'an algorithm option does not fit in int64: ...', naming none."""
+    with pytest.raises(ValueError, match=rf"^{option} must be below 2\*\*63, got {2**63}$"):
+        build(**{option: 2**63})
+    build(**{option: 2**63 - 1})
+
+
+def test_a_reducer_n_beyond_int64_is_named_n():
+    """GradientReducer(n=2**70) said 'k must be below 2**63, got 118059162071741136896' (k
+    is the reducer's own, from density), and n=2**63 was taken."""
+    for n in (2**63, 2**70):
+        with pytest.raises(ValueError, match=r"^n must be below 2\*\*63"):
+            GradientReducer(MPI.COMM_WORLD, n, "oktopk")

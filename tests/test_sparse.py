@@ -244,3 +244,75 @@ def test_a_bfloat16_tensor_is_refused_with_the_way_out():
     vals = torch.ones(3, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"bfloat16.*widen it to float32 first"):
         SparseVector.from_coo(np.arange(3), vals, 8)
+
+
+def test_a_tensor_numpy_refuses_for_another_reason_gets_no_widening_hint():
+    """The hint 'widen it to float32 first' came with any float tensor numpy refused: a
+    float32 sparse COO tensor (the natural thing to hand a sparse allreduce, as values or
+    as indices), a negative view, bfloat16 indices. A sparse tensor now gets the way to
+    pass its entries, which works; the others numpy's own message alone."""
+    torch = pytest.importorskip("torch")
+    t = torch.sparse_coo_tensor([[3, 1]], [2.0, 1.0], (8,), check_invariants=True)
+    for indices, values in ((np.arange(2), t), (t, np.ones(2))):
+        with pytest.raises(TypeError, match=r"layout sparse_coo.*t\.indices\(\)\[0\]") as info:
+            SparseVector.from_coo(indices, values, 8)
+        assert "widen" not in str(info.value)
+    for indices, values in (
+        (np.arange(2), torch.ones(2)._neg_view()),
+        (torch.ones(2, dtype=torch.bfloat16), np.ones(2)),
+    ):
+        with pytest.raises(TypeError, match="numpy cannot take") as info:
+            SparseVector.from_coo(indices, values, 8)
+        assert "widen" not in str(info.value)
+    c = t.coalesce()
+    v = SparseVector.from_coo(c.indices()[0], c.values(), 8)
+    assert v.to_dense().tolist() == [0, 1, 0, 2, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("n", "etype", "text"),
+    [
+        (5.5, TypeError, "n must be an integer, got float"),
+        (5.0, TypeError, "n must be an integer, got float"),
+        ("7", TypeError, "n must be an integer, got str"),
+        (True, TypeError, "n must be an integer, got bool"),
+        (-1, ValueError, "n must be non-negative, got -1"),
+    ],
+)
+def test_the_plain_constructor_checks_n(n, etype, text):
+    """SparseVector(indices, values, n) trusts its arrays, but int(n) made 5.5 a vector of
+    length 5 (its to_dense() 5 long), "7" one of 7, True one of 1, silently."""
+    with pytest.raises(etype, match=text):
+        SparseVector(np.array([1]), np.array([2.0]), n)
+    assert SparseVector(np.array([1]), np.array([2.0]), np.uint8(6)).to_dense().shape == (6,)
+
+
+def test_to_dense_fills_out():
+    """to_dense(out=) (as scipy's toarray(out=)) zeroes the given array, writes the entries
+    and returns it, strided or a torch tensor too; an out holding the vector's own arrays
+    is written correctly; a wrong shape, dtype, a read-only or a list is refused."""
+    v = SparseVector.from_coo([4, 1, 4], [1.0, 2.0, 3.0], n=6)
+    want = [0.0, 2.0, 0.0, 0.0, 4.0, 0.0]
+    out = np.full(6, 9.0)
+    assert v.to_dense(out=out) is out and out.tolist() == want
+    grid = np.full((6, 2), 9.0)
+    v.to_dense(out=grid[:, 1])
+    assert grid[:, 1].tolist() == want and grid[:, 0].tolist() == [9.0] * 6
+    buf = np.array([5.0, 6.0, 0.0, 0.0, 0.0])
+    own = SparseVector(np.array([3, 4]), buf[:2], 5)
+    assert own.to_dense(out=buf).tolist() == [0.0, 0.0, 0.0, 5.0, 6.0]
+    read_only = np.zeros(6)
+    read_only.flags.writeable = False
+    for bad, etype, text in (
+        (np.zeros(5), ValueError, r"shape \(6,\), got \(5,\)"),
+        (np.zeros((6, 1)), ValueError, r"shape \(6,\), got \(6, 1\)"),
+        (np.zeros(6, np.float32), TypeError, "must be float64 .* got float32"),
+        (read_only, ValueError, "read-only"),
+        ([0.0] * 6, TypeError, "array written in place"),
+    ):
+        with pytest.raises(etype, match=text):
+            v.to_dense(out=bad)
+    torch = pytest.importorskip("torch")
+    t = SparseVector.from_coo(torch.tensor([4, 1]), torch.tensor([1.0, 2.0]), 6)
+    out = torch.full((6,), 7.0)
+    assert t.to_dense(out=out) is out and out.tolist() == [0.0, 2.0, 0.0, 0.0, 1.0, 0.0]

@@ -307,7 +307,7 @@ class ExDyna(Algorithm):
         tolerance: float = 0.05,
     ) -> None:
         self.k = check_k(self.name, k)
-        self.blocks = None if blocks is None else integer("blocks", blocks, 1)
+        self.blocks = None if blocks is None else integer("blocks", blocks, 1, int64=True)
         self.rule = choice("rule", rule, RULES)
         self.rebalance = flag("rebalance", rebalance)
         self.tolerance = real("tolerance", tolerance)

@@ -253,7 +253,10 @@ class OkTopk(Algorithm):
         self.imbalance = imbalance
         self.rule = choice("rule", rule, RULES)
         self.adaptive = flag("adaptive", adaptive)
-        self.tau, self.tau_prime = integer("tau", tau, 1), integer("tau_prime", tau_prime, 1)
+        self.tau, self.tau_prime = (
+            integer("tau", tau, 1, int64=True),
+            integer("tau_prime", tau_prime, 1, int64=True),
+        )
         self.nudge = real("nudge", nudge)
         if not 1.0 <= self.nudge < math.inf:
             raise ValueError(f"nudge must be a finite number >= 1, got {nudge!r}")

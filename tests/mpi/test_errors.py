@@ -110,6 +110,48 @@ def test_mismatched_algorithm(comm):
         sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=name)
 
 
+DIFFERING_OPTIONS = {
+    # (algorithm, its options on the other ranks, on the one rank): the message expected
+    "gtopk_k": ("gtopk", {"k": 5}, {"k": 6}, "k must be the same on every rank: rank {r} has 6"),
+    # (a default on the other ranks: named with its value)
+    "oktopk_tau": (
+        "oktopk",
+        {"k": 5},
+        {"k": 5, "tau": 8},
+        "tau must be the same on every rank: rank {r} has 8, rank 0 has 32",
+    ),
+    "exdyna_rule": (
+        "exdyna",
+        {"k": 5},
+        {"k": 5, "rule": "authors"},
+        "rule must be the same on every rank: rank {r} has 'authors', rank 0 has 'window'",
+    ),
+}
+
+
+@pytest.mark.parametrize("what", sorted(DIFFERING_OPTIONS))
+@pytest.mark.parametrize("where", ["last", "middle"])
+def test_an_option_differing_on_one_rank_is_named(comm, what, where):
+    """allreduce(algorithm=name, **options) with an option one rank gives otherwise: the
+    message names the option and both values, as a GradientReducer's does (it said
+    'algorithm options (and the state of earlier calls) must be the same on every rank',
+    naming neither the option nor a state, which a fresh instance has not)."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    name, common, odd, text = DIFFERING_OPTIONS[what]
+    bad = comm.size - 1 if where == "last" else comm.size // 2
+    vals, idx = _good(comm.rank)
+    opts = odd if comm.rank == bad else common
+    try:
+        sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=name, **opts)
+        got = None
+    except Exception as exc:
+        got = (exc, str(exc))
+    ok = got is not None and isinstance(got[0], sparsecoll.CollectiveInputError)
+    assert_all(comm, ok, f"expected CollectiveInputError, got {got!r}")
+    assert_all(comm, text.format(r=bad) in got[1], f"message: {got[1]!r}")
+
+
 def test_unknown_algorithm_lists_known(comm):
     vals, idx = _good(comm.rank)
     with pytest.raises(sparsecoll.UnknownAlgorithmError, match="known: .*allgather"):
@@ -215,8 +257,10 @@ LONE = {
     "gtopk:k": (ValueError, "k must be below 2**63"),
     "oktopk:k": (ValueError, "k must be below 2**63"),
     "exdyna:k": (ValueError, "k must be below 2**63"),
-    "oktopk:tau": (ValueError, "does not fit in int64"),
-    "exdyna:blocks": (ValueError, "does not fit in int64"),
+    # (were "an algorithm option does not fit in int64: ...", naming no option)
+    "oktopk:tau": (ValueError, "tau must be below 2**63, got 1180591620717411303424"),
+    "oktopk:tau_prime": (ValueError, "tau_prime must be below 2**63"),
+    "exdyna:blocks": (ValueError, "blocks must be below 2**63"),
 }
 
 

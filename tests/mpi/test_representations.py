@@ -88,3 +88,19 @@ def test_results_own_their_arrays(comm, name):
     shared = np.shares_memory(out.values, vals) or np.shares_memory(out.indices, idx)
     writable = out.values.flags.writeable and out.indices.flags.writeable
     assert_all(comm, not shared and writable, f"{name}: shared {shared}, writable {writable}")
+
+
+@pytest.mark.parametrize("name", sparsecoll.available_algorithms())
+def test_ranges_as_indices_with_an_empty_one(comm, name):
+    """Each rank passes its slice of [0, n) as a range, the last one's empty (range(n, n)):
+    numpy makes an empty range float64, which was refused on every rank as "indices must be
+    integers, got float64 on rank P-1"; the result is that of int64 arrays."""
+    cls = algorithm_class(name)
+    opts = {} if cls.exact else cls.default_options(40, 40)
+    n = 4 * comm.size
+    lo = n if comm.rank == comm.size - 1 else 4 * comm.rank  # (the last slice empty)
+    vals = np.arange(1.0, 1.0 + n - lo, dtype=np.float32)
+    got = sparsecoll.allreduce(comm, vals, range(lo, n), n=n, algorithm=name, **opts)
+    idx = np.arange(lo, n, dtype=np.int64)
+    want = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=name, **opts)
+    assert_all(comm, digest(got) == digest(want), f"{name}: {got!r} vs {want!r}")
