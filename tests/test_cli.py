@@ -119,6 +119,32 @@ def test_algorithms_command_lists_options() -> None:
     assert "allgather (exact): no options" in proc.stdout
 
 
+@pytest.mark.parametrize("args", [["algorithms"], ["--help"], ["--version"]])
+def test_output_into_a_closed_pipe_is_no_traceback(args: list[str]) -> None:
+    """``python -m sparsecoll algorithms | head -3``: the reader leaves before the listing is
+    written; the command ends with status 1 and nothing on stderr (it printed a
+    BrokenPipeError traceback)."""
+    read, write = os.pipe()
+    os.close(read)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "sparsecoll", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (1, "")
+
+
 @pytest.mark.mpi
 def test_help_under_mpiexec_prints_once() -> None:
     """Started by mpiexec directly, every rank parses but only rank 0 prints."""

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .._array import get_array_module
+from .._jit import cached_njit
 from ..sparse import coalesce
 
 __all__ = [
@@ -31,9 +32,7 @@ def accumulate_dtype(dtype: Any) -> np.dtype:
 
 @functools.cache
 def _kernel() -> Any:
-    import numba
-
-    @numba.njit(cache=True, nogil=True)
+    @cached_njit(nogil=True)
     def merge(i1, v1, i2, v2):  # pragma: no cover - compiled
         m1 = i1.shape[0]
         m2 = i2.shape[0]
@@ -76,9 +75,7 @@ def _kernel() -> Any:
 
 @functools.cache
 def _isin_kernel() -> Any:
-    import numba
-
-    @numba.njit(cache=True, nogil=True)
+    @cached_njit(nogil=True)
     def isin(a, b, out):  # pragma: no cover - compiled
         # both ascending: one linear walk (b may hold repeats, a too)
         m = b.shape[0]
@@ -94,9 +91,7 @@ def _isin_kernel() -> Any:
 
 @functools.cache
 def _gather_kernel() -> Any:
-    import numba
-
-    @numba.njit(cache=True, nogil=True)
+    @cached_njit(nogil=True)
     def gather(x, idx, out, drop):  # pragma: no cover - compiled
         for j in range(idx.shape[0]):  # (drop is the same for every j: a predictable branch)
             out[j] = x[idx[j]]
@@ -124,9 +119,7 @@ def gather(x: Any, idx: Any, drop: bool = False) -> Any:
 
 @functools.cache
 def _take_kernel() -> Any:
-    import numba
-
-    @numba.njit(cache=True, nogil=True)
+    @cached_njit(nogil=True)
     def counts(values, t, zc):  # pragma: no cover - compiled
         m = 0
         z = 0
@@ -136,7 +129,7 @@ def _take_kernel() -> Any:
             z += v >= zc
         return m, z
 
-    @numba.njit(cache=True, nogil=True)
+    @cached_njit(nogil=True)
     def take(values, t, zc, idx, lo, part, out_idx, out_val, fix):  # pragma: no cover
         # every candidate is written at p, which advances when it is taken (no branch on
         # the data: which are taken is random); with part, those between the two cuts are
@@ -196,9 +189,7 @@ def take_at_least(
 
 @functools.cache
 def _keep_bucket_kernel() -> Any:
-    import numba
-
-    @numba.njit(cache=True, nogil=True)
+    @cached_njit(nogil=True)
     def keep(idx, values, hi, lo, a1, b1, a2, b2, out_idx, out_val, chosen):  # pragma: no cover
         # every entry is written at p, which advances when it is kept: no branch on
         # whether it is kept (random). The bucket is a thin slice of the magnitudes, so the

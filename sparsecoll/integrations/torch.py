@@ -35,7 +35,7 @@ from .._array import as_array, device_scope, is_device_array, synchronize
 from .._launch import torch_launcher_mismatch
 from .._options import check_density, integer
 from ..api import collective_check, watch
-from ..comm import CommStats, Communicator, widening_buffer
+from ..comm import CommStats, Communicator, _mpi, widening_buffer
 from ..errors import NonFiniteError
 from ..sparse import VALUE_DTYPES
 from ..training import GradientReducer, _add_totals
@@ -130,9 +130,7 @@ def init_process_group(
 
 
 def _mpi_world() -> Any:
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
+    return _mpi().COMM_WORLD
 
 
 def _rendezvous(hosts: list[str], addr: str | None, port: int | None) -> tuple[str, int]:

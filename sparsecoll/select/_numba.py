@@ -62,6 +62,7 @@ except ImportError:  # pragma: no cover - older or newer Numba without it
 
 
 from .._array import index_dtype
+from .._jit import cached_njit
 from .._options import env_integer
 from ._common import (
     NAN_MESSAGE,
@@ -149,13 +150,13 @@ class _Kernel:
     __slots__ = ("parallel", "serial")
 
     def __init__(self, fn: Any, **flags: Any) -> None:
-        self.parallel = njit(parallel=True, cache=True, nogil=True, **flags)(fn)
+        self.parallel = cached_njit(parallel=True, nogil=True, **flags)(fn)
         # A separate function object (its own name, so its own cache file: Numba's cache
         # is keyed by name and signature, not by the parallel flag).
         twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial")
         twin.__qualname__ = fn.__qualname__ + "_serial"
         twin.__module__ = fn.__module__
-        self.serial = njit(cache=True, nogil=True, **flags)(twin)
+        self.serial = cached_njit(nogil=True, **flags)(twin)
 
 
 def _kernels(**flags: Any) -> Any:
@@ -651,7 +652,7 @@ def accumulate(*args: Any, **kwargs: Any) -> Any:
 # -- bucketing and counts at edges (the oktopk threshold window) -------------------------
 
 
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def _bucketize(x, edges, out):  # pragma: no cover - compiled
     # out[i] = how many of the ascending edges are <= x[i]: a branch-free binary search
     # over edges padded with +inf to 2**levels - 1 (a branch per level mispredicted half
@@ -683,7 +684,7 @@ def bucketize(x: np.ndarray, edges: np.ndarray) -> np.ndarray:
     return np.minimum(out, e, out=out)  # NaN and +inf x: counted against the real edges only
 
 
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def _count_at_edges(x, edges, out):  # pragma: no cover - compiled
     # out[j] = #(|x| >= edges[j]): one vectorized pass per edge over x (candidates: small)
     for j in range(edges.shape[0]):
@@ -694,7 +695,7 @@ def _count_at_edges(x, edges, out):  # pragma: no cover - compiled
         out[j] = c
 
 
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def _edges_below(x, lo, scale, top, edge_in, first, counts, hist):  # pragma: no cover
     # hist[j]: elements of |x| with exactly j edges <= them (NaN: none). A linear bin of
     # [edges[0], edges[-1]] places each element (below: bin 0, above: bin top); every
@@ -717,7 +718,7 @@ EDGE_BINS = 1024  # linear bins that place an element among the edges (count_at_
 LIFT = 2.0**600  # subnormal float64 edges times this: bins of a finite width
 
 
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def _binned_at_edges(x, edges, top, out):  # pragma: no cover - compiled
     # count_at_edges through `top` linear bins of [edges[0], the last finite edge]: False
     # (out untouched) when some bin may hold two edges. An infinite edge (edges past the

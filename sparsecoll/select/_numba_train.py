@@ -12,6 +12,7 @@ from numba import types as nbtypes
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .._jit import cached_njit
 from ._numba import (
     CHUNKS_PER_THREAD,
     _bounds,
@@ -452,7 +453,7 @@ def accumulate(
     return idx, val, hits, nbad, found, count
 
 
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def _bucket_counts(vals, cut, scale, hist):  # pragma: no cover - compiled
     for i in range(vals.shape[0]):
         hist[_bin(vals[i], cut, scale)] += 1
@@ -467,7 +468,7 @@ class Buckets(NamedTuple):
     scale: float
 
 
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def _bucket_keys(vals, bits, mask, cut, scale, want, out):  # pragma: no cover - compiled
     # the keys of the values in bucket ``want`` (as the pass binned them), in out[:count]
     q = 0
@@ -508,7 +509,7 @@ def topk_hits(idx: np.ndarray, vals: np.ndarray, found: Buckets, k: int):
     return out_idx[:k], out_bits[:k].view(vals.dtype), taken
 
 
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def _take_top(bits, src, mask, kth, quota, out_idx, out_bits, taken):  # pragma: no cover
     # keys above kth and the first ``quota`` equal to it, in order, without a branch on
     # whether a key is taken (about half the candidates are, at random): every key is
@@ -529,7 +530,7 @@ def _take_top(bits, src, mask, kth, quota, out_idx, out_bits, taken):  # pragma:
     return p
 
 
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def _finish_step(
     acc, vel, sent, update, old, idx, vals, divisor, cand, cval, zc, want, dropped
 ):  # pragma: no cover - compiled
@@ -653,7 +654,7 @@ def _write_dense(update, idx, vals, divisor, bounds, first, base, nt):  # pragma
             _store_fence()
 
 
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def _ascending(x):  # pragma: no cover - compiled
     # strictly ascending (a numpy comparison allocates k booleans: page faults every step);
     # counted without a branch, so that it vectorizes
