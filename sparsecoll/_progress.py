@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
+import numbers
 import os
 import sys
 import threading
@@ -63,20 +65,40 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_registry_lock)
 
 
+def _seconds(name: str, value: Any) -> float | None:
+    """``value`` (None, or a Python or numpy real number of seconds, not a bool) as a float;
+    past ``threading.TIMEOUT_MAX`` (infinity too) as None: no limit (waits and timers
+    raised OverflowError there). A TypeError for another type (float() took "3", True;
+    threading's raw errors came from deep inside a wait), a ValueError for NaN."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a number of seconds or None, got {value!r} ({type(value).__name__})"
+        )
+    seconds = float(value)
+    if math.isnan(seconds):
+        raise ValueError(f"{name} must be a number of seconds or None, got {seconds!r}")
+    return None if seconds > threading.TIMEOUT_MAX else seconds
+
+
 def set_timeout(seconds: float | None) -> None:
-    """Turn the watchdog on (a timeout in seconds) or off (None or 0), on this rank.
+    """Turn the watchdog on (a timeout in seconds) or off (None, 0 or infinity), on this rank.
 
     Set the same value on every rank (``SPARSECOLL_TIMEOUT`` in the job's environment
     does). With a timeout, blocking :func:`sparsecoll.allreduce` calls (and
     ``GradientReducer.step``) are watched too: they still run in the calling thread, on the
     user's communicator, and the progress engine's watchdog times them.
+
+    Raises:
+        TypeError: ``seconds`` is not None or a real number (a str, a bool).
+        ValueError: ``seconds`` is negative or NaN.
     """
     global _timeout, _timeout_read
-    if seconds is not None:
-        seconds = float(seconds)
-        if not seconds >= 0:
-            raise ValueError(f"timeout must be >= 0 seconds or None, got {seconds!r}")
-    _timeout = seconds or None
+    value = _seconds("timeout", seconds)
+    if value is not None and not value >= 0:
+        raise ValueError(f"timeout must be >= 0 seconds or None, got {value!r}")
+    _timeout = value or None
     _timeout_read = True
 
 
@@ -161,9 +183,14 @@ class SparseRequest:
     def wait(self, timeout: float | None = None) -> Any:
         """Block (without spinning) until the call completes; return its result.
 
+        ``timeout``: seconds at most (None: as long as it takes); as with
+        ``concurrent.futures.Future.result``, one of 0 or less does not wait (it only looks
+        whether the call has completed).
+
         Raises:
             TimeoutError: not complete within ``timeout`` seconds; the call goes on, and a
                 later ``wait()`` can still complete it.
+            TypeError / ValueError: ``timeout`` is not None or a real number / is NaN.
             The call's own error (e.g. CollectiveInputError), on every rank alike.
             RuntimeError: called in a child made by fork() while the call was pending in
                 the parent (no thread completes it there); called before the call
@@ -187,12 +214,16 @@ class SparseRequest:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The call's error, or None if it succeeded; as ``concurrent.futures.Future``, it
-        first waits for the call to complete (TimeoutError, RuntimeError: as ``wait()``)."""
+        first waits for the call to complete (``timeout``; TimeoutError, RuntimeError,
+        TypeError, ValueError: as ``wait()``)."""
         self._complete(timeout)
         return self._error
 
-    def _complete(self, timeout: float | None) -> None:
+    def _complete(self, timeout: Any) -> None:
         """Block until the call completes (the errors of ``wait()`` but the call's own)."""
+        given, timeout = timeout, _seconds("timeout", timeout)
+        if timeout is not None and timeout < 0:  # (as 0: concurrent.futures' convention)
+            timeout = 0.0
         if not self._event.is_set() and threading.current_thread() is self._worker:
             raise RuntimeError(
                 f"wait() on {self.label} (call #{self.call}), not complete, from the "
@@ -206,7 +237,8 @@ class SparseRequest:
             )
         if not self._event.wait(timeout):
             raise TimeoutError(
-                f"{self.label} (call #{self.call}) did not complete within {timeout} s"
+                f"{self.label} (call #{self.call}) did not complete within {timeout:g} s"
+                + ("" if given == timeout else f" (timeout={given!r}: 0 or less does not wait)")
             )
 
     def __repr__(self) -> str:

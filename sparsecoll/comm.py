@@ -1054,7 +1054,6 @@ class Communicator:
             messages_recv=sum(1 for j, c in enumerate(rb) if c and j != me),
         )
 
-    @_routed
     def allreduce(
         self, buf: Any, out: Any = None, op: str = "sum", *, check: bool = True, work: Any = None
     ) -> Any:
@@ -1081,7 +1080,20 @@ class Communicator:
         on every rank. ``work`` (float16 ``buf`` only): a contiguous float32 array of
         ``buf``'s shape to sum in instead of a new one, e.g. made by a ``check=False``
         caller before its own agreement (:func:`widening_buffer`); the result is the same.
+
+        With the watchdog on (:func:`sparsecoll.set_timeout`), the communicator's progress
+        engine watches the call, as :func:`sparsecoll.allreduce` (inside a watched call, or
+        on the progress thread, it is part of that call).
         """
+        from .api import watch  # (api imports this module)
+
+        # (outside the routing: on the progress thread the call runs on the engine's
+        # duplicate, which has no engine to watch it; its own call is watched already)
+        with self.serial(), watch(self, f"Communicator.allreduce(op={op!r})"):
+            return self._allreduce(buf, out, op, check, work)
+
+    @_routed
+    def _allreduce(self, buf: Any, out: Any, op: str, check: bool, work: Any) -> Any:
         given = out
         work, dest, out, wrap, orig = self._allreduce_args(buf, out, op, check, work)
         with device_scope(work):  # (a torch tensor: its CuPy view, on the tensor's GPU)

@@ -618,9 +618,12 @@ class GradientReducer:
             new = self._read_state(state)  # (everything checked before anything changes)
         except Exception as exc:  # (shared with every rank: none loads alone)
             error = exc
-        with self.comm.serial():
+        # (watched as a step is: a rank that skipped the call left the others in its
+        # agreement for ever under SPARSECOLL_TIMEOUT)
+        label = f"load_state_dict({self.algorithm_name!r})"
+        with self.comm.serial(), watch(self.comm, label):
             sig = None if new is None else [new["steps"]]
-            collective_check(self.comm, error, sig, ("saved step",))
+            collective_check(self.comm, error, sig, ("saved step",), call=label)
         self._load(new)
 
     def _load(self, new: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@ option messages, SparseVector's Python/numpy protocols, environment variables, t
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -23,6 +24,42 @@ def test_exception_waits_for_the_call_as_a_future_does():
     ok = SparseRequest(2, "test call")
     ok._finish(3, None)
     assert ok.exception(timeout=0) is None and ok.result() == 3
+
+
+def test_timeouts_are_seconds_as_a_future_takes_them():
+    """wait(timeout=-1) raised TimeoutError "did not complete within -1 s", a str timeout
+    threading's raw TypeError, NaN a TimeoutError "within nan s", infinity an OverflowError
+    (set_timeout(inf): from its timer thread); set_timeout took "3" and True."""
+    import concurrent.futures
+
+    future = concurrent.futures.Future()
+    with pytest.raises(TimeoutError):  # the convention: 0 or less does not wait
+        future.result(timeout=-1)
+    req = SparseRequest(1, "test call")
+    with pytest.raises(TimeoutError, match=r"within 0 s \(timeout=-1: 0 or less does not wait"):
+        req.wait(timeout=-1)
+    for call in (req.wait, req.exception, sparsecoll.set_timeout):
+        for bad in ("3", True, [1]):
+            with pytest.raises(
+                TypeError,
+                match=re.escape(f"timeout must be a number of seconds or None, got {bad!r} ("),
+            ):
+                call(bad)
+        with pytest.raises(
+            ValueError, match="timeout must be a number of seconds or None, got nan"
+        ):
+            call(float("nan"))
+    before = sparsecoll.get_timeout()
+    try:
+        sparsecoll.set_timeout(np.float32(2.5))
+        assert sparsecoll.get_timeout() == 2.5
+        sparsecoll.set_timeout(float("inf"))  # never fires: off
+        assert sparsecoll.get_timeout() is None
+    finally:
+        sparsecoll.set_timeout(before)
+    threading.Timer(0.05, req._finish, args=(3, None)).start()
+    assert req.wait(timeout=float("inf")) == 3  # (as None)
+    assert req.wait(timeout=-1) == 3 and req.exception(timeout=-5) is None  # (done: no wait)
 
 
 def test_a_misspelled_reducer_option_is_named_with_a_did_you_mean():

@@ -78,6 +78,36 @@ def test_watchdog_aborts_when_a_rank_skips_the_first_call():
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("mode", "label"),
+    [
+        ("skip_load", "load_state_dict('allgather')"),
+        ("skip_dense", "Communicator.allreduce(op='sum')"),
+        ("skip_hook_load", "SparseHookState.load_state_dict()"),
+        ("skip_init", "init_process_group()"),
+    ],
+)
+def test_watchdog_aborts_when_a_rank_skips_another_blocking_call(mode, label):
+    """Collectives of the public API besides the reductions, watched as blocking calls:
+    rank 1 skips one (after a watched allreduce, call #1). They ran unwatched, so the other
+    rank waited in their agreement (or exchange) for ever under SPARSECOLL_TIMEOUT."""
+    from .mpirun import run_mpi
+
+    if mode in ("skip_hook_load", "skip_init"):
+        pytest.importorskip("torch")
+    start = time.monotonic()
+    env = {"SPARSECOLL_TIMEOUT": str(WATCHDOG_SECONDS)}
+    proc = run_mpi(2, [__file__, mode], timeout=120, env=env)
+    out = proc.stdout
+    assert proc.returncode != 0, out[-6000:]
+    assert "not reached" not in out, out[-6000:]
+    assert f"sparsecoll watchdog: rank 0 of 2: in call #2 {label} for" in out, out[-6000:]
+    idle = "rank 1 idle after call #1 allreduce(algorithm='allgather', n=9)"
+    assert f"call #2 {label}: rank 0 in it; {idle}" in out, out[-6000:]
+    assert time.monotonic() - start < 100
+
+
+@pytest.mark.mpi
 def test_uncaught_exception_with_requests_pending_ends_the_job():
     """One rank dies of an uncaught exception with requests pending, the others exit
     normally: without the abort the job hung (that rank in MPI_Finalize, waiting for the
@@ -470,6 +500,33 @@ def _skip(exits: bool = False) -> None:
         print("not reached", flush=True)
 
 
+def _skip_blocking(mode: str) -> None:
+    """Rank 1 skips call #2 (``mode``: which) and waits in raw MPI."""
+    import numpy as np
+
+    import sparsecoll
+
+    comm, vals, idx = _watched()
+    sparsecoll.allreduce(comm, vals, idx, n=9)  # call #1: the engine starts
+    if comm.rank != 1:
+        if mode == "skip_load":
+            red = sparsecoll.GradientReducer(comm, 4, "allgather", 0.5)
+            red.load_state_dict(red.state_dict())
+        elif mode == "skip_dense":
+            comm.allreduce(np.ones(4, np.float32))
+        elif mode == "skip_hook_load":
+            from sparsecoll.integrations.torch import SparseHookState
+
+            state = SparseHookState(comm, "allgather", 0.5)
+            state.load_state_dict(state.state_dict())
+        else:
+            from sparsecoll.integrations.torch import init_process_group
+
+            init_process_group(comm)
+    comm.mpi_comm.Barrier()  # raw MPI, not watched; rank 1 waits here
+    print("not reached", flush=True)
+
+
 def _skip_first() -> None:
     """Rank 1 skips the first call on the communicator, which starts its progress engine,
     and waits in raw MPI."""
@@ -527,6 +584,8 @@ def _low_level(level: str) -> None:
 if __name__ == "__main__":
     modes = {"pending": _pending, "skip": _skip, "skip_step": _skip_step, "raise": _raise}
     modes.update(skip_first=_skip_first)
+    for skipped in ("skip_load", "skip_dense", "skip_hook_load", "skip_init"):
+        modes[skipped] = lambda skipped=skipped: _skip_blocking(skipped)
     modes.update(skip_exit=lambda: _skip(exits=True))
     modes.update(fork=_fork, finalize=_finalize, queued=_queued, closed=_closed)
     modes.update(daemon=_daemon, stuck=_stuck)

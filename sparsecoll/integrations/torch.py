@@ -109,18 +109,22 @@ def init_process_group(
         raise RuntimeError("a torch process group is already initialized")
     world = _mpi_world()
     mismatch = torch_launcher_mismatch(world.Get_size(), world.Get_rank())
-    seen = c.allgather_object((socket.gethostname(), mismatch))
-    for r, (_, why) in enumerate(seen):
-        if why is not None:
-            raise RuntimeError(f"{why} (rank {r})")
-    hosts = [h for h, _ in seen]
-    info: Any = None
-    if c.rank == 0:
-        try:
-            info = _rendezvous(hosts, addr, port)
-        except ValueError as exc:  # (shared with every rank: none is left waiting)
-            info = str(exc)
-    info = c.bcast_object(info, 0)
+    # the MPI exchanges watched as a blocking call (SPARSECOLL_TIMEOUT): a rank that
+    # skipped the call left the others in them for ever (torch's own timeout covers its
+    # rendezvous only)
+    with c.serial(), watch(c, "init_process_group()"):
+        seen = c.allgather_object((socket.gethostname(), mismatch))
+        for r, (_, why) in enumerate(seen):
+            if why is not None:
+                raise RuntimeError(f"{why} (rank {r})")
+        hosts = [h for h, _ in seen]
+        info: Any = None
+        if c.rank == 0:
+            try:
+                info = _rendezvous(hosts, addr, port)
+            except ValueError as exc:  # (shared with every rank: none is left waiting)
+                info = str(exc)
+        info = c.bcast_object(info, 0)
     if isinstance(info, str):
         raise ValueError(f"{info} (rank 0)")
     host, port = info
@@ -437,7 +441,9 @@ class SparseHookState:
             sig = [iteration, len(state["reducers"])]
         except Exception as exc:  # (shared with every rank: none is left waiting)
             error = exc
-        collective_check(self.comm, error, sig, ("iteration", "saved buckets"))
+        label = "SparseHookState.load_state_dict()"  # (watched, as the buckets' steps are)
+        with self.comm.serial(), watch(self.comm, label):
+            collective_check(self.comm, error, sig, ("iteration", "saved buckets"), call=label)
         self.iteration = iteration
         self.reducers.clear()
         self._layouts.clear()
