@@ -3,11 +3,15 @@ subclassed ones, an intercommunicator, a freed one, a fatal error handler."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import sparsecoll
+from sparsecoll.algorithms.base import reference_sum
+from sparsecoll.sparse import SparseVector
 from sparsecoll.training import GradientReducer
 
 from .cases import Case, assert_all, local_input, mismatch
@@ -179,3 +183,61 @@ def test_fatal_error_handler_and_a_freed_communicator(comm):
         for h in saved:
             h.Free()
     assert_all(comm, got == ["ok"] * 6, f"{got}")
+
+
+def _selected(mpi_comm, algo, seed: int, n: int = N) -> str:
+    """Reduce this rank's input of ``_case(seed)`` (length ``n``) over ``mpi_comm`` with the
+    selecting instance ``algo``: "ok" when the result meets its contract (``algo.verify``
+    against every rank's input), else why not, or the error raised."""
+    case = dataclasses.replace(_case(seed), n=n)
+    vals, idx = local_input(case, mpi_comm.Get_rank(), mpi_comm.Get_size())
+    try:
+        out = sparsecoll.allreduce(mpi_comm, vals, idx, n=n, algorithm=algo)
+    except Exception as exc:  # (what the caller expects is checked there)
+        return f"{type(exc).__name__}: {exc}"
+    inputs = [SparseVector.from_coo(i, v, n) for v, i in mpi_comm.allgather((vals, idx))]
+    if not algo.verify(out, reference_sum(inputs), inputs):
+        return f"result breaks the contract: {out.info}"
+    return "ok"
+
+
+def test_a_stateful_instance_moved_between_communicators(comm):
+    """An oktopk instance (threshold, regions and step of its earlier calls) called on a
+    sub-communicator of another size starts afresh there (docs/selecting.md: a call with
+    another n or communicator size resets it), as it does for another n: exact top-k, step
+    0. Back on the whole communicator, the states the two halves left differ, and every
+    rank refuses them, naming a rank, until each calls reset(). An exdyna instance (its
+    partitions are set up for one n and size) raises on every rank of the sub-communicator
+    instead, saying what it was set up for; both still work on the whole communicator."""
+    world = comm.mpi_comm
+    sub = world.Split(comm.rank % 2, comm.rank)
+    resized = sub.Get_size() != comm.size
+    oktopk = sparsecoll.get_algorithm("oktopk", k=7, tau=100)
+    exdyna = sparsecoll.get_algorithm("exdyna", k=7)
+    got = []
+    for seed in range(3):  # a stream: reuse calls from the second on
+        got += [_selected(world, oktopk, seed), _selected(world, exdyna, seed)]
+    step = oktopk.step
+    colour = 3 + 10 * (comm.rank % 2)  # (each half its own data, so its own state)
+    got.append(_selected(sub, oktopk, colour))
+    if resized and oktopk.step != 1:  # (the sub-communicator's first call, a recompute)
+        got.append(f"oktopk kept its step ({step}) on a communicator of another size")
+    refused = _selected(sub, exdyna, colour)
+    want = "ValueError: exdyna was set up for" if resized else "ok"
+    got.append("ok" if refused.startswith(want) else f"exdyna on the sub-communicator: {refused}")
+    back = _selected(world, oktopk, 4)
+    if comm.size > 1:  # the halves' states differ (their data did)
+        want = "CollectiveInputError: algorithm options (and the state of earlier calls)"
+        got.append("ok" if back.startswith(want) and "rank" in back else f"back: {back}")
+        oktopk.reset()
+        got.append(_selected(world, oktopk, 5))
+    else:
+        got.append(back)
+    got.append(_selected(world, exdyna, 6))
+    step = oktopk.step
+    got.append(_selected(world, oktopk, 7, n=2 * N))  # another n: a fresh start too
+    if step and oktopk.step != 1:
+        got.append(f"oktopk kept its step ({step}) for another n")
+    sub.Free()
+    bad = [g for g in got if g != "ok"]
+    assert_all(comm, not bad, f"{bad}")
