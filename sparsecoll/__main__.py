@@ -10,7 +10,7 @@ import sys
 import threading
 from typing import Any
 
-from ._launch import launcher_mismatch, mpiexec_command, under_mpi
+from ._launch import mpiexec_command, under_mpi
 
 USAGE = """usage: python -m sparsecoll bench [SUITE] [--np P] [options]
        python -m sparsecoll algorithms
@@ -83,11 +83,12 @@ def _main(argv: list[str] | None) -> int:
     # parse here, before relaunching: help and usage errors print once, not once per rank
     args = module.parse_args(rest)
     if under_mpi():
-        from .comm import Communicator, mpi_library_version
+        from .comm import Communicator
 
-        mismatch = launcher_mismatch(Communicator().size, mpi_library_version())
-        if mismatch:  # every process is a rank 0 of its own: each says so
-            print(f"python -m sparsecoll bench: error: {mismatch}", file=sys.stderr)
+        try:  # (refused with another MPI's launcher: every process a rank 0 of its own)
+            Communicator()
+        except RuntimeError as exc:  # each process says so
+            print(f"python -m sparsecoll bench: error: {exc}", file=sys.stderr)
             return 2
         return int(module.run(args) or 0)
     try:

@@ -44,7 +44,8 @@ def launcher_mismatch(world_size: int, library: str) -> str | None:
                 f"the launcher started {started} processes ({var}={started}) but MPI "
                 f"({library}) sees {world_size} rank(s) in each: that mpiexec is another MPI's "
                 "than mpi4py's; use the mpiexec of mpi4py's MPI (SPARSECOLL_MPIEXEC) or "
-                "build mpi4py against the launcher's MPI"
+                f"build mpi4py against the launcher's MPI (a process meant to run alone, "
+                f"started by a rank of another job: unset {var})"
             )
     return None
 

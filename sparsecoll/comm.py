@@ -115,7 +115,23 @@ def _usable_mpi() -> Any:
             "MPI is not initialized (mpi4py.rc.initialize is False): call MPI.Init() or "
             "MPI.Init_thread() first"
         )
+    mismatch = _launcher_mismatch()
+    if mismatch:
+        raise RuntimeError(f"sparsecoll: {mismatch}")
     return MPI
+
+
+@functools.cache
+def _launcher_mismatch() -> str | None:
+    """Why this process is not the rank of the job its launcher started (None when it is),
+    looked at once. Another MPI's mpiexec in front of mpi4py's MPI starts P processes that
+    each run as a world of one: every call then reduced the rank's own input alone and
+    returned it, P copies of a job of one, silently (_launch.launcher_mismatch)."""
+    from ._launch import launcher_mismatch
+
+    MPI = _mpi()
+    size = MPI.COMM_WORLD.Get_size()
+    return launcher_mismatch(size, mpi_library_version()) if size == 1 else None
 
 
 def mpi_library_version() -> str:

@@ -382,6 +382,39 @@ def test_no_mpi_library_is_named_with_what_to_install():
     assert "/nonexistent/libmpi.so" in out.stdout  # (mpi4py's detail kept)
 
 
+@pytest.mark.parametrize("var", ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
+def test_another_mpis_launcher_is_refused_not_p_jobs_of_one(var):
+    """Another MPI's mpiexec in front of mpi4py's MPI starts P processes that each run as a
+    world of one: allreduce returned every rank's own input, unreduced, with no error (P
+    copies of a job of one). The launcher's variables, as it sets them, make it refused."""
+    code = (
+        "import numpy as np, sparsecoll\n"
+        "for make in (\n"
+        "    lambda: sparsecoll.allreduce(None, np.ones(2, np.float32), np.arange(2), n=4),\n"
+        "    lambda: sparsecoll.GradientReducer(None, n=4, density=0.5),\n"
+        "):\n"
+        "    try:\n"
+        "        make()\n"
+        "    except RuntimeError as exc:\n"
+        "        print(exc)\n"
+        "    else:\n"
+        "        print('ran')\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_"))}
+    for env, want in ((clean, ["ran", "ran"]), ({**clean, var: "2"}, None)):
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+        lines = out.stdout.splitlines()
+        assert out.returncode == 0 and len(lines) == 2, out.stdout + out.stderr
+        if want:
+            assert lines == want
+            continue
+        for line in lines:
+            assert line.startswith(f"sparsecoll: the launcher started 2 processes ({var}=2)")
+            assert "another MPI's than mpi4py's" in line and f"unset {var}" in line
+
+
 def test_import_is_light():
     """``import sparsecoll`` loads neither MPI nor Numba (nor torch, CuPy): they come with
     the first call that needs them, so a script's --help or a worker that never calls stays
