@@ -354,6 +354,7 @@ def segment_sum(vals: Any, heads: Any) -> Any:
 # with a subnormal g gave 0 in the fused pass: PTX add.rn.ftz.f32). sc_add and sc_mul round
 # once in IEEE arithmetic whatever that flag (PTX without .ftz; float64 never flushes) and are
 # never fused into an FMA. The template serves other types (float16: CuPy's own operators).
+# sc_widen: float32 to float64 exactly (a plain cast compiles to cvt.ftz.f64.f32).
 IEEE_ARITHMETIC = r"""
 template <typename X> __device__ __forceinline__ X sc_add(X a, X b) { return a + b; }
 template <typename X> __device__ __forceinline__ X sc_mul(X a, X b) { return a * b; }
@@ -369,6 +370,11 @@ __device__ __forceinline__ float sc_mul(float a, float b) {
 }
 __device__ __forceinline__ double sc_add(double a, double b) { return __dadd_rn(a, b); }
 __device__ __forceinline__ double sc_mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ double sc_widen(float a) {
+    double r;
+    asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(a));
+    return r;
+}
 """
 
 

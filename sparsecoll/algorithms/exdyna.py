@@ -66,6 +66,7 @@ from .._array import get_array_module, index_dtype, to_host
 from .._options import choice, flag, integer, real
 from ..comm import Communicator
 from ..registry import register_algorithm
+from ..select._common import magnitude_keys, magnitudes, shifted_float64
 from ..sparse import SparseVector
 from ._merge import gather, keep_bucket, take_at_least
 from ._window import (
@@ -172,14 +173,14 @@ def _top_magnitudes(part: Any, take: int) -> Any:
     makes next, reports it on every rank (raising here would leave the others hanging).
     """
     xp = get_array_module(part)
-    take = min(take, int(xp.count_nonzero(part)))
+    take = min(take, int(xp.count_nonzero(magnitude_keys(part))))
     try:
         _, vals = select.topk(part, take)
     except ValueError:  # a NaN
         mags = xp.abs(part)
         m = int(mags.shape[0])
         vals = xp.partition(mags, m - take)[m - take :] if take else mags[:0]
-    top = xp.abs(vals).astype(np.float64)
+    top = shifted_float64(magnitudes(vals))  # (CuPy's abs and cast flush float32 subnormals)
     return top[top > 0]
 
 

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from .._array import IEEE_ARITHMETIC, cupy_or_none, index_dtype
+from ._common import magnitude_ge, magnitude_keys
 
 __all__ = ["count_ge", "kth_largest_abs", "moments", "threshold", "topk"]
 
@@ -680,7 +681,29 @@ def accumulate(
     hits = int(idx.shape[0])
     idx = idx[: cap if hits <= cap else 0].astype(itype, copy=False) + np.dtype(itype).type(lo)
     vals = acc[idx]
-    count = int(cp.count_nonzero(acc[lo:hi])) if nonzeros else None
+    # (on keys: cupy.count_nonzero and abs/>= read float32 subnormals as 0, _common)
+    count = int(cp.count_nonzero(magnitude_keys(acc[lo:hi]))) if nonzeros else None
     if zero_cut < math.inf:
-        acc[idx[cp.abs(vals) >= dt(zero_cut)]] = 0
+        acc[idx[magnitude_ge(vals, zero_cut)]] = 0
     return idx, vals, hits, int(bad[0]), None, count
+
+
+@functools.cache
+def _widen_kernel(cp: Any) -> Any:
+    return cp.ElementwiseKernel(
+        "float32 x, float64 s, float64 c",
+        "float64 d",
+        "d = sc_add(sc_mul(sc_widen(x), s), -c);",
+        "sparsecoll_widen",
+        preamble=IEEE_ARITHMETIC,
+    )
+
+
+def shifted_float64(x: Any, shift: float, scale: float) -> Any:
+    """``x·scale - shift·scale`` in float64 for a float32 x, rounded as on the host
+    (see ``_common.shifted_float64``), its subnormals kept."""
+    cp = cupy_or_none()
+    d = cp.empty(x.shape, dtype=np.float64)
+    if x.size:
+        _widen_kernel(cp)(x, np.float64(scale), np.float64(shift * scale), d)
+    return d
