@@ -332,7 +332,8 @@ def _radix_argsort_kernel() -> Any:
 
 
 def segment_sum(vals: Any, heads: Any) -> Any:
-    """Sum ``vals`` over the segments starting at ``heads`` (ascending, heads[0] == 0).
+    """Sum ``vals`` over the segments starting at ``heads`` (strictly ascending, heads[0]
+    == 0, each below vals.size), each from its first value: -0.0 + -0.0 is -0.0.
 
     Deterministic on both modules (each segment summed in order, no atomics), so every
     rank summing the same data gets the same bits.
@@ -380,11 +381,12 @@ __device__ __forceinline__ double sc_widen(float a) {
 
 @functools.cache
 def _segment_sum_kernel(cp: Any) -> Any:
-    # One thread per segment: out[i] = sum of v[h[i]:e[i]] in index order.
+    # One thread per segment: out[i] = sum of v[h[i]:e[i]] in index order, from its first
+    # value as numpy's reduceat (from 0, duplicates of -0.0 summed to +0.0)
     return cp.ElementwiseKernel(
         "raw T v, int64 h, int64 e",
         "T out",
-        "T acc = 0; for (long long j = h; j < e; ++j) acc = sc_add(acc, v[j]); out = acc;",
+        "T acc = v[h]; for (long long j = h + 1; j < e; ++j) acc = sc_add(acc, v[j]); out = acc;",
         "sparsecoll_segment_sum",
         preamble=IEEE_ARITHMETIC,
     )

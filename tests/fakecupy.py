@@ -384,8 +384,8 @@ for _name in ("neg", "pos", "abs", "invert"):
 # -- kernels ------------------------------------------------------------------------------
 def _segment_sum(v: np.ndarray, h: np.ndarray, e: np.ndarray, out: np.ndarray) -> None:
     for i in range(h.shape[0]):
-        acc = v.dtype.type(0)
-        for j in range(int(h[i]), int(e[i])):
+        acc = v[int(h[i])]
+        for j in range(int(h[i]) + 1, int(e[i])):
             acc = v.dtype.type(acc + v[j])
         out[i] = acc
 

@@ -295,6 +295,19 @@ def test_coalesce_on_device_equals_host(xp, n, m, dtype, seed):
     assert back.indices.dtype == index_dtype(n)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_coalesce_on_device_keeps_the_sign_of_zero(xp, dtype):
+    """Duplicates sum from their first value, as numpy's reduceat: -0.0 + -0.0 is -0.0 on
+    the device too (its kernel once started each segment from +0, so gave +0.0)."""
+    idx = np.array([1, 1, 3, 5, 5, 5, 6, 6])
+    vals = np.array([-0.0, -0.0, 2.0, -0.0, -0.0, -0.0, -0.0, 0.0], dtype=dtype)
+    host = coalesce(idx, vals, 8)
+    dev = coalesce(xp.asarray(idx), xp.asarray(vals), 8)
+    np.testing.assert_array_equal(dev.indices.get(), host.indices)
+    np.testing.assert_array_equal(np.signbit(dev.values.get()), np.signbit(host.values))
+    np.testing.assert_array_equal(np.signbit(host.values), [True, False, True, False])
+
+
 @pytest.mark.parametrize("m", [0, 1, 4, 7])
 def test_pair_buffers_unpack_aligned(xp, m):
     """int32 indices then float64 values: an odd count leaves the values misaligned."""
