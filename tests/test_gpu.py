@@ -165,6 +165,30 @@ def test_topk_exact_through_every_digit(xp, sel, x, k, cap):
     assert kth == float(np.sort(np.abs(x.astype(np.float64)))[::-1][k - 1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_topk_cuts_a_large_tie_without_gathering_it(xp, sel, monkeypatch, dtype):
+    """More ties at the k-th value than _CANDIDATES: the radix select reaches the last
+    digit, whose bin is one key, and finds the last tie kept by counting ties per tile.
+    It used to gather the whole tied group with int64 indices and sort it twice (~1.2 GB
+    for 100M equal float32 values)."""
+    n = 3 * 4096 + 77  # several tiles, the last one partial
+    x = np.full(n, -2.5, dtype=dtype)
+    x[np.random.default_rng(5).integers(0, n, 40)] = 7.0
+    monkeypatch.setattr(sel, "_CANDIDATES", 1000)
+    launched = []
+    kernel = sel._kernel
+    monkeypatch.setattr(
+        sel, "_kernel", lambda cp, name, *a: launched.append(name) or kernel(cp, name, *a)
+    )
+    for k in (41, 4096, 4097, 9000, n - 1):
+        idx, vals = sel.topk(xp.asarray(x), k)
+        want = reference_topk(x, k)
+        np.testing.assert_array_equal(idx.get(), want)
+        np.testing.assert_array_equal(vals.get(), x[want])
+        assert sel.kth_largest_abs(xp.asarray(x), k) == 2.5
+    assert "sc_gather" not in launched and "sc_count" in launched
+
+
 @given(n=st.integers(0, 20000), p=st.sampled_from([0.0, 0.001, 0.3, 1.0]), seed=st.integers(0, 99))
 def test_flatnonzero_mask(xp, sel, n, p, seed):
     """The two-pass compaction of a bool mask equals flatnonzero, over many tiles, and on
