@@ -23,6 +23,9 @@ __all__ = [
     "index_dtype",
     "is_device_array",
     "nccl_or_none",
+    "nonzero_count",
+    "nonzero_mask",
+    "nonzero_positions",
     "pinned_empty",
     "same_device",
     "segment_sum",
@@ -199,6 +202,27 @@ def _torch_wrap(a: Any) -> Any:
     import torch
 
     return torch.from_dlpack(a)
+
+
+def nonzero_mask(x: Any) -> Any:
+    """``x != 0`` (numpy or CuPy). A float32 device array is tested on its bits: CuPy
+    compiles every kernel with -ftz=true, and its comparisons, ``count_nonzero`` and
+    ``flatnonzero`` then read float32 subnormals as 0 (PTX setp.ne.ftz.f32)."""
+    if isinstance(x, np.ndarray) or x.dtype != np.float32:
+        return x != 0
+    return (x.view(np.uint32) & np.uint32(0x7FFF_FFFF)) != np.uint32(0)
+
+
+def nonzero_positions(x: Any) -> Any:
+    """``flatnonzero(x)`` of a 1-D array, float32 subnormals counted on a GPU too."""
+    xp = get_array_module(x)
+    return xp.flatnonzero(x if xp is np or x.dtype != np.float32 else nonzero_mask(x))
+
+
+def nonzero_count(x: Any) -> int:
+    """``count_nonzero(x)``, float32 subnormals counted on a GPU too."""
+    xp = get_array_module(x)
+    return int(xp.count_nonzero(x if xp is np or x.dtype != np.float32 else nonzero_mask(x)))
 
 
 def get_array_module(x: Any) -> Any:

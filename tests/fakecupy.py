@@ -61,16 +61,17 @@ def _wrap(obj: Any, dev: int | None = None) -> Any:
 
 # CuPy compiles every kernel with -ftz=true (cupy/cuda/compiler.py), so its own ufuncs read
 # float32 subnormals as zeros of their sign where the instruction has an .ftz form: abs,
-# comparisons, min/max and the widening to float64 (PTX abs.ftz.f32, setp.ge.ftz.f32,
-# min.ftz.f32, cvt.ftz.f64.f32). The fake does the same there, so that code comparing
-# magnitudes with CuPy's operators fails here as on a GPU. (Its float32 sums and products
-# flush too, add.rn.ftz.f32: not modelled, as the library's dense sums on the device are
-# allowed to: docs/gpu.md.)
+# comparisons (so the nonzero tests too: count_nonzero, flatnonzero, a cast to bool),
+# min/max and the widening to float64 (PTX abs.ftz.f32, setp.ge.ftz.f32, min.ftz.f32,
+# cvt.ftz.f64.f32). The fake does the same there, so that code comparing magnitudes with
+# CuPy's operators fails here as on a GPU. (Its float32 sums and products flush too,
+# add.rn.ftz.f32: not modelled, as the library's dense sums on the device are allowed to:
+# docs/gpu.md.)
 _FTZ_UFUNCS = {
     np.absolute, np.fabs, np.maximum, np.minimum, np.fmax, np.fmin, np.greater,
     np.greater_equal, np.less, np.less_equal, np.equal, np.not_equal,
 }  # fmt: skip
-_FTZ_FUNCTIONS = {"abs", "maximum", "minimum", "max", "min", "count_nonzero"}
+_FTZ_FUNCTIONS = {"abs", "maximum", "minimum", "max", "min", "count_nonzero", "flatnonzero"}
 _FTZ_COMPARE = {"__lt__", "__le__", "__eq__", "__ne__", "__gt__", "__ge__"}
 
 
@@ -295,7 +296,7 @@ class ndarray:
         if not copy and np.dtype(dtype) == self._a.dtype:
             return self
         _on_current_device(self)
-        a = _ftz(self._a) if np.dtype(dtype) == np.float64 else self._a
+        a = _ftz(self._a) if np.dtype(dtype) in (np.float64, np.bool_) else self._a
         return ndarray(a.astype(dtype, copy=copy, **kw))
 
     def view(self, dtype: Any = None) -> ndarray:
@@ -328,7 +329,7 @@ class ndarray:
         if not callable(attr):
             raise AttributeError(name)
 
-        if name in ("min", "max") and self._a.dtype == np.float32:
+        if name in ("min", "max", "nonzero", "all", "any") and self._a.dtype == np.float32:
             attr = getattr(_ftz(self._a), name)
 
         def method(*args: Any, **kwargs: Any) -> Any:

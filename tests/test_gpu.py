@@ -760,6 +760,8 @@ def test_float32_subnormals_on_the_device_as_on_the_host(xp):
     for h, d in zip(*runs):
         np.testing.assert_array_equal(d, h)
     assert runs[0][4] == np.count_nonzero(x) and runs[0][5] > 0
+    sv = SparseVector.from_dense(xp.asarray(x))  # (flatnonzero on CuPy: != 0, flushed)
+    np.testing.assert_array_equal(sv.indices.get(), np.flatnonzero(x))
     with select.use_backend("numpy"):
         hm = select.moments(x)
     np.testing.assert_allclose(select.moments(xp.asarray(x)), hm, rtol=1e-12, atol=0)

@@ -66,7 +66,7 @@ from .._array import get_array_module, index_dtype, to_host
 from .._options import choice, flag, integer, real
 from ..comm import Communicator
 from ..registry import register_algorithm
-from ..select._common import magnitude_keys, magnitudes, shifted_float64
+from ..select._common import magnitude_ge, magnitude_keys, magnitudes, shifted_float64
 from ..sparse import SparseVector
 from ._merge import gather, keep_bucket, take_at_least
 from ._window import (
@@ -146,7 +146,7 @@ class _Found:
         self.taken = None
         if self.zc is not None:  # part holds 0 at |value| >= zc: make it 0 where kept
             xp = get_array_module(self.values)
-            fix = chosen != (xp.abs(self.values) >= dt(self.zc))
+            fix = chosen != magnitude_ge(self.values, self.zc)
             back = xp.where(chosen[fix], 0, self.values[fix])
             self.part[self.idx[fix] - self.lo] = back.astype(self.part.dtype)
             self.taken = vals
