@@ -23,6 +23,9 @@ __all__ = [
     "index_dtype",
     "is_device_array",
     "nccl_or_none",
+    "nonzero_count",
+    "nonzero_mask",
+    "nonzero_positions",
     "pinned_empty",
     "same_device",
     "segment_sum",
@@ -222,6 +225,27 @@ def _torch_wrap(a: Any) -> Any:
     return torch.from_dlpack(a)
 
 
+def nonzero_mask(x: Any) -> Any:
+    """``x != 0`` (numpy or CuPy). A float32 device array is tested on its bits: CuPy
+    compiles every kernel with -ftz=true, and its comparisons, ``count_nonzero`` and
+    ``flatnonzero`` then read float32 subnormals as 0 (PTX setp.ne.ftz.f32)."""
+    if isinstance(x, np.ndarray) or x.dtype != np.float32:
+        return x != 0
+    return (x.view(np.uint32) & np.uint32(0x7FFF_FFFF)) != np.uint32(0)
+
+
+def nonzero_positions(x: Any) -> Any:
+    """``flatnonzero(x)`` of a 1-D array, float32 subnormals counted on a GPU too."""
+    xp = get_array_module(x)
+    return xp.flatnonzero(x if xp is np or x.dtype != np.float32 else nonzero_mask(x))
+
+
+def nonzero_count(x: Any) -> int:
+    """``count_nonzero(x)``, float32 subnormals counted on a GPU too."""
+    xp = get_array_module(x)
+    return int(xp.count_nonzero(x if xp is np or x.dtype != np.float32 else nonzero_mask(x)))
+
+
 def get_array_module(x: Any) -> Any:
     """numpy for host arrays, cupy for device arrays."""
     if isinstance(x, np.ndarray):
@@ -353,7 +377,8 @@ def _radix_argsort_kernel() -> Any:
 
 
 def segment_sum(vals: Any, heads: Any) -> Any:
-    """Sum ``vals`` over the segments starting at ``heads`` (ascending, heads[0] == 0).
+    """Sum ``vals`` over the segments starting at ``heads`` (strictly ascending, heads[0]
+    == 0, each below vals.size), each from its first value: -0.0 + -0.0 is -0.0.
 
     Deterministic on both modules (each segment summed in order, no atomics), so every
     rank summing the same data gets the same bits.
@@ -375,6 +400,7 @@ def segment_sum(vals: Any, heads: Any) -> Any:
 # with a subnormal g gave 0 in the fused pass: PTX add.rn.ftz.f32). sc_add and sc_mul round
 # once in IEEE arithmetic whatever that flag (PTX without .ftz; float64 never flushes) and are
 # never fused into an FMA. The template serves other types (float16: CuPy's own operators).
+# sc_widen: float32 to float64 exactly (a plain cast compiles to cvt.ftz.f64.f32).
 IEEE_ARITHMETIC = r"""
 template <typename X> __device__ __forceinline__ X sc_add(X a, X b) { return a + b; }
 template <typename X> __device__ __forceinline__ X sc_mul(X a, X b) { return a * b; }
@@ -390,16 +416,22 @@ __device__ __forceinline__ float sc_mul(float a, float b) {
 }
 __device__ __forceinline__ double sc_add(double a, double b) { return __dadd_rn(a, b); }
 __device__ __forceinline__ double sc_mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ double sc_widen(float a) {
+    double r;
+    asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(a));
+    return r;
+}
 """
 
 
 @functools.cache
 def _segment_sum_kernel(cp: Any) -> Any:
-    # One thread per segment: out[i] = sum of v[h[i]:e[i]] in index order.
+    # One thread per segment: out[i] = sum of v[h[i]:e[i]] in index order, from its first
+    # value as numpy's reduceat (from 0, duplicates of -0.0 summed to +0.0)
     return cp.ElementwiseKernel(
         "raw T v, int64 h, int64 e",
         "T out",
-        "T acc = 0; for (long long j = h; j < e; ++j) acc = sc_add(acc, v[j]); out = acc;",
+        "T acc = v[h]; for (long long j = h + 1; j < e; ++j) acc = sc_add(acc, v[j]); out = acc;",
         "sparsecoll_segment_sum",
         preamble=IEEE_ARITHMETIC,
     )

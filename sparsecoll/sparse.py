@@ -18,6 +18,7 @@ from ._array import (
     get_array_module,
     index_dtype,
     is_device_array,
+    nonzero_positions,
     same_device,
     segment_sum,
     stable_argsort,
@@ -104,10 +105,9 @@ class SparseVector:
             raise ValueError(f"x must be a 1-D array, got shape {getattr(arr, 'shape', None)}")
         if arr.dtype not in VALUE_DTYPES:
             raise TypeError(f"x must be float16, float32 or float64, got {arr.dtype}")
-        xp = get_array_module(arr)
         n = int(arr.shape[0])
         with device_scope(arr):
-            idx = xp.flatnonzero(arr).astype(index_dtype(n), copy=False)
+            idx = nonzero_positions(arr).astype(index_dtype(n), copy=False)
             return _wrapped(cls(idx, arr[idx], n), wrap)
 
     @classmethod

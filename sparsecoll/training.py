@@ -74,7 +74,7 @@ from .registry import (
     get_algorithm,
     refuse_unknown,
 )
-from .select._common import round_threshold
+from .select._common import magnitude_keys, round_threshold, smallest_magnitude
 from .sparse import VALUE_DTYPES, SparseVector
 
 __all__ = ["GradientReducer"]
@@ -1018,7 +1018,7 @@ class GradientReducer:
             self._predict_cut(found, kth)
             if self._selector is not None:  # a due ReuseThreshold: this was its exact step
                 self._selector.observe(k, k, exact=kth)
-        nonzero = vals != 0
+        nonzero = magnitude_keys(vals) != 0  # (vals != 0 on a GPU: subnormals too)
         if bool(nonzero.all()):
             return idx, vals, taken
         if taken is not None:
@@ -1230,7 +1230,7 @@ def _shares(values: Any, p: int) -> Any:
 def _kth(vals: Any, k: int) -> float:
     """The k-th largest |value| of a top-k selection's ``vals`` (0.0 when it holds fewer
     than k)."""
-    return float(get_array_module(vals).abs(vals).min()) if k and vals.shape[0] == k else 0.0
+    return smallest_magnitude(vals) if k and vals.shape[0] == k else 0.0
 
 
 def _add_totals(totals: CommStats, delta: CommStats) -> None:

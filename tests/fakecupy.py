@@ -59,6 +59,43 @@ def _wrap(obj: Any, dev: int | None = None) -> Any:
     return obj
 
 
+# CuPy compiles every kernel with -ftz=true (cupy/cuda/compiler.py), so its own ufuncs read
+# float32 subnormals as zeros of their sign where the instruction has an .ftz form: abs,
+# comparisons (so the nonzero tests too: count_nonzero, flatnonzero, a cast to bool),
+# min/max and the widening to float64 (PTX abs.ftz.f32, setp.ge.ftz.f32, min.ftz.f32,
+# cvt.ftz.f64.f32). The fake does the same there, so that code comparing magnitudes with
+# CuPy's operators fails here as on a GPU. (Its float32 sums and products flush too,
+# add.rn.ftz.f32: not modelled, as the library's dense sums on the device are allowed to:
+# docs/gpu.md.)
+_FTZ_UFUNCS = {
+    np.absolute, np.fabs, np.maximum, np.minimum, np.fmax, np.fmin, np.greater,
+    np.greater_equal, np.less, np.less_equal, np.equal, np.not_equal,
+}  # fmt: skip
+_FTZ_FUNCTIONS = {"abs", "maximum", "minimum", "max", "min", "count_nonzero", "flatnonzero"}
+_FTZ_COMPARE = {"__lt__", "__le__", "__eq__", "__ne__", "__gt__", "__ge__"}
+
+
+def _ftz(a: Any) -> Any:
+    """``a`` with its float32 subnormals flushed to zeros of their sign (numpy arrays and
+    scalars; anything else as it is)."""
+    if isinstance(a, (np.ndarray, np.generic)) and a.dtype == np.float32:
+        sub = (a != 0) & (np.abs(a) < np.finfo(np.float32).tiny)
+        if np.any(sub):
+            out = np.where(sub, np.copysign(np.float32(0), a), a).astype(np.float32)
+            return out if isinstance(a, np.ndarray) else out[()]
+    return a
+
+
+def _ftz_all(objs: Any) -> Any:
+    return type(objs)(_ftz(o) for o in objs)
+
+
+def _widens(kwargs: dict) -> bool:
+    """Whether a ufunc call computes in float64 (float32 inputs are widened first)."""
+    dt = kwargs.get("dtype")
+    return dt is not None and np.dtype(dt) == np.float64
+
+
 def _on_current_device(*objs: Any) -> None:
     """Refuse fake arrays that live on another device than the thread's current one, as
     CuPy's kernels do (``_check_peer_access`` in cupy/_core/_kernel.pyx: a ValueError
@@ -174,6 +211,8 @@ class ndarray:
         except TypeError:
             return NotImplemented
         _on_current_device(inputs, kwargs)
+        if ufunc in _FTZ_UFUNCS or _widens(kw):
+            args = _ftz_all(args)
         return _wrap(getattr(ufunc, method)(*args, **kw))
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
@@ -257,7 +296,8 @@ class ndarray:
         if not copy and np.dtype(dtype) == self._a.dtype:
             return self
         _on_current_device(self)
-        return ndarray(self._a.astype(dtype, copy=copy, **kw))
+        a = _ftz(self._a) if np.dtype(dtype) in (np.float64, np.bool_) else self._a
+        return ndarray(a.astype(dtype, copy=copy, **kw))
 
     def view(self, dtype: Any = None) -> ndarray:
         return ndarray(self._a.view(dtype), self._dev)
@@ -289,6 +329,9 @@ class ndarray:
         if not callable(attr):
             raise AttributeError(name)
 
+        if name in ("min", "max", "nonzero", "all", "any") and self._a.dtype == np.float32:
+            attr = getattr(_ftz(self._a), name)
+
         def method(*args: Any, **kwargs: Any) -> Any:
             _on_current_device(self, args, kwargs)
             return _wrap(attr(*_unwrap(args), **_unwrap(kwargs)))
@@ -307,7 +350,10 @@ def _binary(name: str) -> Any:
         if isinstance(other, (np.ndarray, list, tuple)):
             raise _refuse(other)
         _on_current_device(self, other)
-        res = getattr(self._a, name)(_unwrap(other))
+        a, b = self._a, _unwrap(other)
+        if name in _FTZ_COMPARE:
+            a, b = _ftz(a), _ftz(b)
+        res = getattr(a, name)(b)
         if res is NotImplemented:
             return NotImplemented
         return self if name.startswith("__i") else _wrap(res)
@@ -321,22 +367,26 @@ for _name in _OPS.split(" "):
     for _dunder in (f"__{_name}__", f"__r{_name}__", f"__i{_name}__"):
         if hasattr(np.ndarray, _dunder):
             setattr(ndarray, _dunder, _binary(_dunder))
+
+
+def _unary(name: str) -> Any:
+    def op(self: ndarray) -> Any:
+        _on_current_device(self)
+        return _wrap(getattr(_ftz(self._a) if name == "__abs__" else self._a, name)())
+
+    op.__name__ = name
+    return op
+
+
 for _name in ("neg", "pos", "abs", "invert"):
-    _dunder = f"__{_name}__"
-    setattr(
-        ndarray,
-        _dunder,
-        (lambda d: lambda self: (_on_current_device(self), _wrap(getattr(self._a, d)()))[1])(
-            _dunder
-        ),
-    )
+    setattr(ndarray, f"__{_name}__", _unary(f"__{_name}__"))
 
 
 # -- kernels ------------------------------------------------------------------------------
 def _segment_sum(v: np.ndarray, h: np.ndarray, e: np.ndarray, out: np.ndarray) -> None:
     for i in range(h.shape[0]):
-        acc = v.dtype.type(0)
-        for j in range(int(h[i]), int(e[i])):
+        acc = v[int(h[i])]
+        for j in range(int(h[i]) + 1, int(e[i])):
             acc = v.dtype.type(acc + v[j])
         out[i] = acc
 
@@ -364,9 +414,14 @@ def _accumulate(*args: Any) -> None:
     bad[0] += np.count_nonzero(~np.isfinite(v))
 
 
+def _widen(x: np.ndarray, s: Any, c: Any, d: np.ndarray) -> None:
+    d[...] = x.astype(np.float64) * s + -c
+
+
 KERNELS = {
     "sparsecoll_accumulate": _accumulate,
     "sparsecoll_segment_sum": _segment_sum,
+    "sparsecoll_widen": _widen,
 }
 
 
@@ -667,7 +722,10 @@ def _function(name: str, fn: Any) -> Any:
             kwargs["kind"] = "stable"
         if not name.endswith("_like"):  # (empty_like & co. only allocate: no kernel)
             _on_current_device(args, kwargs)
-        return _wrap(fn(*_unwrap(args), **_unwrap(kwargs)))
+        args, kwargs = _unwrap(args), _unwrap(kwargs)
+        if name in _FTZ_FUNCTIONS or _widens(kwargs):
+            args = _ftz_all(args)
+        return _wrap(fn(*args, **kwargs))
 
     f.__name__ = name
     return f

@@ -165,6 +165,30 @@ def test_topk_exact_through_every_digit(xp, sel, x, k, cap):
     assert kth == float(np.sort(np.abs(x.astype(np.float64)))[::-1][k - 1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_topk_cuts_a_large_tie_without_gathering_it(xp, sel, monkeypatch, dtype):
+    """More ties at the k-th value than _CANDIDATES: the radix select reaches the last
+    digit, whose bin is one key, and finds the last tie kept by counting ties per tile.
+    It used to gather the whole tied group with int64 indices and sort it twice (~1.2 GB
+    for 100M equal float32 values)."""
+    n = 3 * 4096 + 77  # several tiles, the last one partial
+    x = np.full(n, -2.5, dtype=dtype)
+    x[np.random.default_rng(5).integers(0, n, 40)] = 7.0
+    monkeypatch.setattr(sel, "_CANDIDATES", 1000)
+    launched = []
+    kernel = sel._kernel
+    monkeypatch.setattr(
+        sel, "_kernel", lambda cp, name, *a: launched.append(name) or kernel(cp, name, *a)
+    )
+    for k in (41, 4096, 4097, 9000, n - 1):
+        idx, vals = sel.topk(xp.asarray(x), k)
+        want = reference_topk(x, k)
+        np.testing.assert_array_equal(idx.get(), want)
+        np.testing.assert_array_equal(vals.get(), x[want])
+        assert sel.kth_largest_abs(xp.asarray(x), k) == 2.5
+    assert "sc_gather" not in launched and "sc_count" in launched
+
+
 @given(n=st.integers(0, 20000), p=st.sampled_from([0.0, 0.001, 0.3, 1.0]), seed=st.integers(0, 99))
 def test_flatnonzero_mask(xp, sel, n, p, seed):
     """The two-pass compaction of a bool mask equals flatnonzero, over many tiles, and on
@@ -306,6 +330,19 @@ def test_to_dense_fills_a_device_out(xp):
         v.to_dense(out=np.zeros(6))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_coalesce_on_device_keeps_the_sign_of_zero(xp, dtype):
+    """Duplicates sum from their first value, as numpy's reduceat: -0.0 + -0.0 is -0.0 on
+    the device too (its kernel once started each segment from +0, so gave +0.0)."""
+    idx = np.array([1, 1, 3, 5, 5, 5, 6, 6])
+    vals = np.array([-0.0, -0.0, 2.0, -0.0, -0.0, -0.0, -0.0, 0.0], dtype=dtype)
+    host = coalesce(idx, vals, 8)
+    dev = coalesce(xp.asarray(idx), xp.asarray(vals), 8)
+    np.testing.assert_array_equal(dev.indices.get(), host.indices)
+    np.testing.assert_array_equal(np.signbit(dev.values.get()), np.signbit(host.values))
+    np.testing.assert_array_equal(np.signbit(host.values), [True, False, True, False])
+
+
 @pytest.mark.parametrize("m", [0, 1, 4, 7])
 def test_pair_buffers_unpack_aligned(xp, m):
     """int32 indices then float64 values: an odd count leaves the values misaligned."""
@@ -410,6 +447,8 @@ _CTYPES = {
     "int64": "long long",
     "uint64": "unsigned long long",
     "bool": "bool",
+    "float32": "float",
+    "float64": "double",
     "U": "U",
     "T": "T",
 }
@@ -499,6 +538,7 @@ def test_kernel_sources_compile_with_nvrtc():
         for has_u in (False, True)
         for t in ("float", "double")  # float16 takes CuPy's ufuncs, not this kernel
     ]
+    jobs.append((_cupy._widen_kernel.__wrapped__(cap), "unsigned int", "float"))
     for spec, utype, ttype in jobs:
         prog = nvrtc.createProgram(_kernel_source(spec, utype, ttype), "k.cu", [], [])
         try:
@@ -540,6 +580,7 @@ def _kernel_uses(cp):
         for has_u in (False, True):
             kern = _cupy._accumulate_kernel.__wrapped__(cp, has_r, has_u)
             uses.append((kern, {"m", "cut"}, floats))
+    uses.append((_cupy._widen_kernel.__wrapped__(cp), {"s", "c"}, floats[:1]))
     return uses
 
 
@@ -590,7 +631,7 @@ def test_kernels_compile_as_cupy_generates_them():
                     pytest.fail(f"{kern.name} ({types}, 32-bit index {idx32}):\n{code}\n{exc}")
                 assert len(cubin) > 1000
                 compiled += 1
-    assert compiled == 2 * (2 + 4 * 2)
+    assert compiled == 2 * (2 + 4 * 2 + 1)
 
 
 def test_kernels_keep_float32_subnormals_under_cupys_ftz():
@@ -599,7 +640,8 @@ def test_kernels_keep_float32_subnormals_under_cupys_ftz():
     subnormal operands and results to 0: the fused pass on a GPU turned g + r for a
     subnormal g into 0 (PTX ``add.rn.ftz.f32``), where the host keeps it (and
     test_accumulate_cut_zero_never_selects_zeros expects it). The sums and products of
-    sparsecoll's kernels must compile to IEEE float32 instructions even so."""
+    sparsecoll's kernels must compile to IEEE float32 instructions even so, and their
+    widening to float64 keep subnormals (a cast compiles to ``cvt.ftz.f64.f32``)."""
     import re
 
     cp, _carray, _kernel, _scalar, core, compiler = _cupy_codegen()
@@ -611,11 +653,12 @@ def test_kernels_keep_float32_subnormals_under_cupys_ftz():
         code = _cupy_generated_source((_carray, _kernel, _scalar), cp, kern, scalars, types, True)
         ptx, _ = compiler._NVRTCProgram(code, "kern.cu", (), (), method="ptx").compile(opts)
         ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-        arithmetic = re.findall(r"\b(?:add|sub|mul|fma|div)\.[\w.]*f32\b", ptx)
+        arithmetic = re.findall(r"\b(?:add|sub|mul|fma|div|cvt\.[\w.]*f64)\.[\w.]*f32\b", ptx)
         flushing = sorted({op for op in arithmetic if ".ftz" in op})
         assert not flushing, f"{kern.name}: {flushing}"
         found += arithmetic
-    assert {"add.rn.f32", "mul.rn.f32"} <= set(found)  # (the check reads the PTX it means to)
+    # (the check reads the PTX it means to)
+    assert {"add.rn.f32", "mul.rn.f32", "cvt.f64.f32"} <= set(found)
 
 
 @given(x=vectors(), data=st.data())
@@ -687,6 +730,57 @@ def test_accumulate_cut_zero_never_selects_zeros(xp, dtype):
     got = select.accumulate(xp.asarray(g), xp.asarray(r), out=xp.empty(8, dtype), cut=0.0)
     assert got.hits == 4
     np.testing.assert_array_equal(got.indices.get(), [2, 4, 5, 6])
+
+
+def _bits_of(a: np.ndarray) -> np.ndarray:
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def test_float32_subnormals_on_the_device_as_on_the_host(xp):
+    """CuPy compiles every kernel with -ftz=true, so its own ufuncs read float32 subnormals
+    as zeros: ``abs(v) >= zero_cut`` with a subnormal cut, ``count_nonzero``, ``min``, the
+    cast to float64 (PTX abs.ftz.f32, setp.ge.ftz.f32, cvt.ftz.f64.f32; the fake CuPy
+    flushes there too). Vectors of subnormals came out wrong on the device: the fused pass
+    zeroed entries below zero_cut and counted no nonzeros, moments were 0, the exact
+    threshold 0, exdyna's window sent no magnitudes, and a reducer's step dropped every
+    selected entry. Each now equals the host's result."""
+    from mpi4py import MPI
+
+    import sparsecoll
+    from sparsecoll import select
+    from sparsecoll.algorithms.exdyna import _top_magnitudes
+
+    tiny = np.finfo(np.float32).smallest_subnormal
+    rng = np.random.default_rng(3)
+    x = (rng.integers(-40, 41, 300) * tiny).astype(np.float32)  # zeros of both signs too
+    x[:2] = (-0.0, 0.0)
+    runs = []
+    for conv, get in ((np.asarray, np.asarray), (xp.asarray, lambda a: a.get())):
+        out = conv(np.empty_like(x))
+        with select.use_backend("numpy"):
+            got = select.accumulate(
+                conv(x), out=out, cut=0.0, zero_cut=float(20 * tiny), nonzeros=True
+            )
+            ex = select.ExactThreshold(k=30).select(conv(x))
+            runs.append(
+                (
+                    _bits_of(get(out)), get(got.indices), _bits_of(get(got.values)),
+                    got.hits, got.nonzeros, ex.threshold, get(_top_magnitudes(conv(x), 50)),
+                )
+            )  # fmt: skip
+    for h, d in zip(*runs):
+        np.testing.assert_array_equal(d, h)
+    assert runs[0][4] == np.count_nonzero(x) and runs[0][5] > 0
+    sv = SparseVector.from_dense(xp.asarray(x))  # (flatnonzero on CuPy: != 0, flushed)
+    np.testing.assert_array_equal(sv.indices.get(), np.flatnonzero(x))
+    with select.use_backend("numpy"):
+        hm = select.moments(x)
+    np.testing.assert_allclose(select.moments(xp.asarray(x)), hm, rtol=1e-12, atol=0)
+    comm = sparsecoll.Communicator(MPI.COMM_SELF)
+    want = sparsecoll.GradientReducer(comm, 300, "allgather", 0.1).step(x.copy())
+    red = sparsecoll.GradientReducer(comm, 300, "allgather", 0.1)
+    assert np.count_nonzero(want) == 30
+    np.testing.assert_array_equal(_bits_of(red.step(xp.asarray(x)).get()), _bits_of(want))
 
 
 def test_from_coo_on_another_device_than_the_current(xp):

@@ -16,6 +16,7 @@ import numpy as np
 
 from .._array import get_array_module
 from .._jit import cached_njit
+from ..select._common import magnitude_ge
 from ..sparse import coalesce
 
 __all__ = [
@@ -171,10 +172,9 @@ def take_at_least(
     t = values.dtype.type(t)
     zc = values.dtype.type(np.inf if zc is None else zc)
     if xp is not np or values.dtype == np.float16:
-        mags = xp.abs(values)
-        keep = mags >= t
+        keep = magnitude_ge(values, t)  # (not abs >=: CuPy's flushes float32 subnormals)
         if part is not None:
-            fix = keep != (mags >= zc)
+            fix = keep != magnitude_ge(values, zc)
             part[idx[fix] - lo] = xp.where(keep[fix], 0, values[fix]).astype(part.dtype)
         return idx[keep], values[keep]
     counts, take = _take_kernel()
@@ -229,9 +229,8 @@ def keep_bucket(
     (a1, b1), (a2, b2) = (*runs, (0, 0), (0, 0))[:2]
     xp = get_array_module(values)
     if xp is not np or values.dtype == np.float16:
-        mags = xp.abs(values)
-        chosen = mags >= hi
-        bucket = xp.flatnonzero((mags >= lo) & ~chosen)
+        chosen = magnitude_ge(values, hi)  # (as in take_at_least)
+        bucket = xp.flatnonzero(magnitude_ge(values, lo) & ~chosen)
         for a, b in ((a1, b1), (a2, b2)):
             chosen[bucket[max(a, 0) : max(b, 0)]] = True
         kept = idx[chosen], values[chosen]

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from .._array import index_dtype
+from .._array import index_dtype, nonzero_count, nonzero_positions
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
@@ -157,10 +157,10 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
     Request.waitall(sends)
 
     if any_dense:
-        nnz = int(xp.count_nonzero(acc))
+        nnz = nonzero_count(acc)
         if is_dense(nnz, length):
             return ("dense", acc.astype(vtype, copy=False))
-        nz = xp.flatnonzero(acc)
+        nz = nonzero_positions(acc)
         return ("sparse", (nz + lo).astype(itype), acc[nz].astype(vtype, copy=False))
     idx, vals = stack.result()
     vals = vals.astype(vtype, copy=False)
@@ -264,7 +264,7 @@ def _allgather(comm: Communicator, owned, x: SparseVector, bounds: np.ndarray) -
     for j in range(P):
         seg_v = out_v[voff[j] : voff[j + 1]]
         if dense[j]:
-            nz = xp.flatnonzero(seg_v)
+            nz = nonzero_positions(seg_v)
             pieces_i.append((nz + int(bounds[j])).astype(itype))
             pieces_v.append(seg_v[nz])
         else:

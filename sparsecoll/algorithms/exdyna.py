@@ -66,6 +66,7 @@ from .._array import get_array_module, index_dtype, to_host
 from .._options import choice, flag, integer, real
 from ..comm import Communicator
 from ..registry import register_algorithm
+from ..select._common import magnitude_ge, magnitude_keys, magnitudes, shifted_float64
 from ..sparse import SparseVector
 from ._merge import gather, keep_bucket, take_at_least
 from ._window import (
@@ -145,7 +146,7 @@ class _Found:
         self.taken = None
         if self.zc is not None:  # part holds 0 at |value| >= zc: make it 0 where kept
             xp = get_array_module(self.values)
-            fix = chosen != (xp.abs(self.values) >= dt(self.zc))
+            fix = chosen != magnitude_ge(self.values, self.zc)
             back = xp.where(chosen[fix], 0, self.values[fix])
             self.part[self.idx[fix] - self.lo] = back.astype(self.part.dtype)
             self.taken = vals
@@ -172,14 +173,14 @@ def _top_magnitudes(part: Any, take: int) -> Any:
     makes next, reports it on every rank (raising here would leave the others hanging).
     """
     xp = get_array_module(part)
-    take = min(take, int(xp.count_nonzero(part)))
+    take = min(take, int(xp.count_nonzero(magnitude_keys(part))))
     try:
         _, vals = select.topk(part, take)
     except ValueError:  # a NaN
         mags = xp.abs(part)
         m = int(mags.shape[0])
         vals = xp.partition(mags, m - take)[m - take :] if take else mags[:0]
-    top = xp.abs(vals).astype(np.float64)
+    top = shifted_float64(magnitudes(vals))  # (CuPy's abs and cast flush float32 subnormals)
     return top[top > 0]
 
 

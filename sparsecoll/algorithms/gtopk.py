@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import _state, select
-from .._array import get_array_module, to_host
+from .._array import get_array_module, nonzero_mask, to_host
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
@@ -70,7 +70,7 @@ def topk_positions(values: Any, k: int) -> Any:
     if k == 0 or values.shape[0] == 0:
         return get_array_module(values).zeros(0, dtype=np.int64)
     pos, picked = select.topk(values, min(k, int(values.shape[0])))
-    return pos[picked != 0]
+    return pos[nonzero_mask(picked)]
 
 
 def merge_topk(a: tuple[Any, Any], b: tuple[Any, Any], k: int, n: int) -> tuple[Any, Any]:
@@ -95,7 +95,7 @@ def merge_topk(a: tuple[Any, Any], b: tuple[Any, Any], k: int, n: int) -> tuple[
 def _local_topk(x: SparseVector, k: int, copy: bool) -> tuple[Any, tuple[Any, Any]]:
     """This rank's top-k: positions in x, and (indices, values) -- x's own arrays when x is
     no larger than k and has no zeros (a training step's local top-k), unless ``copy``."""
-    if x.nnz <= k and bool((x.values != 0).all()):
+    if x.nnz <= k and bool(nonzero_mask(x.values).all()):
         pos = x.xp.arange(x.nnz)
         return pos, (x.indices.copy(), x.values.copy()) if copy else (x.indices, x.values)
     pos = topk_positions(x.values, k)

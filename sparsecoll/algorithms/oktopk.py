@@ -94,6 +94,7 @@ from .._array import get_array_module, to_host
 from .._options import choice, count_band, flag, integer, real
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
+from ..select._common import key_info, magnitude_ge, magnitude_keys, magnitudes, threshold_key
 from ..sparse import SparseVector
 from ._merge import accumulate_dtype, isin_sorted, keep_bucket, merge_two
 from ._window import (
@@ -541,7 +542,7 @@ class OkTopk(Algorithm):
         j = int(np.searchsorted(edges, least, side="right")) - 1
         top = j + 1 == edges.shape[0]
         hi = float("inf") if top else float(edges[j + 1])
-        bucket = 0 if top else self.k - int(xp.count_nonzero(mags >= edges[j + 1]))
+        bucket = 0 if top else self.k - int(xp.count_nonzero(magnitude_ge(vals, edges[j + 1])))
         start = bucket_start(self.step, bucket)
         # the result must not share memory with the caller's input (as the keep's copy)
         chosen = xp.ones(vals.shape[0], dtype=bool)
@@ -558,7 +559,9 @@ class OkTopk(Algorithm):
         if self.k == 0:  # keep nothing; an infinite threshold keeps nothing on reuse too
             return xp.zeros(0, dtype=np.int64), [0] * comm.size, float("inf")
         ktype = KEY_TYPES[vals.dtype.itemsize]
-        keys = xp.abs(vals).view(ktype)  # the bits of a non-negative float order like it
+        # the bits of a non-negative float order like it (not xp.abs: CuPy's flushes float32
+        # subnormals to 0, so they would count as zeros)
+        keys = magnitudes(vals).view(ktype)
         found = _radix_kth(comm, keys[keys > 0], self.k, 8 * vals.dtype.itemsize, xp)
         if found is None:  # at most k nonzeros in all: keep them all
             keep = xp.flatnonzero(keys)
@@ -686,7 +689,14 @@ def _contributed(
 def _at_least(vals: Any, threshold: float) -> Any:
     """Positions with |value| >= threshold (a positive threshold, compared in float64)."""
     xp = get_array_module(vals)
-    return xp.flatnonzero(xp.abs(vals) >= np.float64(threshold))
+    if xp is np:
+        return xp.flatnonzero(xp.abs(vals) >= np.float64(threshold))
+    # on keys (CuPy's abs and compare flush float32 subnormals): key >= threshold_key(t)
+    # is exactly |value| >= t in float64
+    info = key_info(vals.dtype)
+    keys, ut = magnitude_keys(vals), info.utype.type
+    tkey = ut(threshold_key(float(threshold), vals.dtype))
+    return xp.flatnonzero((keys >= tkey) & (keys <= ut(info.inf_key)))
 
 
 def _allgather_pairs(comm: Communicator, idx: Any, vals: Any, counts: list[int]) -> tuple[Any, Any]:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .._array import get_array_module, index_dtype
+from .._array import get_array_module, index_dtype, nonzero_positions
 from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
@@ -144,6 +144,5 @@ class _Vector:
     def result(self) -> SparseVector:
         if not self.dense:
             return SparseVector(self.indices, self.values, self.n)
-        xp = get_array_module(self.values)
-        nz = xp.flatnonzero(self.values)
+        nz = nonzero_positions(self.values)
         return SparseVector(nz.astype(index_dtype(self.n)), self.values[nz], self.n)

@@ -23,10 +23,15 @@ __all__ = [
     "SHIFT_SQUARES_EXACT",
     "KeyInfo",
     "key_info",
+    "magnitude_ge",
+    "magnitude_keys",
+    "magnitudes",
     "moment_shift",
     "moments_from_sums",
     "moments_of",
     "round_threshold",
+    "shifted_float64",
+    "smallest_magnitude",
     "threshold_key",
     "underflowed",
 ]
@@ -83,6 +88,60 @@ def key_value(key: int, dtype: Any) -> float:
     """The float value of a key (the inverse of taking |x|'s bits)."""
     info = key_info(dtype)
     return float(np.array(key, dtype=info.utype).view(dtype))
+
+
+# On a GPU, CuPy's own ufuncs read float32 subnormals as zeros: CuPy compiles every kernel
+# with -ftz=true, so abs, comparisons, min/max, count_nonzero and the cast to float64 become
+# abs.ftz.f32, setp.ge.ftz.f32, min.ftz.f32, cvt.ftz.f64.f32 (a subnormal cut meaning
+# "nonzero" compared as 0, a vector of subnormals with mean 0). The helpers below work on
+# keys, integers that nothing flushes, and give the host's answer on either module.
+
+
+def magnitude_keys(x: Any) -> Any:
+    """The keys of a float array (numpy or CuPy): its bits with the sign bit cleared."""
+    info = key_info(x.dtype)
+    return x.view(info.utype) & info.utype.type(info.mask)
+
+
+def magnitudes(x: Any) -> Any:
+    """``abs(x)``, subnormals kept on a GPU too."""
+    return magnitude_keys(x).view(x.dtype)
+
+
+def magnitude_ge(x: Any, t: Any) -> Any:
+    """The mask ``abs(x) >= t`` with ``t`` taken in x's dtype (rounded to nearest, as
+    ``np.abs(x) >= x.dtype.type(t)``): false at NaN, and everywhere for a NaN t."""
+    info = key_info(x.dtype)
+    keys = magnitude_keys(x)
+    ut = info.utype.type
+    t = np.array(t, dtype=x.dtype)
+    finite_or_inf = keys <= ut(info.inf_key)  # (NaN keys lie above inf's)
+    if np.isnan(t):
+        return keys > ut(info.mask)  # (nothing)
+    if t <= 0:
+        return finite_or_inf
+    return (keys >= ut(int(t.view(info.utype)))) & finite_or_inf
+
+
+def smallest_magnitude(x: Any) -> float:
+    """``float(abs(x).min())`` for a non-empty x without NaN, subnormals kept on a GPU."""
+    return key_value(int(magnitude_keys(x).min()), x.dtype)
+
+
+def shifted_float64(x: Any, shift: float = 0.0, scale: float = 1.0) -> Any:
+    """``x·scale - shift·scale`` in float64 (numpy or CuPy; ``x - shift`` rounded once for
+    scale 1). A float32 x on a GPU is widened by a kernel of ours: CuPy's cast flushes its
+    subnormals."""
+    xp = get_array_module(x)
+    if xp is not np and x.dtype == np.float32:
+        from ._cupy import shifted_float64 as on_device
+
+        return on_device(x, shift, scale)
+    if scale == 1.0:
+        return xp.subtract(x, shift, dtype=np.float64)
+    d = xp.multiply(x, scale, dtype=np.float64)
+    d -= shift * scale
+    return d
 
 
 # moments are sums of d = x - c for a shift c near the data's centre, not of x: the variance
@@ -152,12 +211,7 @@ def underflowed(x: Any, shift: float, a: float, q: float) -> bool:
 
 def _shifted_sums(x: Any, shift: float, scale: float) -> tuple[float, float]:
     """The sums of d = x·scale - shift·scale and d², d in float64 (one pass to make d)."""
-    xp = get_array_module(x)
-    if scale == 1.0:
-        d = xp.subtract(x, shift, dtype=np.float64)
-    else:
-        d = xp.multiply(x, scale, dtype=np.float64)
-        d -= shift * scale
+    d = shifted_float64(x, shift, scale)
     return float(d.sum()), float(d.dot(d))
 
 

@@ -44,6 +44,7 @@ from .._array import get_array_module, identity, to_module
 from .._options import count_band, flag, integer, real
 from .._state import Kind, count, optional, positive
 from ..sparse import SparseVector
+from ._common import smallest_magnitude
 from ._dispatch import _prepare, count_ge, kth_largest_abs, moments, threshold, topk
 
 __all__ = [
@@ -162,7 +163,7 @@ class ThresholdEstimator(ABC):
 def _exact(x: Any, n: int, k: int, method: str, tries: int = 1) -> Selection:
     """The exact top-k, with the k-th largest |x| as its threshold."""
     idx, vals = topk(x, k)
-    t = float(get_array_module(vals).abs(vals).min()) if k else math.inf
+    t = smallest_magnitude(vals) if k else math.inf
     return Selection(idx, vals, t, k, n, method, tries)
 
 
@@ -285,7 +286,7 @@ class ReuseThreshold(ThresholdEstimator):
 def _smallest_kept(vals: Any) -> float:
     """The threshold a trimmed selection reports: its smallest |value| (inf when it kept
     nothing, as for k = 0)."""
-    return float(get_array_module(vals).abs(vals).min()) if vals.shape[0] else math.inf
+    return smallest_magnitude(vals) if vals.shape[0] else math.inf
 
 
 class SamplingThreshold(ThresholdEstimator):
