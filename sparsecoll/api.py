@@ -37,6 +37,12 @@ Detail = tuple[tuple[tuple[int, ...], dict[str, Any]], ...] | None
 
 SIGNATURE_LEN = 9  # (a GradientReducer's 4 values and an algorithm's 5)
 ALGORITHM_SIGNATURE_LEN = 5
+# what to do when an algorithm instance's signature (options and state) differs
+STATE_REMEDY = (
+    "build the instance with the same options on every rank; one used for other calls "
+    "(another communicator, n or stream): call its reset(), or its GradientReducer's, on "
+    "every rank first, or keep one instance per communicator"
+)
 # the first signature value of a progress engine's start (see start_check): no call's
 # signature begins with it (n, a step count, a dtype code are >= 0)
 ENGINE_START = -(2**63) + 0x5C0
@@ -407,10 +413,15 @@ def _raise_mismatch(
                 raise (CollectiveTypeError if dtype else CollectiveInputError)(
                     f"{what} must be the same on every rank: rank {r} has {a}, rank 0 has {b}"
                 )
-            # (options, or a stateful algorithm's state: one instance used for other calls)
-            state = " (and the state of earlier calls)" if what == "algorithm options" else ""
+            # (options, or a stateful algorithm's state: one instance used for other calls;
+            # reset() forgets every state value that signature() compares)
+            if what == "algorithm options":
+                raise CollectiveInputError(
+                    f"{what} (and the state of earlier calls) must be the same on every rank: "
+                    f"rank {r} differs from rank 0 ({STATE_REMEDY})"
+                )
             raise CollectiveInputError(
-                f"{what}{state} must be the same on every rank: rank {r} differs from rank 0"
+                f"{what} must be the same on every rank: rank {r} differs from rank 0"
             )
     raise AssertionError("signature mismatch not found")  # pragma: no cover
 

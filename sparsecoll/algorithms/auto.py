@@ -174,6 +174,10 @@ class Auto(Algorithm):
             if not (math.isfinite(real(k, v)) and v >= 0):  # (real: TypeError for a str)
                 raise ValueError(f"{k} must be a finite non-negative number, got {v!r}")
         self.model = CostModel(**{k: float(v) for k, v in constants.items()})
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the learned overlap (the next call assumes independent uniform indices)."""
         self.theta: float | None = None  # learned overlap exponent, None before a first call
 
     def signature(self) -> list[int]:

@@ -65,6 +65,7 @@ from .. import _state, select
 from .._array import get_array_module, index_dtype, to_host
 from .._options import choice, flag, integer, real
 from ..comm import Communicator
+from ..errors import CollectiveInputError
 from ..registry import register_algorithm
 from ..select._common import magnitude_ge, magnitude_keys, magnitudes, shifted_float64
 from ..sparse import SparseVector
@@ -357,9 +358,12 @@ class ExDyna(Algorithm):
             self.n, self.size, self.block_size = n, p, bs
             self.bounds = range_bounds(nblocks, p)
         elif n != self.n or comm.size != self.size:
-            raise ValueError(
+            # (on every rank alike: n, and the n and size set up, agreed in the signature)
+            raise CollectiveInputError(
                 f"exdyna was set up for n={self.n} on {self.size} ranks, got n={n} on "
-                f"{comm.size}; call reset() first"
+                f"{comm.size}: call its reset() on every rank first (it forgets the "
+                f"partitions and the threshold), or use a new instance for this n or "
+                f"communicator"
             )
 
     def _blocks(self, n: int, p: int) -> tuple[int, int]:

@@ -240,7 +240,9 @@ def test_auto_choice_follows_rule_and_learns_overlap(comm, kind):
 
 
 def test_auto_state_mismatch_raises_everywhere(comm):
-    """Ranks whose auto instances learned different overlaps fail together, before any payload."""
+    """Ranks whose auto instances learned different overlaps fail together, before any
+    payload, saying to call reset() on every rank; after it the call goes on (auto had no
+    reset(), which the message and GradientReducer.reset() count on)."""
     if comm.size == 1:
         return
     auto = Auto()
@@ -248,9 +250,14 @@ def test_auto_state_mismatch_raises_everywhere(comm):
     vals = np.ones(3, np.float32)
     idx = np.arange(3)
     with pytest.raises(
-        ValueError, match=r"algorithm options \(and the state of earlier calls\) must be the same"
+        ValueError,
+        match=r"algorithm options \(and the state of earlier calls\) must be the same on "
+        rf"every rank: rank {comm.size - 1} differs from rank 0 \(.*call its reset\(\)",
     ):
         sparsecoll.allreduce(comm, vals, idx, n=10, algorithm=auto)
+    auto.reset()
+    out = sparsecoll.allreduce(comm, vals, idx, n=10, algorithm=auto)
+    assert_all(comm, out.indices.tolist() == [0, 1, 2] and auto.theta == 0.0, f"{out}")
 
 
 @pytest.mark.parametrize("name", ["dsa", "recursive_doubling"])

@@ -369,8 +369,12 @@ def test_state_mismatch_raises_on_every_rank(comm):
             sparsecoll.allreduce(comm, x, idx, n=50, algorithm=alg)
     alg = ExDyna(k=5)
     sparsecoll.allreduce(comm, x, idx, n=50, algorithm=alg)
-    with pytest.raises(ValueError, match="set up for n=50"):
+    # another n: the library's input error (a ValueError), saying what to do
+    with pytest.raises(CollectiveInputError, match=r"set up for n=50 .*call its reset\(\)"):
         sparsecoll.allreduce(comm, x[:40], idx[:40], n=40, algorithm=alg)
+    alg.reset()
+    out = sparsecoll.allreduce(comm, x[:40], idx[:40], n=40, algorithm=alg)
+    assert out.n == 40 and out.nnz > 0
 
 
 @pytest.mark.parametrize("option", [{"rebalance": False}, {"tolerance": 0.2}])
