@@ -56,6 +56,7 @@ from ._array import (
     get_array_module,
     identity,
     is_device_array,
+    nonzero_mask,
     same_device,
     synchronize,
     to_host,
@@ -74,7 +75,7 @@ from .registry import (
     get_algorithm,
     refuse_unknown,
 )
-from .select._common import magnitude_keys, round_threshold, smallest_magnitude
+from .select._common import round_threshold, smallest_magnitude
 from .sparse import VALUE_DTYPES, SparseVector
 
 __all__ = ["GradientReducer"]
@@ -1018,7 +1019,7 @@ class GradientReducer:
             self._predict_cut(found, kth)
             if self._selector is not None:  # a due ReuseThreshold: this was its exact step
                 self._selector.observe(k, k, exact=kth)
-        nonzero = magnitude_keys(vals) != 0  # (vals != 0 on a GPU: subnormals too)
+        nonzero = nonzero_mask(vals)  # (on a GPU: float32 subnormals too)
         if bool(nonzero.all()):
             return idx, vals, taken
         if taken is not None:

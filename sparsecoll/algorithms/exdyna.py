@@ -62,12 +62,12 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import _state, select
-from .._array import get_array_module, index_dtype, to_host
+from .._array import get_array_module, index_dtype, nonzero_count, to_host
 from .._options import choice, flag, integer, real
 from ..comm import Communicator
 from ..errors import CollectiveInputError
 from ..registry import register_algorithm
-from ..select._common import magnitude_ge, magnitude_keys, magnitudes, shifted_float64
+from ..select._common import magnitude_ge, magnitudes, shifted_float64
 from ..sparse import SparseVector
 from ._merge import gather, keep_bucket, take_at_least
 from ._window import (
@@ -174,7 +174,7 @@ def _top_magnitudes(part: Any, take: int) -> Any:
     makes next, reports it on every rank (raising here would leave the others hanging).
     """
     xp = get_array_module(part)
-    take = min(take, int(xp.count_nonzero(magnitude_keys(part))))
+    take = min(take, nonzero_count(part))
     try:
         _, vals = select.topk(part, take)
     except ValueError:  # a NaN

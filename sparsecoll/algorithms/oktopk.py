@@ -94,7 +94,7 @@ from .._array import get_array_module, to_host
 from .._options import choice, count_band, flag, integer, real
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
-from ..select._common import key_info, magnitude_ge, magnitude_keys, magnitudes, threshold_key
+from ..select._common import key_info, magnitude_ge, magnitude_keys, threshold_key
 from ..sparse import SparseVector
 from ._merge import accumulate_dtype, isin_sorted, keep_bucket, merge_two
 from ._window import (
@@ -561,7 +561,7 @@ class OkTopk(Algorithm):
         ktype = KEY_TYPES[vals.dtype.itemsize]
         # the bits of a non-negative float order like it (not xp.abs: CuPy's flushes float32
         # subnormals to 0, so they would count as zeros)
-        keys = magnitudes(vals).view(ktype)
+        keys = magnitude_keys(vals)
         found = _radix_kth(comm, keys[keys > 0], self.k, 8 * vals.dtype.itemsize, xp)
         if found is None:  # at most k nonzeros in all: keep them all
             keep = xp.flatnonzero(keys)

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from .._array import IEEE_ARITHMETIC, cupy_or_none, index_dtype
-from ._common import magnitude_ge, magnitude_keys
+from .._array import IEEE_ARITHMETIC, cupy_or_none, index_dtype, nonzero_count
+from ._common import magnitude_ge, threshold_key
 
 __all__ = ["count_ge", "kth_largest_abs", "moments", "threshold", "topk"]
 
@@ -594,8 +594,6 @@ def _threshold_key(x: Any, t: float) -> int:
     t = float(t)
     if t != t:
         raise ValueError("the threshold is NaN")
-    from ._common import threshold_key
-
     return threshold_key(t, x.dtype)
 
 
@@ -707,8 +705,8 @@ def accumulate(
     hits = int(idx.shape[0])
     idx = idx[: cap if hits <= cap else 0].astype(itype, copy=False) + np.dtype(itype).type(lo)
     vals = acc[idx]
-    # (on keys: cupy.count_nonzero and abs/>= read float32 subnormals as 0, _common)
-    count = int(cp.count_nonzero(magnitude_keys(acc[lo:hi]))) if nonzeros else None
+    # (not cupy.count_nonzero nor abs/>=: they read float32 subnormals as 0)
+    count = nonzero_count(acc[lo:hi]) if nonzeros else None
     if zero_cut < math.inf:
         acc[idx[magnitude_ge(vals, zero_cut)]] = 0
     return idx, vals, hits, int(bad[0]), None, count
