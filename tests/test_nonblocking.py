@@ -37,14 +37,7 @@ def test_exit_with_requests_pending():
     ],
 )
 def test_watchdog_aborts_with_a_diagnostic(mode, waiting, idle):
-    from .mpirun import run_mpi
-
-    start = time.monotonic()
-    env = {"SPARSECOLL_TIMEOUT": str(WATCHDOG_SECONDS)}
-    proc = run_mpi(3, [__file__, mode], timeout=120, env=env)
-    out = proc.stdout
-    assert proc.returncode != 0, out[-6000:]
-    assert "not reached" not in out, out[-6000:]
+    out = _aborted_by_the_watchdog(3, mode)
     # the ranks waiting in the call say so; the rank that skipped it answers the alarm
     for rank in (0, 2):
         assert f"sparsecoll watchdog: rank {rank} of 3: {waiting}" in out, out
@@ -56,7 +49,21 @@ def test_watchdog_aborts_with_a_diagnostic(mode, waiting, idle):
     assert summary, out
     absent = f"rank 1 {idle}" if idle else "rank 1 did not answer within"
     assert any(absent in line for line in summary), out
+
+
+def _aborted_by_the_watchdog(nprocs: int, mode: str) -> str:
+    """The output of this file's ``mode`` run on ``nprocs`` ranks under SPARSECOLL_TIMEOUT,
+    checked to have been aborted (not hung, nor run to its end) within 100 s."""
+    from .mpirun import run_mpi
+
+    start = time.monotonic()
+    env = {"SPARSECOLL_TIMEOUT": str(WATCHDOG_SECONDS)}
+    proc = run_mpi(nprocs, [__file__, mode], timeout=120, env=env)
+    out = proc.stdout
+    assert proc.returncode != 0, out[-6000:]
+    assert "not reached" not in out, out[-6000:]
     assert time.monotonic() - start < 100
+    return out
 
 
 @pytest.mark.mpi
@@ -64,17 +71,9 @@ def test_watchdog_aborts_when_a_rank_skips_the_first_call():
     """The first nonblocking (or, under the watchdog, blocking) call on a communicator
     starts its progress engine, collectively, before any engine can watch: a rank that
     skipped it left the others there for ever under SPARSECOLL_TIMEOUT (the job hung)."""
-    from .mpirun import run_mpi
-
-    start = time.monotonic()
-    env = {"SPARSECOLL_TIMEOUT": str(WATCHDOG_SECONDS)}
-    proc = run_mpi(3, [__file__, "skip_first"], timeout=120, env=env)
-    out = proc.stdout
-    assert proc.returncode != 0, out[-6000:]
-    assert "not reached" not in out, out[-6000:]
+    out = _aborted_by_the_watchdog(3, "skip_first")
     waiting = "in the start of the communicator's progress engine (for iallreduce("
     assert any(f"rank {r} of 3: {waiting}" in out for r in (0, 2)), out[-6000:]
-    assert time.monotonic() - start < 100
 
 
 @pytest.mark.mpi
@@ -91,20 +90,12 @@ def test_watchdog_aborts_when_a_rank_skips_another_blocking_call(mode, label):
     """Collectives of the public API besides the reductions, watched as blocking calls:
     rank 1 skips one (after a watched allreduce, call #1). They ran unwatched, so the other
     rank waited in their agreement (or exchange) for ever under SPARSECOLL_TIMEOUT."""
-    from .mpirun import run_mpi
-
     if mode in ("skip_hook_load", "skip_init"):
         pytest.importorskip("torch")
-    start = time.monotonic()
-    env = {"SPARSECOLL_TIMEOUT": str(WATCHDOG_SECONDS)}
-    proc = run_mpi(2, [__file__, mode], timeout=120, env=env)
-    out = proc.stdout
-    assert proc.returncode != 0, out[-6000:]
-    assert "not reached" not in out, out[-6000:]
+    out = _aborted_by_the_watchdog(2, mode)
     assert f"sparsecoll watchdog: rank 0 of 2: in call #2 {label} for" in out, out[-6000:]
     idle = "rank 1 idle after call #1 allreduce(algorithm='allgather', n=9)"
     assert f"call #2 {label}: rank 0 in it; {idle}" in out, out[-6000:]
-    assert time.monotonic() - start < 100
 
 
 @pytest.mark.mpi
