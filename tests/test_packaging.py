@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -85,3 +86,8 @@ def test_the_wheel_is_the_package_with_its_data(tmp_path, build_path):
     assert {n.split("/")[0] for n in names} == {"sparsecoll", entry.split("/")[0]}
     assert "sparsecoll = sparsecoll.__main__:main" in scripts
     assert "License-Expression: BSD-3-Clause" in meta
+    # The version has one source, sparsecoll/__init__.py; the metadata carries it.
+    version = re.search(
+        r'^__version__ = "(.+)"$', (ROOT / "sparsecoll/__init__.py").read_text(), re.M
+    )
+    assert f"\nVersion: {version.group(1)}\n" in meta
