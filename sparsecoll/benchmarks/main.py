@@ -167,6 +167,32 @@ def check_label(name: str) -> str:
     return "sum" if algorithm_class(name).exact else "contract"
 
 
+def _print_header(size: int, n: int, args: argparse.Namespace, dtype: np.dtype, k: int) -> None:
+    """The table's legend and column titles (rank 0, before the first row)."""
+    print(f"# sparsecoll {__version__} bench: {mpi_library_version()}")
+    print(
+        f"# P={size} n={n} density={args.density} overlap={args.overlap} "
+        f"dtype={dtype} k/rank={k} iterations={args.iterations} warmup={args.warmup}"
+    )
+    print(
+        "# check: 'sum' = equals the exact dense sum; 'contract' = meets the selecting "
+        "algorithm's contract (about k entries: docs/selecting.md)"
+    )
+    print(
+        "# bytes/rank: payload bytes sent per call by the busiest rank (metadata, such as "
+        "counts and input checks, not included)"
+    )
+    print(
+        "# median ms: median over the timed calls of the slowest rank's time; "
+        "speedup = dense median / median; bytes ratio = bytes/rank / dense bytes/rank"
+    )
+    print(
+        f"{'algorithm':<20}{'check':>14}{'median ms':>12}{'speedup':>10}"
+        f"{'bytes/rank':>14}{'bytes ratio':>13}{'result nnz':>12}"
+    )
+    sys.stdout.flush()
+
+
 def run(args: argparse.Namespace) -> int:
     """The main job on parsed arguments; rank 0 prints the table."""
     comm = Communicator()
@@ -177,38 +203,19 @@ def run(args: argparse.Namespace) -> int:
     inputs = gather_inputs(comm, vals, idx, n)
     reference = reference_sum(inputs)  # built apart from every algorithm, dense included
     rows = []
+    if comm.rank == 0:
+        _print_header(comm.size, n, args, dtype, k)
     for name in ["dense", *[a for a in names if a != "dense"]]:
         out, times, sent = run_algorithm(comm, name, vals, idx, n, k, args.iterations, args.warmup)
         ok = verify_all(comm, name, out, reference, inputs, n, k)
         sent_max = int(comm.allreduce_ints([sent], "max")[0])
         rows.append((name, ok, float(np.median(times)), sent_max, out.nnz))
-    if comm.rank == 0:
-        _, _, dense_t, dense_bytes, _ = rows[0]  # dense always runs first: the reference
-        print(f"# sparsecoll {__version__} bench: {mpi_library_version()}")
-        print(
-            f"# P={comm.size} n={n} density={args.density} overlap={args.overlap} "
-            f"dtype={dtype} k/rank={k} iterations={args.iterations} warmup={args.warmup}"
-        )
-        print(
-            "# check: 'sum' = equals the exact dense sum; 'contract' = meets the selecting "
-            "algorithm's contract (about k entries: docs/selecting.md)"
-        )
-        print(
-            "# bytes/rank: payload bytes sent per call by the busiest rank (metadata, such as "
-            "counts and input checks, not included)"
-        )
-        print(
-            "# median ms: median over the timed calls of the slowest rank's time; "
-            "speedup = dense median / median; bytes ratio = bytes/rank / dense bytes/rank"
-        )
-        print(
-            f"{'algorithm':<20}{'check':>14}{'median ms':>12}{'speedup':>10}"
-            f"{'bytes/rank':>14}{'bytes ratio':>13}{'result nnz':>12}"
-        )
-        for name, ok, t, b, nnz in rows:
+        if comm.rank == 0:  # each row as soon as it is measured: a long run shows progress
+            _, _, dense_t, dense_bytes, _ = rows[0]  # dense always runs first: the reference
+            t, b, nnz = rows[-1][2:]
             check = f"{check_label(name)} {'ok' if ok else 'FAIL'}"
             speed = f"{dense_t / t:.2f}x" if t > 0 else "-"
             ratio = f"{b / dense_bytes:.3f}" if dense_bytes else "-"
             print(f"{name:<20}{check:>14}{t * 1e3:>12.2f}{speed:>10}{b:>14}{ratio:>13}{nnz:>12}")
-        sys.stdout.flush()
+            sys.stdout.flush()
     return 0 if all(r[1] for r in rows) else 1
