@@ -67,7 +67,7 @@ from .._options import choice, flag, integer, real
 from ..comm import Communicator
 from ..errors import CollectiveInputError
 from ..registry import register_algorithm
-from ..select._common import magnitude_ge, magnitudes, shifted_float64
+from ..select._common import magnitude_ge, magnitude_keys, magnitudes, shifted_float64
 from ..sparse import SparseVector
 from ._merge import gather, keep_bucket, take_at_least
 from ._window import (
@@ -170,19 +170,22 @@ def _top_magnitudes(part: Any, take: int) -> Any:
 
     By the selection kernels: np.partition is slow on a part that is mostly zeros (many
     ties; e.g. an embedding's gradient, docs/benchmarks.md). With a NaN in ``part`` the
-    kernels raise; then a partition keeps the NaN, and the window's pass, which every rank
-    makes next, reports it on every rank (raising here would leave the others hanging).
+    kernels raise; then a partition of the keys keeps the NaN (its key is the largest), and
+    :meth:`ExDyna._derive` reports it on every rank once gathered (raising here would leave
+    the others hanging).
     """
     xp = get_array_module(part)
     take = min(take, nonzero_count(part))
     try:
         _, vals = select.topk(part, take)
     except ValueError:  # a NaN
-        mags = xp.abs(part)
-        m = int(mags.shape[0])
-        vals = xp.partition(mags, m - take)[m - take :] if take else mags[:0]
+        # partitioned on keys, whose NaNs lie above inf's (CuPy's abs flushes float32
+        # subnormals to 0, and its float partition need not order NaN as numpy's)
+        keys = magnitude_keys(part)
+        m = int(keys.shape[0])
+        vals = (xp.partition(keys, m - take)[m - take :] if take else keys[:0]).view(part.dtype)
     top = shifted_float64(magnitudes(vals))  # (CuPy's abs and cast flush float32 subnormals)
-    return top[top > 0]
+    return top[~(top <= 0)]  # (a NaN kept)
 
 
 def _count_nonzeros(part: Any, found: _Found, counted: int | None = None) -> int:
@@ -776,16 +779,19 @@ class ExDyna(Algorithm):
             got, counts = comm.allgatherv(
                 top if mine else get_array_module(part).zeros(0, np.float64)
             )
-            got = to_host(got)  # (a NaN is caught by the threshold pass next)
+            got = to_host(got)
             offs = np.concatenate(([0], np.cumsum(counts)))
             for r in widen:
                 chunks[r] = got[offs[r] : offs[r + 1]]
+            # a rank's NaN is among its top (the largest key), seen by every rank alike;
+            # dropped, it left no threshold when nothing else was sent (an empty result),
+            # and kept as the threshold, it refused every later call
+            _agree_no_nan(np.array([[-1 if np.isnan(c).any() else 0] for c in chunks]))
             everything = np.concatenate(chunks)
             if everything.shape[0] == 0:
                 return None
             kk = min(self.k, everything.shape[0])
             estimate = float(np.partition(everything, everything.shape[0] - kk)[-kk])
-            # (a NaN compares false: no more rounds, and the pass next reports it)
             widen = [
                 r
                 for r, c in enumerate(chunks)

@@ -411,6 +411,25 @@ def test_nan_on_one_rank_raises_everywhere(comm, rule):
         alg.reduce_dense(comm, x)
 
 
+@pytest.mark.parametrize(("k", "other"), [(1, 1.0), (5, 0.0)])
+def test_nan_at_the_top_of_a_first_call_raises_everywhere(comm, k, other):
+    """A NaN that is every partition's largest |value| on a first call (the threshold is
+    derived from every rank's top magnitudes) is reported on every rank, and leaves no
+    NaN threshold behind: the next call on clean data selects k. The derive used to drop
+    NaNs from what it sent: with no other value among them (k = 1: only the NaN is sent;
+    or the rest zeros) it found no threshold and returned an empty result, the NaN and
+    every other value dropped silently."""
+    alg = ExDyna(k=k)
+    x = np.zeros(1000)
+    alg.prepare(comm, x.shape[0])
+    lo, hi = alg.owned_range(comm.rank)
+    x[lo], x[hi - 1] = np.nan, other
+    with pytest.raises(ValueError, match="holds a NaN on rank 0"):
+        alg.reduce_dense(comm, x)
+    clean = np.random.default_rng([5, comm.rank]).standard_normal(1000)
+    assert alg.reduce_dense(comm, clean).nnz == k
+
+
 @st.composite
 def quantised_streams(draw):
     n = draw(st.integers(64, 3000))
