@@ -80,7 +80,7 @@ from ._window import (
     pick_edge,
     window_edges,
 )
-from .base import Algorithm, allclose_sparse, range_bounds, state_crc
+from .base import Algorithm, allclose_sparse, range_bounds, region_cuts, state_crc
 from .gtopk import check_k
 
 __all__ = ["WINDOW_OFFSETS", "ExDyna", "authors_rule", "rebalance"]
@@ -540,8 +540,9 @@ class ExDyna(Algorithm):
         def values_at(idx: Any) -> Any:
             if found is None or found.taken is None:
                 return gather(acc, idx, drop)
-            # this rank's own range is a run of idx, its values the candidates' (taken)
-            a, b = (int(c) for c in xp.searchsorted(idx, xp.asarray([lo, hi], idx.dtype)))
+            # this rank's own range is a run of idx, its values the candidates' (taken); (hi
+            # may be n = 2**31, which int32 indices do not hold: region_cuts searches wider)
+            a, b = region_cuts(idx, np.array([0, lo, hi, n], dtype=np.int64))[1:3]
             if a == 0 and b == idx.shape[0]:
                 return found.taken
             out = xp.empty(idx.shape[0], acc.dtype)
