@@ -478,6 +478,15 @@ def _in_dtype(total: Any, orig: Any, out: Any) -> Any:
     return out
 
 
+def _wait_for_foreign(given: Any, out: Any) -> None:
+    """Wait for CuPy's stream when ``out``, the CuPy view of the caller's ``given``, is
+    another library's device array (a torch CUDA tensor): the kernels that wrote it (the
+    mean's division, float16's cast) ran on CuPy's stream, and nothing orders the owner's
+    stream after them (a new result goes back through DLPack, which does)."""
+    if given is not None and given is not out and is_device_array(out):
+        synchronize()
+
+
 def widening_buffer(buf: Any) -> Any:
     """The float32 array that the allreduce of a float16 ``buf`` sums in (MPI has no
     portable half type), made on ``buf``'s device; None for another dtype. Callers that
@@ -1115,6 +1124,7 @@ class Communicator:
         with device_scope(work):  # (a torch tensor: its CuPy view, on the tensor's GPU)
             self._allreduce_into(work, dest, op)
             total = _in_dtype(dest, orig, out)
+            _wait_for_foreign(given, out)
         return given if given is not None else wrap(total)
 
     def _allreduce_into(self, work: Any, dest: Any, op: str) -> None:

@@ -22,6 +22,7 @@ from ._array import (
     same_device,
     segment_sum,
     stable_argsort,
+    synchronize,
 )
 
 __all__ = [
@@ -159,6 +160,10 @@ class SparseVector:
                 idx = idx.copy()
             buf[...] = 0
             buf[idx] = vals
+            if buf is not out and is_device_array(buf):
+                # written on CuPy's stream into another library's array (torch): nothing
+                # orders its owner's stream after that, so wait here
+                synchronize()
         return out
 
     def __len__(self) -> int:

@@ -101,6 +101,7 @@ def _on_current_device(*objs: Any) -> None:
     CuPy's kernels do (``_check_peer_access`` in cupy/_core/_kernel.pyx: a ValueError
     without peer access between the GPUs; with it, a PerformanceWarning and the kernel
     reads the other GPU's memory from the current one, its outputs allocated there)."""
+    _Stream.launched += 1  # (every caller is a kernel or a copy on the stream)
     cur = _Device.current()
     for obj in objs:
         if isinstance(obj, ndarray):
@@ -157,15 +158,33 @@ class _Device:
         _Device._local.id = self._prev.pop()
 
     def synchronize(self) -> None:
-        return None
+        _Stream.waited()
 
 
 class _Stream:
+    """CuPy's stream, as far as the tests look: how often it was synchronized, and
+    whether work was queued since (``pending``). Every kernel or copy the fake runs counts
+    as queued; a synchronize, and a copy to the host (``get``, ``int()``, ...: blocking),
+    waits for all of it."""
+
     ptr = 0
     syncs = 0  # how often any stream was synchronized (tests look at it)
+    launched = 0  # kernels and copies queued so far
+    synced = 0  # ``launched`` at the last wait
 
     def synchronize(self) -> None:
         _Stream.syncs += 1
+        _Stream.waited()
+
+    @staticmethod
+    def waited() -> None:
+        _Stream.synced = _Stream.launched
+
+    @staticmethod
+    def pending() -> bool:
+        """Whether a kernel or copy was queued after the last wait for the stream (as
+        torch reading memory the fake wrote would race with it on a GPU)."""
+        return _Stream.launched > _Stream.synced
 
 
 class _Pointer:
@@ -221,6 +240,8 @@ class ndarray:
         return getattr(module, func.__name__)(*args, **kwargs)
 
     def get(self, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True):
+        if blocking:
+            _Stream.waited()  # (a blocking copy waits for the work queued before it)
         if out is None:
             return np.array(self._a, order=order, copy=True)
         if not isinstance(out, np.ndarray):
@@ -240,9 +261,11 @@ class ndarray:
         np.copyto(self._a, arr)
 
     def tolist(self) -> Any:
+        _Stream.waited()
         return self._a.tolist()
 
     def item(self) -> Any:
+        _Stream.waited()
         return self._a.item()
 
     # -- attributes ---------------------------------------------------------------------
@@ -268,12 +291,15 @@ class ndarray:
         return f"fakecupy.{self._a!r}"
 
     def __bool__(self) -> bool:
+        _Stream.waited()
         return bool(self._a)
 
     def __int__(self) -> int:
+        _Stream.waited()
         return int(self._a)
 
     def __float__(self) -> float:
+        _Stream.waited()
         return float(self._a)
 
     # no __index__: cupy.ndarray has none (a 0-d device array is no slice bound, range()

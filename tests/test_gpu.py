@@ -394,6 +394,34 @@ def test_as_array_takes_cuda_dlpack_producers(xp):
     assert wrap(arr) is arr  # not torch: results stay CuPy arrays
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_writes_into_a_foreign_device_out_are_waited_for(xp, dtype):
+    """An ``out`` that is another library's device array (torch CUDA tensors) is written by
+    CuPy kernels on CuPy's stream, which nothing orders the owner's stream after (DLPack
+    orders only arrays handed *to* a consumer): to_dense(out=) and a one-rank
+    Communicator.allreduce(out=, op="mean") return with no work pending, as
+    GradientReducer.step(out=) does. Both used to return with their last kernels (the
+    scatter; the mean's division, float16's cast into out) still queued."""
+    if xp is not fakecupy.module:
+        pytest.skip("the fake's DLPack double and its record of queued work")
+    from mpi4py import MPI
+
+    from sparsecoll import Communicator, GradientReducer
+
+    v = SparseVector(xp.asarray(np.array([1, 5])), xp.asarray(np.array([2.0, -3.0], dtype)), 8)
+    dense = xp.zeros(8, dtype)
+    assert v.to_dense(out=_CudaProducer(dense)) is not None and not fakecupy._Stream.pending()
+    assert dense.get().tolist() == [0, 2, 0, 0, 0, -3, 0, 0]
+    comm = Communicator(MPI.COMM_SELF)
+    got = xp.zeros(8, dtype)
+    comm.allreduce(_CudaProducer(dense), out=_CudaProducer(got), op="mean")
+    assert not fakecupy._Stream.pending()
+    assert got.get().tolist() == dense.get().tolist()
+    red = GradientReducer(comm, 8, algorithm="allgather", density=0.25)
+    red.step(_CudaProducer(dense), out=_CudaProducer(got))
+    assert not fakecupy._Stream.pending()
+
+
 def test_topk_agrees_with_torch(xp, sel):
     torch = fakecupy.require_torch_cuda(xp)
     x = xp.random.standard_normal(1_000_003, dtype=np.float32)  # distinct values: no ties

@@ -67,7 +67,7 @@ from .._options import choice, flag, integer, real
 from ..comm import Communicator
 from ..errors import CollectiveInputError
 from ..registry import register_algorithm
-from ..select._common import magnitude_ge, magnitudes, shifted_float64
+from ..select._common import magnitude_ge, magnitude_keys, magnitudes, shifted_float64
 from ..sparse import SparseVector
 from ._merge import gather, keep_bucket, take_at_least
 from ._window import (
@@ -80,7 +80,7 @@ from ._window import (
     pick_edge,
     window_edges,
 )
-from .base import Algorithm, allclose_sparse, range_bounds, state_crc
+from .base import Algorithm, allclose_sparse, range_bounds, region_cuts, state_crc
 from .gtopk import check_k
 
 __all__ = ["WINDOW_OFFSETS", "ExDyna", "authors_rule", "rebalance"]
@@ -170,19 +170,22 @@ def _top_magnitudes(part: Any, take: int) -> Any:
 
     By the selection kernels: np.partition is slow on a part that is mostly zeros (many
     ties; e.g. an embedding's gradient, docs/benchmarks.md). With a NaN in ``part`` the
-    kernels raise; then a partition keeps the NaN, and the window's pass, which every rank
-    makes next, reports it on every rank (raising here would leave the others hanging).
+    kernels raise; then a partition of the keys keeps the NaN (its key is the largest), and
+    :meth:`ExDyna._derive` reports it on every rank once gathered (raising here would leave
+    the others hanging).
     """
     xp = get_array_module(part)
     take = min(take, nonzero_count(part))
     try:
         _, vals = select.topk(part, take)
     except ValueError:  # a NaN
-        mags = xp.abs(part)
-        m = int(mags.shape[0])
-        vals = xp.partition(mags, m - take)[m - take :] if take else mags[:0]
+        # partitioned on keys, whose NaNs lie above inf's (CuPy's abs flushes float32
+        # subnormals to 0, and its float partition need not order NaN as numpy's)
+        keys = magnitude_keys(part)
+        m = int(keys.shape[0])
+        vals = (xp.partition(keys, m - take)[m - take :] if take else keys[:0]).view(part.dtype)
     top = shifted_float64(magnitudes(vals))  # (CuPy's abs and cast flush float32 subnormals)
-    return top[top > 0]
+    return top[~(top <= 0)]  # (a NaN kept)
 
 
 def _count_nonzeros(part: Any, found: _Found, counted: int | None = None) -> int:
@@ -537,8 +540,9 @@ class ExDyna(Algorithm):
         def values_at(idx: Any) -> Any:
             if found is None or found.taken is None:
                 return gather(acc, idx, drop)
-            # this rank's own range is a run of idx, its values the candidates' (taken)
-            a, b = (int(c) for c in xp.searchsorted(idx, xp.asarray([lo, hi], idx.dtype)))
+            # this rank's own range is a run of idx, its values the candidates' (taken); (hi
+            # may be n = 2**31, which int32 indices do not hold: region_cuts searches wider)
+            a, b = region_cuts(idx, np.array([0, lo, hi, n], dtype=np.int64))[1:3]
             if a == 0 and b == idx.shape[0]:
                 return found.taken
             out = xp.empty(idx.shape[0], acc.dtype)
@@ -776,16 +780,19 @@ class ExDyna(Algorithm):
             got, counts = comm.allgatherv(
                 top if mine else get_array_module(part).zeros(0, np.float64)
             )
-            got = to_host(got)  # (a NaN is caught by the threshold pass next)
+            got = to_host(got)
             offs = np.concatenate(([0], np.cumsum(counts)))
             for r in widen:
                 chunks[r] = got[offs[r] : offs[r + 1]]
+            # a rank's NaN is among its top (the largest key), seen by every rank alike;
+            # dropped, it left no threshold when nothing else was sent (an empty result),
+            # and kept as the threshold, it refused every later call
+            _agree_no_nan(np.array([[-1 if np.isnan(c).any() else 0] for c in chunks]))
             everything = np.concatenate(chunks)
             if everything.shape[0] == 0:
                 return None
             kk = min(self.k, everything.shape[0])
             estimate = float(np.partition(everything, everything.shape[0] - kk)[-kk])
-            # (a NaN compares false: no more rounds, and the pass next reports it)
             widen = [
                 r
                 for r, c in enumerate(chunks)

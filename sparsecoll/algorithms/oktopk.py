@@ -534,9 +534,15 @@ class OkTopk(Algorithm):
         |value| (every entry is >= it, the smallest is below the next), and the bucket
         [edges[j], edges[j + 1]) is taken whole, from where :func:`bucket_start` puts it."""
         xp = get_array_module(vals)
-        mags = xp.abs(vals)
-        # compared in vals' dtype, as the counts are; NaN (never counted) fails here too
-        least = np.array(float(mags.min()), dtype=vals.dtype)
+        # the least |value| on keys (CuPy's abs and min flush float32 subnormals to 0, which
+        # missed every window of subnormal edges on a GPU); a NaN (never counted) reads as
+        # key 0, so it fails the test below as a zero does
+        info = key_info(vals.dtype)
+        keys = magnitude_keys(vals)
+        ut = info.utype.type
+        least_key = int(xp.where(keys <= ut(info.inf_key), keys, ut(0)).min())
+        # compared in vals' dtype, as the counts are
+        least = np.array(least_key, dtype=info.utype).view(vals.dtype)[()]
         if not least >= edges[0]:  # fewer than k entries >= the lowest edge
             return None
         j = int(np.searchsorted(edges, least, side="right")) - 1

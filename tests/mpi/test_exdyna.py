@@ -411,6 +411,66 @@ def test_nan_on_one_rank_raises_everywhere(comm, rule):
         alg.reduce_dense(comm, x)
 
 
+@pytest.mark.parametrize(("k", "other"), [(1, 1.0), (5, 0.0)])
+def test_nan_at_the_top_of_a_first_call_raises_everywhere(comm, k, other):
+    """A NaN that is every partition's largest |value| on a first call (the threshold is
+    derived from every rank's top magnitudes) is reported on every rank, and leaves no
+    NaN threshold behind: the next call on clean data selects k. The derive used to drop
+    NaNs from what it sent: with no other value among them (k = 1: only the NaN is sent;
+    or the rest zeros) it found no threshold and returned an empty result, the NaN and
+    every other value dropped silently."""
+    alg = ExDyna(k=k)
+    x = np.zeros(1000)
+    alg.prepare(comm, x.shape[0])
+    lo, hi = alg.owned_range(comm.rank)
+    x[lo], x[hi - 1] = np.nan, other
+    with pytest.raises(ValueError, match="holds a NaN on rank 0"):
+        alg.reduce_dense(comm, x)
+    clean = np.random.default_rng([5, comm.rank]).standard_normal(1000)
+    assert alg.reduce_dense(comm, clean).nnz == k
+
+
+def test_candidates_where_the_index_dtype_holds_no_n(comm, monkeypatch):
+    """reduce_dense with a caller's zeroed candidates, where the indices' dtype holds every
+    index but not n itself (int32 at n = 2**31): the last partition's end did not fit in
+    it, and its owner raised OverflowError ('Python integer 2147483648 out of bounds for
+    int32') finding its own run of the result while the other ranks waited in the sum. Here
+    in miniature (int16 indices at n = 2**15, as index_dtype would give int32 at 2**31):
+    the calls equal plain ones, without candidates, bit for bit."""
+    import sparsecoll.algorithms.exdyna as ex
+
+    n, k = 2**15, 20
+    monkeypatch.setattr(ex, "index_dtype", lambda m: np.dtype(np.int16 if m <= n else np.int64))
+    rng = np.random.default_rng([7, comm.rank])
+    pos = np.sort(rng.choice(n, 2000, replace=False))
+    fed, plain = ExDyna(k=k), ExDyna(k=k)
+    acc = np.zeros(n, np.float32)
+    acc_plain = acc.copy()
+    problems = []
+    for step in range(4):
+        grad = rng.standard_normal(2000).astype(np.float32)
+        acc[pos] += grad
+        acc_plain[pos] += grad
+        want = plain.reduce_dense(comm, acc_plain, drop=True)
+        cut, zc = fed.candidate_cut(acc.dtype), fed.zero_cut(acc.dtype)
+        if cut is None:
+            got = fed.reduce_dense(comm, acc, drop=True)
+        else:  # as GradientReducer's pass: candidates from cut up, zeroed in acc from zc up
+            lo, hi = fed.owned_range(comm.rank)
+            at, vals = sparsecoll.select.threshold(acc[lo:hi], cut)
+            acc[lo + at[np.abs(vals) >= np.float32(zc)]] = 0
+            cand = (at.astype(np.int64) + lo, vals)
+            got = fed.reduce_dense(comm, acc, candidates=cand, drop=True, zeroed=zc)
+        same = (
+            np.array_equal(got.indices, want.indices)
+            and np.array_equal(got.values, want.values)
+            and np.array_equal(acc, acc_plain)
+        )
+        if not same or got.indices.dtype != np.int16:
+            problems.append(f"call {step}: {got.indices.dtype} {got.nnz} vs {want.nnz}")
+    assert_all(comm, not problems, "; ".join(problems))
+
+
 @st.composite
 def quantised_streams(draw):
     n = draw(st.integers(64, 3000))

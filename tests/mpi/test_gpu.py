@@ -165,6 +165,61 @@ def test_float32_subnormals_on_device_as_on_host(comm, xp):
     assert_all(comm, not problems, "; ".join(problems))
 
 
+def test_oktopk_window_calls_on_subnormals_as_on_host(comm, xp):
+    """An oktopk stream of float32 subnormals takes the same window calls on the device as
+    on the host. At P = 1 with k entries (a caller's local top-k) the window keeps them all
+    from their least |value|, which CuPy's abs and min read as 0 on a GPU: every window
+    call missed there and fell back to the exact select (info["recomputed"])."""
+    if xp is not fakecupy.module:
+        pytest.skip("CuPy's float32 sums flush subnormals on a GPU (docs/gpu.md)")
+    from sparsecoll.algorithms.oktopk import OkTopk
+
+    tiny = np.finfo(np.float32).smallest_subnormal
+    n, k = 400, 20
+    c = Communicator(comm.mpi_comm)
+    host, dev = OkTopk(k=k, tau=8), OkTopk(k=k, tau=8)
+    problems, windows = [], 0
+    for step in range(4):
+        rng = np.random.default_rng([29, step, comm.rank])
+        idx = np.sort(rng.choice(n, k, replace=False))
+        vals = (rng.integers(40, 61, k) * rng.choice([-1, 1], k) * tiny).astype(np.float32)
+        h = sparsecoll.allreduce(c, vals, idx, n=n, algorithm=host)
+        d = sparsecoll.allreduce(c, xp.asarray(vals), xp.asarray(idx), n=n, algorithm=dev)
+        windows += h.info["window"] is not None
+        got = (_host(d.indices), _host(d.values).view(np.uint32), d.info["window"])
+        if not (
+            np.array_equal(got[0], h.indices)
+            and np.array_equal(got[1], h.values.view(np.uint32))
+            and got[2] == h.info["window"]
+        ):
+            problems.append(f"call {step}: window {got[2]} on the device, {h.info['window']}")
+    assert_all(comm, not problems and windows, "; ".join(problems) or "no window call")
+
+
+def test_exdyna_nan_among_subnormals_raises_on_device_as_on_host(comm, xp):
+    """exdyna's first call on a partition holding a NaN and float32 subnormals raises on
+    every rank on the device as on the host. The derive's fallback (the selection kernels
+    refuse the NaN) took CuPy's abs, which reads the subnormals as 0: with the NaN dropped
+    too, nothing was sent, and the device call returned an empty result silently."""
+    from sparsecoll.algorithms.exdyna import ExDyna
+
+    tiny = np.finfo(np.float32).smallest_subnormal
+    x = np.zeros(1000, np.float32)
+    alg = ExDyna(k=5)
+    alg.prepare(comm, x.shape[0])
+    lo = alg.owned_range(comm.rank)[0]
+    x[lo : lo + 4] = np.array([np.nan, 3, -5, 7], np.float32) * np.float32(tiny)
+    outcomes = []
+    for a in (x, xp.asarray(x)):
+        try:
+            got = ExDyna(k=5).reduce_dense(comm, a)
+            outcomes.append(f"{got.nnz} entries")
+        except ValueError as exc:
+            outcomes.append(str(exc))
+    ok = outcomes == ["the accumulated gradient holds a NaN on rank 0"] * 2
+    assert_all(comm, ok, f"host: {outcomes[0]}; device: {outcomes[1]}")
+
+
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_device_moves_the_same_bytes_as_host(comm, xp, name):
     """Staging or not, device buffers change no byte or message that crosses between ranks.
