@@ -34,10 +34,18 @@ def launcher_mismatch(world_size: int, library: str) -> str | None:
     a world of several ranks has its launcher, whatever an outer launch left in the
     environment. ``world_size`` is what this MPI's
     COMM_WORLD holds, ``library`` its version line (for the message).
+
+    The launchers' own counts: ``PMI_SIZE`` (MPICH's and Intel MPI's Hydra, srun's PMI
+    plugins), ``OMPI_COMM_WORLD_SIZE`` (Open MPI), ``MV2_COMM_WORLD_SIZE`` (MVAPICH). And
+    srun's ``SLURM_STEP_NUM_TASKS`` when this process is itself one of the step's tasks
+    (``SLURM_TASK_PID`` is its pid): srun without the PMI plugin that mpi4py's MPI takes
+    (``--mpi=``) starts every task as a world of one and sets none of the others. A process
+    that a task's shell or script starts (an interactive step's shell, a batch script: its
+    own pid differs) is not taken for one: it may be meant to run alone there.
     """
     if world_size != 1:  # (a variable inherited from an outer launch may disagree)
         return None
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
         started = os.environ.get(var, "")
         if started.isdigit() and int(started) > 1:
             return (
@@ -47,6 +55,19 @@ def launcher_mismatch(world_size: int, library: str) -> str | None:
                 f"build mpi4py against the launcher's MPI (a process meant to run alone, "
                 f"started by a rank of another job: unset {var})"
             )
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if (
+        tasks.isdigit()
+        and int(tasks) > 1
+        and os.environ.get("SLURM_TASK_PID", "").strip() == str(os.getpid())
+    ):
+        return (
+            f"srun started {tasks} tasks (SLURM_STEP_NUM_TASKS={tasks}) but MPI ({library}) "
+            f"sees {world_size} rank(s) in each: srun did not start them as one job of "
+            "mpi4py's MPI; give srun the --mpi= plugin (PMI) that this MPI was built for "
+            "(srun --mpi=list shows srun's), or launch with that MPI's mpiexec "
+            "(SPARSECOLL_MPIEXEC) (a task meant to run alone: unset SLURM_STEP_NUM_TASKS)"
+        )
     return None
 
 

@@ -341,6 +341,10 @@ class Engine:
                     self._ended_call(entry[0])
                 self._cond.notify_all()  # (stop() may wait for it)
 
+    def watches_this_thread(self) -> bool:
+        """Whether the calling thread is in a watched blocking call (:meth:`watching`)."""
+        return threading.get_ident() in self._blocking
+
     def _ended_call(self, req: SparseRequest) -> None:
         # (under self._cond)
         self._done += 1

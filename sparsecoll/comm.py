@@ -70,6 +70,7 @@ from ._array import (
     synchronize,
 )
 from ._options import env_flag
+from ._progress import get_timeout
 from .sparse import VALUE_DTYPES
 
 __all__ = ["CommStats", "Communicator", "Request", "mpi_library_version"]
@@ -394,19 +395,60 @@ def _engine_deleted(comm: Any, keyval: int, engine: Any) -> None:
     engine.close(wait=False, free=comm != MPI.COMM_WORLD and comm != MPI.COMM_SELF)
 
 
+# Communicator methods that talk to one rank, not to all: they cannot start a progress
+# engine (a collective start) to be watched, only be watched by one already running
+_POINT_TO_POINT = frozenset({"send", "recv", "sendrecv", "recv_bytes", "sendrecv_ints"})
+_NOT_BLOCKING = frozenset({"isend", "irecv"})  # they return at once: nothing to watch
+
+
 def _routed(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run a communication method on the progress engine's duplicate when called from the
-    engine's thread; from any other thread, wait for the engine's pending work first."""
+    engine's thread; from any other thread, wait for the engine's pending work first.
+
+    With the watchdog on, a public method called directly (not inside a watched call) is
+    watched as a blocking call, labelled ``Communicator.<name>()`` (:func:`_watch_direct`).
+    """
+    name = fn.__name__
+    label = f"Communicator.{name}()"
+    watched = not name.startswith("_") and name not in _NOT_BLOCKING
+    collective = name not in _POINT_TO_POINT
 
     @functools.wraps(fn)
     def call(self: Communicator, *args: Any, **kwargs: Any) -> Any:
         engine = self._attached_engine()
+        user = self
         if engine is not None:
             self = engine.route(self)
         with self.serial(), _buffers_device(args):
-            return fn(self, *args, **kwargs)
+            if not watched or not get_timeout():
+                return fn(self, *args, **kwargs)
+            with _watch_direct(user, engine, label, collective):
+                return fn(self, *args, **kwargs)
 
     return call
+
+
+def _watch_direct(
+    comm: Communicator, engine: Any, label: str, collective: bool
+) -> contextlib.AbstractContextManager[None]:
+    """Around a Communicator method that the user calls directly with the watchdog on:
+    watch it as a blocking call (:func:`sparsecoll.api.watch`), as ``Communicator.allreduce``
+    is. A rank that skipped a ``barrier`` or an ``allgatherv`` left the others there for
+    ever. Not watched again: a call inside a watched one (sparsecoll's own calls make
+    these), on the progress thread, on the engine's own duplicates, while an engine starts
+    (its agreement is made of these calls), and a point-to-point call on a communicator
+    with no engine yet (starting one is collective: the ranks not in the exchange would
+    never join it)."""
+    if comm._internal or getattr(_thread_state, "starting", False):
+        return contextlib.nullcontext()
+    if engine is None:
+        if not collective:
+            return contextlib.nullcontext()
+    elif engine.is_worker_thread() or engine.watches_this_thread():
+        return contextlib.nullcontext()
+    from .api import watch  # (api imports this module)
+
+    return watch(comm, label)
 
 
 def _buffers_device(args: tuple[Any, ...]) -> Any:
@@ -588,6 +630,7 @@ class Communicator:
         self._cuda_aware: bool | None = None
         self._engine: Any = None  # the progress engine, once found (see _attached_engine)
         self._lock: Any = None  # see serial()
+        self._internal = False  # a progress engine's own duplicate (see _watch_direct)
         self.poll = bool(env_flag("SPARSECOLL_POLL", False)) if poll is None else bool(poll)
 
     def __repr__(self) -> str:
@@ -642,12 +685,19 @@ class Communicator:
                 return engine
             from .api import start_check  # (api imports this module)
 
-            with starting(self, call):  # (watched: no engine watches it yet)
-                start_check(self, call, blocking)
-                work = self.mpi_comm.Dup()
-                alarm = self.mpi_comm.Dup()
+            _thread_state.starting = True  # (its calls are the start's: not watched alone)
+            try:
+                with starting(self, call):  # (watched: no engine watches it yet)
+                    start_check(self, call, blocking)
+                    work = self.mpi_comm.Dup()
+                    alarm = self.mpi_comm.Dup()
+            finally:
+                _thread_state.starting = False
             poll = bool(env_flag("SPARSECOLL_PROGRESS_POLL", True))
-            engine = Engine(Communicator(work, poll=poll), Communicator(alarm, poll=True))
+            ours = Communicator(work, poll=poll), Communicator(alarm, poll=True)
+            for c in ours:
+                c._internal = True
+            engine = Engine(*ours)
             self.mpi_comm.Set_attr(_engine_keyval(), engine)
             self._engine = engine
         _stop_at_finalize()

@@ -382,11 +382,14 @@ def test_no_mpi_library_is_named_with_what_to_install():
     assert "/nonexistent/libmpi.so" in out.stdout  # (mpi4py's detail kept)
 
 
-@pytest.mark.parametrize("var", ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
+@pytest.mark.parametrize(
+    "var", ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"]
+)
 def test_another_mpis_launcher_is_refused_not_p_jobs_of_one(var):
     """Another MPI's mpiexec in front of mpi4py's MPI starts P processes that each run as a
     world of one: allreduce returned every rank's own input, unreduced, with no error (P
-    copies of a job of one). The launcher's variables, as it sets them, make it refused."""
+    copies of a job of one). The launcher's variables, as it sets them, make it refused
+    (srun's: as a task srun started itself, SLURM_TASK_PID its pid; it ran, as MVAPICH's)."""
     code = (
         "import numpy as np, sparsecoll\n"
         "for make in (\n"
@@ -400,19 +403,23 @@ def test_another_mpis_launcher_is_refused_not_p_jobs_of_one(var):
         "    else:\n"
         "        print('ran')\n"
     )
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_"))}
+    launchers = ("PMI_", "OMPI_", "MV2_", "SLURM_")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(launchers)}
+    # (exec: python is the process whose pid the shell gives it, as srun's task is)
+    task = ["sh", "-c", 'SLURM_TASK_PID=$$ exec "$0" -c "$1"', sys.executable, code]
     for env, want in ((clean, ["ran", "ran"]), ({**clean, var: "2"}, None)):
-        out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-        )
+        out = subprocess.run(task, env=env, capture_output=True, text=True, timeout=120)
         lines = out.stdout.splitlines()
         assert out.returncode == 0 and len(lines) == 2, out.stdout + out.stderr
         if want:
             assert lines == want
             continue
+        srun = var.startswith("SLURM_")
+        started = "srun started 2 tasks" if srun else "the launcher started 2 processes"
         for line in lines:
-            assert line.startswith(f"sparsecoll: the launcher started 2 processes ({var}=2)")
-            assert "another MPI's than mpi4py's" in line and f"unset {var}" in line
+            assert line.startswith(f"sparsecoll: {started} ({var}=2)"), line
+            assert f"unset {var}" in line, line
+            assert ("--mpi= plugin" if srun else "another MPI's than mpi4py's") in line, line
 
 
 def test_import_is_light():

@@ -396,19 +396,29 @@ def test_another_mpis_launcher_is_an_error_not_p_copies(tmp_path) -> None:
         (2, {"OMPI_COMM_WORLD_SIZE": "4"}, False),  # left over from an outer launch
         (2, {"PMI_SIZE": "2"}, False),
         (3, {}, False),
+        (1, {"MV2_COMM_WORLD_SIZE": "2"}, True),  # MVAPICH's mpirun_rsh
+        # srun without the PMI plugin of mpi4py's MPI: each task (this very process) alone
+        (1, {"SLURM_STEP_NUM_TASKS": "4", "SLURM_TASK_PID": "self"}, True),
+        (4, {"SLURM_STEP_NUM_TASKS": "4", "SLURM_TASK_PID": "self"}, False),
+        (1, {"SLURM_STEP_NUM_TASKS": "1", "SLURM_TASK_PID": "self"}, False),
+        # started by a task's shell (an interactive step of 2 tasks): meant to run alone
+        (1, {"SLURM_STEP_NUM_TASKS": "2", "SLURM_TASK_PID": "parent"}, False),
+        (1, {"SLURM_NTASKS": "4", "SLURM_TASK_PID": "self"}, False),  # a batch script
     ],
 )
 def test_launcher_mismatch_is_p_worlds_of_one(monkeypatch, world, env, wrong) -> None:
     """Only a world of one under a launcher of several is another MPI's launcher: a variable
     inherited from an outer launch (a driver started by mpirun, a Slurm step) used to make
     bench refuse a world of the right size, with a message that called mpiexec another
-    MPI's."""
+    MPI's. MVAPICH's count and srun's were not looked at: `srun -n 4 python train.py`
+    without the PMI plugin of mpi4py's MPI ran 4 jobs of one rank, silently."""
     from sparsecoll._launch import launcher_mismatch
 
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+    pids = {"self": str(os.getpid()), "parent": str(os.getppid())}
+    for var in (*_LAUNCHER_VARS, "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
-        monkeypatch.setenv(var, value)
+        monkeypatch.setenv(var, pids.get(value, value))
     assert (launcher_mismatch(world, "MPI X") is not None) == wrong
 
 

@@ -84,12 +84,16 @@ def test_watchdog_aborts_when_a_rank_skips_the_first_call():
         ("skip_dense", "Communicator.allreduce(op='sum')"),
         ("skip_hook_load", "SparseHookState.load_state_dict()"),
         ("skip_init", "init_process_group()"),
+        # the Communicator's methods called directly: a collective, and point-to-point
+        ("skip_barrier", "Communicator.barrier()"),
+        ("skip_send", "Communicator.recv()"),
     ],
 )
 def test_watchdog_aborts_when_a_rank_skips_another_blocking_call(mode, label):
     """Collectives of the public API besides the reductions, watched as blocking calls:
     rank 1 skips one (after a watched allreduce, call #1). They ran unwatched, so the other
-    rank waited in their agreement (or exchange) for ever under SPARSECOLL_TIMEOUT."""
+    rank waited in their agreement (or exchange) for ever under SPARSECOLL_TIMEOUT (so did
+    rank 0 in a Communicator's barrier, or in its recv of a send that rank 1 skipped)."""
     if mode in ("skip_hook_load", "skip_init"):
         pytest.importorskip("torch")
     out = _aborted_by_the_watchdog(2, mode)
@@ -505,6 +509,10 @@ def _skip_blocking(mode: str) -> None:
             red.load_state_dict(red.state_dict())
         elif mode == "skip_dense":
             comm.allreduce(np.ones(4, np.float32))
+        elif mode == "skip_barrier":
+            comm.barrier()
+        elif mode == "skip_send":
+            comm.recv(np.empty(4, np.float32), 1)  # (rank 1 skips its send)
         elif mode == "skip_hook_load":
             from sparsecoll.integrations.torch import SparseHookState
 
@@ -514,7 +522,9 @@ def _skip_blocking(mode: str) -> None:
             from sparsecoll.integrations.torch import init_process_group
 
             init_process_group(comm)
-    comm.mpi_comm.Barrier()  # raw MPI, not watched; rank 1 waits here
+    # raw MPI, not watched; rank 1 waits here (a receive that nothing sends: a Barrier
+    # would pair with rank 0's Communicator.barrier)
+    comm.mpi_comm.Recv(np.empty(1), source=0, tag=77)
     print("not reached", flush=True)
 
 
@@ -575,7 +585,8 @@ def _low_level(level: str) -> None:
 if __name__ == "__main__":
     modes = {"pending": _pending, "skip": _skip, "skip_step": _skip_step, "raise": _raise}
     modes.update(skip_first=_skip_first)
-    for skipped in ("skip_load", "skip_dense", "skip_hook_load", "skip_init"):
+    skips = ("load", "dense", "hook_load", "init", "barrier", "send")
+    for skipped in (f"skip_{what}" for what in skips):
         modes[skipped] = lambda skipped=skipped: _skip_blocking(skipped)
     modes.update(skip_exit=lambda: _skip(exits=True))
     modes.update(fork=_fork, finalize=_finalize, queued=_queued, closed=_closed)

@@ -442,6 +442,46 @@ def test_watchdog_with_a_communicator_subclass(comm):
     assert_all(comm, got == want, f"allreduce on a subclass with the watchdog on: {got}")
 
 
+def test_communicator_methods_called_directly_are_watched(comm):
+    """With the watchdog on, the Communicator's methods called directly are watched
+    blocking calls, numbered as such (a rank skipping one aborted nothing: the others
+    waited for ever). A collective one starts the engine (the first call here), one inside
+    another (alltoallv's counts exchange) is part of it, a point-to-point one is watched
+    once an engine runs and starts none: ranks 0 and 1 alone exchange on a communicator
+    without one (an engine's start is collective: the other ranks would never join it)."""
+    mine, pair = (sparsecoll.Communicator(comm.mpi_comm.Dup()) for _ in range(2))
+    size, right, left = mine.size, (mine.rank + 1) % mine.size, (mine.rank - 1) % mine.size
+    before = sparsecoll.get_timeout()
+    sparsecoll.set_timeout(600)
+    try:
+        gathered, _ = mine.allgatherv(np.full(2, mine.rank, np.int64))
+        mine.barrier()
+        got = [gathered.tolist(), mine.sendrecv_ints(mine.rank, right, left)]
+        states = [mine.engine().state()]
+        got.append(mine.alltoallv(np.arange(size, dtype=np.float32), [1] * size)[0].tolist())
+        states.append(mine.engine().state())
+        if size > 1 and mine.rank < 2:
+            other, buf = 1 - pair.rank, np.empty(3, np.float32)
+            pair.sendrecv(np.full(3, pair.rank, np.float32), other, buf, other)
+            got.append(buf.tolist())
+        no_engine = pair._attached_engine() is None
+    finally:
+        sparsecoll.set_timeout(before)
+    want = [[r for r in range(size) for _ in range(2)], left]
+    want.append([float(mine.rank)] * size)
+    if size > 1 and mine.rank < 2:
+        want.append([float(1 - mine.rank)] * 3)
+    assert_all(comm, got == want, f"results {got}, expected {want}")
+    expected = [
+        "idle after call #3 Communicator.sendrecv_ints() (3 started, 3 completed)",
+        "idle after call #4 Communicator.alltoallv() (4 started, 4 completed)",
+    ]
+    assert_all(comm, states == expected, f"engine states {states}")
+    assert_all(comm, no_engine, "a point-to-point call started a progress engine")
+    mine.mpi_comm.Free()
+    pair.mpi_comm.Free()
+
+
 @pytest.mark.parametrize("call", ["state_dict", "reset"])
 def test_reducer_state_calls_wait_for_pending_steps(comm, call):
     """state_dict() and reset() wait for pending step_async calls, as step() does: a state
