@@ -351,6 +351,27 @@ def test_threshold_above_the_largest_finite_value(name: str) -> None:
         assert sel.count_ge(x, 65504.0) == 4
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+def test_threshold_given_as_an_integer_or_long_double_is_exact(name: str) -> None:
+    """t that float64 cannot hold is compared exactly too: 2**53 + 1 (a Python or numpy
+    integer) rounded to 2**53 and selected 2**53; a long double just above 1 selected 1;
+    an integer beyond float64's range raised OverflowError (it selects the infinities)."""
+    x = np.array([2.0**53, 1.0, -np.inf, 2.0**53 + 2], np.float64)
+    with backend(name):
+        for t in (2**53 + 1, np.int64(2**53 + 1), np.uint64(2**53 + 1)):
+            assert sel.threshold(x, t)[0].tolist() == [2, 3], t
+            assert sel.count_ge(x, t) == 2
+            found = sel.accumulate(x, out=np.empty_like(x), cut=t, zero_cut=t)
+            assert found.indices.tolist() == [2, 3]
+        assert sel.count_ge(x, 2**53) == 3
+        assert sel.threshold(x, 10**400)[0].tolist() == [2]
+        assert sel.threshold(x, -(10**400))[0].tolist() == [0, 1, 2, 3]
+        if np.finfo(np.longdouble).nmant > 52:  # (where long double is wider than float64)
+            t = np.longdouble(1) + np.longdouble(2.0**-60)
+            assert sel.threshold(x, t)[0].tolist() == [0, 2, 3]
+            assert sel.count_ge(x, np.longdouble(1)) == 4
+
+
 def test_bad_input() -> None:
     x = np.ones(4, np.float32)
     with pytest.raises(ValueError, match="k must be in"):

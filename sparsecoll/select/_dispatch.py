@@ -105,10 +105,27 @@ def _check_k(k: Any, lo: int, n: int) -> int:
 def _check_t(t: Any, dtype: Any) -> float:
     if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
         raise TypeError(f"t must be a real number, got {type(t).__name__}")
-    tf = float(t)
+    tf = _float_at_least(t)
     if tf != tf:
         raise ValueError("t must not be NaN")
     return round_threshold(tf, dtype)
+
+
+def _float_at_least(t: Any) -> float:
+    """The smallest Python float >= ``t`` (a real number): ``float(t)`` rounds an integer
+    beyond 2**53 or a long double to nearest, maybe below t (2**53 + 1 to 2**53, which
+    ``|x| >= t`` must not select), and raises OverflowError beyond float64's range."""
+    if isinstance(t, (int, np.integer)):
+        i = int(t)  # (compared with a float exactly; a numpy integer is not)
+        try:
+            tf = float(i)
+        except OverflowError:
+            return math.inf if i > 0 else -math.inf
+        return math.nextafter(tf, math.inf) if tf < i else tf
+    tf = float(t)
+    if isinstance(t, np.floating) and t.dtype.itemsize > 8 and np.longdouble(tf) < t:
+        tf = math.nextafter(tf, math.inf)
+    return tf
 
 
 def topk(x: Any, k: int) -> tuple[Any, Any]:
