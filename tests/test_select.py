@@ -1218,6 +1218,43 @@ def test_accumulate_rejects_mismatched_buffers() -> None:
         sel.accumulate(g, out=np.empty(10, np.float32), velocity=g)
 
 
+@pytest.mark.parametrize("name", ["numba", "numpy"])
+def test_accumulate_refuses_what_it_truncated_or_raised_raw(name: str) -> None:
+    """lo, hi and cap are integers and momentum a number: int() took lo=1.7 as 1, "1" as 1,
+    hi=True as 1, cap=2.5 as 2 and cap=-1 as no room (silently no entries), float() took
+    momentum="0.5". An output buffer that is read-only or no array is named: a list raised
+    AttributeError ('list' object has no attribute 'dtype'), a read-only out on Numba its
+    compiler's TypingError."""
+    g = np.array([3.0, -1.0, 2.0, -3.0, 0.5])
+
+    def run(**kw):
+        args = {"out": np.empty(5), "cut": 1.0, **kw}
+        return sel.accumulate(g, args.pop("residual", None), **args)
+
+    with backend(name):
+        for bad in ({"lo": 1.7}, {"lo": "1"}, {"hi": True}, {"cap": 2.5}, {"lo": np.float64(1)}):
+            with pytest.raises(TypeError, match=f"{next(iter(bad))} must be an integer >= 0"):
+                run(**bad)
+        with pytest.raises(ValueError, match="cap must be an integer >= 0, got -1"):
+            run(cap=-1)
+        v = {"velocity": np.ones(5), "velocity_out": np.empty(5)}
+        with pytest.raises(TypeError, match="momentum must be a real number, got str"):
+            run(momentum="0.5", **v)
+        for where in ("out", "residual", "velocity_out", "zero"):
+            kw = {**v, where: [0.0] * 5}
+            with pytest.raises(TypeError, match=f"{where} must be a float64 array of shape"):
+                run(**kw)
+            if where != "residual":
+                ro = np.zeros(5)
+                ro.flags.writeable = False
+                with pytest.raises(ValueError, match=f"{where} is read-only"):
+                    run(**{**v, where: ro})
+        # what it takes: numpy integers, a cap above the room, momentum a numpy float
+        got = run(lo=np.int64(1), hi=np.uint8(4), cap=99, momentum=np.float32(0.5), **v)
+        assert got.indices.tolist() == [2, 3]  # (out = 0.5 + g: -0.5 at 1 is below the cut)
+        assert got.values.tolist() == [2.5, -2.5]
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_accumulate_int64_indices(dtype) -> None:
     """The Numba pass with int64 indices (what n > 2**31 gets) on a small vector: the same

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._array import as_array, get_array_module, index_dtype
-from .._options import env_flag
+from .._options import env_flag, integer, real
 from ..sparse import VALUE_DTYPES, SparseVector
 from ._common import round_threshold
 
@@ -289,11 +289,13 @@ def accumulate(
     arr, mod, _ = _prepare(grad)
     n = int(arr.shape[0])
     xp = get_array_module(arr)
-    hi = n if hi is None else int(hi)
-    lo = int(lo)
+    # (int() took lo=1.7 as 1, "1" as 1, hi=True as 1, and cap=-1 as an empty room)
+    hi = n if hi is None else integer("hi", hi, 0)
+    lo = integer("lo", lo, 0)
     if not 0 <= lo <= hi <= n:
         raise ValueError(f"need 0 <= lo <= hi <= {n}, got lo={lo}, hi={hi}")
-    cap = hi - lo if cap is None else max(0, min(int(cap), hi - lo))
+    cap = hi - lo if cap is None else min(integer("cap", cap, 0), hi - lo)
+    momentum = real("momentum", momentum)
     if (velocity is None) != (velocity_out is None):
         raise ValueError("velocity and velocity_out go together")
     for name, a in (
@@ -302,16 +304,19 @@ def accumulate(
     ):  # fmt: skip
         if a is None:
             continue
-        if get_array_module(a) is not xp or a.dtype != arr.dtype or a.shape != arr.shape:
+        if not isinstance(a, xp.ndarray) or a.dtype != arr.dtype or a.shape != arr.shape:
             raise TypeError(f"{name} must be a {arr.dtype} array of shape {arr.shape} like grad")
         if not a.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous")
+        # (the Numba kernel raised a TypingError of its compiler on a read-only output)
+        if name in ("out", "velocity_out", "zero") and xp is np and not a.flags.writeable:
+            raise ValueError(f"{name} is read-only")
     t = _check_t(cut, arr.dtype) if cut != math.inf else math.inf
     if t == 0.0:  # zeros are never selected: the smallest positive value instead
         t = float(np.finfo(arr.dtype).smallest_subnormal)
     zc = _check_t(zero_cut, arr.dtype) if zero_cut != math.inf else math.inf
     res = mod.accumulate(
-        arr, residual, velocity, velocity_out, float(momentum), out, zero, t, lo, hi, cap,
+        arr, residual, velocity, velocity_out, momentum, out, zero, t, lo, hi, cap,
         index_dtype(n), zc, bool(buckets), workspace, bool(nonzeros),
     )  # fmt: skip
     return Accumulation(*res)
