@@ -1091,6 +1091,9 @@ def test_topk_hits_rejects_incomplete_selections() -> None:
     found = sel.accumulate(x, out=np.empty(10, np.float32), cut=8.0)
     with pytest.raises(ValueError, match="at least k=3"):
         sel.topk_hits(found, 3)
+    for k in ("2", 2.0, True, None):  # (a str raised "'<=' not supported between ...")
+        with pytest.raises(TypeError, match="k must be an integer"):
+            sel.topk_hits(found, k)
 
 
 def _at_offset(n: int, dt: np.dtype, offset: int) -> np.ndarray:

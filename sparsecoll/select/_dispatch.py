@@ -329,6 +329,9 @@ def topk_hits(found: Accumulation, k: int) -> tuple[Any, Any, Any]:
     With the pass's histogram (``buckets=True`` on the Numba backend) only the bin that
     holds the k-th value is ranked; otherwise :func:`topk` runs on the values."""
     count = int(found.indices.shape[0])
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        # (k="2" raised the comparison's own TypeError, '<=' not supported between ...)
+        raise TypeError(f"k must be an integer, got {type(k).__name__}")
     if not found.complete or not 0 <= k <= count:
         raise ValueError(f"need a complete selection of at least k={k} entries, got {count}")
     if found.buckets is not None and k > 0 and isinstance(found.values, np.ndarray):
