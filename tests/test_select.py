@@ -967,6 +967,25 @@ def test_thread_count_follows_ranks_per_node(monkeypatch, env, cores, want) -> N
         _numba.set_num_threads(9)
 
 
+@pytest.mark.parametrize("name", ["numba", "numpy"])
+def test_set_num_threads_takes_integers_on_either_backend(monkeypatch, name: str) -> None:
+    """A numpy integer is a count of threads (np.int64(2) was refused, "must be an
+    integer"); what is no integer is a TypeError (a ValueError before); on the numpy backend
+    -1 and "2" were taken silently."""
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 8)
+    monkeypatch.setattr(_numba, "_threads", None)
+    with sel.use_backend(name):
+        sel.set_num_threads(np.int64(2))
+        assert _numba._threads == (2 if name == "numba" else None)
+        for bad in ("2", 2.0, True, None):
+            with pytest.raises(TypeError, match="threads must be an integer"):
+                sel.set_num_threads(bad)
+        for bad in (0, -1):
+            with pytest.raises(ValueError, match="threads must be an integer"):
+                sel.set_num_threads(bad)
+        assert _numba._threads == (2 if name == "numba" else None)
+
+
 def test_small_arrays_never_start_the_thread_pool() -> None:
     """A fresh process selecting on arrays under PARALLEL_MIN uses only serial kernels: no
     Numba thread pool (whose idle OpenMP threads would spin on other ranks' cores)."""

@@ -206,7 +206,14 @@ def get_num_threads() -> int:
 
 
 def set_num_threads(n: int) -> None:
-    """Use n threads in the Numba kernels (1 to Numba's pool size); no effect on numpy."""
+    """Use n threads in the Numba kernels (1 to Numba's pool size); no effect on numpy.
+
+    Raises:
+        TypeError: n is no integer (a numpy integer is one).
+        ValueError: n below 1, or above Numba's pool on the Numba backend.
+    """
+    # (checked on numpy too, which took -1 or "2" silently)
+    n = integer("threads", n, 1)
     mod = _cpu()
     if hasattr(mod, "set_num_threads"):
         mod.set_num_threads(n)
