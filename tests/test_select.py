@@ -745,6 +745,31 @@ def test_reuse_threshold_after_fewer_than_k_nonzeros() -> None:
     assert est.threshold > 0.0
 
 
+def test_reuse_threshold_observe_refuses_what_it_misread() -> None:
+    """observe() is the API for a threshold computed elsewhere (docs/selection.md): a NaN or
+    negative exact threshold became the smallest positive one (the reuse calls then took
+    every nonzero), exact=True 1.0; count="5" or k=None raised the comparison's TypeError
+    after the step had counted. Each is refused now, and the state stays as it was."""
+    est = sel.ReuseThreshold(10, interval=4)
+    with pytest.raises(ValueError, match="before any exact threshold"):
+        est.observe(3, 10)
+    for exact in (math.nan, -1.0):
+        with pytest.raises(ValueError, match="exact must be a threshold >= 0"):
+            est.observe(10, 10, exact=exact)
+    with pytest.raises(TypeError, match="exact must be a real number"):
+        est.observe(10, 10, exact=True)
+    assert (est.step, est.recomputes, est.threshold) == (0, 0, None)
+    est.observe(np.int64(10), np.int32(10), exact=np.float32(2.0))
+    bad = [("5", 10, TypeError), (None, 10, TypeError), (5.0, 10, TypeError)]
+    bad += [(-1, 10, ValueError), (5, None, TypeError), (5, -10, ValueError)]
+    for count, k, err in bad:
+        with pytest.raises(err, match="count|k"):
+            est.observe(count, k)
+    assert (est.step, est.recomputes, est.threshold) == (1, 1, 2.0)
+    est.observe(5, 10)  # below the band: nudged down
+    assert est.step == 2 and est.threshold == 2.0 / est.nudge
+
+
 @pytest.mark.parametrize("hold_band", [True, False])
 def test_reuse_threshold_never_nudged_to_zero_or_stuck_at_inf(hold_band: bool) -> None:
     """A nudge of 2 or more divided the smallest positive threshold (fewer than k nonzeros)
