@@ -1269,9 +1269,10 @@ def test_accumulate_rejects_mismatched_buffers() -> None:
 def test_accumulate_refuses_what_it_truncated_or_raised_raw(name: str) -> None:
     """lo, hi and cap are integers and momentum a number: int() took lo=1.7 as 1, "1" as 1,
     hi=True as 1, cap=2.5 as 2 and cap=-1 as no room (silently no entries), float() took
-    momentum="0.5". An output buffer that is read-only or no array is named: a list raised
-    AttributeError ('list' object has no attribute 'dtype'), a read-only out on Numba its
-    compiler's TypingError."""
+    momentum="0.5", bool() buckets="no" as True. An output buffer that is read-only or no
+    array is named: a list raised AttributeError ('list' object has no attribute 'dtype'),
+    a read-only out on Numba its compiler's TypingError, a list workspace AttributeError on
+    Numba (and was ignored on numpy)."""
     g = np.array([3.0, -1.0, 2.0, -3.0, 0.5])
 
     def run(**kw):
@@ -1296,6 +1297,11 @@ def test_accumulate_refuses_what_it_truncated_or_raised_raw(name: str) -> None:
                 ro.flags.writeable = False
                 with pytest.raises(ValueError, match=f"{where} is read-only"):
                     run(**{**v, where: ro})
+        for bad in ({"buckets": "no"}, {"nonzeros": 1}):  # (bool() took "no" as True)
+            with pytest.raises(TypeError, match=f"{next(iter(bad))} must be True or False"):
+                run(**bad)
+        with pytest.raises(TypeError, match="workspace must be a dict or None, got list"):
+            run(workspace=[])
         # what it takes: numpy integers, a cap above the room, momentum a numpy float
         got = run(lo=np.int64(1), hi=np.uint8(4), cap=99, momentum=np.float32(0.5), **v)
         assert got.indices.tolist() == [2, 3]  # (out = 0.5 + g: -0.5 at 1 is below the cut)

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._array import as_array, get_array_module, index_dtype
-from .._options import env_flag, integer, real
+from .._options import env_flag, flag, integer, real
 from ..sparse import VALUE_DTYPES, SparseVector
 from ._common import round_threshold
 
@@ -303,6 +303,11 @@ def accumulate(
         raise ValueError(f"need 0 <= lo <= hi <= {n}, got lo={lo}, hi={hi}")
     cap = hi - lo if cap is None else min(integer("cap", cap, 0), hi - lo)
     momentum = real("momentum", momentum)
+    # (bool() took buckets="no" as True; a workspace of another type raised AttributeError
+    # on Numba and was ignored on numpy)
+    buckets, nonzeros = flag("buckets", buckets), flag("nonzeros", nonzeros)
+    if workspace is not None and not isinstance(workspace, dict):
+        raise TypeError(f"workspace must be a dict or None, got {type(workspace).__name__}")
     if (velocity is None) != (velocity_out is None):
         raise ValueError("velocity and velocity_out go together")
     for name, a in (
@@ -324,7 +329,7 @@ def accumulate(
     zc = _check_t(zero_cut, arr.dtype) if zero_cut != math.inf else math.inf
     res = mod.accumulate(
         arr, residual, velocity, velocity_out, momentum, out, zero, t, lo, hi, cap,
-        index_dtype(n), zc, bool(buckets), workspace, bool(nonzeros),
+        index_dtype(n), zc, buckets, workspace, nonzeros,
     )  # fmt: skip
     return Accumulation(*res)
 
