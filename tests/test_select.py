@@ -410,6 +410,11 @@ def test_sparse_helpers() -> None:
     assert top.n == 50
     thr = sel.threshold_sparse(v, 2.0)
     assert thr.indices.tolist() == [10, 40, 41]
+    # (an array raised AttributeError "'numpy.ndarray' object has no attribute 'values'")
+    with pytest.raises(TypeError, match=r"v must be a SparseVector, got ndarray .*topk\(x"):
+        sel.topk_sparse(v.values, 2)
+    with pytest.raises(TypeError, match=r"got list .*threshold\(x"):
+        sel.threshold_sparse([1.0, 2.0], 2.0)
 
 
 def test_env_disables_numba(tmp_path) -> None:

@@ -177,14 +177,25 @@ def moments(x: Any) -> tuple[float, float]:
 
 def topk_sparse(v: SparseVector, k: int) -> SparseVector:
     """The k entries of ``v`` with largest |value| (ties to the lower index), coalesced."""
+    _check_sparse(v, "topk")
     pos, vals = topk(v.values, k)
     return SparseVector(v.indices[pos], vals, v.n)
 
 
 def threshold_sparse(v: SparseVector, t: float) -> SparseVector:
     """The entries of ``v`` with |value| >= t, coalesced."""
+    _check_sparse(v, "threshold")
     pos, vals = threshold(v.values, t)
     return SparseVector(v.indices[pos], vals, v.n)
+
+
+def _check_sparse(v: Any, dense: str) -> None:
+    """Raise TypeError unless ``v`` is a SparseVector (an array raised AttributeError
+    "'numpy.ndarray' object has no attribute 'values'")."""
+    if not isinstance(v, SparseVector):
+        raise TypeError(
+            f"v must be a SparseVector, got {type(v).__name__} (for an array: {dense}(x, ...))"
+        )
 
 
 def warmup(parallel: bool = False) -> None:
