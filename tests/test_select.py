@@ -351,6 +351,27 @@ def test_threshold_above_the_largest_finite_value(name: str) -> None:
         assert sel.count_ge(x, 65504.0) == 4
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+def test_threshold_given_as_an_integer_or_long_double_is_exact(name: str) -> None:
+    """t that float64 cannot hold is compared exactly too: 2**53 + 1 (a Python or numpy
+    integer) rounded to 2**53 and selected 2**53; a long double just above 1 selected 1;
+    an integer beyond float64's range raised OverflowError (it selects the infinities)."""
+    x = np.array([2.0**53, 1.0, -np.inf, 2.0**53 + 2], np.float64)
+    with backend(name):
+        for t in (2**53 + 1, np.int64(2**53 + 1), np.uint64(2**53 + 1)):
+            assert sel.threshold(x, t)[0].tolist() == [2, 3], t
+            assert sel.count_ge(x, t) == 2
+            found = sel.accumulate(x, out=np.empty_like(x), cut=t, zero_cut=t)
+            assert found.indices.tolist() == [2, 3]
+        assert sel.count_ge(x, 2**53) == 3
+        assert sel.threshold(x, 10**400)[0].tolist() == [2]
+        assert sel.threshold(x, -(10**400))[0].tolist() == [0, 1, 2, 3]
+        if np.finfo(np.longdouble).nmant > 52:  # (where long double is wider than float64)
+            t = np.longdouble(1) + np.longdouble(2.0**-60)
+            assert sel.threshold(x, t)[0].tolist() == [0, 2, 3]
+            assert sel.count_ge(x, np.longdouble(1)) == 4
+
+
 def test_bad_input() -> None:
     x = np.ones(4, np.float32)
     with pytest.raises(ValueError, match="k must be in"):
@@ -389,6 +410,11 @@ def test_sparse_helpers() -> None:
     assert top.n == 50
     thr = sel.threshold_sparse(v, 2.0)
     assert thr.indices.tolist() == [10, 40, 41]
+    # (an array raised AttributeError "'numpy.ndarray' object has no attribute 'values'")
+    with pytest.raises(TypeError, match=r"v must be a SparseVector, got ndarray .*topk\(x"):
+        sel.topk_sparse(v.values, 2)
+    with pytest.raises(TypeError, match=r"got list .*threshold\(x"):
+        sel.threshold_sparse([1.0, 2.0], 2.0)
 
 
 def test_env_disables_numba(tmp_path) -> None:
@@ -724,6 +750,31 @@ def test_reuse_threshold_after_fewer_than_k_nonzeros() -> None:
     assert est.threshold > 0.0
 
 
+def test_reuse_threshold_observe_refuses_what_it_misread() -> None:
+    """observe() is the API for a threshold computed elsewhere (docs/selection.md): a NaN or
+    negative exact threshold became the smallest positive one (the reuse calls then took
+    every nonzero), exact=True 1.0; count="5" or k=None raised the comparison's TypeError
+    after the step had counted. Each is refused now, and the state stays as it was."""
+    est = sel.ReuseThreshold(10, interval=4)
+    with pytest.raises(ValueError, match="before any exact threshold"):
+        est.observe(3, 10)
+    for exact in (math.nan, -1.0):
+        with pytest.raises(ValueError, match="exact must be a threshold >= 0"):
+            est.observe(10, 10, exact=exact)
+    with pytest.raises(TypeError, match="exact must be a real number"):
+        est.observe(10, 10, exact=True)
+    assert (est.step, est.recomputes, est.threshold) == (0, 0, None)
+    est.observe(np.int64(10), np.int32(10), exact=np.float32(2.0))
+    bad = [("5", 10, TypeError), (None, 10, TypeError), (5.0, 10, TypeError)]
+    bad += [(-1, 10, ValueError), (5, None, TypeError), (5, -10, ValueError)]
+    for count, k, err in bad:
+        with pytest.raises(err, match="count|k"):
+            est.observe(count, k)
+    assert (est.step, est.recomputes, est.threshold) == (1, 1, 2.0)
+    est.observe(5, 10)  # below the band: nudged down
+    assert est.step == 2 and est.threshold == 2.0 / est.nudge
+
+
 @pytest.mark.parametrize("hold_band", [True, False])
 def test_reuse_threshold_never_nudged_to_zero_or_stuck_at_inf(hold_band: bool) -> None:
     """A nudge of 2 or more divided the smallest positive threshold (fewer than k nonzeros)
@@ -946,6 +997,25 @@ def test_thread_count_follows_ranks_per_node(monkeypatch, env, cores, want) -> N
         _numba.set_num_threads(9)
 
 
+@pytest.mark.parametrize("name", ["numba", "numpy"])
+def test_set_num_threads_takes_integers_on_either_backend(monkeypatch, name: str) -> None:
+    """A numpy integer is a count of threads (np.int64(2) was refused, "must be an
+    integer"); what is no integer is a TypeError (a ValueError before); on the numpy backend
+    -1 and "2" were taken silently."""
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 8)
+    monkeypatch.setattr(_numba, "_threads", None)
+    with sel.use_backend(name):
+        sel.set_num_threads(np.int64(2))
+        assert _numba._threads == (2 if name == "numba" else None)
+        for bad in ("2", 2.0, True, None):
+            with pytest.raises(TypeError, match="threads must be an integer"):
+                sel.set_num_threads(bad)
+        for bad in (0, -1):
+            with pytest.raises(ValueError, match="threads must be an integer"):
+                sel.set_num_threads(bad)
+        assert _numba._threads == (2 if name == "numba" else None)
+
+
 def test_small_arrays_never_start_the_thread_pool() -> None:
     """A fresh process selecting on arrays under PARALLEL_MIN uses only serial kernels: no
     Numba thread pool (whose idle OpenMP threads would spin on other ranks' cores)."""
@@ -1070,6 +1140,9 @@ def test_topk_hits_rejects_incomplete_selections() -> None:
     found = sel.accumulate(x, out=np.empty(10, np.float32), cut=8.0)
     with pytest.raises(ValueError, match="at least k=3"):
         sel.topk_hits(found, 3)
+    for k in ("2", 2.0, True, None):  # (a str raised "'<=' not supported between ...")
+        with pytest.raises(TypeError, match="k must be an integer"):
+            sel.topk_hits(found, k)
 
 
 def _at_offset(n: int, dt: np.dtype, offset: int) -> np.ndarray:
@@ -1195,6 +1268,49 @@ def test_accumulate_rejects_mismatched_buffers() -> None:
         sel.accumulate(g, out=np.empty(10, np.float32), lo=5, hi=4)
     with pytest.raises(ValueError, match="velocity and velocity_out"):
         sel.accumulate(g, out=np.empty(10, np.float32), velocity=g)
+
+
+@pytest.mark.parametrize("name", ["numba", "numpy"])
+def test_accumulate_refuses_what_it_truncated_or_raised_raw(name: str) -> None:
+    """lo, hi and cap are integers and momentum a number: int() took lo=1.7 as 1, "1" as 1,
+    hi=True as 1, cap=2.5 as 2 and cap=-1 as no room (silently no entries), float() took
+    momentum="0.5", bool() buckets="no" as True. An output buffer that is read-only or no
+    array is named: a list raised AttributeError ('list' object has no attribute 'dtype'),
+    a read-only out on Numba its compiler's TypingError, a list workspace AttributeError on
+    Numba (and was ignored on numpy)."""
+    g = np.array([3.0, -1.0, 2.0, -3.0, 0.5])
+
+    def run(**kw):
+        args = {"out": np.empty(5), "cut": 1.0, **kw}
+        return sel.accumulate(g, args.pop("residual", None), **args)
+
+    with backend(name):
+        for bad in ({"lo": 1.7}, {"lo": "1"}, {"hi": True}, {"cap": 2.5}, {"lo": np.float64(1)}):
+            with pytest.raises(TypeError, match=f"{next(iter(bad))} must be an integer >= 0"):
+                run(**bad)
+        with pytest.raises(ValueError, match="cap must be an integer >= 0, got -1"):
+            run(cap=-1)
+        v = {"velocity": np.ones(5), "velocity_out": np.empty(5)}
+        with pytest.raises(TypeError, match="momentum must be a real number, got str"):
+            run(momentum="0.5", **v)
+        for where in ("out", "residual", "velocity_out", "zero"):
+            kw = {**v, where: [0.0] * 5}
+            with pytest.raises(TypeError, match=f"{where} must be a float64 array of shape"):
+                run(**kw)
+            if where != "residual":
+                ro = np.zeros(5)
+                ro.flags.writeable = False
+                with pytest.raises(ValueError, match=f"{where} is read-only"):
+                    run(**{**v, where: ro})
+        for bad in ({"buckets": "no"}, {"nonzeros": 1}):  # (bool() took "no" as True)
+            with pytest.raises(TypeError, match=f"{next(iter(bad))} must be True or False"):
+                run(**bad)
+        with pytest.raises(TypeError, match="workspace must be a dict or None, got list"):
+            run(workspace=[])
+        # what it takes: numpy integers, a cap above the room, momentum a numpy float
+        got = run(lo=np.int64(1), hi=np.uint8(4), cap=99, momentum=np.float32(0.5), **v)
+        assert got.indices.tolist() == [2, 3]  # (out = 0.5 + g: -0.5 at 1 is below the cut)
+        assert got.values.tolist() == [2.5, -2.5]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

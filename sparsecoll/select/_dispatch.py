@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._array import as_array, get_array_module, index_dtype
-from .._options import env_flag
+from .._options import env_flag, flag, integer, real
 from ..sparse import VALUE_DTYPES, SparseVector
 from ._common import round_threshold
 
@@ -105,10 +105,27 @@ def _check_k(k: Any, lo: int, n: int) -> int:
 def _check_t(t: Any, dtype: Any) -> float:
     if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
         raise TypeError(f"t must be a real number, got {type(t).__name__}")
-    tf = float(t)
+    tf = _float_at_least(t)
     if tf != tf:
         raise ValueError("t must not be NaN")
     return round_threshold(tf, dtype)
+
+
+def _float_at_least(t: Any) -> float:
+    """The smallest Python float >= ``t`` (a real number): ``float(t)`` rounds an integer
+    beyond 2**53 or a long double to nearest, maybe below t (2**53 + 1 to 2**53, which
+    ``|x| >= t`` must not select), and raises OverflowError beyond float64's range."""
+    if isinstance(t, (int, np.integer)):
+        i = int(t)  # (compared with a float exactly; a numpy integer is not)
+        try:
+            tf = float(i)
+        except OverflowError:
+            return math.inf if i > 0 else -math.inf
+        return math.nextafter(tf, math.inf) if tf < i else tf
+    tf = float(t)
+    if isinstance(t, np.floating) and t.dtype.itemsize > 8 and np.longdouble(tf) < t:
+        tf = math.nextafter(tf, math.inf)
+    return tf
 
 
 def topk(x: Any, k: int) -> tuple[Any, Any]:
@@ -160,14 +177,25 @@ def moments(x: Any) -> tuple[float, float]:
 
 def topk_sparse(v: SparseVector, k: int) -> SparseVector:
     """The k entries of ``v`` with largest |value| (ties to the lower index), coalesced."""
+    _check_sparse(v, "topk")
     pos, vals = topk(v.values, k)
     return SparseVector(v.indices[pos], vals, v.n)
 
 
 def threshold_sparse(v: SparseVector, t: float) -> SparseVector:
     """The entries of ``v`` with |value| >= t, coalesced."""
+    _check_sparse(v, "threshold")
     pos, vals = threshold(v.values, t)
     return SparseVector(v.indices[pos], vals, v.n)
+
+
+def _check_sparse(v: Any, dense: str) -> None:
+    """Raise TypeError unless ``v`` is a SparseVector (an array raised AttributeError
+    "'numpy.ndarray' object has no attribute 'values'")."""
+    if not isinstance(v, SparseVector):
+        raise TypeError(
+            f"v must be a SparseVector, got {type(v).__name__} (for an array: {dense}(x, ...))"
+        )
 
 
 def warmup(parallel: bool = False) -> None:
@@ -189,7 +217,14 @@ def get_num_threads() -> int:
 
 
 def set_num_threads(n: int) -> None:
-    """Use n threads in the Numba kernels (1 to Numba's pool size); no effect on numpy."""
+    """Use n threads in the Numba kernels (1 to Numba's pool size); no effect on numpy.
+
+    Raises:
+        TypeError: n is no integer (a numpy integer is one).
+        ValueError: n below 1, or above Numba's pool on the Numba backend.
+    """
+    # (checked on numpy too, which took -1 or "2" silently)
+    n = integer("threads", n, 1)
     mod = _cpu()
     if hasattr(mod, "set_num_threads"):
         mod.set_num_threads(n)
@@ -272,11 +307,18 @@ def accumulate(
     arr, mod, _ = _prepare(grad)
     n = int(arr.shape[0])
     xp = get_array_module(arr)
-    hi = n if hi is None else int(hi)
-    lo = int(lo)
+    # (int() took lo=1.7 as 1, "1" as 1, hi=True as 1, and cap=-1 as an empty room)
+    hi = n if hi is None else integer("hi", hi, 0)
+    lo = integer("lo", lo, 0)
     if not 0 <= lo <= hi <= n:
         raise ValueError(f"need 0 <= lo <= hi <= {n}, got lo={lo}, hi={hi}")
-    cap = hi - lo if cap is None else max(0, min(int(cap), hi - lo))
+    cap = hi - lo if cap is None else min(integer("cap", cap, 0), hi - lo)
+    momentum = real("momentum", momentum)
+    # (bool() took buckets="no" as True; a workspace of another type raised AttributeError
+    # on Numba and was ignored on numpy)
+    buckets, nonzeros = flag("buckets", buckets), flag("nonzeros", nonzeros)
+    if workspace is not None and not isinstance(workspace, dict):
+        raise TypeError(f"workspace must be a dict or None, got {type(workspace).__name__}")
     if (velocity is None) != (velocity_out is None):
         raise ValueError("velocity and velocity_out go together")
     for name, a in (
@@ -285,17 +327,20 @@ def accumulate(
     ):  # fmt: skip
         if a is None:
             continue
-        if get_array_module(a) is not xp or a.dtype != arr.dtype or a.shape != arr.shape:
+        if not isinstance(a, xp.ndarray) or a.dtype != arr.dtype or a.shape != arr.shape:
             raise TypeError(f"{name} must be a {arr.dtype} array of shape {arr.shape} like grad")
         if not a.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous")
+        # (the Numba kernel raised a TypingError of its compiler on a read-only output)
+        if name in ("out", "velocity_out", "zero") and xp is np and not a.flags.writeable:
+            raise ValueError(f"{name} is read-only")
     t = _check_t(cut, arr.dtype) if cut != math.inf else math.inf
     if t == 0.0:  # zeros are never selected: the smallest positive value instead
         t = float(np.finfo(arr.dtype).smallest_subnormal)
     zc = _check_t(zero_cut, arr.dtype) if zero_cut != math.inf else math.inf
     res = mod.accumulate(
-        arr, residual, velocity, velocity_out, float(momentum), out, zero, t, lo, hi, cap,
-        index_dtype(n), zc, bool(buckets), workspace, bool(nonzeros),
+        arr, residual, velocity, velocity_out, momentum, out, zero, t, lo, hi, cap,
+        index_dtype(n), zc, buckets, workspace, nonzeros,
     )  # fmt: skip
     return Accumulation(*res)
 
@@ -307,6 +352,9 @@ def topk_hits(found: Accumulation, k: int) -> tuple[Any, Any, Any]:
     With the pass's histogram (``buckets=True`` on the Numba backend) only the bin that
     holds the k-th value is ranked; otherwise :func:`topk` runs on the values."""
     count = int(found.indices.shape[0])
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        # (k="2" raised the comparison's own TypeError, '<=' not supported between ...)
+        raise TypeError(f"k must be an integer, got {type(k).__name__}")
     if not found.complete or not 0 <= k <= count:
         raise ValueError(f"need a complete selection of at least k={k} entries, got {count}")
     if found.buckets is not None and k > 0 and isinstance(found.values, np.ndarray):

@@ -139,9 +139,12 @@ def set_num_threads(n: int) -> None:
     """Use n threads (1 <= n <= Numba's ``NUMBA_NUM_THREADS``) in the selection kernels."""
     global _threads
     pool = numba.config.NUMBA_NUM_THREADS
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= pool:
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        # (a ValueError before, and np.int64(2) refused as "must be an integer")
+        raise TypeError(f"threads must be an integer in [1, {pool}], got {type(n).__name__}")
+    if not 1 <= n <= pool:
         raise ValueError(f"threads must be an integer in [1, {pool}], got {n!r}")
-    _threads = n
+    _threads = int(n)
 
 
 class _Kernel:

@@ -237,7 +237,26 @@ class ReuseThreshold(ThresholdEstimator):
 
     def observe(self, count: int, k: int, exact: float | None = None) -> None:
         """Record one step: ``exact`` is the threshold just computed exactly (on a due step),
-        else ``count`` (selected with the current threshold) drives the nudging."""
+        else ``count`` (selected with the current threshold) drives the nudging.
+
+        Raises:
+            TypeError: count or k no integer, exact no real number.
+            ValueError: count or k negative, exact NaN or negative (it is a k-th largest
+                |x|), or no exact threshold yet; the state is then as it was.
+        """
+        # (checked before the step counts: a NaN or negative exact became the smallest
+        # positive threshold, which selects every nonzero, and count="5" raised the
+        # comparison's TypeError after the step had counted)
+        count = integer("count", count, 0)
+        k = integer("k", k, 0)
+        if exact is not None:
+            exact = real("exact", exact)
+            if not exact >= 0.0:
+                raise ValueError(
+                    f"exact must be a threshold >= 0 (a k-th largest |x|), got {exact!r}"
+                )
+        elif self._t is None:
+            raise ValueError("observe(count) before any exact threshold")
         self.step += 1
         if exact is not None:
             # a k-th largest |x| of 0 (fewer than k nonzeros): reusing 0 would select every
@@ -245,8 +264,6 @@ class ReuseThreshold(ThresholdEstimator):
             self._t = float(exact) if exact > 0.0 else math.ulp(0.0)
             self.recomputes += 1
             return
-        if self._t is None:
-            raise ValueError("observe(count) before any exact threshold")
         if count < self.lo * k:
             # (from inf, an exact step's k-th value: the largest finite value instead; never
             # below the smallest positive one, which a nudge >= 2 would round to 0: reusing 0
