@@ -129,10 +129,13 @@ def sample_segments(size: int) -> int:
     """Split points each rank contributes to the region balancing: ``max(8·size, 64)``.
 
     A boundary's count is off by at most ``total/segments + size`` from its target (one
-    segment per rank, plus rounding), so a region is within ``2·size/segments`` (≤ 25%) of
-    the mean in the worst case (every rank's segment misjudged the same way at a cliff in the
-    index density), and far closer on smooth densities; it costs ``size·(segments + 2)``
-    int64 per rank, once every ``tau_prime`` calls.
+    segment per rank, plus rounding, the copies of one index on many ranks among it: no
+    boundary splits them), so a region is within ``2·size/segments + 2·size/k̄`` of the
+    mean in the worst case (k̄ = total/size, the mean entries per rank): at most 25% from
+    the segments, plus the rounding's share, small only while k̄ is large against size
+    (every rank's segment misjudged the same way at a cliff in the index density; far
+    closer on smooth densities). It costs ``size·(segments + 2)`` int64 per rank, once
+    every ``tau_prime`` calls.
     """
     return max(8 * size, 64)
 
