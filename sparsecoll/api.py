@@ -173,7 +173,10 @@ def _allreduce(
     collective_check(c, error, sig, ("n", "values dtype", "algorithm"), detail, call=label)
     # IEEE sums, as MPI_SUM's: inf + (-inf) is NaN and an overflow inf, without a warning
     # (device inputs: work and return on their own GPU)
-    with device_scope(vals), np.errstate(over="ignore", invalid="ignore"), c.measure() as stats:
+    # (apart: the algorithm's messages on a duplicate of the communicator, where the
+    # caller's own, pending across this call, cannot match them)
+    errstate = np.errstate(over="ignore", invalid="ignore")
+    with device_scope(vals), errstate, c.measure() as stats, c.apart():
         out = algo.reduce(c, x)
     out.info["stats"] = stats
     c.last_stats = stats

@@ -345,6 +345,34 @@ def _engine_keyval() -> int:
     return _ENGINE_KEYVAL
 
 
+_APART_KEYVAL: int | None = None  # MPI attribute key of a communicator's message duplicate
+
+
+def _apart_duplicate(comm: Any) -> Any:
+    """The duplicate of the MPI communicator ``comm`` that carries sparsecoll's own
+    messages on it (an attribute of ``comm``: every Communicator wrapping it shares it),
+    made by ``comm.Dup()`` on first use: collective, so every rank must first ask for it at
+    the same call (see :meth:`Communicator.apart`)."""
+    global _APART_KEYVAL
+    with _KEYVAL_LOCK:
+        if _APART_KEYVAL is None:
+            _APART_KEYVAL = _mpi().Comm.Create_keyval(delete_fn=_apart_deleted)
+    dup = comm.Get_attr(_APART_KEYVAL)
+    if dup is None:
+        dup = comm.Dup()
+        comm.Set_attr(_APART_KEYVAL, dup)
+    return dup
+
+
+def _apart_deleted(comm: Any, keyval: int, dup: Any) -> None:
+    # the user's communicator is being freed: free its duplicate too (kept, a loop making
+    # and freeing sub-communicators ran out of MPICH's 2048 context ids). COMM_WORLD and
+    # COMM_SELF are "freed" inside MPI_Finalize, where nothing may be freed any more.
+    MPI = _mpi()
+    if comm != MPI.COMM_WORLD and comm != MPI.COMM_SELF:
+        dup.Free()
+
+
 def _serial_lock(comm: Any) -> Any:
     """The lock that runs this rank's calls on the MPI communicator ``comm`` one at a time
     (an attribute of ``comm``: every Communicator wrapping it shares it)."""
@@ -631,6 +659,7 @@ class Communicator:
         self._engine: Any = None  # the progress engine, once found (see _attached_engine)
         self._lock: Any = None  # see serial()
         self._internal = False  # a progress engine's own duplicate (see _watch_direct)
+        self._apart = threading.local()  # each thread's message communicator (see apart())
         self.poll = bool(env_flag("SPARSECOLL_POLL", False)) if poll is None else bool(poll)
 
     def __repr__(self) -> str:
@@ -735,6 +764,29 @@ class Communicator:
         engine = self._attached_engine()
         return engine is not None and engine.is_worker_thread()
 
+    @contextlib.contextmanager
+    def apart(self) -> Iterator[None]:
+        """Inside it, this thread's calls on this Communicator travel on a duplicate of the
+        MPI communicator (made once, on first use), apart from the caller's own traffic on
+        it: a receive the caller left pending with ``MPI.ANY_TAG`` (or a send with one of
+        the algorithms' tags) matched an algorithm's message, which hung the job or failed
+        with "Message truncated". Collective on first use (``Dup``): every rank must enter
+        it at the same call, after the call's agreement. The progress engine's own
+        duplicates are apart already."""
+        if self._internal or self.on_progress_thread():
+            yield
+            return
+        before = getattr(self._apart, "comm", None)
+        self._apart.comm = _apart_duplicate(self.mpi_comm)
+        try:
+            yield
+        finally:
+            self._apart.comm = before
+
+    def _wire(self) -> Any:
+        """The MPI communicator this thread's messages travel on (see :meth:`apart`)."""
+        return getattr(self._apart, "comm", None) or self.mpi_comm
+
     def abort(self, code: int = 1) -> None:
         """MPI_Abort: end every process of the job."""
         self.mpi_comm.Abort(code)
@@ -744,7 +796,7 @@ class Communicator:
         ``(source, values)``; None otherwise (never waits)."""
         MPI = _mpi()
         status = MPI.Status()
-        msg = self.mpi_comm.Improbe(MPI.ANY_SOURCE, tag, status)
+        msg = self._wire().Improbe(MPI.ANY_SOURCE, tag, status)
         if msg is None:
             return None
         out = np.empty(status.Get_count(MPI.BYTE) // 8, dtype=np.int64)
@@ -755,19 +807,19 @@ class Communicator:
         """Run MPI's blocking call ``name`` on this communicator, or in polling mode its
         nonblocking variant completed by Test calls with sleeps."""
         if self.poll:
-            if name == "Sendrecv" and not _isendrecv_works(self.mpi_comm):
+            if name == "Sendrecv" and not _isendrecv_works(self._wire()):
                 smsg, dest, stag, rmsg, source, rtag = args
                 MPI = _mpi()
                 reqs = [
-                    self.mpi_comm.Irecv(rmsg, source, rtag),
-                    self.mpi_comm.Isend(smsg, dest, stag),
+                    self._wire().Irecv(rmsg, source, rtag),
+                    self._wire().Isend(smsg, dest, stag),
                 ]
                 _poll(lambda: MPI.Request.Testall(reqs))
                 return None
-            req = getattr(self.mpi_comm, _nonblocking(name))(*args)
+            req = getattr(self._wire(), _nonblocking(name))(*args)
             _poll(req.Test)
             return None
-        return getattr(self.mpi_comm, name)(*args)
+        return getattr(self._wire(), name)(*args)
 
     # -- accounting ---------------------------------------------------------------------
     @property
@@ -941,7 +993,7 @@ class Communicator:
     def isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
         view = self._send_view(buf)
         msg, dtype = self._message(view)
-        req = self.mpi_comm.Isend(msg, dest, tag)
+        req = self._wire().Isend(msg, dest, tag)
         _free(dtype)
         self._count_send(buf, dest)
         return Request(req, keep=view, poll=self.poll)
@@ -950,7 +1002,7 @@ class Communicator:
     def irecv(self, buf: Any, source: int, tag: int = 0) -> Request:
         view, finish = self._recv_view(buf)
         msg, dtype = self._message(view)
-        req = self.mpi_comm.Irecv(msg, source, tag)
+        req = self._wire().Irecv(msg, source, tag)
         _free(dtype)
         self._count_recv(buf, source)
         return Request(req, finish, poll=self.poll)
@@ -975,9 +1027,9 @@ class Communicator:
         MPI = _mpi()
         status = MPI.Status()
         if self.poll:
-            msg = _poll(lambda: self.mpi_comm.Improbe(source, tag, status))
+            msg = _poll(lambda: self._wire().Improbe(source, tag, status))
         else:
-            msg = self.mpi_comm.Mprobe(source, tag, status)
+            msg = self._wire().Mprobe(source, tag, status)
         # Get_elements: Get_count's int cannot express a count past COUNT_MAX (MPI_UNDEFINED
         # on a library without large counts); mpi4py's Get_elements takes MPI_Get_elements_x
         buf = xp.empty(status.Get_elements(MPI.BYTE), dtype=np.uint8)
@@ -1115,7 +1167,7 @@ class Communicator:
             ):
                 if view.shape[0]:
                     msg, dtype = self._message(view)
-                    req = getattr(self.mpi_comm, call)(msg, peer, PAIRS_TAG)
+                    req = getattr(self._wire(), call)(msg, peer, PAIRS_TAG)
                     reqs.append(Request(req, poll=self.poll))
                     _free(dtype)
         Request.waitall(reqs)
@@ -1302,7 +1354,7 @@ class Communicator:
     def bcast_object(self, obj: Any, root: int) -> Any:
         """Broadcast a small picklable object (error reports, configuration)."""
         if not self.poll:
-            return self.mpi_comm.bcast(obj, root=root)
+            return self._wire().bcast(obj, root=root)
         data = pickle.dumps(obj) if self.rank == root else b""
         size = np.array([len(data)], dtype=np.int64)
         self._complete("Bcast", size, root)
@@ -1315,7 +1367,7 @@ class Communicator:
     def allgather_object(self, obj: Any) -> list[Any]:
         """Gather a small picklable object from every rank."""
         if not self.poll:
-            return self.mpi_comm.allgather(obj)
+            return self._wire().allgather(obj)
         data = np.frombuffer(pickle.dumps(obj), np.uint8)
         sizes = np.empty(self.size, dtype=np.int64)
         self._complete("Allgather", np.array([data.shape[0]], dtype=np.int64), sizes)

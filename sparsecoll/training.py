@@ -477,7 +477,9 @@ class GradientReducer:
             elif error is not None:
                 raise error
             self._last.comm_s = time.perf_counter() - t0
-            with self.comm.measure() as st:
+            # (apart: the algorithm's messages on a duplicate of the communicator, where the
+            # caller's own, pending across the step, cannot match them)
+            with self.comm.measure() as st, self.comm.apart():
                 # (an error the algorithm agrees on, e.g. auto's dense buffer, is raised on
                 # every rank: the step then changes nothing, as one failing above)
                 update = self._reduce(prepared)

@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 import sparsecoll
 from sparsecoll.algorithms.base import reference_sum
+from sparsecoll.registry import algorithm_class, available_algorithms
 from sparsecoll.sparse import SparseVector
 from sparsecoll.training import GradientReducer
 
@@ -254,3 +255,60 @@ def test_a_stateful_instance_moved_between_communicators(comm):
     sub.Free()
     bad = [g for g in got if g != "ok"]
     assert_all(comm, not bad, f"{bad}")
+
+
+def test_the_callers_pending_messages_do_not_meet_the_algorithms(comm):
+    """sparsecoll's messages travel on a duplicate of the caller's communicator: a receive
+    the caller left pending across the calls with ``ANY_SOURCE``/``ANY_TAG`` matched an
+    algorithm's message (the job hung), and one of the caller's sends with an algorithm's
+    tag was taken for the algorithm's (MPI: "Message truncated"). Every algorithm, and a
+    GradientReducer's steps, with such a receive pending: each result is the exact sum (or
+    the same on every rank, for a selecting one), and the receive gets the caller's message
+    sent after them."""
+    world = comm.mpi_comm
+    buf = np.zeros(1 << 16, np.uint8)
+    wild = world.Irecv(buf, MPI.ANY_SOURCE, MPI.ANY_TAG)
+    bad = []
+    for seed, name in enumerate(available_algorithms()):
+        if algorithm_class(name).exact:
+            bad.append(_wrong(_reduce(world, seed, name), world, seed))
+        else:
+            vals, idx = local_input(_case(seed), comm.rank, comm.size)
+            out = sparsecoll.allreduce(world, vals, idx, n=N, algorithm=name, k=20)
+            same = world.allgather((out.indices.tobytes(), out.values.tobytes()))
+            bad += [] if all(s == same[0] for s in same) else [f"{name}: results differ"]
+    red = GradientReducer(world, N, "oktopk", 0.02)
+    for step in range(3):
+        red.step(np.random.default_rng([step, comm.rank]).standard_normal(N))
+    status = MPI.Status()
+    if wild.Test(status):
+        bad.append(
+            f"the caller's receive matched {status.Get_count(MPI.BYTE)} bytes from "
+            f"rank {status.Get_source()} with tag {status.Get_tag()}"
+        )
+    world.Barrier()  # (every rank has tested before any sends its message)
+    note = np.frombuffer(b"mine %d" % comm.rank, np.uint8)
+    world.Send(note, (comm.rank + 1) % comm.size, tag=77)  # (eager: a few bytes)
+    wild.Wait(status)
+    source = (comm.rank - 1) % comm.size
+    if (status.Get_source(), status.Get_tag()) != (source, 77):
+        bad.append(f"the caller's receive got {status.Get_source()}, {status.Get_tag()}")
+    elif bytes(buf[: status.Get_count(MPI.BYTE)]) != b"mine %d" % source:
+        bad.append("the caller's receive got another message")
+    assert_all(comm, not [b for b in bad if b], f"{bad}")
+
+
+def test_the_duplicate_is_freed_with_the_communicator(comm):
+    """The duplicate that carries a blocking call's messages is freed when the user frees
+    the communicator (kept, a loop making, using and freeing sub-communicators ran out of
+    MPICH's 2048 context ids after about 2000 rounds: "Too many communicators")."""
+    from sparsecoll import comm as comm_module
+
+    sub = comm.mpi_comm.Split(0, comm.rank)
+    result = sparsecoll.allreduce(sub, np.ones(2), [0, 1], n=4, algorithm="recursive_doubling")
+    dup = sub.Get_attr(comm_module._APART_KEYVAL)
+    made = dup is not None and dup != MPI.COMM_NULL
+    sub.Free()
+    freed = dup is not None and dup == MPI.COMM_NULL
+    ok = made and freed and result.values.tolist() == [comm.size] * 2
+    assert_all(comm, ok, f"duplicate made {made}, freed {freed}, result {result.values}")
