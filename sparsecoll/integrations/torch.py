@@ -475,12 +475,13 @@ def _reduce_bucket(
     iteration: int,
     last: bool,
     label: str,
-) -> None:
-    """Overwrite ``buf`` with the bucket's average: dense during the warm-up (``red`` None),
-    else ``red``'s sparse update. ``last``: the iteration's last bucket, after which an
+) -> Any:
+    """The bucket's average, for DDP: dense during the warm-up (``red`` None), else ``red``'s
+    sparse update; written over ``buf`` and ``buf`` returned, or a new sparse tensor for a
+    sparse gradient's bucket. ``last``: the iteration's last bucket, after which an
     iteration in which a bucket failed is taken back. ``label``: the watchdog's name for it."""
     try:
-        _reduce_one(state, buf, red, iteration, label)
+        return _reduce_one(state, buf, red, iteration, label)
     finally:
         if last:
             _end_iteration(state, iteration)
@@ -502,15 +503,22 @@ def _end_iteration(state: SparseHookState, iteration: int) -> None:
 
 def _reduce_one(
     state: SparseHookState, buf: Any, red: GradientReducer | None, iteration: int, label: str
-) -> None:
+) -> Any:
     # numpy has no bfloat16: such a bucket is reduced in float32 (exact widening), its
-    # residual kept in float32, and the update rounded back into the bucket. The widening
-    # (n floats) can fail on one rank alone (out of memory): its error joins the ranks'
-    # agreement (the step's, or the warm-up's), so that every rank raises it alike
+    # residual kept in float32, and the update rounded back into the bucket. A sparse
+    # gradient's bucket (nn.Embedding(sparse=True): DDP gives each its own, a sparse COO
+    # tensor) is reduced as its dense gradient, and the update goes back to DDP as a sparse
+    # tensor of the bucket's layout. The widening and the dense copy (n floats) can fail on
+    # one rank alone (out of memory): the error joins the ranks' agreement (the step's, or
+    # the warm-up's), so that every rank raises it alike
+    torch = _torch()
     work, error = buf, None
+    sparse = buf.layout == torch.sparse_coo
     try:
-        if buf.dtype == _torch().bfloat16:
-            work = buf.float()
+        if sparse:
+            work = buf.to_dense()  # (duplicate indices summed)
+        if work.dtype == torch.bfloat16:
+            work = work.float()
     except Exception as exc:  # (shared with every rank: none is left waiting)
         error = exc
     try:
@@ -531,8 +539,11 @@ def _reduce_one(
     else:
         if red is not None:
             state._stepped.append((iteration, red))
+    if sparse:  # (DDP copies it into the gradient: the same sparse and dense dimensions)
+        return work.to(buf.dtype).to_sparse(buf.sparse_dim())
     if work is not buf:
         buf.copy_(work)
+    return buf
 
 
 def _reduce_dense(
@@ -594,14 +605,16 @@ def sparse_allreduce_hook(state: SparseHookState, bucket):
     iteration, last = state.iteration, bucket.is_last()
     try:
         red = _bucket_reducer(state, bucket)
-        _reduce_bucket(state, buf, red, iteration, last, _label(state, bucket, red, iteration))
+        out = _reduce_bucket(
+            state, buf, red, iteration, last, _label(state, bucket, red, iteration)
+        )
     except Exception as exc:
         # raised inside the hook, the error leaves DDP's reducer mid-iteration (the next
         # forward fails an internal assertion): like the asynchronous hook, hand it over in
         # the future, so that it reaches backward() after every bucket came by
         fut.set_exception(exc)
         return fut.then(_value)
-    fut.set_result(buf)
+    fut.set_result(out)
     return fut
 
 
@@ -628,7 +641,7 @@ def async_sparse_allreduce_hook(state: SparseHookState, bucket):
         try:
             if error is not None:
                 raise error
-            _reduce_bucket(state, buf, red, iteration, last, label)
+            out = _reduce_bucket(state, buf, red, iteration, last, label)
         except BaseException as exc:
             # DDP's backward raises as soon as it sees a failed future, with the later
             # buckets still queued here (they would then write into buffers DDP has given
@@ -636,7 +649,7 @@ def async_sparse_allreduce_hook(state: SparseHookState, bucket):
             state._failures.append((fut, exc))
             raise
         else:
-            fut.set_result(buf)
+            fut.set_result(out)
         finally:
             if last:
                 failures, state._failures = state._failures, []
