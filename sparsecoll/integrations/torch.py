@@ -195,6 +195,7 @@ class SparseHookState:
             own hook. Either way that bucket's reducer keeps its residual, and the buckets
             that stepped in that iteration take theirs back after its last bucket (the
             batch is skipped: nothing they sent is lost; do not apply their updates).
+            The same on every rank (each bucket's step agrees on it).
         **options: more GradientReducer options (``error_feedback``, algorithm options).
 
     Every rank must build the same state, one per DDP model (one model re-wrapped in a new
@@ -210,6 +211,7 @@ class SparseHookState:
         "_failures",
         "_launch_checked",
         "_layouts",
+        "_nonfinite",
         "_outside_stats",
         "_pending",
         "_pending_layouts",
@@ -218,7 +220,6 @@ class SparseHookState:
         "algorithm",
         "comm",
         "iteration",
-        "nonfinite",
         "options",
         "reducers",
         "warmup",
@@ -234,8 +235,6 @@ class SparseHookState:
         nonfinite: str = "raise",
         **options: Any,
     ) -> None:
-        if nonfinite not in ("raise", "nan"):
-            raise ValueError(f"nonfinite must be 'raise' or 'nan', got {nonfinite!r}")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(
                 f"warmup must be an integer >= 1 (DDP rebuilds its buckets after the first "
@@ -289,6 +288,26 @@ class SparseHookState:
         self._launch_checked = dist is not None and dist.is_initialized()
 
     @property
+    def nonfinite(self) -> str:
+        """What a bucket whose gradient holds NaN or Inf comes back as: ``"raise"`` or
+        ``"nan"``. The same on every rank (each bucket's step agrees on it: a rank filling
+        NaN while another raised went on silently); it may be set between iterations, on
+        every rank alike."""
+        return self._nonfinite
+
+    @nonfinite.setter
+    def nonfinite(self, value: str) -> None:
+        if value not in ("raise", "nan"):
+            raise ValueError(f"nonfinite must be 'raise' or 'nan', got {value!r}")
+        self._nonfinite = value
+        for red in getattr(self, "reducers", {}).values():
+            self._agree_on_hook_options(red)
+
+    def _agree_on_hook_options(self, red: GradientReducer) -> None:
+        """Make ``red``'s steps agree on this state's ``nonfinite`` too."""
+        red._agree_on({**red._agreed_options, "nonfinite": self._nonfinite})
+
+    @property
     def density(self) -> float:
         """The requested density. Set it (on every rank alike, between iterations) to change
         it during training, e.g. a sparsity warm-up: each bucket's reducer is rebuilt at the
@@ -306,6 +325,7 @@ class SparseHookState:
         state_dict); saved at another density, all but its algorithm's and selection's."""
         red = GradientReducer(self.comm, numel, self.algorithm, self.density, **self.options)
         red._agreed = HOOK_AGREED
+        self._agree_on_hook_options(red)
         if saved is not None:
             if saved.get("density", self.density) != self.density:
                 fresh = red.state_dict()

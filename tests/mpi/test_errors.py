@@ -784,3 +784,41 @@ def test_hook_warmup_differing_across_ranks(comm, hook_name):
     texts = comm.allgather_object(got[1])
     assert_all(comm, isinstance(got[1], str) and want in got[1], f"{got[1]!r:.300}")
     assert_all(comm, all(t == texts[0] for t in texts), f"unlike errors: {texts}")
+
+
+@pytest.mark.parametrize("hook_name", ["sparse_allreduce_hook", "async_sparse_allreduce_hook"])
+def test_hook_nonfinite_differing_across_ranks(comm, hook_name):
+    """A DDP hook state built with another ``nonfinite`` on one rank: at the first sparse
+    iteration every rank raises the same error naming the option and the rank. Before, it
+    was agreed nowhere, and a NaN bucket raised on the "raise" ranks while the "nan" ranks
+    went on with NaN gradients (scratch probe at P=2: rank 0 a NonFiniteError, rank 1 'nan
+    grads'). Set alike on every rank between iterations, it is taken."""
+    torch = pytest.importorskip("torch")
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    from sparsecoll.integrations import torch as sc_torch
+
+    from ..test_torch_hook import _Bucket  # (a stand-in for torch's GradBucket)
+
+    hook = getattr(sc_torch, hook_name)
+    bad = comm.size - 1
+    nonfinite = "nan" if comm.rank == bad else "raise"
+    state = sc_torch.SparseHookState(comm, "allgather", density=0.25, nonfinite=nonfinite)
+    params = [torch.zeros(8)]
+
+    def iteration():
+        try:
+            return hook(state, _Bucket(0, 1, torch.arange(8.0), params)).wait().tolist()
+        except Exception as exc:  # (torch adds the callback's traceback: the first line)
+            return str(exc).split("\n")[0]
+
+    assert_all(comm, iteration() == [float(i) for i in range(8)], "the warm-up")
+    got = iteration()
+    want = f"nonfinite must be the same on every rank: rank {bad} has 'nan', rank 0 has 'raise'"
+    texts = comm.allgather_object(got)
+    assert_all(comm, isinstance(got, str) and want in got, f"{got!r:.300}")
+    assert_all(comm, all(t == texts[0] for t in texts), f"unlike errors: {texts}")
+    state.nonfinite = "nan"  # (now alike: the bucket steps)
+    assert_all(comm, isinstance(iteration(), list), "after nonfinite was set alike")
+    with pytest.raises(ValueError, match="nonfinite must be 'raise' or 'nan', got 'skip'"):
+        state.nonfinite = "skip"
