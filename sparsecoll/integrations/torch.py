@@ -342,6 +342,7 @@ class SparseHookState:
         shapes = tuple(tuple(p.shape) for p in params)
         layout = (numel, dtype, shapes, tuple(id(p) for p in params))
         red = self.reducers.get(index)
+        replaced = None
         if red is not None and self._layouts[index] != layout:
             old = self._layouts[index]
             what = f"{old[0]} to {numel} elements" if old[0] != numel else "its parameters"
@@ -353,8 +354,10 @@ class SparseHookState:
                 RuntimeWarning,
                 stacklevel=3,
             )
-            _add_totals(self._outside_stats, red._totals)  # (its traffic stays counted)
-            red = None
+            replaced, red = red, None
+        # (what is kept changes only once the new reducer is built: building it can fail
+        # on this rank alone, e.g. out of memory for a copy of n values, and then the
+        # bucket's next iteration tries again from where every other rank started)
         if red is not None and red.density != self.density:  # (a new density was set)
             red = self.reducers[index] = self._new_reducer(numel, red.state_dict())
         if red is None:
@@ -371,8 +374,10 @@ class SparseHookState:
                         stacklevel=3,
                     )
                     saved = None
-                self._pending.pop(index)
             red = self._new_reducer(numel, saved)
+            self._pending.pop(index, None)
+            if replaced is not None:  # (its traffic stays counted)
+                _add_totals(self._outside_stats, replaced._totals)
             self.reducers[index] = red
             self._layouts[index] = layout
         return red
@@ -495,13 +500,15 @@ def _reduce_bucket(
     iteration: int,
     last: bool,
     label: str,
+    error: BaseException | None = None,
 ) -> Any:
     """The bucket's average, for DDP: dense during the warm-up (``red`` None), else ``red``'s
     sparse update; written over ``buf`` and ``buf`` returned, or a new sparse tensor for a
     sparse gradient's bucket. ``last``: the iteration's last bucket, after which an
-    iteration in which a bucket failed is taken back. ``label``: the watchdog's name for it."""
+    iteration in which a bucket failed is taken back. ``label``: the watchdog's name for it.
+    ``error``: this rank's failure to get the bucket's reducer, raised on every rank."""
     try:
-        return _reduce_one(state, buf, red, iteration, label)
+        return _reduce_one(state, buf, red, iteration, label, error)
     finally:
         if last:
             _end_iteration(state, iteration)
@@ -522,7 +529,12 @@ def _end_iteration(state: SparseHookState, iteration: int) -> None:
 
 
 def _reduce_one(
-    state: SparseHookState, buf: Any, red: GradientReducer | None, iteration: int, label: str
+    state: SparseHookState,
+    buf: Any,
+    red: GradientReducer | None,
+    iteration: int,
+    label: str,
+    error: BaseException | None,
 ) -> Any:
     # numpy has no bfloat16: such a bucket is reduced in float32 (exact widening), its
     # residual kept in float32, and the update rounded back into the bucket. A sparse
@@ -532,12 +544,12 @@ def _reduce_one(
     # one rank alone (out of memory): the error joins the ranks' agreement (the step's, or
     # the warm-up's), so that every rank raises it alike
     torch = _torch()
-    work, error = buf, None
+    work = buf
     sparse = buf.layout == torch.sparse_coo
     try:
-        if sparse:
+        if sparse and error is None:
             work = buf.to_dense()  # (duplicate indices summed)
-        if work.dtype == torch.bfloat16:
+        if work.dtype == torch.bfloat16 and error is None:
             work = work.float()
     except Exception as exc:  # (shared with every rank: none is left waiting)
         error = exc
@@ -598,17 +610,27 @@ def _reduce_dense(
         _add_totals(state._outside_stats, st)
 
 
-def _bucket_reducer(state: SparseHookState, bucket: Any) -> GradientReducer | None:
-    """The bucket's reducer (None during the warm-up); counts the iteration on its last
-    bucket."""
+def _bucket_reducer(
+    state: SparseHookState, bucket: Any
+) -> tuple[GradientReducer | None, BaseException | None]:
+    """The bucket's reducer (None during the warm-up, or when this rank failed to build it)
+    and this rank's error in building it; counts the iteration on its last bucket. Building
+    it can fail on one rank alone (memory running out for the copy of a restored state, or
+    of the state carried to a new density): the error goes to the bucket's agreement, so
+    that every rank raises it (raised here, the other ranks waited in the step for ever).
+    Raises what every rank raises alike, before counting the bucket (the launch check)."""
     buf = bucket.buffer()
-    red = None
+    red, error = None, None
     state._check_launch()  # (raised before the bucket is counted: every bucket raises it)
-    if state.iteration >= state.warmup:
-        red = state.reducer(bucket.index(), int(buf.numel()), str(buf.dtype), bucket.parameters())
+    try:
+        if state.iteration >= state.warmup:
+            numel, dtype = int(buf.numel()), str(buf.dtype)
+            red = state.reducer(bucket.index(), numel, dtype, bucket.parameters())
+    except Exception as exc:  # (shared with every rank: none is left waiting)
+        error = exc
     if bucket.is_last():
         state.iteration += 1
-    return red
+    return red, error
 
 
 # DDP checks a hook's annotations against dist.GradBucket / Future[Tensor] at registration;
@@ -624,10 +646,9 @@ def sparse_allreduce_hook(state: SparseHookState, bucket):
     fut = torch.futures.Future()
     iteration, last = state.iteration, bucket.is_last()
     try:
-        red = _bucket_reducer(state, bucket)
-        out = _reduce_bucket(
-            state, buf, red, iteration, last, _label(state, bucket, red, iteration)
-        )
+        red, error = _bucket_reducer(state, bucket)
+        label = _label(state, bucket, red, iteration)
+        out = _reduce_bucket(state, buf, red, iteration, last, label, error)
     except Exception as exc:
         # raised inside the hook, the error leaves DDP's reducer mid-iteration (the next
         # forward fails an internal assertion): like the asynchronous hook, hand it over in
@@ -650,18 +671,18 @@ def async_sparse_allreduce_hook(state: SparseHookState, bucket):
     torch = _torch()
     buf = bucket.buffer()
     iteration, last = state.iteration, bucket.is_last()
-    red, error = None, None
+    red, error, refused = None, None, None
     try:
-        red = _bucket_reducer(state, bucket)
+        red, error = _bucket_reducer(state, bucket)
     except Exception as exc:  # (raised in turn, as a reduction's error, on every rank)
-        error = exc
+        refused = exc
     fut = torch.futures.Future()
 
     def run() -> None:
         try:
-            if error is not None:
-                raise error
-            out = _reduce_bucket(state, buf, red, iteration, last, label)
+            if refused is not None:
+                raise refused
+            out = _reduce_bucket(state, buf, red, iteration, last, label, error)
         except BaseException as exc:
             # DDP's backward raises as soon as it sees a failed future, with the later
             # buckets still queued here (they would then write into buffers DDP has given
