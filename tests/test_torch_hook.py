@@ -838,3 +838,32 @@ def test_the_hook_takes_density_not_k():
     with pytest.raises(TypeError, match="takes density, not k: DDP's buckets differ") as info:
         SparseHookState(MPI.COMM_SELF, algorithm="exdyna", k=10)
     assert "= 1" not in str(info.value)
+
+
+def test_the_state_algorithm_and_options_are_fixed():
+    """state.algorithm = "exdyna" (or new options) after the reducers were built left them
+    running the old ones while the watchdog named the new one, silently (scratch probe:
+    allgather reducers after state.algorithm = "exdyna" and state.options = {"momentum":
+    0.9}). Now refused, saying to build a new state; an in-place change of the options
+    is refused too. density, warmup and nonfinite may still be set."""
+    torch = pytest.importorskip("torch")
+    from mpi4py import MPI
+
+    from sparsecoll.integrations.torch import SparseHookState, sparse_allreduce_hook
+
+    state = SparseHookState(MPI.COMM_SELF, "allgather", density=0.25, momentum=0.5)
+    grad = torch.arange(8.0)
+    for _ in range(2):  # (the warm-up, then a step: the bucket's reducer is built)
+        sparse_allreduce_hook(state, _Bucket(0, 1, grad.clone(), [grad])).wait()
+    with pytest.raises(AttributeError, match="algorithm is fixed at construction.*'exdyna'"):
+        state.algorithm = "exdyna"
+    with pytest.raises(AttributeError, match="options is fixed at construction.*new Sparse"):
+        state.options = {"momentum": 0.9}
+    with pytest.raises(TypeError):
+        state.options["momentum"] = 0.9
+    (red,) = state.reducers.values()
+    assert (state.algorithm, dict(state.options)) == ("allgather", {"momentum": 0.5})
+    assert (red.algorithm_name, red.momentum) == ("allgather", 0.5)
+    state.density, state.warmup, state.nonfinite = 0.5, 1, "nan"
+    sparse_allreduce_hook(state, _Bucket(0, 1, grad.clone(), [grad])).wait()
+    assert state.reducers[0].k == 4

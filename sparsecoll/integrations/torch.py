@@ -29,6 +29,8 @@ import os
 import socket
 import sys
 import warnings
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from .._array import as_array, device_scope, is_device_array, synchronize
@@ -58,6 +60,13 @@ HOOK_AGREED = (
     "step",
 )
 WARMUP_MARK = -1
+# why a state's algorithm and options cannot be set (each bucket's reducer was built with them)
+_FIXED = (
+    "a SparseHookState's {what} is fixed at construction (the buckets' reducers are built "
+    "with it: setting it left them as they were), got {value!r}: build a new "
+    "SparseHookState on every rank (density, warmup and nonfinite may be set between "
+    "iterations)"
+)
 # what a bucket reducer's state holds for its density (its k): taken from a fresh reducer
 # when the state was saved at another density
 DENSITY_STATE = (
@@ -206,21 +215,21 @@ class SparseHookState:
     """
 
     __slots__ = (
+        "_algorithm",
         "_density",
         "_failed",
         "_failures",
         "_launch_checked",
         "_layouts",
         "_nonfinite",
+        "_options",
         "_outside_stats",
         "_pending",
         "_pending_layouts",
         "_pending_until",
         "_stepped",
-        "algorithm",
         "comm",
         "iteration",
-        "options",
         "reducers",
         "warmup",
     )
@@ -253,11 +262,11 @@ class SparseHookState:
         # refused here, or at the first bucket when torch.distributed starts later
         self._launch_checked = False
         self._check_launch()
-        self.algorithm = algorithm
+        self._algorithm = algorithm
         self.density = density
         self.warmup = warmup
         self.nonfinite = nonfinite
-        self.options = options
+        self._options = MappingProxyType(dict(options))
         self.iteration = 0
         self.reducers: dict[int, GradientReducer] = {}
         self._layouts: dict[int, tuple[Any, ...]] = {}
@@ -286,6 +295,27 @@ class SparseHookState:
             raise RuntimeError(why)
         dist = sys.modules.get("torch.distributed")
         self._launch_checked = dist is not None and dist.is_initialized()
+
+    @property
+    def algorithm(self) -> str:
+        """The algorithm's name, fixed at construction (each bucket's reducer holds its
+        state): for another, build a new state (a checkpoint of this one is refused there)."""
+        return self._algorithm
+
+    @property
+    def options(self) -> Mapping[str, Any]:
+        """The reducers' other options (read-only), fixed at construction as the algorithm
+        is (setting ``state.algorithm`` or ``state.options`` left the reducers already built
+        as they were: only the watchdog's name and later buckets took it)."""
+        return self._options
+
+    @algorithm.setter
+    def algorithm(self, value: Any) -> None:
+        raise AttributeError(_FIXED.format(what="algorithm", value=value))
+
+    @options.setter
+    def options(self, value: Any) -> None:
+        raise AttributeError(_FIXED.format(what="options", value=value))
 
     @property
     def nonfinite(self) -> str:
