@@ -266,7 +266,7 @@ class SparseHookState:
         self.density = density
         self.warmup = warmup
         self.nonfinite = nonfinite
-        self._options = MappingProxyType(dict(options))
+        self._options = dict(options)
         self.iteration = 0
         self.reducers: dict[int, GradientReducer] = {}
         self._layouts: dict[int, tuple[Any, ...]] = {}
@@ -307,7 +307,7 @@ class SparseHookState:
         """The reducers' other options (read-only), fixed at construction as the algorithm
         is (setting ``state.algorithm`` or ``state.options`` left the reducers already built
         as they were: only the watchdog's name and later buckets took it)."""
-        return self._options
+        return MappingProxyType(self._options)
 
     @algorithm.setter
     def algorithm(self, value: Any) -> None:
@@ -353,7 +353,7 @@ class SparseHookState:
     def _new_reducer(self, numel: int, saved: dict[str, Any] | None = None) -> GradientReducer:
         """A bucket reducer at the current density, with ``saved``'s state (a reducer's
         state_dict); saved at another density, all but its algorithm's and selection's."""
-        red = GradientReducer(self.comm, numel, self.algorithm, self.density, **self.options)
+        red = GradientReducer(self.comm, numel, self.algorithm, self.density, **self._options)
         red._agreed = HOOK_AGREED
         self._agree_on_hook_options(red)
         if saved is not None:
