@@ -313,12 +313,7 @@ class GradientReducer:
             for name, value in self._selection_options.items()
             if name not in RANK_LOCAL_SELECTION_OPTIONS
         )
-        self._agreed_options = canonical(agreed)
-        self._crc = zlib.crc32(repr(self._agreed_options).encode())
-        # (named in a mismatch's message: the CRC's, then the algorithm's options, which its
-        # signature holds with its state, after the step)
-        where = tuple(range(4, 4 + ALGORITHM_SIGNATURE_LEN))
-        self._detail = (((2,), self._agreed_options), (where, canonical(self._options)))
+        self._agree_on(agreed)
         self._agreed = AGREED  # (the DDP hook's reducers: its own names, as its warm-up's)
         self._is_dense = algorithm == "dense"
         self._has_dense_path = hasattr(self.algorithm, "reduce_dense")
@@ -326,6 +321,16 @@ class GradientReducer:
         # defaults filled in: an option given at its default is the same reducer; loading
         # writes the saved instance's attributes, options included, over this reducer's)
         self.reset()
+
+    def _agree_on(self, agreed: dict[str, Any]) -> None:
+        """Agree at every step on ``agreed`` (by name: the constructor's arguments, and the
+        DDP hook's own options that its bucket reducers carry out, e.g. ``nonfinite``)."""
+        self._agreed_options = canonical(agreed)
+        self._crc = zlib.crc32(repr(self._agreed_options).encode())
+        # (named in a mismatch's message: the CRC's, then the algorithm's options, which its
+        # signature holds with its state, after the step)
+        where = tuple(range(4, 4 + ALGORITHM_SIGNATURE_LEN))
+        self._detail = (((2,), self._agreed_options), (where, canonical(self._options)))
 
     def reset(self) -> None:
         """Drop the residual, the velocity, the algorithm's and the selection's state and the

@@ -29,6 +29,8 @@ import os
 import socket
 import sys
 import warnings
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from .._array import as_array, device_scope, is_device_array, synchronize
@@ -58,6 +60,13 @@ HOOK_AGREED = (
     "step",
 )
 WARMUP_MARK = -1
+# why a state's algorithm and options cannot be set (each bucket's reducer was built with them)
+_FIXED = (
+    "a SparseHookState's {what} is fixed at construction (the buckets' reducers are built "
+    "with it: setting it left them as they were), got {value!r}: build a new "
+    "SparseHookState on every rank (density, warmup and nonfinite may be set between "
+    "iterations)"
+)
 # what a bucket reducer's state holds for its density (its k): taken from a fresh reducer
 # when the state was saved at another density
 DENSITY_STATE = (
@@ -195,6 +204,7 @@ class SparseHookState:
             own hook. Either way that bucket's reducer keeps its residual, and the buckets
             that stepped in that iteration take theirs back after its last bucket (the
             batch is skipped: nothing they sent is lost; do not apply their updates).
+            The same on every rank (each bucket's step agrees on it).
         **options: more GradientReducer options (``error_feedback``, algorithm options).
 
     Every rank must build the same state, one per DDP model (one model re-wrapped in a new
@@ -205,21 +215,21 @@ class SparseHookState:
     """
 
     __slots__ = (
+        "_algorithm",
         "_density",
         "_failed",
         "_failures",
         "_launch_checked",
         "_layouts",
+        "_nonfinite",
+        "_options",
         "_outside_stats",
         "_pending",
         "_pending_layouts",
         "_pending_until",
         "_stepped",
-        "algorithm",
         "comm",
         "iteration",
-        "nonfinite",
-        "options",
         "reducers",
         "warmup",
     )
@@ -234,8 +244,6 @@ class SparseHookState:
         nonfinite: str = "raise",
         **options: Any,
     ) -> None:
-        if nonfinite not in ("raise", "nan"):
-            raise ValueError(f"nonfinite must be 'raise' or 'nan', got {nonfinite!r}")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(
                 f"warmup must be an integer >= 1 (DDP rebuilds its buckets after the first "
@@ -254,11 +262,11 @@ class SparseHookState:
         # refused here, or at the first bucket when torch.distributed starts later
         self._launch_checked = False
         self._check_launch()
-        self.algorithm = algorithm
+        self._algorithm = algorithm
         self.density = density
         self.warmup = warmup
         self.nonfinite = nonfinite
-        self.options = options
+        self._options = dict(options)
         self.iteration = 0
         self.reducers: dict[int, GradientReducer] = {}
         self._layouts: dict[int, tuple[Any, ...]] = {}
@@ -289,6 +297,47 @@ class SparseHookState:
         self._launch_checked = dist is not None and dist.is_initialized()
 
     @property
+    def algorithm(self) -> str:
+        """The algorithm's name, fixed at construction (each bucket's reducer holds its
+        state): for another, build a new state (a checkpoint of this one is refused there)."""
+        return self._algorithm
+
+    @property
+    def options(self) -> Mapping[str, Any]:
+        """The reducers' other options (read-only), fixed at construction as the algorithm
+        is (setting ``state.algorithm`` or ``state.options`` left the reducers already built
+        as they were: only the watchdog's name and later buckets took it)."""
+        return MappingProxyType(self._options)
+
+    @algorithm.setter
+    def algorithm(self, value: Any) -> None:
+        raise AttributeError(_FIXED.format(what="algorithm", value=value))
+
+    @options.setter
+    def options(self, value: Any) -> None:
+        raise AttributeError(_FIXED.format(what="options", value=value))
+
+    @property
+    def nonfinite(self) -> str:
+        """What a bucket whose gradient holds NaN or Inf comes back as: ``"raise"`` or
+        ``"nan"``. The same on every rank (each bucket's step agrees on it: a rank filling
+        NaN while another raised went on silently); it may be set between iterations, on
+        every rank alike."""
+        return self._nonfinite
+
+    @nonfinite.setter
+    def nonfinite(self, value: str) -> None:
+        if value not in ("raise", "nan"):
+            raise ValueError(f"nonfinite must be 'raise' or 'nan', got {value!r}")
+        self._nonfinite = value
+        for red in getattr(self, "reducers", {}).values():
+            self._agree_on_hook_options(red)
+
+    def _agree_on_hook_options(self, red: GradientReducer) -> None:
+        """Make ``red``'s steps agree on this state's ``nonfinite`` too."""
+        red._agree_on({**red._agreed_options, "nonfinite": self._nonfinite})
+
+    @property
     def density(self) -> float:
         """The requested density. Set it (on every rank alike, between iterations) to change
         it during training, e.g. a sparsity warm-up: each bucket's reducer is rebuilt at the
@@ -304,8 +353,9 @@ class SparseHookState:
     def _new_reducer(self, numel: int, saved: dict[str, Any] | None = None) -> GradientReducer:
         """A bucket reducer at the current density, with ``saved``'s state (a reducer's
         state_dict); saved at another density, all but its algorithm's and selection's."""
-        red = GradientReducer(self.comm, numel, self.algorithm, self.density, **self.options)
+        red = GradientReducer(self.comm, numel, self.algorithm, self.density, **self._options)
         red._agreed = HOOK_AGREED
+        self._agree_on_hook_options(red)
         if saved is not None:
             if saved.get("density", self.density) != self.density:
                 fresh = red.state_dict()
@@ -322,6 +372,7 @@ class SparseHookState:
         shapes = tuple(tuple(p.shape) for p in params)
         layout = (numel, dtype, shapes, tuple(id(p) for p in params))
         red = self.reducers.get(index)
+        replaced = None
         if red is not None and self._layouts[index] != layout:
             old = self._layouts[index]
             what = f"{old[0]} to {numel} elements" if old[0] != numel else "its parameters"
@@ -333,8 +384,10 @@ class SparseHookState:
                 RuntimeWarning,
                 stacklevel=3,
             )
-            _add_totals(self._outside_stats, red._totals)  # (its traffic stays counted)
-            red = None
+            replaced, red = red, None
+        # (what is kept changes only once the new reducer is built: building it can fail
+        # on this rank alone, e.g. out of memory for a copy of n values, and then the
+        # bucket's next iteration tries again from where every other rank started)
         if red is not None and red.density != self.density:  # (a new density was set)
             red = self.reducers[index] = self._new_reducer(numel, red.state_dict())
         if red is None:
@@ -351,8 +404,10 @@ class SparseHookState:
                         stacklevel=3,
                     )
                     saved = None
-                self._pending.pop(index)
             red = self._new_reducer(numel, saved)
+            self._pending.pop(index, None)
+            if replaced is not None:  # (its traffic stays counted)
+                _add_totals(self._outside_stats, replaced._totals)
             self.reducers[index] = red
             self._layouts[index] = layout
         return red
@@ -475,12 +530,15 @@ def _reduce_bucket(
     iteration: int,
     last: bool,
     label: str,
-) -> None:
-    """Overwrite ``buf`` with the bucket's average: dense during the warm-up (``red`` None),
-    else ``red``'s sparse update. ``last``: the iteration's last bucket, after which an
-    iteration in which a bucket failed is taken back. ``label``: the watchdog's name for it."""
+    error: BaseException | None = None,
+) -> Any:
+    """The bucket's average, for DDP: dense during the warm-up (``red`` None), else ``red``'s
+    sparse update; written over ``buf`` and ``buf`` returned, or a new sparse tensor for a
+    sparse gradient's bucket. ``last``: the iteration's last bucket, after which an
+    iteration in which a bucket failed is taken back. ``label``: the watchdog's name for it.
+    ``error``: this rank's failure to get the bucket's reducer, raised on every rank."""
     try:
-        _reduce_one(state, buf, red, iteration, label)
+        return _reduce_one(state, buf, red, iteration, label, error)
     finally:
         if last:
             _end_iteration(state, iteration)
@@ -501,16 +559,28 @@ def _end_iteration(state: SparseHookState, iteration: int) -> None:
 
 
 def _reduce_one(
-    state: SparseHookState, buf: Any, red: GradientReducer | None, iteration: int, label: str
-) -> None:
+    state: SparseHookState,
+    buf: Any,
+    red: GradientReducer | None,
+    iteration: int,
+    label: str,
+    error: BaseException | None,
+) -> Any:
     # numpy has no bfloat16: such a bucket is reduced in float32 (exact widening), its
-    # residual kept in float32, and the update rounded back into the bucket. The widening
-    # (n floats) can fail on one rank alone (out of memory): its error joins the ranks'
-    # agreement (the step's, or the warm-up's), so that every rank raises it alike
-    work, error = buf, None
+    # residual kept in float32, and the update rounded back into the bucket. A sparse
+    # gradient's bucket (nn.Embedding(sparse=True): DDP gives each its own, a sparse COO
+    # tensor) is reduced as its dense gradient, and the update goes back to DDP as a sparse
+    # tensor of the bucket's layout. The widening and the dense copy (n floats) can fail on
+    # one rank alone (out of memory): the error joins the ranks' agreement (the step's, or
+    # the warm-up's), so that every rank raises it alike
+    torch = _torch()
+    work = buf
+    sparse = buf.layout == torch.sparse_coo
     try:
-        if buf.dtype == _torch().bfloat16:
-            work = buf.float()
+        if sparse and error is None:
+            work = buf.to_dense()  # (duplicate indices summed)
+        if work.dtype == torch.bfloat16 and error is None:
+            work = work.float()
     except Exception as exc:  # (shared with every rank: none is left waiting)
         error = exc
     try:
@@ -531,8 +601,11 @@ def _reduce_one(
     else:
         if red is not None:
             state._stepped.append((iteration, red))
+    if sparse:  # (DDP copies it into the gradient: the same sparse and dense dimensions)
+        return work.to(buf.dtype).to_sparse(buf.sparse_dim())
     if work is not buf:
         buf.copy_(work)
+    return buf
 
 
 def _reduce_dense(
@@ -567,17 +640,27 @@ def _reduce_dense(
         _add_totals(state._outside_stats, st)
 
 
-def _bucket_reducer(state: SparseHookState, bucket: Any) -> GradientReducer | None:
-    """The bucket's reducer (None during the warm-up); counts the iteration on its last
-    bucket."""
+def _bucket_reducer(
+    state: SparseHookState, bucket: Any
+) -> tuple[GradientReducer | None, BaseException | None]:
+    """The bucket's reducer (None during the warm-up, or when this rank failed to build it)
+    and this rank's error in building it; counts the iteration on its last bucket. Building
+    it can fail on one rank alone (memory running out for the copy of a restored state, or
+    of the state carried to a new density): the error goes to the bucket's agreement, so
+    that every rank raises it (raised here, the other ranks waited in the step for ever).
+    Raises what every rank raises alike, before counting the bucket (the launch check)."""
     buf = bucket.buffer()
-    red = None
+    red, error = None, None
     state._check_launch()  # (raised before the bucket is counted: every bucket raises it)
-    if state.iteration >= state.warmup:
-        red = state.reducer(bucket.index(), int(buf.numel()), str(buf.dtype), bucket.parameters())
+    try:
+        if state.iteration >= state.warmup:
+            numel, dtype = int(buf.numel()), str(buf.dtype)
+            red = state.reducer(bucket.index(), numel, dtype, bucket.parameters())
+    except Exception as exc:  # (shared with every rank: none is left waiting)
+        error = exc
     if bucket.is_last():
         state.iteration += 1
-    return red
+    return red, error
 
 
 # DDP checks a hook's annotations against dist.GradBucket / Future[Tensor] at registration;
@@ -593,15 +676,16 @@ def sparse_allreduce_hook(state: SparseHookState, bucket):
     fut = torch.futures.Future()
     iteration, last = state.iteration, bucket.is_last()
     try:
-        red = _bucket_reducer(state, bucket)
-        _reduce_bucket(state, buf, red, iteration, last, _label(state, bucket, red, iteration))
+        red, error = _bucket_reducer(state, bucket)
+        label = _label(state, bucket, red, iteration)
+        out = _reduce_bucket(state, buf, red, iteration, last, label, error)
     except Exception as exc:
         # raised inside the hook, the error leaves DDP's reducer mid-iteration (the next
         # forward fails an internal assertion): like the asynchronous hook, hand it over in
         # the future, so that it reaches backward() after every bucket came by
         fut.set_exception(exc)
         return fut.then(_value)
-    fut.set_result(buf)
+    fut.set_result(out)
     return fut
 
 
@@ -617,18 +701,18 @@ def async_sparse_allreduce_hook(state: SparseHookState, bucket):
     torch = _torch()
     buf = bucket.buffer()
     iteration, last = state.iteration, bucket.is_last()
-    red, error = None, None
+    red, error, refused = None, None, None
     try:
-        red = _bucket_reducer(state, bucket)
+        red, error = _bucket_reducer(state, bucket)
     except Exception as exc:  # (raised in turn, as a reduction's error, on every rank)
-        error = exc
+        refused = exc
     fut = torch.futures.Future()
 
     def run() -> None:
         try:
-            if error is not None:
-                raise error
-            _reduce_bucket(state, buf, red, iteration, last, label)
+            if refused is not None:
+                raise refused
+            out = _reduce_bucket(state, buf, red, iteration, last, label, error)
         except BaseException as exc:
             # DDP's backward raises as soon as it sees a failed future, with the later
             # buckets still queued here (they would then write into buffers DDP has given
@@ -636,7 +720,7 @@ def async_sparse_allreduce_hook(state: SparseHookState, bucket):
             state._failures.append((fut, exc))
             raise
         else:
-            fut.set_result(buf)
+            fut.set_result(out)
         finally:
             if last:
                 failures, state._failures = state._failures, []

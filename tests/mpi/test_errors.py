@@ -784,3 +784,94 @@ def test_hook_warmup_differing_across_ranks(comm, hook_name):
     texts = comm.allgather_object(got[1])
     assert_all(comm, isinstance(got[1], str) and want in got[1], f"{got[1]!r:.300}")
     assert_all(comm, all(t == texts[0] for t in texts), f"unlike errors: {texts}")
+
+
+@pytest.mark.parametrize("hook_name", ["sparse_allreduce_hook", "async_sparse_allreduce_hook"])
+def test_hook_nonfinite_differing_across_ranks(comm, hook_name):
+    """A DDP hook state built with another ``nonfinite`` on one rank: at the first sparse
+    iteration every rank raises the same error naming the option and the rank. Before, it
+    was agreed nowhere, and a NaN bucket raised on the "raise" ranks while the "nan" ranks
+    went on with NaN gradients (scratch probe at P=2: rank 0 a NonFiniteError, rank 1 'nan
+    grads'). Set alike on every rank between iterations, it is taken."""
+    torch = pytest.importorskip("torch")
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    from sparsecoll.integrations import torch as sc_torch
+
+    from ..test_torch_hook import _Bucket  # (a stand-in for torch's GradBucket)
+
+    hook = getattr(sc_torch, hook_name)
+    bad = comm.size - 1
+    nonfinite = "nan" if comm.rank == bad else "raise"
+    state = sc_torch.SparseHookState(comm, "allgather", density=0.25, nonfinite=nonfinite)
+    params = [torch.zeros(8)]
+
+    def iteration():
+        try:
+            return hook(state, _Bucket(0, 1, torch.arange(8.0), params)).wait().tolist()
+        except Exception as exc:  # (torch adds the callback's traceback: the first line)
+            return str(exc).split("\n")[0]
+
+    assert_all(comm, iteration() == [float(i) for i in range(8)], "the warm-up")
+    got = iteration()
+    want = f"nonfinite must be the same on every rank: rank {bad} has 'nan', rank 0 has 'raise'"
+    texts = comm.allgather_object(got)
+    assert_all(comm, isinstance(got, str) and want in got, f"{got!r:.300}")
+    assert_all(comm, all(t == texts[0] for t in texts), f"unlike errors: {texts}")
+    state.nonfinite = "nan"  # (now alike: the bucket steps)
+    assert_all(comm, isinstance(iteration(), list), "after nonfinite was set alike")
+    with pytest.raises(ValueError, match="nonfinite must be 'raise' or 'nan', got 'skip'"):
+        state.nonfinite = "skip"
+
+
+@pytest.mark.parametrize("when", ["density_change", "restored_state"])
+@pytest.mark.parametrize("hook_name", ["sparse_allreduce_hook", "async_sparse_allreduce_hook"])
+def test_memory_running_out_on_one_rank_building_a_bucket_reducer(
+    comm, monkeypatch, hook_name, when
+):
+    """A bucket's reducer is built (or rebuilt) when the bucket comes by: carried to a new
+    ``state.density`` (a copy of its state) or from a restored state (a copy of the saved
+    residual). Memory running out there on one rank is a CollectiveRuntimeError on every
+    rank naming it: before, that rank raised MemoryError alone and the others waited in
+    the step's agreement for ever (scratch probe15.py, both hooks, both cases, P=2: killed
+    by timeout). That rank keeps what it had (the restored state is not dropped), so once
+    memory is there again the next iteration steps on every rank alike."""
+    torch = pytest.importorskip("torch")
+    from sparsecoll.integrations import torch as sc_torch
+
+    from ..test_torch_hook import _Bucket  # (a stand-in for torch's GradBucket)
+
+    hook = getattr(sc_torch, hook_name)
+    bad = comm.size - 1
+    state = sc_torch.SparseHookState(comm, "allgather", density=0.25)
+    params = [torch.zeros(8)]
+
+    def iteration():
+        try:
+            return hook(state, _Bucket(0, 1, torch.arange(8.0), params)).wait().tolist()
+        except Exception as exc:  # (torch adds the callback's traceback: the first line)
+            return str(exc).split("\n")[0]
+
+    for _ in range(2):  # the warm-up, then a sparse step (the residual holds 0..5)
+        iteration()
+    if when == "density_change":
+        state.density = 0.5
+        method = "state_dict"
+    else:
+        state.load_state_dict(state.state_dict())
+        method = "_read_state"
+    if comm.rank == bad:
+
+        def out_of_memory(*args):
+            raise MemoryError("out of memory")
+
+        monkeypatch.setattr(sparsecoll.GradientReducer, method, out_of_memory)
+    got = iteration()
+    want = f"MemoryError: out of memory on rank {bad}"
+    assert_all(comm, isinstance(got, str) and want in got, f"{when}: {got!r:.300}")
+    monkeypatch.undo()
+    got = iteration()  # 0..7 plus the residual 0..5: the top 2 (or 4) of 0, 2, .., 10, 7
+    top = [0.0] * 4 + [8.0, 10.0] if when == "restored_state" else [0.0] * 3 + [6.0, 8.0, 10.0]
+    want = [*top, 0.0, 0.0] if when == "restored_state" else [*top, 0.0, 7.0]
+    assert_all(comm, got == want, f"{when}, the ranks go on: {got!r:.300}")
+    assert_all(comm, state.reducers[0].steps == 2, f"steps {state.reducers[0].steps}")
