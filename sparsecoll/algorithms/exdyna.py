@@ -612,6 +612,8 @@ class ExDyna(Algorithm):
         ``found``: part's entries at or above :meth:`candidate_cut` (a :class:`_Found`),
         when the caller has them; ``nonzeros``: part's nonzeros, when the caller counted
         them (see :meth:`reduce_dense`)."""
+        if self.k >= n and self.rule != "authors":
+            return self._every_nonzero(comm, part, to_index, found)
         rederived = False
         before = self.threshold
         if self.threshold is None:
@@ -669,6 +671,21 @@ class ExDyna(Algorithm):
             self.growth = 0.5 * self.growth + 0.5 * step
             self.trend_calls += 1
         return mine, counts, used, rederived, cut
+
+    def _every_nonzero(
+        self, comm: Communicator, part: Any, to_index: Any, found: _Found | None
+    ) -> tuple[Any, list[int], float, bool, None]:
+        """:meth:`_select` when k >= n: every nonzero of ``part``, as a top-k of fewer than
+        k entries keeps all (the window's nearest edge, within 5% of k, left out the
+        smallest few: 998 of 1000 at density 1). The threshold state is left as it is."""
+        if found is not None:
+            found.restore()  # (part whole again: read here, and by the caller's values_at)
+        tiny = float(np.finfo(part.dtype).smallest_subnormal)
+        every = _above(part, tiny)
+        counts = comm.allgather_ints(-1 if every is None else int(every.idx.shape[0]))
+        _agree_no_nan(np.asarray(counts).reshape(-1, 1))
+        assert every is not None  # (agreed above)
+        return every.take(tiny, to_index), counts, tiny, False, None
 
     def _window(
         self,
