@@ -786,6 +786,17 @@ def test_hook_warmup_differing_across_ranks(comm, hook_name):
     assert_all(comm, all(t == texts[0] for t in texts), f"unlike errors: {texts}")
 
 
+def _one_bucket(torch, hook, state, params):
+    """One iteration of ``hook`` on a bucket of 0..7 (``params``): the reduced values, or
+    the first line of the error it raised (torch adds the callback's traceback)."""
+    from ..test_torch_hook import _Bucket  # (a stand-in for torch's GradBucket)
+
+    try:
+        return hook(state, _Bucket(0, 1, torch.arange(8.0), params)).wait().tolist()
+    except Exception as exc:
+        return str(exc).split("\n")[0]
+
+
 @pytest.mark.parametrize("hook_name", ["sparse_allreduce_hook", "async_sparse_allreduce_hook"])
 def test_hook_nonfinite_differing_across_ranks(comm, hook_name):
     """A DDP hook state built with another ``nonfinite`` on one rank: at the first sparse
@@ -798,8 +809,6 @@ def test_hook_nonfinite_differing_across_ranks(comm, hook_name):
         pytest.skip("needs two ranks to disagree")
     from sparsecoll.integrations import torch as sc_torch
 
-    from ..test_torch_hook import _Bucket  # (a stand-in for torch's GradBucket)
-
     hook = getattr(sc_torch, hook_name)
     bad = comm.size - 1
     nonfinite = "nan" if comm.rank == bad else "raise"
@@ -807,10 +816,7 @@ def test_hook_nonfinite_differing_across_ranks(comm, hook_name):
     params = [torch.zeros(8)]
 
     def iteration():
-        try:
-            return hook(state, _Bucket(0, 1, torch.arange(8.0), params)).wait().tolist()
-        except Exception as exc:  # (torch adds the callback's traceback: the first line)
-            return str(exc).split("\n")[0]
+        return _one_bucket(torch, hook, state, params)
 
     assert_all(comm, iteration() == [float(i) for i in range(8)], "the warm-up")
     got = iteration()
@@ -839,18 +845,13 @@ def test_memory_running_out_on_one_rank_building_a_bucket_reducer(
     torch = pytest.importorskip("torch")
     from sparsecoll.integrations import torch as sc_torch
 
-    from ..test_torch_hook import _Bucket  # (a stand-in for torch's GradBucket)
-
     hook = getattr(sc_torch, hook_name)
     bad = comm.size - 1
     state = sc_torch.SparseHookState(comm, "allgather", density=0.25)
     params = [torch.zeros(8)]
 
     def iteration():
-        try:
-            return hook(state, _Bucket(0, 1, torch.arange(8.0), params)).wait().tolist()
-        except Exception as exc:  # (torch adds the callback's traceback: the first line)
-            return str(exc).split("\n")[0]
+        return _one_bucket(torch, hook, state, params)
 
     for _ in range(2):  # the warm-up, then a sparse step (the residual holds 0..5)
         iteration()
