@@ -279,6 +279,16 @@ def synchronize() -> None:
         cp.cuda.get_current_stream().synchronize()
 
 
+def wait_for_foreign(given: Any, view: Any) -> None:
+    """Wait for CuPy's stream when ``view``, the array just written for the caller's
+    ``given`` (an ``out``), is a CuPy view of another library's device array (a torch CUDA
+    tensor), not ``given`` itself: the kernels that wrote it ran on CuPy's stream, and
+    nothing orders the owner's stream after them (a new result goes back through DLPack,
+    which does)."""
+    if given is not None and given is not view and is_device_array(view):
+        synchronize()
+
+
 def to_host(x: Any) -> np.ndarray:
     """Copy a device array to the host; host arrays are returned unchanged."""
     if isinstance(x, np.ndarray):

@@ -68,6 +68,7 @@ from ._array import (
     is_device_array,
     pinned_empty,
     synchronize,
+    wait_for_foreign,
 )
 from ._options import env_flag
 from ._progress import get_timeout
@@ -365,11 +366,9 @@ def _apart_duplicate(comm: Any) -> Any:
 
 
 def _apart_deleted(comm: Any, keyval: int, dup: Any) -> None:
-    # the user's communicator is being freed: free its duplicate too (kept, a loop making
-    # and freeing sub-communicators ran out of MPICH's 2048 context ids). COMM_WORLD and
-    # COMM_SELF are "freed" inside MPI_Finalize, where nothing may be freed any more.
-    MPI = _mpi()
-    if comm != MPI.COMM_WORLD and comm != MPI.COMM_SELF:
+    # the user's communicator is being freed: free its duplicate too (see _freeable; kept,
+    # a loop making and freeing sub-communicators ran out of MPICH's 2048 context ids)
+    if _freeable(comm):
         dup.Free()
 
 
@@ -415,12 +414,18 @@ def _finalizing(comm: Any, keyval: int, value: Any) -> None:
     stop()
 
 
+def _freeable(comm: Any) -> bool:
+    """Whether the duplicates hung on ``comm`` may be freed as its attributes are deleted:
+    not COMM_WORLD's and COMM_SELF's, "freed" inside MPI_Finalize, where nothing may be
+    freed any more."""
+    MPI = _mpi()
+    return comm != MPI.COMM_WORLD and comm != MPI.COMM_SELF
+
+
 def _engine_deleted(comm: Any, keyval: int, engine: Any) -> None:
     # the user's communicator is being freed: let the thread finish its queue, free the
-    # engine's duplicates and end (no waiting here, inside MPI_Comm_free). COMM_WORLD and
-    # COMM_SELF are "freed" inside MPI_Finalize, where nothing may be freed any more.
-    MPI = _mpi()
-    engine.close(wait=False, free=comm != MPI.COMM_WORLD and comm != MPI.COMM_SELF)
+    # engine's duplicates (see _freeable) and end (no waiting here, inside MPI_Comm_free)
+    engine.close(wait=False, free=_freeable(comm))
 
 
 # Communicator methods that talk to one rank, not to all: they cannot start a progress
@@ -546,15 +551,6 @@ def _in_dtype(total: Any, orig: Any, out: Any) -> Any:
         return total
     out[...] = total
     return out
-
-
-def _wait_for_foreign(given: Any, out: Any) -> None:
-    """Wait for CuPy's stream when ``out``, the CuPy view of the caller's ``given``, is
-    another library's device array (a torch CUDA tensor): the kernels that wrote it (the
-    mean's division, float16's cast) ran on CuPy's stream, and nothing orders the owner's
-    stream after them (a new result goes back through DLPack, which does)."""
-    if given is not None and given is not out and is_device_array(out):
-        synchronize()
 
 
 def widening_buffer(buf: Any) -> Any:
@@ -1226,7 +1222,7 @@ class Communicator:
         with device_scope(work):  # (a torch tensor: its CuPy view, on the tensor's GPU)
             self._allreduce_into(work, dest, op)
             total = _in_dtype(dest, orig, out)
-            _wait_for_foreign(given, out)
+            wait_for_foreign(given, out)  # (the mean's division, float16's cast)
         return given if given is not None else wrap(total)
 
     def _allreduce_into(self, work: Any, dest: Any, op: str) -> None:

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ._array import cupy_or_none, is_device_array, nccl_or_none
-from .comm import Communicator, _in_dtype, _wait_for_foreign
+from ._array import cupy_or_none, is_device_array, nccl_or_none, wait_for_foreign
+from .comm import Communicator, _in_dtype
 
 __all__ = ["NCCLCommunicator", "nccl_available"]
 
@@ -176,5 +176,5 @@ class NCCLCommunicator(Communicator):
             if op == "mean":
                 dest /= self.size
         total = _in_dtype(dest, orig, out)
-        _wait_for_foreign(given, out)
+        wait_for_foreign(given, out)
         return given if given is not None else wrap(total)

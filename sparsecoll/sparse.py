@@ -22,7 +22,7 @@ from ._array import (
     same_device,
     segment_sum,
     stable_argsort,
-    synchronize,
+    wait_for_foreign,
 )
 
 __all__ = [
@@ -160,10 +160,7 @@ class SparseVector:
                 idx = idx.copy()
             buf[...] = 0
             buf[idx] = vals
-            if buf is not out and is_device_array(buf):
-                # written on CuPy's stream into another library's array (torch): nothing
-                # orders its owner's stream after that, so wait here
-                synchronize()
+            wait_for_foreign(out, buf)
         return out
 
     def __len__(self) -> int:

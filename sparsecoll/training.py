@@ -55,12 +55,11 @@ from ._array import (
     device_scope,
     get_array_module,
     identity,
-    is_device_array,
     nonzero_mask,
     same_device,
-    synchronize,
     to_host,
     to_module,
+    wait_for_foreign,
 )
 from ._options import canonical, check_density, choice, effective_options, flag, integer, real
 from ._state import Kind, check_values, optional, positive, within
@@ -496,10 +495,7 @@ class GradientReducer:
         _add_totals(self._totals, st)
         self.steps += 1
         if out is not None:
-            if dest is not out and is_device_array(dest):
-                # written on CuPy's stream into a foreign tensor (torch): no DLPack hand-over
-                # orders the caller's stream after it, so wait here
-                synchronize()
+            wait_for_foreign(out, dest)
             return out
         return wrap(update.reshape(arr.shape))  # (DLPack orders the caller's stream)
 
