@@ -94,7 +94,7 @@ from .._array import get_array_module, to_host
 from .._options import choice, count_band, flag, integer, real
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
-from ..select._common import key_info, magnitude_ge, magnitude_keys, threshold_key
+from ..select._common import key_info, key_value, magnitude_ge, magnitude_keys, threshold_key
 from ..sparse import SparseVector
 from ._merge import accumulate_dtype, isin_sorted, keep_bucket, merge_two
 from ._window import (
@@ -121,7 +121,6 @@ __all__ = ["OkTopk", "balanced_boundaries", "index_samples", "sample_segments"]
 
 TAG_SPLIT = 41
 TAG_BALANCE = 42
-KEY_TYPES = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 RULES = ("window", "paper")
 
 
@@ -544,8 +543,7 @@ class OkTopk(Algorithm):
         keys = magnitude_keys(vals)
         ut = info.utype.type
         least_key = int(xp.where(keys <= ut(info.inf_key), keys, ut(0)).min())
-        # compared in vals' dtype, as the counts are
-        least = np.array(least_key, dtype=info.utype).view(vals.dtype)[()]
+        least = key_value(least_key, vals.dtype)  # (exactly the value in vals' dtype)
         if not least >= edges[0]:  # fewer than k entries >= the lowest edge
             return None
         j = int(np.searchsorted(edges, least, side="right")) - 1
@@ -567,7 +565,6 @@ class OkTopk(Algorithm):
         xp = get_array_module(vals)
         if self.k == 0:  # keep nothing; an infinite threshold keeps nothing on reuse too
             return xp.zeros(0, dtype=np.int64), [0] * comm.size, float("inf")
-        ktype = KEY_TYPES[vals.dtype.itemsize]
         # the bits of a non-negative float order like it (not xp.abs: CuPy's flushes float32
         # subnormals to 0, so they would count as zeros)
         keys = magnitude_keys(vals)
@@ -577,8 +574,8 @@ class OkTopk(Algorithm):
             least = int(keys[keep].min()) if keep.shape[0] else -1
             rows = self._gather_counts(comm, [int(keep.shape[0]), least])
             live = rows[:, 1][rows[:, 1] >= 0]
-            smallest = np.array([live.min() if live.size else 0], dtype=ktype).view(vals.dtype)
-            return keep, rows[:, 0].tolist(), float(smallest[0])
+            smallest = key_value(int(live.min()) if live.size else 0, vals.dtype)
+            return keep, rows[:, 0].tolist(), smallest
         key, ties_needed = found
         above = keys > key
         tie_pos = xp.flatnonzero(keys == key)
@@ -590,8 +587,7 @@ class OkTopk(Algorithm):
         keep = xp.flatnonzero(above)
         counts = (ge[:, 0] + taken).tolist()
         assert sum(counts) == self.k, (counts, self.k)
-        threshold = float(np.array([key], dtype=ktype).view(vals.dtype)[0])
-        return keep, counts, threshold
+        return keep, counts, key_value(int(key), vals.dtype)
 
     def _balance_gather(
         self, comm: Communicator, idx: Any, vals: Any, counts: list[int]
