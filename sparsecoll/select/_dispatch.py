@@ -94,9 +94,14 @@ def _prepare(x: Any) -> tuple[Any, Any, Any]:
     return get_array_module(arr).ascontiguousarray(arr), _load("cupy"), wrap
 
 
-def _check_k(k: Any, lo: int, n: int) -> int:
+def _integer_k(k: Any) -> None:
+    """Raise TypeError unless ``k`` is a Python or numpy integer (not a bool)."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
         raise TypeError(f"k must be an integer, got {type(k).__name__}")
+
+
+def _check_k(k: Any, lo: int, n: int) -> int:
+    _integer_k(k)
     if not lo <= k <= n:
         raise ValueError(f"k must be in [{lo}, {n}], got {k}")
     return int(k)
@@ -352,9 +357,7 @@ def topk_hits(found: Accumulation, k: int) -> tuple[Any, Any, Any]:
     With the pass's histogram (``buckets=True`` on the Numba backend) only the bin that
     holds the k-th value is ranked; otherwise :func:`topk` runs on the values."""
     count = int(found.indices.shape[0])
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-        # (k="2" raised the comparison's own TypeError, '<=' not supported between ...)
-        raise TypeError(f"k must be an integer, got {type(k).__name__}")
+    _integer_k(k)  # (k="2" raised the comparison's own TypeError, '<=' not supported ...)
     if not found.complete or not 0 <= k <= count:
         raise ValueError(f"need a complete selection of at least k={k} entries, got {count}")
     if found.buckets is not None and k > 0 and isinstance(found.values, np.ndarray):
