@@ -10,6 +10,7 @@ import math
 import pytest
 
 from sparsecoll import available_algorithms
+from sparsecoll.algorithms.base import Fold
 from sparsecoll.benchmarks.model import (
     FORMULAS,
     LINKS,
@@ -136,6 +137,52 @@ def test_formulas_match_the_communicator(nprocs: int) -> None:
             assert 0.85 <= got / f.bytes <= 1.15, (name, got, f)
             assert 0.85 <= msgs / f.messages <= 1.15, (name, msgs, f)
     assert seen >= set(EXACT_FORMULAS) & set(available_algorithms())
+
+
+def test_recursive_doubling_formula_follows_the_fold() -> None:
+    """The busiest rank's volume, from the fold plan itself: with disjoint inputs (a union
+    of m inputs is m·k exactly) and no dense switch, each member of the power-of-two group
+    sends, in round i, the inputs of its aligned block of 2^i members (a member that took
+    a folded partner's holds two), and a member with a partner sends it the result."""
+    x = Problem(n=2**40, k=1000, overlap="disjoint")
+    for P in range(2, 41):
+        p = 1 << (P.bit_length() - 1)
+        holds = [0] * p
+        for rank in range(P):
+            fold = Fold.plan(rank, P)
+            if not fold.folded:
+                holds[fold.newrank] += 1 + (fold.partner >= 0)
+        sent = [0] * p
+        for i in range(p.bit_length() - 1):
+            for r in range(p):
+                block = r & ~((1 << i) - 1)
+                sent[r] += sum(holds[block : block + (1 << i)]) * x.k * x.pair
+        for r in range(p):
+            if holds[r] == 2:  # back to the folded partner
+                sent[r] += P * x.k * x.pair
+        want = max(sent)
+        assert FORMULAS["recursive_doubling"](P, x).bytes == want, P
+
+
+@pytest.mark.mpi
+def test_fold_and_bruck_formulas_match_the_communicator() -> None:
+    """P = 7 folds three pairs (recursive doubling's busiest rank holds two inputs per member
+    of its block) and dsa's Bruck runs wrap (two pieces a round): recursive doubling's bytes
+    within 3% (random overlap: expected union sizes) and both algorithms' messages exactly."""
+    n = 1 << 16
+    args = ["-m", "sparsecoll", "bench", "osu", "-m", str(n), "-i", "1", "-x", "0", "-q"]
+    args += ["--algorithm", "recursive_doubling,dsa", "--format", "csv"]
+    proc = run_mpi(7, args, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    rows = {r["algorithm"]: r for r in csv.DictReader(io.StringIO(proc.stdout))}
+    x = Problem(n=n, k=int(rows["dsa"]["k"]))
+    for name, r in rows.items():
+        f = FORMULAS[name](7, x)
+        msgs = int(r["messages_per_rank"]) + int(r["meta_messages_per_rank"])
+        assert msgs == f.messages, (name, msgs, f)
+        if name == "recursive_doubling":
+            assert 0.97 <= int(r["bytes_per_rank"]) / f.bytes <= 1.03, (name, r, f)
+    assert set(rows) == {"recursive_doubling", "dsa"}
 
 
 def test_project_model_script_runs(tmp_path, capsys) -> None:

@@ -19,18 +19,25 @@ Formulas (per rank, max over ranks; lg = ⌈log2 P⌉, p = 2^⌊log2 P⌋, f = 1
 K(m) = expected size of the union of m ranks' index sets under the overlap pattern, e.g.
 n·(1 − (1 − k/n)^m) for ``random``; sp(m, L) = min(m·pair, L·v), the break-even switch):
 
-=================== ============================================ ========================
-algorithm           S(P) bytes sent                               M(P) messages
-=================== ============================================ ========================
-dense               2(P−1)/P·n·max(v, 4)                           2·lg
-rabenseifner        2(p−1)/p·n·v + f·n·v                           2·log2 p + f
-allgather           (P−1)·k·pair                                   3·lg
-dsa                 (P−1)·sp(k/P, n/P) + (P−1)/P·sp(K(P), n)       5(P−1) + lg
-recursive_doubling  Σ_{i<log2 p} sp(K(2^i + f), n) + f·sp(K(P), n)   2·log2 p + 3f
-gtopk               log2 p·k·pair + f·(k·pair + k/8)               log2 p + 2f
-oktopk              2·k(P−1)/P·pair                                2(P−1) + 2·lg + 1
-exdyna              k(P−1)/P·(i + 2v)                              4·lg
-=================== ============================================ ========================
+=================== =================================================== =========================
+algorithm           S(P) bytes sent                                     M(P) messages
+=================== =================================================== =========================
+dense               2(P−1)/P·n·max(v, 4)                                2·lg
+rabenseifner        2(p−1)/p·n·v + f·n·v                                2·log2 p + f
+allgather           (P−1)·k·pair                                        3·lg
+dsa                 (P−1)·sp(k/P, n/P) + (P−1)/P·sp(K(P), n)            (P−1)(1 + c) + lg + w·g
+recursive_doubling  Σ_{i<log2 p} sp(K(2^i + r_i), n) + f·sp(K(P), n)    2·log2 p + 3f
+gtopk               log2 p·k·pair + f·(k·pair + k/8)                    log2 p + 2f
+oktopk              2·k(P−1)/P·pair                                     2(P−1) + 2·lg + 1
+exdyna              k(P−1)/P·(i + 2v)                                   4·lg
+=================== =================================================== =========================
+
+dsa's messages: c (a reduce-scatter chunk of k/P entries) and g (a gathered range of K(P)/P)
+are 2 while they travel sparse (indices, values) and 1 once dense; w is the pieces rank P−1
+sends over Bruck's ⌈log2 P⌉ rounds (one a round, two where its run of min(2^i, P−2^i) > 1
+ranges wraps past P−1). recursive_doubling's busiest rank is the power-of-two group's rank 0:
+entering round i it holds its 2^i lowest members' inputs, of which r_i = min(2^i, P−p) include
+a folded partner's.
 
 The formulas describe the steady state of stateful algorithms (the suite's ``--reuse``, as in
 training): oktopk reusing its threshold and regions, exdyna its threshold window. A fresh
@@ -106,6 +113,10 @@ class Problem:
         """Bytes of m entries of a range of ``length``: sparse or dense, whichever is smaller."""
         return min(m * self.pair, length * self.value_bytes)
 
+    def sparse(self, m: float, length: float) -> bool:
+        """Whether m entries of a range of ``length`` travel sparse (the break-even rule)."""
+        return m * self.pair < length * self.value_bytes
+
     def union(self, m: float) -> float:
         return union_size(self.n, self.k, m, self.overlap)
 
@@ -165,14 +176,27 @@ def _allgather(P: int, x: Problem) -> Counts:
 
 def _dsa(P: int, x: Problem) -> Counts:
     s = (P - 1) * x.sp(x.k / P, x.n / P) + (P - 1) / P * x.sp(x.union(P), x.n)
-    return Counts(s, 5 * (P - 1) + _lg(P))
+    # a chunk or range travels as indices + values while sparse, as one message when dense;
+    # the counts' alltoall (P - 1) and allgather (lg); Bruck's rounds: rank P - 1 sends a
+    # run of ranges that wraps past P - 1 (two pieces) whenever the run is longer than one
+    chunk = 1 + x.sparse(x.k / P, x.n / P)
+    gathered = 1 + x.sparse(x.union(P) / P, x.n / P)
+    pieces = sum(1 if c == 1 else 2 for c in _bruck_counts(P))
+    return Counts(s, (P - 1) * (chunk + 1) + _lg(P) + pieces * gathered)
+
+
+def _bruck_counts(P: int) -> list[int]:
+    """Ranges each rank sends in each round of dsa's Bruck allgather."""
+    return [min(2**i, P - 2**i) for i in range(_lg(P))]
 
 
 def _recursive_doubling(P: int, x: Problem) -> Counts:
     p, f = _pof2(P)
     lgp = p.bit_length() - 1
-    # the busiest rank is one that took a folded partner's input: 2^i + f inputs in round i
-    s = sum(x.sp(x.union(2**i + f), x.n) for i in range(lgp)) + f * x.sp(x.union(P), x.n)
+    # the busiest rank is newrank 0: entering round i it holds the 2^i newranks below 2^i,
+    # and the first P - p of them took a folded partner's input each
+    r = P - p
+    s = sum(x.sp(x.union(2**i + min(2**i, r)), x.n) for i in range(lgp)) + f * x.sp(x.union(P), x.n)
     return Counts(s, 2 * lgp + 3 * f)
 
 
