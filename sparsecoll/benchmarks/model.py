@@ -13,7 +13,8 @@ bytes, ``v`` = value bytes), a rank's time is modelled as
 * C(P): local work (coalescing, merging, densifying), ``c0 + c1·R(P)`` with R(P) the bytes a
   rank receives; c0 and c1 are fitted per algorithm to shared-memory runs at P = 1 and 2
   (one rank per core, nothing oversubscribed). Metadata bytes (counts, thresholds: < 1% of
-  the payload here) are left out of S.
+  the payload at P <= 8 here) are left out of S; oktopk's and exdyna's grow with P
+  (docs/selecting.md, "At large P"), so at large P and small k S understates them.
 
 Formulas (per rank, max over ranks; lg = ⌈log2 P⌉, p = 2^⌊log2 P⌋, f = 1 when P ≠ p else 0,
 K(m) = expected size of the union of m ranks' index sets under the overlap pattern, e.g.
