@@ -239,7 +239,7 @@ class GradientReducer:
         check: bool = True,
         **options: Any,
     ) -> None:
-        self.comm = Communicator.wrap(comm)
+        self._comm = Communicator.wrap(comm)
         n = integer("n", n, 0, int64=True)
         if not isinstance(algorithm, str):
             raise TypeError(
@@ -373,11 +373,16 @@ class GradientReducer:
         set)."""
         return self._density
 
-    # n, k, the algorithm and the selection are what the reducer's buffers, its algorithm
-    # instance and its estimator were built for: read-only (before, red.k = 50 on one rank
-    # changed that rank's local top-k alone, without an error)
+    # n, k, the communicator, the algorithm and the selection are what the reducer's
+    # buffers, its algorithm instance and its estimator were built for: read-only (before,
+    # red.k = 50 on one rank changed that rank's local top-k alone, without an error)
     n = property(
         lambda self: self._n, lambda self, value: self._refuse("n", value), doc="The length."
+    )
+    comm = property(
+        lambda self: self._comm,
+        lambda self, value: self._refuse("comm", value),
+        doc="The communicator (a sparsecoll Communicator).",
     )
     k = property(
         lambda self: self._k,

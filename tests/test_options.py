@@ -217,11 +217,11 @@ def test_a_bad_value_set_is_refused_as_at_construction(build, option, value):
     assert getattr(obj, option) == before
 
 
-@pytest.mark.parametrize("option", ["n", "k", "algorithm_name", "selection"])
+@pytest.mark.parametrize("option", ["n", "k", "algorithm_name", "selection", "comm"])
 def test_what_a_reducer_is_built_for_cannot_be_set(option):
-    """n, k, the algorithm and the selection: its algorithm, estimator and buffers are built
-    for them. Before, red.k = 50 on one rank changed that rank's local top-k alone (scratch
-    p_warm.py at P=2: no error, 50 entries a step from that rank)."""
+    """n, k, the communicator, the algorithm and the selection: its algorithm, estimator and
+    buffers are built for them. Before, red.k = 50 on one rank changed that rank's local
+    top-k alone (scratch p_warm.py at P=2: no error, 50 entries a step from that rank)."""
     red = _reducer()
     before = getattr(red, option)
     with pytest.raises(AttributeError, match=f"GradientReducer's {option} is fixed at constr"):

@@ -216,6 +216,7 @@ class SparseHookState:
 
     __slots__ = (
         "_algorithm",
+        "_comm",
         "_density",
         "_failed",
         "_failures",
@@ -229,7 +230,6 @@ class SparseHookState:
         "_pending_until",
         "_stepped",
         "_warmup",
-        "comm",
         "iteration",
         "reducers",
     )
@@ -254,7 +254,7 @@ class SparseHookState:
                 f"density=k/parameters (e.g. density={options['k']}/sum(p.numel() for p in "
                 f"model.parameters())) instead of k={options['k']!r}"
             )
-        self.comm = Communicator.wrap(comm)
+        self._comm = Communicator.wrap(comm)
         # refused here, or at the first bucket when torch.distributed starts later
         self._launch_checked = False
         self._check_launch()
@@ -304,6 +304,18 @@ class SparseHookState:
         is (setting ``state.algorithm`` or ``state.options`` left the reducers already built
         as they were: only the watchdog's name and later buckets took it)."""
         return MappingProxyType(self._options)
+
+    @property
+    def comm(self) -> Communicator:
+        """The communicator every bucket is reduced over, fixed at construction as the
+        algorithm is (setting it left the buckets' reducers on the old one while rebuilt
+        buckets and the warm-up took the new one: a model reduced over two communicators,
+        the ranks' updates differing)."""
+        return self._comm
+
+    @comm.setter
+    def comm(self, value: Any) -> None:
+        raise AttributeError(_FIXED.format(what="comm", value=value))
 
     @algorithm.setter
     def algorithm(self, value: Any) -> None:
