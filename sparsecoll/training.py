@@ -239,7 +239,7 @@ class GradientReducer:
         check: bool = True,
         **options: Any,
     ) -> None:
-        self.comm = Communicator.wrap(comm)
+        self._comm = Communicator.wrap(comm)
         n = integer("n", n, 0, int64=True)
         if not isinstance(algorithm, str):
             raise TypeError(
@@ -247,21 +247,18 @@ class GradientReducer:
                 " reducer builds its own: k from density, other options as keywords)"
             )
         density = check_density(density)
-        warmup = integer("warmup", warmup, 0)
-        momentum = real("momentum", momentum)
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-        self.n = int(n)
+        # (set here, not through the setters: they agree anew, on what is built below)
+        self._n = int(n)
         self._density = density
-        self.momentum = momentum
-        self.k = min(self.n, max(1, round(density * self.n))) if self.n else 0
-        self.warmup = int(warmup)
-        self.average = flag("average", average)
-        self.error_feedback = flag("error_feedback", error_feedback)
-        self.check = flag("check", check)
-        self.reuse_update = flag("reuse_update", reuse_update)
-        self.algorithm_name = algorithm
-        self.selection = choice("selection", selection, SELECTIONS)
+        self._momentum = _check_momentum("momentum", momentum)
+        self._k = min(self.n, max(1, round(density * self.n))) if self.n else 0
+        self._warmup = integer("warmup", warmup, 0)
+        self._average = flag("average", average)
+        self._error_feedback = flag("error_feedback", error_feedback)
+        self._check_input = flag("check", check)
+        self._reuse_update = flag("reuse_update", reuse_update)
+        self._algorithm_name = algorithm
+        self._selection = choice("selection", selection, SELECTIONS)
         if selection_options is not None and not isinstance(selection_options, dict):
             raise TypeError(
                 f"selection_options must be a dict of the estimator's options or None, got "
@@ -375,6 +372,119 @@ class GradientReducer:
         algorithm and selection state (what the DDP hook's state does when its density is
         set)."""
         return self._density
+
+    # n, k, the communicator, the algorithm and the selection are what the reducer's
+    # buffers, its algorithm instance and its estimator were built for: read-only (before,
+    # red.k = 50 on one rank changed that rank's local top-k alone, without an error)
+    n = property(
+        lambda self: self._n, lambda self, value: self._refuse("n", value), doc="The length."
+    )
+    comm = property(
+        lambda self: self._comm,
+        lambda self, value: self._refuse("comm", value),
+        doc="The communicator (a sparsecoll Communicator).",
+    )
+    k = property(
+        lambda self: self._k,
+        lambda self, value: self._refuse("k", value),
+        doc="Entries sent: round(density·n) per rank (exdyna: in all), at least 1.",
+    )
+    algorithm_name = property(
+        lambda self: self._algorithm_name,
+        lambda self, value: self._refuse("algorithm_name", value),
+        doc="The algorithm's registered name.",
+    )
+    selection = property(
+        lambda self: self._selection,
+        lambda self, value: self._refuse("selection", value),
+        doc="The local selection policy's name.",
+    )
+
+    def _refuse(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"a GradientReducer's {name} is fixed at construction (its algorithm, estimator "
+            f"and buffers are built for it), got {value!r}: build a new GradientReducer on "
+            f"every rank (warmup, average, error_feedback, momentum, reuse_update and check "
+            f"may be set between steps)"
+        )
+
+    def _set_agreed(self, name: str, value: Any) -> None:
+        """Set an argument the ranks agree on at every step (after the pending step_async
+        calls, which read it), and agree on the new value from the next step on: set on
+        some ranks only, that step raises CollectiveInputError on every rank naming it
+        (before, a warmup set on one rank made it reduce densely while the others ran the
+        algorithm: the job hung; average or error_feedback made the ranks differ silently)."""
+        self._wait_pending()
+        setattr(self, f"_{name}", value)
+        self._agree_on({**self._agreed_options, name: canonical(value)})
+
+    @property
+    def warmup(self) -> int:
+        """Steps reduced densely first (the step counter decides: a warmup above it makes
+        the next steps dense again). Settable between steps, alike on every rank."""
+        return self._warmup
+
+    @warmup.setter
+    def warmup(self, value: int) -> None:
+        self._set_agreed("warmup", integer("warmup", value, 0))
+
+    @property
+    def average(self) -> bool:
+        """Whether the update is the mean over the ranks (else their sum). Settable
+        between steps, alike on every rank."""
+        return self._average
+
+    @average.setter
+    def average(self, value: bool) -> None:
+        self._set_agreed("average", flag("average", value))
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether the residual is added to the next step's gradient. Settable between
+        steps, alike on every rank."""
+        return self._error_feedback
+
+    @error_feedback.setter
+    def error_feedback(self, value: bool) -> None:
+        self._set_agreed("error_feedback", flag("error_feedback", value))
+
+    @property
+    def momentum(self) -> float:
+        """The momentum correction's factor (0: none). Settable between steps, alike on
+        every rank: set to 0, the velocity is dropped (a velocity kept without momentum
+        made the state_dict one that no reducer loads); from 0, it starts at zero."""
+        return self._momentum
+
+    @momentum.setter
+    def momentum(self, value: float) -> None:
+        value = _check_momentum("momentum", value)
+        self._set_agreed("momentum", value)
+        if not value:
+            self._velocity = self._spare_velocity = None
+
+    @property
+    def reuse_update(self) -> bool:
+        """Whether step() returns the reducer's own update buffer (this rank's own choice:
+        not agreed)."""
+        return self._reuse_update
+
+    @reuse_update.setter
+    def reuse_update(self, value: bool) -> None:
+        value = flag("reuse_update", value)
+        self._wait_pending()
+        self._reuse_update = value
+
+    @property
+    def check(self) -> bool:
+        """Whether each step's input is agreed on collectively. Not agreed itself (a rank
+        without it takes no part in the agreement): set it alike on every rank."""
+        return self._check_input
+
+    @check.setter
+    def check(self, value: bool) -> None:
+        value = flag("check", value)
+        self._wait_pending()
+        self._check_input = value
 
     @property
     def residual(self) -> Any:
@@ -1174,6 +1284,14 @@ class GradientReducer:
         self._residual, self._spare = self._spare, self._residual
         if self._velocity is not None:
             self._velocity, self._spare_velocity = self._spare_velocity, self._velocity
+
+
+def _check_momentum(name: str, value: Any) -> float:
+    """A momentum factor: a real number in [0, 1)."""
+    value = real(name, value)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+    return value
 
 
 def _finish(

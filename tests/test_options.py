@@ -175,3 +175,74 @@ def test_a_reducer_n_beyond_int64_is_named_n():
     for n in (2**63, 2**70):
         with pytest.raises(ValueError, match=r"^n must be below 2\*\*63"):
             GradientReducer(MPI.COMM_WORLD, n, "oktopk")
+
+
+SETTABLE = [
+    # (build, attribute, bad values): checked as the constructor checks them
+    (_reducer, "warmup", [*NOT_INT, -1]),
+    (_reducer, "momentum", [*NOT_REAL, math.nan, 1.0, -0.1]),
+    (_reducer, "average", NOT_FLAG),
+    (_reducer, "error_feedback", NOT_FLAG),
+    (_reducer, "reuse_update", NOT_FLAG),
+    (_reducer, "check", NOT_FLAG),
+    (_hook_state, "warmup", [*NOT_INT, 0, -1]),
+    (_hook_state, "density", [*NOT_REAL, math.nan, 0.0, 1.5]),
+    (_hook_state, "nonfinite", [None, "warn"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("build", "option", "value"),
+    [
+        pytest.param(build, option, v, id=f"{build.__name__}-{option}-{v!r}")
+        for build, option, values in SETTABLE
+        for v in values
+    ],
+)
+def test_a_bad_value_set_is_refused_as_at_construction(build, option, value):
+    """What the constructors refuse is refused when set between steps, the attribute left as
+    it was. Before, GradientReducer's were plain attributes (red.warmup = "3" failed the
+    next step with a comparison's TypeError, red.average = "no" was taken as True) and a
+    hook state's warmup too (state.warmup = 2.5 was taken, "2" made every later bucket
+    raise '>=' not supported between instances of 'int' and 'str')."""
+    obj = build()
+    before = getattr(obj, option)
+    with pytest.raises((TypeError, ValueError)) as info:
+        setattr(obj, option, value)
+    assert info.type.__module__ == "builtins", info.value
+    assert option in str(info.value), info.value
+    if build is _reducer or option == "warmup":
+        expected = TypeError if _wrong_type(option, value) else ValueError
+        assert isinstance(info.value, expected), (type(info.value).__name__, info.value)
+    assert getattr(obj, option) == before
+
+
+@pytest.mark.parametrize("option", ["n", "k", "algorithm_name", "selection", "comm"])
+def test_what_a_reducer_is_built_for_cannot_be_set(option):
+    """n, k, the communicator, the algorithm and the selection: its algorithm, estimator and
+    buffers are built for them. Before, red.k = 50 on one rank changed that rank's local
+    top-k alone (scratch p_warm.py at P=2: no error, 50 entries a step from that rank)."""
+    red = _reducer()
+    before = getattr(red, option)
+    with pytest.raises(AttributeError, match=f"GradientReducer's {option} is fixed at constr"):
+        setattr(red, option, 4)
+    assert getattr(red, option) == before
+
+
+def test_a_reducer_set_alike_steps_with_the_new_values():
+    """Set between steps, warmup, average and error_feedback take effect at the next step;
+    momentum set to 0 drops the velocity (a state_dict holding one without momentum is one
+    no reducer loads)."""
+    import numpy as np
+
+    red = GradientReducer(MPI.COMM_WORLD, 8, "allgather", 0.25, momentum=0.5)
+    grad = np.arange(8.0)
+    red.step(grad)
+    red.warmup = 3  # (step 1 < 3: dense)
+    assert np.array_equal(red.step(grad), grad + np.r_[np.arange(6.0) * 1.5, 0, 0])
+    red.momentum = 0.0
+    assert red.velocity is None
+    red.warmup, red.error_feedback = 0, False
+    assert np.count_nonzero(red.step(grad)) == 2 and not red.residual[6:].any()
+    fresh = GradientReducer(MPI.COMM_WORLD, 8, "allgather", 0.25, error_feedback=False)
+    fresh.load_state_dict(red.state_dict())  # (the identity saved: momentum 0, no velocity)

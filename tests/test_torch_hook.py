@@ -845,7 +845,8 @@ def test_the_state_algorithm_and_options_are_fixed():
     running the old ones while the watchdog named the new one, silently (scratch probe:
     allgather reducers after state.algorithm = "exdyna" and state.options = {"momentum":
     0.9}). Now refused, saying to build a new state; an in-place change of the options
-    is refused too. density, warmup and nonfinite may still be set."""
+    is refused too, and so is a new communicator. density, warmup and nonfinite may still
+    be set."""
     torch = pytest.importorskip("torch")
     from mpi4py import MPI
 
@@ -861,7 +862,13 @@ def test_the_state_algorithm_and_options_are_fixed():
         state.options = {"momentum": 0.9}
     with pytest.raises(TypeError):
         state.options["momentum"] = 0.9
+    # (the communicator too: the built reducers kept the old one while the warm-up and
+    # rebuilt buckets took the new, and the ranks' updates differed: scratch p_comm.py)
+    comm = state.comm
+    with pytest.raises(AttributeError, match="comm is fixed at construction"):
+        state.comm = MPI.COMM_WORLD
     (red,) = state.reducers.values()
+    assert state.comm is comm and red.comm is comm
     assert (state.algorithm, dict(state.options)) == ("allgather", {"momentum": 0.5})
     assert (red.algorithm_name, red.momentum) == ("allgather", 0.5)
     state.density, state.warmup, state.nonfinite = 0.5, 1, "nan"

@@ -216,6 +216,7 @@ class SparseHookState:
 
     __slots__ = (
         "_algorithm",
+        "_comm",
         "_density",
         "_failed",
         "_failures",
@@ -228,10 +229,9 @@ class SparseHookState:
         "_pending_layouts",
         "_pending_until",
         "_stepped",
-        "comm",
+        "_warmup",
         "iteration",
         "reducers",
-        "warmup",
     )
 
     def __init__(
@@ -244,11 +244,7 @@ class SparseHookState:
         nonfinite: str = "raise",
         **options: Any,
     ) -> None:
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(
-                f"warmup must be an integer >= 1 (DDP rebuilds its buckets after the first "
-                f"iteration, so the first one is reduced densely), got {warmup!r}"
-            )
+        _check_warmup(warmup)
         if "average" in options or "warmup" in options:
             raise TypeError("the hook always averages and handles the warm-up itself")
         if "k" in options:  # (a bucket reducer's k is round(density·its n))
@@ -258,7 +254,7 @@ class SparseHookState:
                 f"density=k/parameters (e.g. density={options['k']}/sum(p.numel() for p in "
                 f"model.parameters())) instead of k={options['k']!r}"
             )
-        self.comm = Communicator.wrap(comm)
+        self._comm = Communicator.wrap(comm)
         # refused here, or at the first bucket when torch.distributed starts later
         self._launch_checked = False
         self._check_launch()
@@ -309,6 +305,18 @@ class SparseHookState:
         as they were: only the watchdog's name and later buckets took it)."""
         return MappingProxyType(self._options)
 
+    @property
+    def comm(self) -> Communicator:
+        """The communicator every bucket is reduced over, fixed at construction as the
+        algorithm is (setting it left the buckets' reducers on the old one while rebuilt
+        buckets and the warm-up took the new one: a model reduced over two communicators,
+        the ranks' updates differing)."""
+        return self._comm
+
+    @comm.setter
+    def comm(self, value: Any) -> None:
+        raise AttributeError(_FIXED.format(what="comm", value=value))
+
     @algorithm.setter
     def algorithm(self, value: Any) -> None:
         raise AttributeError(_FIXED.format(what="algorithm", value=value))
@@ -336,6 +344,19 @@ class SparseHookState:
     def _agree_on_hook_options(self, red: GradientReducer) -> None:
         """Make ``red``'s steps agree on this state's ``nonfinite`` too."""
         red._agree_on({**red._agreed_options, "nonfinite": self._nonfinite})
+
+    @property
+    def warmup(self) -> int:
+        """Iterations reduced densely first, counted from the state's first (``iteration``):
+        at least 1. It may be set between iterations, alike on every rank (a rank still in
+        its warm-up while another steps raises on every rank); checked as the constructor
+        checks it (before, ``state.warmup = "2"`` made every later bucket raise a
+        comparison's TypeError, and 0 or 2.5 were taken)."""
+        return self._warmup
+
+    @warmup.setter
+    def warmup(self, value: int) -> None:
+        self._warmup = _check_warmup(value)
 
     @property
     def density(self) -> float:
@@ -506,6 +527,18 @@ class SparseHookState:
         self._pending = dict(state["reducers"])
         self._pending_layouts = dict(layouts)
         self._pending_until = self.iteration + 3
+
+
+def _check_warmup(value: Any) -> int:
+    """A hook state's warmup: an integer >= 1 (a TypeError for another type, a ValueError
+    below 1)."""
+    try:
+        return integer("warmup", value, 1)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(
+            f"{exc} (DDP rebuilds its buckets after the first iteration, so the first one "
+            f"is reduced densely)"
+        ) from None
 
 
 def _check_layout(index: Any, layout: Any, reducers: dict[Any, Any]) -> None:

@@ -434,6 +434,49 @@ def test_a_reducer_agrees_on_the_whole_signature(comm, monkeypatch, values):
     assert_all(comm, red.steps == 0, "failed step counted")
 
 
+# a reducer argument set after construction: (attribute, the value one rank sets, as named)
+SET_ON_ONE_RANK = {
+    "warmup": (3, "3", "0"),
+    "average": (False, "False", "True"),
+    "error_feedback": (False, "False", "True"),
+    "momentum": (0.5, "0.5", "0.0"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SET_ON_ONE_RANK))
+def test_a_reducer_argument_set_on_one_rank_raises_everywhere(comm, name):
+    """warmup, average, error_feedback and momentum are agreed at every step, and so they
+    are when set after construction: set on one rank, the next step raises the same
+    CollectiveInputError on every rank naming it and both values, changing nothing; set
+    alike on every rank, the steps go on with it. Before, the agreement held the values the
+    reducer was built with: a warmup set on one rank made it reduce densely while the others
+    ran the algorithm (the job hung: scratch p_warm.py at P=2, killed by timeout 60), and
+    average or error_feedback made the ranks' updates differ silently (950 against 1900)."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    value, theirs, ours = SET_ON_ONE_RANK[name]
+    bad = comm.size - 1
+    n = 40
+    red = sparsecoll.GradientReducer(comm, n, "allgather", 0.1)
+    grad = np.arange(n, dtype=np.float64) + comm.rank
+    first = red.step(grad).copy()
+    if comm.rank == bad:
+        setattr(red, name, value)
+    text = f"{name} must be the same on every rank: rank {bad} has {theirs}, rank 0 has {ours}"
+    with pytest.raises(sparsecoll.CollectiveInputError, match=re.escape(text)):
+        red.step(grad)
+    assert_all(comm, red.steps == 1, f"failed step counted: {red.steps}")
+    setattr(red, name, value)  # (now on every rank)
+    update = red.step(grad)
+    assert_all(comm, getattr(red, name) == value, f"{name} is {getattr(red, name)!r}")
+    same = comm.allgather_object(update.tolist())
+    assert_all(comm, all(u == same[0] for u in same), "updates differ between the ranks")
+    if name == "warmup":  # (step 1 < 3: dense again, step 0's residual sent with it)
+        dense = np.count_nonzero(update) == n and not red.residual.any()
+        assert_all(comm, dense, f"not a dense step: {update}")
+    assert_all(comm, first.any(), "step 0 sent nothing")
+
+
 @pytest.mark.parametrize("where", ["coalesce", "dense", "rabenseifner"])
 def test_memory_running_out_on_one_rank_raises_everywhere(comm, monkeypatch, where):
     """Memory running out on one rank in the call's local work (coalescing the input, or a

@@ -648,3 +648,37 @@ def test_k_of_every_entry_keeps_every_nonzero(comm, dtype):
         if not same or not np.allclose(out.values, want.values, rtol=1e-5, atol=1e-5):
             bad.append(f"step {step}: allreduce kept {out.nnz} of {want.nnz}")
     assert_all(comm, not bad, f"{bad}")
+
+
+@pytest.mark.parametrize("how", ["step", "step_async"])
+def test_k_of_every_entry_with_a_nan_raises_everywhere_through_the_reducer(comm, how):
+    """A GradientReducer at density 1 (exdyna's k = n, every nonzero kept) with a NaN in one
+    rank's gradient: the step raises NonFiniteError naming that rank on every rank, blocking
+    or through step_async's wait(), and changes nothing (the residual, here empty, and the
+    step count); the next clean step averages the gradients, as before the NaN."""
+    n, bad = 1000, comm.size - 1
+    red = sparsecoll.GradientReducer(comm, n, "exdyna", density=1.0)
+    run = red.step if how == "step" else (lambda g: red.step_async(g).wait())
+    problems = []
+    for step in range(3):
+        grad = np.random.default_rng([step, comm.rank]).standard_normal(n).astype(np.float32)
+        mean = comm.allreduce(grad.astype(np.float64), op="sum") / comm.size
+        if step == 1 and comm.rank == bad:
+            grad[n // 3] = np.nan
+        try:
+            update = run(grad)
+        except sparsecoll.NonFiniteError as exc:
+            if (
+                step != 1
+                or f"not finite (the step is skipped, the residual kept) on rank {bad}"
+                not in str(exc)
+            ):
+                problems.append(f"step {step}: {exc}")
+            continue
+        if step == 1:
+            problems.append(f"step 1 (a NaN on rank {bad}) did not raise")
+        elif not np.allclose(update, mean, rtol=1e-5, atol=1e-6):
+            problems.append(f"step {step}: {np.count_nonzero(update)} of {n} averaged")
+    if red.steps != 2 or np.count_nonzero(red.residual):
+        problems.append(f"{red.steps} steps, {np.count_nonzero(red.residual)} in the residual")
+    assert_all(comm, not problems, f"{problems}")
