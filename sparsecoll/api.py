@@ -134,12 +134,14 @@ def _allreduce(
             if options:
                 raise TypeError("options go to get_algorithm() when passing an instance")
             algo = algorithm
+            # (an instance's options are its own: only which algorithm it is is named)
+            detail = functools.partial(_options_detail, algo, None)
         elif isinstance(algorithm, str):
             algo = get_algorithm(algorithm, **options)
             # (a fresh instance: its signature differs across ranks by its options alone,
             # which a mismatch's message then names, with both ranks' values; made only
             # then, when it is gathered)
-            detail = functools.partial(_options_detail, type(algo), options)
+            detail = functools.partial(_options_detail, algo, options)
         else:
             got = type(algorithm).__name__
             if isinstance(algorithm, type):
@@ -226,10 +228,16 @@ def iallreduce(
     return c.engine(label).submit(call, label, owner=c)
 
 
-def _options_detail(cls: Any, options: dict[str, Any]) -> Detail:
-    """The detail (:func:`collective_check`) of a named algorithm's options."""
+def _options_detail(algo: Any, options: dict[str, Any] | None) -> Detail:
+    """The detail (:func:`collective_check`) of the algorithm (its name, behind the class's
+    CRC) and of a named algorithm's ``options`` (None: an instance, whose options are not
+    known: behind no signature value, so that none is named against another rank's)."""
+    cls = type(algo)
+    named = ((2,), {"algorithm": cls.name or cls.__qualname__})
+    if options is None:
+        return (named, ((), {}))
     where = tuple(range(3, 3 + ALGORITHM_SIGNATURE_LEN))
-    return ((where, canonical(effective_options(cls, options))),)
+    return (named, (where, canonical(effective_options(cls, options))))
 
 
 def _name(algorithm: Any) -> str:

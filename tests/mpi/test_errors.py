@@ -101,13 +101,28 @@ def test_bad_input_raises_everywhere(comm, name, what):
     assert_all(comm, out.n == N)
 
 
-def test_mismatched_algorithm(comm):
+@pytest.mark.parametrize("instance", ["none", "rank 0", "the others"])
+def test_mismatched_algorithm(comm, instance):
+    """Both algorithms are named, given by name or as an instance (it said only 'rank 2
+    differs from rank 0'); an instance's options are not named against a name's."""
     if comm.size == 1:
         pytest.skip("needs two ranks to disagree")
     vals, idx = _good(comm.rank)
-    name = "allgather" if comm.rank == 0 else "dense"
-    with pytest.raises(sparsecoll.CollectiveInputError, match="algorithm must be the same"):
-        sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=name)
+    bad = comm.size - 1
+    name = "dense" if comm.rank == bad else "allgather"
+    given = name
+    if (instance == "rank 0") == (comm.rank == 0) and instance != "none":
+        given = sparsecoll.get_algorithm(name)
+    want = (
+        f"algorithm must be the same on every rank: rank {bad} has 'dense', rank 0 has 'allgather'"
+    )
+    with pytest.raises(sparsecoll.CollectiveInputError, match=re.escape(want)):
+        sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=given)
+    # the same algorithm, an instance with other options against a name: no option named
+    given = sparsecoll.get_algorithm("gtopk", k=3) if comm.rank == 0 else "gtopk"
+    options = {} if comm.rank == 0 else {"k": 4}
+    with pytest.raises(sparsecoll.CollectiveInputError, match=r"algorithm options \(and the"):
+        sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=given, **options)
 
 
 DIFFERING_OPTIONS = {
