@@ -180,6 +180,13 @@ def _allreduce(
     errstate = np.errstate(over="ignore", invalid="ignore")
     with device_scope(vals), errstate, c.measure() as stats, c.apart():
         out = algo.reduce(c, x)
+    # (a user's algorithm returning something else was "'NoneType' object has no attribute
+    # 'info'", naming neither the algorithm nor what it must return)
+    if not isinstance(out, SparseVector):
+        raise TypeError(
+            f"{type(algo).__qualname__}.reduce() must return a SparseVector, got "
+            f"{type(out).__name__}"
+        )
     out.info["stats"] = stats
     c.last_stats = stats
     if wrap is not identity:

@@ -7,6 +7,7 @@ import inspect
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import sparsecoll
@@ -238,3 +239,22 @@ def test_a_plugin_that_fails_to_load_leaves_the_others_and_names_itself(tmp_path
             "'plugin_missing_module:Algo' (group sparsecoll.algorithms): ModuleNotFoundError"
         )
     assert "algorithm 'plugin-broken' could not be loaded" in describe_algorithms()
+
+
+@pytest.mark.parametrize("returned", [None, (np.array([0]), np.array([1.0]))])
+def test_a_user_algorithm_returning_no_sparse_vector_is_named(returned):
+    """A registered algorithm whose reduce() returns something else than a SparseVector:
+    allreduce names it and what it must return (it raised AttributeError "'NoneType'
+    object has no attribute 'info'")."""
+    from mpi4py import MPI
+
+    class Careless(Algorithm):
+        name = "test-careless"
+
+        def reduce(self, comm, x):
+            return returned
+
+    with pytest.raises(
+        TypeError, match=r"Careless\.reduce\(\) must return a SparseVector, got (NoneType|tuple)"
+    ):
+        sparsecoll.allreduce(MPI.COMM_SELF, [1.0], [0], n=2, algorithm=Careless())
