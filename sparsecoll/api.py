@@ -397,8 +397,13 @@ def _ints(signature: list[int]) -> list[int]:
 
 def _describe(error: BaseException | None) -> tuple[str, str]:
     """The name of the sparsecoll error class to raise everywhere, and the message."""
-    if isinstance(error, errors.SparseCollError):
-        return type(error).__name__, str(error)
+    for cls in type(error).__mro__:
+        # (the nearest of sparsecoll.errors' own: a user's algorithm may raise a subclass
+        # of one, which the other ranks cannot build: they raised AttributeError "module
+        # 'sparsecoll.errors' has no attribute ...", the message and the rank lost)
+        if getattr(errors, cls.__name__, None) is cls:
+            own = cls is type(error)
+            return cls.__name__, str(error) if own else f"{type(error).__name__}: {error}"
     if isinstance(error, TypeError):
         return "CollectiveTypeError", str(error)
     if isinstance(error, ValueError):

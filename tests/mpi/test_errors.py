@@ -410,6 +410,44 @@ def test_unexpected_local_error_on_one_rank_raises_everywhere(comm):
     assert_all(comm, out.values.tolist() == [comm.size] * 2)
 
 
+class _PluginInputError(sparsecoll.CollectiveInputError):
+    """A user's algorithm's own error type (a subclass of one of sparsecoll's)."""
+
+
+class _PluginError(sparsecoll.SparseCollError):
+    """Another, under sparsecoll's base class alone."""
+
+
+@pytest.mark.parametrize(
+    ("error", "etype", "text"),
+    [
+        (_PluginInputError("bad k"), sparsecoll.CollectiveInputError, "_PluginInputError: bad k"),
+        (_PluginError("broken"), sparsecoll.SparseCollError, "_PluginError: broken"),
+        (sparsecoll.NonFiniteError("NaN"), sparsecoll.NonFiniteError, "NaN"),
+    ],
+)
+def test_a_user_algorithms_subclass_of_a_sparsecoll_error_raises_everywhere(
+    comm, error, etype, text
+):
+    """A user's algorithm raising its own subclass of a sparsecoll error on one rank (in its
+    preflight, before the ranks agree): every rank raises the nearest sparsecoll class,
+    naming the subclass, the message and the rank. The other ranks looked the subclass up
+    in sparsecoll.errors by name, and every rank raised AttributeError "module
+    'sparsecoll.errors' has no attribute '_PluginInputError'", message and rank lost."""
+    bad = comm.size - 1
+
+    class Picky(algorithm_class("allgather")):
+        def preflight(self, x):
+            if comm.rank == bad:
+                raise error
+
+    with pytest.raises(etype, match=re.escape(f"{text} on rank {bad}")) as info:
+        sparsecoll.allreduce(comm, np.ones(2, np.float32), [0, 1], n=4, algorithm=Picky())
+    assert_all(comm, comm.rank != bad or info.value.__cause__ is error)
+    out = sparsecoll.allreduce(comm, np.ones(2, np.float32), [0, 1], n=4)  # the ranks go on
+    assert_all(comm, out.values.tolist() == [comm.size] * 2)
+
+
 @pytest.mark.parametrize("values", [[1, 2, 3, 4, "rank"], [1] * 6, "raises"])
 def test_a_reducer_agrees_on_the_whole_signature(comm, monkeypatch, values):
     """A GradientReducer compares every value of its algorithm's signature, as allreduce
