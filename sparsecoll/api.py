@@ -397,18 +397,29 @@ def _ints(signature: list[int]) -> list[int]:
 
 def _describe(error: BaseException | None) -> tuple[str, str]:
     """The name of the sparsecoll error class to raise everywhere, and the message."""
+    text = _message(error)
     for cls in type(error).__mro__:
         # (the nearest of sparsecoll.errors' own: a user's algorithm may raise a subclass
         # of one, which the other ranks cannot build: they raised AttributeError "module
         # 'sparsecoll.errors' has no attribute ...", the message and the rank lost)
         if getattr(errors, cls.__name__, None) is cls:
             own = cls is type(error)
-            return cls.__name__, str(error) if own else f"{type(error).__name__}: {error}"
+            return cls.__name__, text if own else f"{type(error).__name__}: {text}"
     if isinstance(error, TypeError):
-        return "CollectiveTypeError", str(error)
+        return "CollectiveTypeError", text
     if isinstance(error, ValueError):
-        return "CollectiveInputError", str(error)
-    return "CollectiveRuntimeError", f"{type(error).__name__}: {error}"
+        return "CollectiveInputError", text
+    return "CollectiveRuntimeError", f"{type(error).__name__}: {text}"
+
+
+def _message(error: BaseException | None) -> str:
+    """``str(error)``, or what says it could not be had: an exception whose ``__str__``
+    raises (a user's class) raised here, on the offending rank alone, before it sent the
+    verdict, and the other ranks waited for it for ever."""
+    try:
+        return str(error)
+    except Exception as exc:
+        return f"<its message could not be read: str() raised {type(exc).__name__}>"
 
 
 def _raise_mismatch(

@@ -418,12 +418,25 @@ class _PluginError(sparsecoll.SparseCollError):
     """Another, under sparsecoll's base class alone."""
 
 
+class _Unprintable(Exception):
+    """An error whose message cannot be had (its ``__str__`` raises)."""
+
+    def __str__(self):
+        raise RuntimeError("no message")
+
+
 @pytest.mark.parametrize(
     ("error", "etype", "text"),
     [
         (_PluginInputError("bad k"), sparsecoll.CollectiveInputError, "_PluginInputError: bad k"),
         (_PluginError("broken"), sparsecoll.SparseCollError, "_PluginError: broken"),
         (sparsecoll.NonFiniteError("NaN"), sparsecoll.NonFiniteError, "NaN"),
+        # (str() raised on the offending rank before it sent the verdict: the others hung)
+        (
+            _Unprintable(),
+            sparsecoll.CollectiveRuntimeError,
+            "_Unprintable: <its message could not be read: str() raised RuntimeError>",
+        ),
     ],
 )
 def test_a_user_algorithms_subclass_of_a_sparsecoll_error_raises_everywhere(
@@ -433,7 +446,8 @@ def test_a_user_algorithms_subclass_of_a_sparsecoll_error_raises_everywhere(
     preflight, before the ranks agree): every rank raises the nearest sparsecoll class,
     naming the subclass, the message and the rank. The other ranks looked the subclass up
     in sparsecoll.errors by name, and every rank raised AttributeError "module
-    'sparsecoll.errors' has no attribute '_PluginInputError'", message and rank lost."""
+    'sparsecoll.errors' has no attribute '_PluginInputError'", message and rank lost. An
+    error whose message cannot be read is named by its class (the others hung)."""
     bad = comm.size - 1
 
     class Picky(algorithm_class("allgather")):
