@@ -280,13 +280,24 @@ def synchronize() -> None:
 
 
 def wait_for_foreign(given: Any, view: Any) -> None:
-    """Wait for CuPy's stream when ``view``, the array just written for the caller's
-    ``given`` (an ``out``), is a CuPy view of another library's device array (a torch CUDA
-    tensor), not ``given`` itself: the kernels that wrote it ran on CuPy's stream, and
-    nothing orders the owner's stream after them (a new result goes back through DLPack,
-    which does)."""
-    if given is not None and given is not view and is_device_array(view):
+    """Hand the caller's ``given`` (an ``out``), just written through ``view``, back to its
+    owner: wait for CuPy's stream when ``view`` is a CuPy view of another library's device
+    array (a torch CUDA tensor), not ``given`` itself: the kernels that wrote it ran on
+    CuPy's stream, and nothing orders the owner's stream after them (a new result goes back
+    through DLPack, which does). A torch tensor's version counter is raised, as torch's own
+    in-place writes do: written through a numpy or CuPy view, autograd did not see it
+    change, and a tensor saved for backward gave gradients of the new values, silently
+    (torch raises "modified by an inplace operation" instead)."""
+    if given is None or given is view:
+        return
+    if is_device_array(view):
         synchronize()
+    if type(given).__module__.split(".")[0] == "torch":
+        import torch
+
+        bump = getattr(torch.autograd.graph, "increment_version", None)  # (torch >= 2.1)
+        if bump is not None:
+            bump(given)
 
 
 def to_host(x: Any) -> np.ndarray:

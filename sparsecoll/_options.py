@@ -120,9 +120,9 @@ def env_integer(name: str, low: int) -> int | None:
 
 def canonical(value: Any) -> Any:
     """``value`` as plain Python values that compare and print alike on every rank: numbers
-    as int or float (a numpy scalar as the Python one), containers item by item, and any
-    other object as its type's name alone (its repr may hold an address; what it does is
-    not compared)."""
+    as int or float (a numpy scalar as the Python one), containers and numpy arrays item by
+    item (as tuples), and any other object as its type's name alone (its repr may hold an
+    address; what it does is not compared)."""
     if value is None or isinstance(value, (str, bool, np.bool_)):
         return value if not isinstance(value, np.bool_) else bool(value)
     if isinstance(value, numbers.Integral):
@@ -131,6 +131,10 @@ def canonical(value: Any) -> Any:
         return float(value)
     if isinstance(value, (list, tuple)):
         return tuple(canonical(v) for v in value)
+    # (an array option, band=np.array(...), by its values: by its type alone, ranks given
+    # other values agreed)
+    if isinstance(value, np.ndarray):
+        return canonical(value.tolist())
     if isinstance(value, dict):
         return {str(k): canonical(v) for k, v in value.items()}
     return f"<{type(value).__module__}.{type(value).__qualname__}>"

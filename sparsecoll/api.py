@@ -134,12 +134,14 @@ def _allreduce(
             if options:
                 raise TypeError("options go to get_algorithm() when passing an instance")
             algo = algorithm
+            # (an instance's options are its own: only which algorithm it is is named)
+            detail = functools.partial(_options_detail, algo, None)
         elif isinstance(algorithm, str):
             algo = get_algorithm(algorithm, **options)
             # (a fresh instance: its signature differs across ranks by its options alone,
             # which a mismatch's message then names, with both ranks' values; made only
             # then, when it is gathered)
-            detail = functools.partial(_options_detail, type(algo), options)
+            detail = functools.partial(_options_detail, algo, options)
         else:
             got = type(algorithm).__name__
             if isinstance(algorithm, type):
@@ -178,6 +180,13 @@ def _allreduce(
     errstate = np.errstate(over="ignore", invalid="ignore")
     with device_scope(vals), errstate, c.measure() as stats, c.apart():
         out = algo.reduce(c, x)
+    # (a user's algorithm returning something else was "'NoneType' object has no attribute
+    # 'info'", naming neither the algorithm nor what it must return)
+    if not isinstance(out, SparseVector):
+        raise TypeError(
+            f"{type(algo).__qualname__}.reduce() must return a SparseVector, got "
+            f"{type(out).__name__}"
+        )
     out.info["stats"] = stats
     c.last_stats = stats
     if wrap is not identity:
@@ -226,10 +235,16 @@ def iallreduce(
     return c.engine(label).submit(call, label, owner=c)
 
 
-def _options_detail(cls: Any, options: dict[str, Any]) -> Detail:
-    """The detail (:func:`collective_check`) of a named algorithm's options."""
+def _options_detail(algo: Any, options: dict[str, Any] | None) -> Detail:
+    """The detail (:func:`collective_check`) of the algorithm (its name, behind the class's
+    CRC) and of a named algorithm's ``options`` (None: an instance, whose options are not
+    known: behind no signature value, so that none is named against another rank's)."""
+    cls = type(algo)
+    named = ((2,), {"algorithm": cls.name or cls.__qualname__})
+    if options is None:
+        return (named, ((), {}))
     where = tuple(range(3, 3 + ALGORITHM_SIGNATURE_LEN))
-    return ((where, canonical(effective_options(cls, options))),)
+    return (named, (where, canonical(effective_options(cls, options))))
 
 
 def _name(algorithm: Any) -> str:
@@ -382,13 +397,29 @@ def _ints(signature: list[int]) -> list[int]:
 
 def _describe(error: BaseException | None) -> tuple[str, str]:
     """The name of the sparsecoll error class to raise everywhere, and the message."""
-    if isinstance(error, errors.SparseCollError):
-        return type(error).__name__, str(error)
+    text = _message(error)
+    for cls in type(error).__mro__:
+        # (the nearest of sparsecoll.errors' own: a user's algorithm may raise a subclass
+        # of one, which the other ranks cannot build: they raised AttributeError "module
+        # 'sparsecoll.errors' has no attribute ...", the message and the rank lost)
+        if getattr(errors, cls.__name__, None) is cls:
+            own = cls is type(error)
+            return cls.__name__, text if own else f"{type(error).__name__}: {text}"
     if isinstance(error, TypeError):
-        return "CollectiveTypeError", str(error)
+        return "CollectiveTypeError", text
     if isinstance(error, ValueError):
-        return "CollectiveInputError", str(error)
-    return "CollectiveRuntimeError", f"{type(error).__name__}: {error}"
+        return "CollectiveInputError", text
+    return "CollectiveRuntimeError", f"{type(error).__name__}: {text}"
+
+
+def _message(error: BaseException | None) -> str:
+    """``str(error)``, or what says it could not be had: an exception whose ``__str__``
+    raises (a user's class) raised here, on the offending rank alone, before it sent the
+    verdict, and the other ranks waited for it for ever."""
+    try:
+        return str(error)
+    except Exception as exc:
+        return f"<its message could not be read: str() raised {type(exc).__name__}>"
 
 
 def _raise_mismatch(

@@ -1,7 +1,9 @@
 """The algorithm registry: names to Algorithm classes, plus third-party entry points.
 
 Third-party packages can register algorithms through the entry-point group
-``sparsecoll.algorithms`` (``name = "package.module:AlgorithmClass"``).
+``sparsecoll.algorithms`` (``name = "package.module:AlgorithmClass"``). One that fails to
+load (its module missing or raising on import, or no Algorithm subclass) is not available:
+asking for its name raises ImportError with the cause; the others load as usual.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ __all__ = [
 ]
 
 _REGISTRY: dict[str, type[Algorithm]] = {}
+# entry points that failed to load: name -> why (what asking for the name raises)
+_BROKEN: dict[str, str] = {}
 _loaded = False
 
 
@@ -61,8 +65,18 @@ def _load() -> None:
     from . import algorithms  # noqa: F401  (registers the built-in algorithms)
 
     for ep in entry_points(group="sparsecoll.algorithms"):
-        if ep.name not in _REGISTRY:
+        if ep.name in _REGISTRY or ep.name in _BROKEN:
+            continue
+        # (one plugin failing must not stop the others loading, nor fail the first call for
+        # every name and then leave its name unknown: the first lookup raised its error,
+        # and the plugins after it were never loaded)
+        try:
             register_algorithm(ep.load(), ep.name)
+        except Exception as exc:
+            _BROKEN[ep.name] = (
+                f"algorithm {ep.name!r} could not be loaded from its entry point "
+                f"{ep.value!r} (group sparsecoll.algorithms): {type(exc).__name__}: {exc}"
+            )
 
 
 def available_algorithms() -> list[str]:
@@ -78,6 +92,8 @@ def algorithm_class(name: str) -> type[Algorithm]:
     try:
         return _REGISTRY[name]
     except KeyError:
+        if name in _BROKEN:
+            raise ImportError(_BROKEN[name]) from None
         raise UnknownAlgorithmError(unknown_name("algorithm", name, sorted(_REGISTRY))) from None
 
 
@@ -110,7 +126,8 @@ def algorithm_options(name: str) -> dict[str, tuple[Any, str]]:
 def describe_algorithms() -> str:
     """Every registered algorithm, exact or selecting, with its options and their defaults."""
     _load()
-    return textwrap.dedent(_options_doc())
+    broken = "".join(f"\n    {why}\n" for _, why in sorted(_BROKEN.items()))
+    return textwrap.dedent(_options_doc()) + broken
 
 
 def _accepts_any(cls: type[Algorithm]) -> bool:

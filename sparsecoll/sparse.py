@@ -201,6 +201,14 @@ def _dense_out(out: Any, vals: Any, n: int) -> Any:
         raise TypeError(f"out must live where the values do ({where})")
     if tuple(buf.shape) != (n,):
         raise ValueError(f"out must have shape ({n},), got {tuple(buf.shape)}")
+    step = buf.strides[0]
+    if n > 1 and abs(step) < buf.dtype.itemsize:
+        # (a broadcast or expanded view, torch's expand(): every entry written over the
+        # others, one value left in every place; torch refuses such an in-place write)
+        raise ValueError(
+            f"out's elements share memory (a stride of {step} bytes for {buf.dtype.itemsize}"
+            f"-byte elements: a broadcast or expanded view): pass an array of {n} elements"
+        )
     if buf.dtype.newbyteorder("=") != vals.dtype.newbyteorder("="):
         raise TypeError(f"out must be {vals.dtype} (the values' dtype), got {buf.dtype}")
     if isinstance(buf, np.ndarray) and not buf.flags.writeable:

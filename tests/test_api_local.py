@@ -200,6 +200,28 @@ def test_torch_result_to_dense(self_comm):
     assert isinstance(dense, torch.Tensor) and dense.tolist() == [1.0, 0.0, 2.0, 0.0]
 
 
+@pytest.mark.parametrize("call", ["to_dense", "Communicator.allreduce", "GradientReducer.step"])
+def test_a_torch_out_written_is_seen_by_autograd(self_comm, call):
+    """A torch tensor given as ``out`` is written through a numpy view: its version counter
+    is raised, as torch's own in-place writes raise it, so a tensor that autograd saved
+    for backward makes backward() raise instead of giving gradients of the new values
+    (w.grad was [7, 7, 7] for w * x, x written with 7s after the product, silently)."""
+    torch = pytest.importorskip("torch")
+    w = torch.ones(3, requires_grad=True)
+    x = torch.ones(3)
+    loss = (w * x).sum()  # (saves x: d loss / d w = x)
+    if call == "to_dense":
+        sparsecoll.SparseVector.from_coo([0, 1, 2], np.full(3, 7.0, np.float32), 3).to_dense(out=x)
+    elif call == "Communicator.allreduce":
+        sparsecoll.Communicator(self_comm).allreduce(np.full(3, 7.0, np.float32), out=x)
+    else:
+        reducer = sparsecoll.GradientReducer(self_comm, n=3, algorithm="allgather", density=1.0)
+        reducer.step(np.full(3, 7.0, np.float32), out=x)
+    assert x.tolist() == [7.0] * 3
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_communicator_allreduce_takes_array_likes(self_comm):
     """Communicator.allreduce takes what allreduce does (a list was an AttributeError, a
     torch tensor or big-endian array "not float32"); torch in, torch out."""

@@ -7,6 +7,7 @@ import inspect
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import sparsecoll
@@ -198,3 +199,62 @@ def test_docs_list_the_options_as_the_code_does():
     text = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
     block = text.split("<!-- algorithms-listing", 1)[1].split("```text\n", 1)[1]
     assert block.split("```", 1)[0] == describe_algorithms()
+
+
+def test_a_plugin_that_fails_to_load_leaves_the_others_and_names_itself(tmp_path, monkeypatch):
+    """Entry points of the group sparsecoll.algorithms: one whose module is missing (or
+    raises on import) is not available, and asking for it says why; a plugin listed after
+    it and every built-in load as usual, on the first call as on later ones."""
+    from importlib.metadata import EntryPoint
+
+    from sparsecoll import registry
+
+    (tmp_path / "plugin_ok.py").write_text(
+        "from sparsecoll.registry import algorithm_class\n"
+        "class Good(algorithm_class('allgather')):\n"
+        "    name = 'plugin-good'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    group = "sparsecoll.algorithms"
+    eps = [
+        EntryPoint("plugin-broken", "plugin_missing_module:Algo", group),
+        EntryPoint("plugin-good", "plugin_ok:Good", group),
+    ]
+    monkeypatch.setattr(registry, "entry_points", lambda group: eps)
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_BROKEN", {}, raising=False)
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(registry.get_algorithm, "__doc__", registry.get_algorithm.__doc__)
+    for _ in range(2):  # (the first call raised the plugin's error, later ones forgot it)
+        names = sparsecoll.available_algorithms()
+        assert "plugin-good" in names
+        assert "allgather" in names
+        assert "plugin-broken" not in names
+        assert type(sparsecoll.get_algorithm("allgather")).name == "allgather"
+        assert type(sparsecoll.get_algorithm("plugin-good")).name == "plugin-good"
+        with pytest.raises(ImportError, match="plugin_missing_module") as err:
+            sparsecoll.get_algorithm("plugin-broken")
+        assert str(err.value).startswith(
+            "algorithm 'plugin-broken' could not be loaded from its entry point "
+            "'plugin_missing_module:Algo' (group sparsecoll.algorithms): ModuleNotFoundError"
+        )
+    assert "algorithm 'plugin-broken' could not be loaded" in describe_algorithms()
+
+
+@pytest.mark.parametrize("returned", [None, (np.array([0]), np.array([1.0]))])
+def test_a_user_algorithm_returning_no_sparse_vector_is_named(returned):
+    """A registered algorithm whose reduce() returns something else than a SparseVector:
+    allreduce names it and what it must return (it raised AttributeError "'NoneType'
+    object has no attribute 'info'")."""
+    from mpi4py import MPI
+
+    class Careless(Algorithm):
+        name = "test-careless"
+
+        def reduce(self, comm, x):
+            return returned
+
+    with pytest.raises(
+        TypeError, match=r"Careless\.reduce\(\) must return a SparseVector, got (NoneType|tuple)"
+    ):
+        sparsecoll.allreduce(MPI.COMM_SELF, [1.0], [0], n=2, algorithm=Careless())

@@ -309,6 +309,9 @@ def test_to_dense_fills_out():
         (np.zeros(6, np.float32), TypeError, "must be float64 .* got float32"),
         (read_only, ValueError, "read-only"),
         ([0.0] * 6, TypeError, "array written in place"),
+        # (elements that share memory: the last entry was left in every place, silently)
+        (np.lib.stride_tricks.as_strided(np.zeros(1), (6,), (0,)), ValueError, "share memory"),
+        (np.lib.stride_tricks.as_strided(np.zeros(4), (6,), (4,)), ValueError, "share memory"),
     ):
         with pytest.raises(etype, match=text):
             v.to_dense(out=bad)
@@ -316,3 +319,11 @@ def test_to_dense_fills_out():
     t = SparseVector.from_coo(torch.tensor([4, 1]), torch.tensor([1.0, 2.0]), 6)
     out = torch.full((6,), 7.0)
     assert t.to_dense(out=out) is out and out.tolist() == [0.0, 2.0, 0.0, 0.0, 1.0, 0.0]
+    out = torch.zeros(1).expand(6)  # (as torch's own in-place writes refuse it)
+    with pytest.raises(ValueError, match="share memory"):
+        t.to_dense(out=out)
+    assert out.tolist() == [0.0] * 6
+    one = SparseVector.from_coo([0], [3.0], 1)  # (one element: any stride is its own)
+    assert one.to_dense(out=np.lib.stride_tricks.as_strided(np.zeros(1), (1,), (0,))).tolist() == [
+        3.0
+    ]

@@ -101,13 +101,28 @@ def test_bad_input_raises_everywhere(comm, name, what):
     assert_all(comm, out.n == N)
 
 
-def test_mismatched_algorithm(comm):
+@pytest.mark.parametrize("instance", ["none", "rank 0", "the others"])
+def test_mismatched_algorithm(comm, instance):
+    """Both algorithms are named, given by name or as an instance (it said only 'rank 2
+    differs from rank 0'); an instance's options are not named against a name's."""
     if comm.size == 1:
         pytest.skip("needs two ranks to disagree")
     vals, idx = _good(comm.rank)
-    name = "allgather" if comm.rank == 0 else "dense"
-    with pytest.raises(sparsecoll.CollectiveInputError, match="algorithm must be the same"):
-        sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=name)
+    bad = comm.size - 1
+    name = "dense" if comm.rank == bad else "allgather"
+    given = name
+    if (instance == "rank 0") == (comm.rank == 0) and instance != "none":
+        given = sparsecoll.get_algorithm(name)
+    want = (
+        f"algorithm must be the same on every rank: rank {bad} has 'dense', rank 0 has 'allgather'"
+    )
+    with pytest.raises(sparsecoll.CollectiveInputError, match=re.escape(want)):
+        sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=given)
+    # the same algorithm, an instance with other options against a name: no option named
+    given = sparsecoll.get_algorithm("gtopk", k=3) if comm.rank == 0 else "gtopk"
+    options = {} if comm.rank == 0 else {"k": 4}
+    with pytest.raises(sparsecoll.CollectiveInputError, match=r"algorithm options \(and the"):
+        sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=given, **options)
 
 
 DIFFERING_OPTIONS = {
@@ -391,6 +406,58 @@ def test_unexpected_local_error_on_one_rank_raises_everywhere(comm):
     ):
         red.step(np.ones(8))
     assert_all(comm, red.steps == 0, "failed step counted")
+    out = sparsecoll.allreduce(comm, np.ones(2, np.float32), [0, 1], n=4)  # the ranks go on
+    assert_all(comm, out.values.tolist() == [comm.size] * 2)
+
+
+class _PluginInputError(sparsecoll.CollectiveInputError):
+    """A user's algorithm's own error type (a subclass of one of sparsecoll's)."""
+
+
+class _PluginError(sparsecoll.SparseCollError):
+    """Another, under sparsecoll's base class alone."""
+
+
+class _Unprintable(Exception):
+    """An error whose message cannot be had (its ``__str__`` raises)."""
+
+    def __str__(self):
+        raise RuntimeError("no message")
+
+
+@pytest.mark.parametrize(
+    ("error", "etype", "text"),
+    [
+        (_PluginInputError("bad k"), sparsecoll.CollectiveInputError, "_PluginInputError: bad k"),
+        (_PluginError("broken"), sparsecoll.SparseCollError, "_PluginError: broken"),
+        (sparsecoll.NonFiniteError("NaN"), sparsecoll.NonFiniteError, "NaN"),
+        # (str() raised on the offending rank before it sent the verdict: the others hung)
+        (
+            _Unprintable(),
+            sparsecoll.CollectiveRuntimeError,
+            "_Unprintable: <its message could not be read: str() raised RuntimeError>",
+        ),
+    ],
+)
+def test_a_user_algorithms_subclass_of_a_sparsecoll_error_raises_everywhere(
+    comm, error, etype, text
+):
+    """A user's algorithm raising its own subclass of a sparsecoll error on one rank (in its
+    preflight, before the ranks agree): every rank raises the nearest sparsecoll class,
+    naming the subclass, the message and the rank. The other ranks looked the subclass up
+    in sparsecoll.errors by name, and every rank raised AttributeError "module
+    'sparsecoll.errors' has no attribute '_PluginInputError'", message and rank lost. An
+    error whose message cannot be read is named by its class (the others hung)."""
+    bad = comm.size - 1
+
+    class Picky(algorithm_class("allgather")):
+        def preflight(self, x):
+            if comm.rank == bad:
+                raise error
+
+    with pytest.raises(etype, match=re.escape(f"{text} on rank {bad}")) as info:
+        sparsecoll.allreduce(comm, np.ones(2, np.float32), [0, 1], n=4, algorithm=Picky())
+    assert_all(comm, comm.rank != bad or info.value.__cause__ is error)
     out = sparsecoll.allreduce(comm, np.ones(2, np.float32), [0, 1], n=4)  # the ranks go on
     assert_all(comm, out.values.tolist() == [comm.size] * 2)
 

@@ -448,6 +448,32 @@ def test_reducer_options_differing_across_ranks(comm, option, algorithm):
     assert_all(comm, red.steps == 0, "failed step counted")
 
 
+def test_an_array_option_is_agreed_by_its_values(comm):
+    """A selection option given as a numpy array (band=np.array([lo, hi]), which the
+    estimators take) is compared by its values: other values on one rank raise on every
+    rank, naming both; the same values as an array or a tuple agree. Compared by its type
+    alone, the ranks went on selecting with their own bands, without an error."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    bad = comm.size - 1
+    band = np.array([0.8, 2.0 if comm.rank == bad else 1.25])
+    kw = {"selection": "gaussian", "selection_options": {"band": band}}
+    red = GradientReducer(comm, 400, "allgather", 0.05, **kw)
+    with pytest.raises(
+        CollectiveInputError,
+        match=re.escape(
+            f"selection_options['band'] must be the same on every rank: rank {bad} has "
+            "(0.8, 2.0), rank 0 has (0.8, 1.25)"
+        ),
+    ):
+        red.step(np.arange(400.0) + comm.rank)
+    same = np.array([0.8, 1.25]) if comm.rank % 2 else (0.8, 1.25)
+    kw["selection_options"] = {"band": same}
+    red = GradientReducer(comm, 400, "allgather", 0.05, **kw)
+    red.step(np.arange(400.0) + comm.rank)
+    assert red.steps == 1
+
+
 def test_reducer_options_alike_in_value_are_agreed(comm):
     """Options are agreed by value: a numpy scalar and the Python number are one density,
     a selection's seed may differ between ranks (each samples its own way), and a seed
