@@ -26,10 +26,11 @@ __all__ = [
 
 
 def real(name: str, value: Any) -> float:
-    """``value`` (a Python or numpy real number, not a bool) as a float."""
+    """``value`` (a Python or numpy real number, not a bool) as a float; -0.0 as 0.0 (one
+    value: the ranks agree on options by their reprs, where -0.0 and 0.0 differed)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    return float(value)
+    return float(value) + 0.0
 
 
 def check_density(value: Any) -> float:
@@ -120,15 +121,15 @@ def env_integer(name: str, low: int) -> int | None:
 
 def canonical(value: Any) -> Any:
     """``value`` as plain Python values that compare and print alike on every rank: numbers
-    as int or float (a numpy scalar as the Python one), containers and numpy arrays item by
-    item (as tuples), and any other object as its type's name alone (its repr may hold an
-    address; what it does is not compared)."""
+    as int or float (a numpy scalar as the Python one, -0.0 as 0.0), containers and numpy
+    arrays item by item (as tuples), and any other object as its type's name alone (its
+    repr may hold an address; what it does is not compared)."""
     if value is None or isinstance(value, (str, bool, np.bool_)):
         return value if not isinstance(value, np.bool_) else bool(value)
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real):
-        return float(value)
+        return float(value) + 0.0  # (-0.0 as 0.0)
     if isinstance(value, (list, tuple)):
         return tuple(canonical(v) for v in value)
     # (an array option, band=np.array(...), by its values: by its type alone, ranks given

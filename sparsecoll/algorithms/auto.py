@@ -173,7 +173,7 @@ class Auto(Algorithm):
         for k, v in constants.items():
             if not (math.isfinite(real(k, v)) and v >= 0):  # (real: TypeError for a str)
                 raise ValueError(f"{k} must be a finite non-negative number, got {v!r}")
-        self.model = CostModel(**{k: float(v) for k, v in constants.items()})
+        self.model = CostModel(**{k: real(k, v) for k, v in constants.items()})
         self.reset()
 
     def reset(self) -> None:

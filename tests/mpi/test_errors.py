@@ -167,6 +167,31 @@ def test_an_option_differing_on_one_rank_is_named(comm, what, where):
     assert_all(comm, text.format(r=bad) in got[1], f"message: {got[1]!r}")
 
 
+NEGATIVE_ZERO = {
+    # (algorithm, its options on the even ranks, on the odd ranks)
+    "auto_alpha": ("auto", {"alpha": 0.0}, {"alpha": -0.0}),
+    "exdyna_tolerance": ("exdyna", {"k": 5, "tolerance": 0.0}, {"k": 5, "tolerance": -0.0}),
+    "oktopk_band": ("oktopk", {"k": 5, "band": (0.0, 1.25)}, {"k": 5, "band": (-0.0, 1.25)}),
+}
+
+
+@pytest.mark.parametrize("what", sorted(NEGATIVE_ZERO))
+@pytest.mark.parametrize("how", ["by name", "as an instance"])
+def test_a_negative_zero_option_is_zero(comm, what, how):
+    """-0.0 on the odd ranks where the others give 0.0 (a value computed as -x, say) is one
+    option: the call runs, by name and as an instance (it raised 'alpha must be the same on
+    every rank: rank 1 has -0.0, rank 0 has 0.0', or the options' unnamed mismatch for an
+    instance, on every rank)."""
+    name, even, odd = NEGATIVE_ZERO[what]
+    options = odd if comm.rank % 2 else even
+    vals, idx = _good(comm.rank)
+    given = sparsecoll.get_algorithm(name, **options) if how == "as an instance" else name
+    kw = {} if how == "as an instance" else options
+    for _ in range(2):  # (the second call agrees on the first's state too)
+        got = sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=given, **kw)
+    assert got.n == N
+
+
 def test_unknown_algorithm_lists_known(comm):
     vals, idx = _good(comm.rank)
     with pytest.raises(sparsecoll.UnknownAlgorithmError, match="known: .*allgather"):
