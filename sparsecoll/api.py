@@ -114,6 +114,21 @@ def allreduce(
         return _allreduce(c, values, indices, n, algorithm, options, label)
 
 
+def reduce_checked(algo: Algorithm, comm: Communicator, x: SparseVector) -> SparseVector:
+    """``algo.reduce(comm, x)``, refusing a result that is no SparseVector with a TypeError
+    naming the algorithm (a user's algorithm returning None was "'NoneType' object has no
+    attribute 'info'", or 'contributed' in a GradientReducer, naming neither the algorithm
+    nor what it must return). Checked on this rank after the call: nothing collective
+    follows it."""
+    out = algo.reduce(comm, x)
+    if not isinstance(out, SparseVector):
+        raise TypeError(
+            f"{type(algo).__qualname__}.reduce() must return a SparseVector, got "
+            f"{type(out).__name__}"
+        )
+    return out
+
+
 def _allreduce(
     c: Communicator,
     values: Any,
@@ -179,14 +194,7 @@ def _allreduce(
     # caller's own, pending across this call, cannot match them)
     errstate = np.errstate(over="ignore", invalid="ignore")
     with device_scope(vals), errstate, c.measure() as stats, c.apart():
-        out = algo.reduce(c, x)
-    # (a user's algorithm returning something else was "'NoneType' object has no attribute
-    # 'info'", naming neither the algorithm nor what it must return)
-    if not isinstance(out, SparseVector):
-        raise TypeError(
-            f"{type(algo).__qualname__}.reduce() must return a SparseVector, got "
-            f"{type(out).__name__}"
-        )
+        out = reduce_checked(algo, c, x)
     out.info["stats"] = stats
     c.last_stats = stats
     if wrap is not identity:

@@ -64,7 +64,13 @@ from ._array import (
 from ._options import canonical, check_density, choice, effective_options, flag, integer, real
 from ._state import Kind, check_values, optional, positive, within
 from .algorithms.base import Algorithm
-from .api import ALGORITHM_SIGNATURE_LEN, algorithm_signature, collective_check, watch
+from .api import (
+    ALGORITHM_SIGNATURE_LEN,
+    algorithm_signature,
+    collective_check,
+    reduce_checked,
+    watch,
+)
 from .comm import CommStats, Communicator, widening_buffer
 from .errors import NonFiniteError
 from .registry import (
@@ -1243,7 +1249,7 @@ class GradientReducer:
         how many were selected, the pass's zeroed candidates with a mask of those sent)."""
         sel, _, taken = prep.selected
         t0 = time.perf_counter()
-        result = self.algorithm.reduce(self.comm, prep.x)
+        result = reduce_checked(self.algorithm, self.comm, prep.x)
         self._last.comm_s += time.perf_counter() - t0
         selected = int(sel.shape[0])
         sent = result.contributed  # a mask over sel, or None: all of it

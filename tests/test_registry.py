@@ -242,11 +242,13 @@ def test_a_plugin_that_fails_to_load_leaves_the_others_and_names_itself(tmp_path
 
 
 @pytest.mark.parametrize("returned", [None, (np.array([0]), np.array([1.0]))])
-def test_a_user_algorithm_returning_no_sparse_vector_is_named(returned):
+def test_a_user_algorithm_returning_no_sparse_vector_is_named(returned, monkeypatch):
     """A registered algorithm whose reduce() returns something else than a SparseVector:
-    allreduce names it and what it must return (it raised AttributeError "'NoneType'
-    object has no attribute 'info'")."""
+    allreduce and a GradientReducer's sparse step name it and what it must return (they
+    raised AttributeError "'NoneType' object has no attribute 'info'" / "... 'contributed'")."""
     from mpi4py import MPI
+
+    from sparsecoll import registry
 
     class Careless(Algorithm):
         name = "test-careless"
@@ -254,7 +256,11 @@ def test_a_user_algorithm_returning_no_sparse_vector_is_named(returned):
         def reduce(self, comm, x):
             return returned
 
-    with pytest.raises(
-        TypeError, match=r"Careless\.reduce\(\) must return a SparseVector, got (NoneType|tuple)"
-    ):
+    what = r"Careless\.reduce\(\) must return a SparseVector, got (NoneType|tuple)"
+    with pytest.raises(TypeError, match=what):
         sparsecoll.allreduce(MPI.COMM_SELF, [1.0], [0], n=2, algorithm=Careless())
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    register_algorithm(Careless)
+    red = sparsecoll.GradientReducer(MPI.COMM_SELF, 4, "test-careless", 0.5)
+    with pytest.raises(TypeError, match=what):
+        red.step(np.array([1.0, -3.0, 2.0, 0.5]))
