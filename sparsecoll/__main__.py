@@ -31,6 +31,11 @@ under `mpiexec -n P` (--np P, default 4). Sizes are element counts with binary s
 count is whole (1.5M = 1572864, 1e6), not rounded (1.5 is refused).
 """
 
+ALGORITHMS_USAGE = """usage: python -m sparsecoll algorithms
+
+List the registered algorithms (built-in and entry-point plug-ins), each with its kind
+(exact or selecting) and its options with their defaults."""
+
 SUITES = {"main": "sparsecoll.benchmarks.main", "osu": "sparsecoll.benchmarks.osu"}
 
 
@@ -48,15 +53,28 @@ def _main(argv: list[str] | None) -> int:
     if argv and argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
-    if argv and argv[0] in ("--version", "-V"):
+    if argv and argv[0] in ("--version", "-V", "algorithms"):
+        command, extra = argv[0], argv[1:]
+        if command == "algorithms" and extra[:1] in (["-h"], ["--help"]):
+            print(ALGORITHMS_USAGE)
+            return 0
+        if extra:  # (they were taken and ignored: a typo, or a wrong command, went unseen)
+            usage = "algorithms" if command == "algorithms" else "--version"
+            print(
+                f"usage: python -m sparsecoll {usage}\n"
+                f"python -m sparsecoll {command}: error: unrecognized arguments: "
+                f"{' '.join(extra)}",
+                file=sys.stderr,
+            )
+            return 2
+        if command == "algorithms":
+            from .registry import describe_algorithms
+
+            print(describe_algorithms())
+            return 0
         from . import __version__
 
         print(f"sparsecoll {__version__}")
-        return 0
-    if argv and argv[0] == "algorithms":
-        from .registry import describe_algorithms
-
-        print(describe_algorithms())
         return 0
     if not argv or argv[0] != "bench":
         from .registry import did_you_mean

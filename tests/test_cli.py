@@ -119,6 +119,21 @@ def test_algorithms_command_lists_options() -> None:
     assert "allgather (exact): no options" in proc.stdout
 
 
+def test_algorithms_and_version_refuse_arguments_they_do_not_take() -> None:
+    """``algorithms --bogus`` or ``--version extra`` listed the algorithms / printed the
+    version and exited 0, the arguments ignored; ``algorithms --help`` says what it does."""
+    for args in (["algorithms", "--bogus"], ["algorithms", "oktopk"], ["--version", "x"]):
+        proc = cli(*args)
+        assert proc.returncode == 2, (args, proc.stdout[-300:])
+        assert proc.stdout == ""
+        assert f"error: unrecognized arguments: {args[1]}" in proc.stderr
+        assert proc.stderr.startswith("usage: python -m sparsecoll")
+    proc = cli("algorithms", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m sparsecoll algorithms\n")
+    assert "tau=32" not in proc.stdout
+
+
 @pytest.mark.parametrize("args", [["algorithms"], ["--help"], ["--version"]])
 def test_output_into_a_closed_pipe_is_no_traceback(args: list[str]) -> None:
     """``python -m sparsecoll algorithms | head -3``: the reader leaves before the listing is
