@@ -198,7 +198,8 @@ class GradientReducer:
             ``"exact"`` (top-k every step), or a :mod:`sparsecoll.select` estimator:
             ``"reuse"`` (Ok-Topk's threshold reuse), ``"sampling"`` (DGC), ``"gaussian"``;
             ``selection_options`` go to its constructor (e.g. ``{"interval": 32}``). Its
-            state is part of the checkpoint.
+            state is part of the checkpoint. ``dense`` and ``exdyna`` take no local top-k:
+            an estimator with them raises ValueError.
         reuse_update: return the reducer's own update buffer from :meth:`step` (when no
             ``out`` is given) instead of a new array: the previous update's entries are
             zeroed and the new ones scattered, O(k) instead of writing all n. The returned
@@ -274,6 +275,18 @@ class GradientReducer:
         if SELECTIONS[selection] is not None:  # bad estimator options fail here, early
             SELECTIONS[selection](k=self.k, **(selection_options or {}))
         cls = algorithm_class(algorithm)
+        if selection != "exact" and (algorithm == "dense" or hasattr(cls, "reduce_dense")):
+            # (built, checkpointed and agreed on, but never consulted: the step took no
+            # local top-k)
+            how = (
+                "reduces the whole gradient densely"
+                if algorithm == "dense"
+                else "selects by itself (its own partition and threshold)"
+            )
+            raise ValueError(
+                f"selection={selection!r} would go unused: algorithm {algorithm!r} takes no "
+                f"local top-k, it {how}; leave selection='exact' (the default)"
+            )
         if "k" in options:  # k comes from density; a k= here would disagree with it silently
             raise TypeError(
                 f"GradientReducer sets k from density (k = round(density·n) = {self.k}); "

@@ -83,6 +83,17 @@ def test_selection_options_for_the_exact_selection_are_refused():
     GradientReducer(None, n=4, selection_options={})  # (nothing to leave unused)
 
 
+@pytest.mark.parametrize("selection", ["reuse", "sampling", "gaussian"])
+def test_an_estimator_for_an_algorithm_without_a_local_topk_is_refused(selection):
+    """dense and exdyna take no local top-k: the estimator was built, checkpointed and
+    agreed on but never consulted (the steps were those of selection='exact'), silently."""
+    for algorithm, how in [("dense", "densely"), ("exdyna", "selects by itself")]:
+        with pytest.raises(ValueError, match=f"selection='{selection}' would go unused.*{how}"):
+            GradientReducer(None, n=100, algorithm=algorithm, selection=selection)
+        GradientReducer(None, n=100, algorithm=algorithm, selection="exact")
+    GradientReducer(None, n=100, algorithm="oktopk", selection=selection)  # (it takes one)
+
+
 def test_out_that_is_not_c_contiguous_is_named_so():
     red = GradientReducer(None, n=12, algorithm="allgather", density=1.0)
     grad = np.arange(12, dtype=np.float32).reshape(3, 4)
