@@ -87,8 +87,10 @@ def set_timeout(seconds: float | None) -> None:
 
     Set the same value on every rank (``SPARSECOLL_TIMEOUT`` in the job's environment
     does). With a timeout, blocking :func:`sparsecoll.allreduce` calls (and
-    ``GradientReducer.step``) are watched too: they still run in the calling thread, on the
-    user's communicator, and the progress engine's watchdog times them.
+    ``GradientReducer.step``) are watched too: they still run in the calling thread (their
+    input agreement on the user's communicator, the algorithm's messages on the duplicate
+    that blocking calls share, not the progress engine's), and the engine's watchdog times
+    them.
 
     Raises:
         TypeError: ``seconds`` is not None or a real number (a str, a bool).
