@@ -76,6 +76,9 @@ SHORT = ("--np", "1", "-m", "1K", "-i", "1", "-x", "0")  # should a check let a 
         (["osu", "--density", "0", *SHORT], "density must be in (0, 1], got 0.0"),
         (["--density", "nan", *SHORT], "density must be in (0, 1], got nan"),
         (["--density", "1%", *SHORT], "expecting a density in (0, 1], got '1%'"),
+        # density·n rounding to 0 nonzeros per rank: the same table of 'ok's on empty inputs
+        (["--np", "1", "-m", "100", "--density", "0.001"], "= 0 nonzeros per rank"),
+        (["osu", "--np", "1", "-m", "16:4K"], "--density 0.01 of n = 16 is round(0.16) = 0"),
         # more than the host's memory: a MemoryError traceback on every rank
         (["--np", "1", "-m", "1024G"], "n = 1099511627776 is too large for this host's"),
         (["osu", "--np", "1", "-m", "1K:1024G"], "n = 1099511627776 is too large"),

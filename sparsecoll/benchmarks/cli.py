@@ -462,7 +462,8 @@ def add_input_arguments(p: argparse.ArgumentParser) -> None:
 def parse_checked(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse ``argv`` with a suite's parser (:func:`bench_parser`, :func:`add_input_arguments`,
     :func:`add_timing_arguments`) and check what argparse does not: ``--np >= 1``, known
-    algorithms (``all`` expanded), and a dense vector (``dense`` always runs, the baseline)
+    algorithms (``all`` expanded), at least one nonzero per rank (``round(density·n)``, at
+    the smallest n), and a dense vector (``dense`` always runs, the baseline)
     that this host's memory can hold on every rank (host buffers: a ``-d cuda`` run's
     vectors live on the GPU). (``-i >= 1``, ``-x >= 0`` and a density in (0, 1] are their
     arguments' types.) Usage errors exit 2 (printed by rank 0 only)."""
@@ -472,8 +473,14 @@ def parse_checked(p: argparse.ArgumentParser, argv: list[str] | None) -> argpars
         args.algorithm = parse_algorithms(args.algorithm, available_algorithms())
     except ValueError as exc:
         p.error(str(exc))  # every rank parses the same argv: all exit alike
+    sizes = args.message_size if isinstance(args.message_size, list) else [args.message_size]
+    n = min(sizes)
+    if round(args.density * n) == 0:  # (as density 0: every algorithm ran on empty inputs)
+        p.error(
+            f"--density {args.density:g} of n = {n} is round({args.density * n:g}) = 0 "
+            "nonzeros per rank: nothing to reduce; raise --density or -m"
+        )
     if getattr(args, "device", "cpu") == "cpu":
-        sizes = args.message_size if isinstance(args.message_size, list) else [args.message_size]
         itemsize = np.dtype(args.dtype).itemsize
         what = "the dense baseline's vector"
         check_memory(p, max(sizes), itemsize, local_ranks(args.np), what)
