@@ -826,6 +826,29 @@ def test_the_hook_refuses_a_torch_world_unlike_its_mpi_world(torch_world_of_two)
     sparse_allreduce_hook(SparseHookState(density=0.5), _Bucket(0, 1, grad, [grad])).wait()
 
 
+def test_a_state_built_from_a_process_group_needs_one_mpi_job(torch_world_of_two):
+    """SparseHookState(process_group=...) without a communicator builds one of the group's
+    processes from their MPI ranks, gathered over the group: processes that are not one
+    MPI job (torchrun's: each MPI rank 0 of a world of one; here torch's fake backend, whose
+    gather gives this process's rank twice) are refused before MPI_Comm_create_group;
+    with MPI's world given, the launch check refuses it as before. (The check against the
+    communicator, and a state built of a group's processes, run under mpiexec:
+    tests/mpi/test_errors.py.)"""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from sparsecoll.integrations.torch import SparseHookState
+
+    with pytest.raises(RuntimeError, match="not initialized"):
+        SparseHookState(process_group=object())
+    torch_world_of_two()
+    with pytest.raises(RuntimeError, match=r"not one MPI job \(.*\[0, 0\].*mpiexec"):
+        SparseHookState(process_group=dist.group.WORLD)
+    with pytest.raises(RuntimeError, match=r"torch.distributed has 2 ranks.*has 1.*on rank 0"):
+        SparseHookState(MPI.COMM_WORLD, process_group=dist.group.WORLD)
+
+
 def test_the_hook_takes_density_not_k():
     """SparseHookState(k=10) said "k = round(density·n) = 1 ... pass density=10/n", from
     the one-entry reducer it builds to check its options: now it says the hook takes a
@@ -867,8 +890,10 @@ def test_the_state_algorithm_and_options_are_fixed():
     comm = state.comm
     with pytest.raises(AttributeError, match="comm is fixed at construction"):
         state.comm = MPI.COMM_WORLD
+    with pytest.raises(AttributeError, match="process_group is fixed at construction"):
+        state.process_group = object()
     (red,) = state.reducers.values()
-    assert state.comm is comm and red.comm is comm
+    assert state.comm is comm and red.comm is comm and state.process_group is None
     assert (state.algorithm, dict(state.options)) == ("allgather", {"momentum": 0.5})
     assert (red.algorithm_name, red.momentum) == ("allgather", 0.5)
     state.density, state.warmup, state.nonfinite = 0.5, 1, "nan"

@@ -29,6 +29,7 @@ import os
 import socket
 import sys
 import warnings
+import zlib
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -186,12 +187,107 @@ def _world_mismatch(comm: Communicator) -> str | None:
     )
 
 
+def _group_comm(process_group: Any) -> Any:
+    """An MPI communicator of ``process_group``'s processes in its order, built on the
+    group's processes alone: they gather their MPI world ranks over the group (torch) and
+    build it from MPI's world (MPI_Comm_create_group: collective over those processes
+    only). Raises the same error on every process of the group when they are not one MPI
+    job (under torchrun each is rank 0 of an MPI world of one)."""
+    _torch()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("process_group given, but torch.distributed is not initialized")
+    if dist.get_rank(process_group) < 0:  # (no collective on the group: it is not ours)
+        raise ValueError(
+            f"process_group: this process (torch's global rank {dist.get_rank()}) is not in "
+            f"it: build a state only where DDP runs on that group"
+        )
+    world = _mpi_world()
+    ranks: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(ranks, world.Get_rank(), group=process_group)
+    if len(set(ranks)) != len(ranks):  # (the same list on every process of the group)
+        raise RuntimeError(
+            f"the process_group's processes are not one MPI job (their ranks in MPI's "
+            f"world: {ranks}, as under torchrun, where each is an MPI world of one): launch "
+            f"with `mpiexec -n N python script.py` and sc_torch.init_process_group()"
+        )
+    whole = world.Get_group()
+    part = whole.Incl(ranks)
+    try:
+        return world.Create_group(part)
+    finally:
+        part.Free()
+        whole.Free()
+
+
+def _group_mismatch(
+    comm: Communicator, process_group: Any
+) -> tuple[BaseException | None, list[int] | None, Any]:
+    """Whether ``comm`` holds exactly ``process_group``'s processes in its order: this
+    rank's error (None when its own part agrees), the signature the ranks must agree on
+    (the group's global ranks, as a CRC) and that value named for a mismatch's message.
+    Every rank agreeing that its communicator rank is the group's global rank at that
+    position, in groups alike of the communicator's size, makes the two the same."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        error = RuntimeError("process_group given, but torch.distributed is not initialized")
+        return error, None, None
+    me = dist.get_rank()
+    try:
+        # (a group's rank -1: not a member, for which torch's list of the group's ranks is
+        # another group's)
+        member = dist.get_rank(process_group) >= 0
+        ranks = [int(r) for r in dist.get_process_group_ranks(process_group)] if member else []
+    except Exception:
+        what = type(process_group).__name__
+        error: BaseException | None = TypeError(
+            f"process_group must be a torch.distributed process group, got a {what}"
+        )
+        return error, None, None
+    if not member:
+        error = ValueError(
+            f"process_group: this process (torch's global rank {me}) is not in it: build a "
+            f"state only where DDP runs on that group"
+        )
+        return error, None, None
+    detail = (((0,), {"process_group (torch's global ranks)": ranks}),)
+    sig = [zlib.crc32(repr(ranks).encode())]
+    remedy = (
+        "DDP's gradients would be averaged over other processes than its group's; pass "
+        "process_group alone (the state builds its communicator from the group), or a "
+        "communicator of exactly the group's processes in its order"
+    )
+    error = None
+    if len(ranks) != comm.size:
+        error = ValueError(
+            f"the hook's communicator has {comm.size} ranks but the process_group has "
+            f"{len(ranks)} (torch's global ranks {ranks}): {remedy}"
+        )
+    elif ranks[comm.rank] != me:
+        error = ValueError(
+            f"this process is rank {comm.rank} of the hook's communicator but rank "
+            f"{ranks.index(me)} of the process_group (torch's global rank {me}; the group: "
+            f"{ranks}): {remedy}"
+        )
+    return error, sig, detail
+
+
 class SparseHookState:
     """State of :func:`sparse_allreduce_hook` (or :func:`async_sparse_allreduce_hook`): one
     GradientReducer per DDP bucket.
 
     Args:
-        comm: an mpi4py Intracomm or a sparsecoll Communicator (default: COMM_WORLD).
+        comm: an mpi4py Intracomm or a sparsecoll Communicator (default: COMM_WORLD, or
+            with ``process_group`` one built of the group's processes).
+        process_group: DDP's process group (``ddp.process_group``; ``dist.group.WORLD``
+            for the default one), as torch's own hook states take it: the hook cannot see
+            it (it gets the bucket only). Given, building the state is collective over the
+            communicator, and raises a CollectiveInputError on every rank, naming the
+            rank, unless the communicator holds exactly the group's processes in its
+            order. Without ``comm``, the state builds its communicator of the group's
+            processes (collective over the group: its processes gather their MPI ranks
+            over it, then MPI_Comm_create_group).
         algorithm, density: as for :class:`~sparsecoll.training.GradientReducer`.
         warmup: iterations reduced densely first (>= 1: DDP's buckets change after the first),
             the same on every rank (a rank still in its warm-up while another steps raises
@@ -228,6 +324,7 @@ class SparseHookState:
         "_pending",
         "_pending_layouts",
         "_pending_until",
+        "_process_group",
         "_stepped",
         "_warmup",
         "iteration",
@@ -240,6 +337,7 @@ class SparseHookState:
         algorithm: str = "allgather",
         density: float = 0.01,
         *,
+        process_group: Any = None,
         warmup: int = 1,
         nonfinite: str = "raise",
         **options: Any,
@@ -254,7 +352,35 @@ class SparseHookState:
                 f"density=k/parameters (e.g. density={options['k']}/sum(p.numel() for p in "
                 f"model.parameters())) instead of k={options['k']!r}"
             )
+        self._process_group = process_group
+        if process_group is not None and comm is None:
+            comm = _group_comm(process_group)
         self._comm = Communicator.wrap(comm)
+        if process_group is None:
+            self._setup(algorithm, density, warmup, nonfinite, options)
+            return
+        # with a process_group, building the state is collective over the communicator: an
+        # error in the arguments on one rank is raised on every rank with the group's check
+        error = None
+        try:
+            self._setup(algorithm, density, warmup, nonfinite, options)
+        except Exception as exc:  # (shared with every rank: none is left waiting)
+            error = exc
+        group_error, sig, detail = _group_mismatch(self._comm, process_group)
+        label = "SparseHookState()"
+        with self._comm.serial(), watch(self._comm, label):
+            collective_check(
+                self._comm, error or group_error, sig, ("process_group",), detail, call=label
+            )
+
+    def _setup(
+        self,
+        algorithm: str,
+        density: float,
+        warmup: int,
+        nonfinite: str,
+        options: dict[str, Any],
+    ) -> None:
         # refused here, or at the first bucket when torch.distributed starts later
         self._launch_checked = False
         self._check_launch()
@@ -316,6 +442,16 @@ class SparseHookState:
     @comm.setter
     def comm(self, value: Any) -> None:
         raise AttributeError(_FIXED.format(what="comm", value=value))
+
+    @property
+    def process_group(self) -> Any:
+        """DDP's process group that the communicator was checked against (None: not given,
+        nothing checked), fixed at construction as the communicator is."""
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, value: Any) -> None:
+        raise AttributeError(_FIXED.format(what="process_group", value=value))
 
     @algorithm.setter
     def algorithm(self, value: Any) -> None:

@@ -1011,3 +1011,104 @@ def test_memory_running_out_on_one_rank_building_a_bucket_reducer(
     want = [*top, 0.0, 0.0] if when == "restored_state" else [*top, 0.0, 7.0]
     assert_all(comm, got == want, f"{when}, the ranks go on: {got!r:.300}")
     assert_all(comm, state.reducers[0].steps == 2, f"steps {state.reducers[0].steps}")
+
+
+@pytest.fixture
+def torch_world(comm):
+    """torch.distributed (gloo) over MPI's world, destroyed after the test."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    from sparsecoll.integrations import torch as sc_torch
+
+    sc_torch.init_process_group(comm.mpi_comm)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def _raises_everywhere(comm, call, kind=sparsecoll.CollectiveInputError) -> str:
+    """Run ``call`` on every rank: it must raise ``kind`` with the same message on every
+    rank, which is returned."""
+    try:
+        call()
+        got = None
+    except Exception as exc:
+        got = exc
+    ok = isinstance(got, kind)
+    assert_all(comm, ok, f"expected {kind.__name__}, got {got!r:.400}")
+    msgs = comm.allgather_object(str(got))
+    assert_all(comm, len(set(msgs)) == 1, f"messages differ: {msgs}")
+    return msgs[0]
+
+
+def test_a_hook_state_is_checked_against_ddps_process_group(comm, torch_world):
+    """SparseHookState(process_group=...) checks, on every rank, that its communicator holds
+    exactly DDP's group's processes in its order, and without a communicator builds one of
+    them. Before, the state took no process group and reduced over its communicator alone:
+    DDP on two halves of the ranks with a state on COMM_WORLD averaged over every rank,
+    silently (scratch p_group.py at P=4: 2.5 on every rank where the halves' averages were
+    1.5 and 3.5)."""
+    import torch
+    from mpi4py import MPI
+
+    from sparsecoll.integrations import torch as sc_torch
+
+    dist, world = torch_world, MPI.COMM_WORLD
+    half = max(1, comm.size // 2)
+    parts = [list(range(half)), list(range(half, comm.size))]
+    groups = [dist.new_group(p) if p else None for p in parts]  # (on every rank)
+    mine, members = (groups[0], parts[0]) if comm.rank < half else (groups[1], parts[1])
+
+    # only the group: a communicator of its processes, and DDP averages over the group
+    state = sc_torch.SparseHookState(process_group=mine, algorithm="allgather", density=1.0)
+    got = state.comm.allgather_object(comm.rank)
+    assert_all(comm, got == members, f"the state's communicator holds world ranks {got}")
+    assert_all(comm, state.process_group is mine, "the state's process_group")
+    model = torch.nn.Linear(1, 1, bias=False)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=mine)
+    ddp.register_comm_hook(state, sc_torch.sparse_allreduce_hook)
+    for _ in range(2):  # a dense warm-up iteration, then a sparse one
+        model.zero_grad()
+        (ddp(torch.ones(1, 1)) * (comm.rank + 1)).sum().backward()
+        want = sum(members) / len(members) + 1
+        grad = model.weight.grad.item()
+        assert_all(comm, grad == want, f"gradient {grad}, the group's average is {want}")
+
+    if comm.size == 1:  # (MPI's world is the group's, in its order)
+        sc_torch.SparseHookState(world, process_group=dist.group.WORLD)
+        return
+    # the world's communicator for a half's group: refused on every rank
+    msg = _raises_everywhere(comm, lambda: sc_torch.SparseHookState(world, process_group=mine))
+    want = f"the hook's communicator has {comm.size} ranks but the process_group has {half}"
+    assert_all(comm, msg.startswith(want) and msg.endswith("on rank 0"), msg)
+    # the world's processes in another order than the default group's
+    backwards = world.Split(0, comm.size - comm.rank)
+    msg = _raises_everywhere(
+        comm, lambda: sc_torch.SparseHookState(backwards, process_group=dist.group.WORLD)
+    )
+    want = f"this process is rank 0 of the hook's communicator but rank {comm.size - 1} of"
+    assert_all(comm, msg.startswith(want), msg)
+    backwards.Free()
+    # a group this rank is not in (the second half's, on the first half)
+    msg = _raises_everywhere(comm, lambda: sc_torch.SparseHookState(world, process_group=groups[1]))
+    want = "process_group: this process (torch's global rank 0) is not in it"
+    assert_all(comm, msg.startswith(want) and msg.endswith("on rank 0"), msg)
+    msg = _raises_everywhere(
+        comm,
+        lambda: sc_torch.SparseHookState(world, process_group="world"),
+        sparsecoll.CollectiveTypeError,
+    )
+    want = "process_group must be a torch.distributed process group, got a str on rank 0"
+    assert_all(comm, msg == want, msg)
+    # another argument bad on one rank: raised on every rank with the group's check
+    density = [0.5] * (comm.size - 1) + [2.0]
+    msg = _raises_everywhere(
+        comm,
+        lambda: sc_torch.SparseHookState(
+            world, process_group=dist.group.WORLD, density=density[comm.rank]
+        ),
+    )
+    assert_all(comm, "density" in msg and msg.endswith(f"on rank {comm.size - 1}"), msg)
+    sc_torch.SparseHookState(world, process_group=dist.group.WORLD)  # (the default group)
