@@ -158,6 +158,9 @@ class Auto(Algorithm):
 
     name = "auto"
     state_kinds: ClassVar[dict[str, _state.Kind] | None] = {"theta": _state.optional(_state.number)}
+    fixed_options: ClassVar[tuple[str, ...]] = (
+        "model", "alpha", "beta", "gamma_sort", "gamma_merge", "delta",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -175,6 +178,18 @@ class Auto(Algorithm):
                 raise ValueError(f"{k} must be a finite non-negative number, got {v!r}")
         self.model = CostModel(**{k: real(k, v) for k, v in constants.items()})
         self.reset()
+
+    # the constants, read from the model, fixed as it is (before, a.alpha = -1.0 made an
+    # attribute that no choice read, silently)
+    alpha = property(lambda self: self.model.alpha, lambda self, v: self._refuse_option("alpha", v))
+    beta = property(lambda self: self.model.beta, lambda self, v: self._refuse_option("beta", v))
+    gamma_sort = property(
+        lambda self: self.model.gamma_sort, lambda self, v: self._refuse_option("gamma_sort", v)
+    )
+    gamma_merge = property(
+        lambda self: self.model.gamma_merge, lambda self, v: self._refuse_option("gamma_merge", v)
+    )
+    delta = property(lambda self: self.model.delta, lambda self, v: self._refuse_option("delta", v))
 
     def reset(self) -> None:
         """Forget the learned overlap (the next call assumes independent uniform indices)."""

@@ -55,6 +55,10 @@ class Algorithm(ABC):
         state_version: the version of that state's meaning, saved with it: raise it when an
             attribute keeps its name but changes what it holds, so that a state saved
             before is refused instead of misread.
+        fixed_options: the constructor's options kept as attributes of the same name,
+            fixed once the constructor set them: setting one later (or deleting it) raises
+            AttributeError saying to build a new instance (the constructor's checks, the
+            signature and the state of earlier calls are the old value's).
 
     Options are the constructor's parameters, documented in the class docstring's ``Args:``
     section; :func:`sparsecoll.get_algorithm` and the registry's listing read them from
@@ -67,6 +71,29 @@ class Algorithm(ABC):
     required: ClassVar[tuple[str, ...]] = ()
     state_kinds: ClassVar[dict[str, Kind] | None] = None
     state_version: ClassVar[int] = 1
+    fixed_options: ClassVar[tuple[str, ...]] = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # (set once, by the constructor: before, oktopk's a.k = -1, a.rule = "bogus" or
+        # exdyna's a.blocks = 0 were taken unchecked, silently, and a.tau = 0 raised
+        # ZeroDivisionError inside a later call)
+        if name in self.fixed_options and name in self.__dict__:
+            self._refuse_option(name, value)
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in self.fixed_options:
+            self._refuse_option(name, None, deleted=True)
+        object.__delattr__(self, name)
+
+    def _refuse_option(self, name: str, value: Any, *, deleted: bool = False) -> None:
+        change = "deleted" if deleted else f"got {value!r}"
+        raise AttributeError(
+            f"algorithm {self.name!r}'s {name} is fixed at construction (checked there; "
+            f"its signature and the state of its calls are built for it), {change}: "
+            f"build a new instance on every rank, e.g. "
+            f"sparsecoll.get_algorithm({self.name!r}, {name}=...)"
+        )
 
     def __init__(self, **options: Any) -> None:
         # What an algorithm without options inherits. It takes none, and its signature says

@@ -287,6 +287,7 @@ class ExDyna(Algorithm):
     name = "exdyna"
     exact = False
     required = ("k",)
+    fixed_options: ClassVar[tuple[str, ...]] = ("k", "blocks", "rule", "rebalance", "tolerance")
     state_kinds: ClassVar[dict[str, _state.Kind] | None] = {
         "step": _state.count,
         "n": _state.length,

@@ -122,6 +122,7 @@ class GTopk(Algorithm):
     exact = False
     required = ("k",)
     state_kinds: ClassVar[dict[str, _state.Kind] | None] = {}  # (k is the constructor's)
+    fixed_options: ClassVar[tuple[str, ...]] = ("k",)
 
     def __init__(self, k: int | None = None) -> None:
         self.k = check_k(self.name, k)

@@ -222,6 +222,9 @@ class OkTopk(Algorithm):
     name = "oktopk"
     exact = False
     required = ("k",)
+    fixed_options: ClassVar[tuple[str, ...]] = (
+        "k", "tau", "tau_prime", "nudge", "band", "adaptive", "rule", "imbalance",
+    )  # fmt: skip
     state_kinds: ClassVar[dict[str, _state.Kind] | None] = {
         "step": _state.count,
         "threshold": _state.number,
