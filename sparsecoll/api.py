@@ -148,6 +148,7 @@ def _allreduce(
         vals, wrap = as_array(values, "values")
         idx = as_indices(indices)
         check_same_device(idx, vals)
+        c.check_buffer(vals, "values")  # (an NCCLCommunicator's GPU)
         # all of it on the inputs' GPU, the checks' kernels too: CuPy refuses (or, with peer
         # access, runs from the current GPU) kernels on another GPU's arrays, and the current
         # GPU is 0 in a thread that never chose one (iallreduce's progress thread)

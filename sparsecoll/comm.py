@@ -667,6 +667,13 @@ class Communicator:
         """Return ``comm`` if it already is a Communicator, else wrap it."""
         return comm if isinstance(comm, Communicator) else cls(comm)
 
+    def check_buffer(self, array: Any, name: str) -> None:
+        """Raise ValueError when this communicator cannot move ``array`` (called ``name``
+        in the message). A Communicator moves host arrays and any GPU's (on the array's
+        own GPU); an :class:`~sparsecoll.nccl.NCCLCommunicator` refuses a device array on
+        another GPU than its own. Local: the entry points call it before their input
+        agreement, which shares the error with every rank."""
+
     # -- progress engine ------------------------------------------------------------------
     def engine(self, call: str | None = None, *, blocking: bool = False) -> Any:
         """The progress engine of this MPI communicator, started on first use.
@@ -1271,6 +1278,9 @@ class Communicator:
                 out, _ = as_array(out, "out", writable=True)
             orig = buf.dtype
             buf = _check_out(buf, out, op)
+            self.check_buffer(buf, "buf")
+            if out is not None:
+                self.check_buffer(out, "out")
             if work is not None:
                 work, _ = as_array(work, "work", writable=True)
             send, dest, out = _sum_buffers(buf, out, work)

@@ -6,8 +6,11 @@ over NCCL (``cupy.cuda.nccl``; ``pip install 'sparsecoll[gpu]'``). Everything el
 MPI: the counts exchanged before a payload, metadata and validation, host buffers, and
 point-to-point messages (NCCL has no tags and no probe, and a blocking ncclSend waits for a
 matching ncclRecv on the peer's stream, so MPI-style send/recv ordering could deadlock).
-Each NCCL call runs on CuPy's current stream, after the kernels queued there, and the
-stream is synchronized before the call returns. Byte accounting follows the MPI rules.
+Each NCCL call runs on the communicator's GPU (the current one when it was built, whatever
+GPU is current in the calling thread), on CuPy's current stream there, after the kernels
+queued there, and the stream is synchronized before the call returns; a device array on
+another GPU is refused (:meth:`NCCLCommunicator.check_buffer`). Byte accounting follows the
+MPI rules.
 
 NCCL needs one GPU per rank: the constructor checks that no two ranks share a GPU and
 raises ValueError on every rank if they do (pick the device per rank first, e.g.
@@ -25,6 +28,7 @@ import numpy as np
 
 from ._array import cupy_or_none, is_device_array, nccl_or_none, wait_for_foreign
 from .comm import Communicator, _in_dtype
+from .errors import CollectiveInputError
 
 __all__ = ["NCCLCommunicator", "nccl_available"]
 
@@ -73,6 +77,7 @@ class NCCLCommunicator(Communicator):
             owner[w] = r
         uid = self.bcast_object(nccl.get_unique_id() if self.rank == 0 else None, 0)
         self._nccl = nccl
+        self.device: int = int(cp.cuda.Device().id)  # the GPU it moves memory of
         self.nccl_comm = nccl.NcclCommunicator(self.size, uid, self.rank)
 
     def close(self) -> None:
@@ -95,15 +100,55 @@ class NCCLCommunicator(Communicator):
             raise RuntimeError("the NCCL communicator was closed")
         return self.nccl_comm
 
+    def check_buffer(self, array: Any, name: str) -> None:
+        """Raise ValueError for a device array on another GPU than this communicator's
+        (NCCL moves the memory of the GPU it was built on only; host arrays go over MPI)."""
+        cp = cupy_or_none()
+        if cp is not None and isinstance(array, cp.ndarray):  # (as_array's view of a tensor)
+            dev = int(array.device.id)
+            if dev != self.device:
+                raise ValueError(
+                    f"{name} is on GPU {dev}, not on GPU {self.device} where this "
+                    f"NCCLCommunicator was built (NCCL moves that GPU's memory only: move "
+                    f"{name} there, or build the NCCLCommunicator with GPU {dev} current)"
+                )
+
+    def _agreed(self, sizes: Sequence[int], error: Exception | None, name: str) -> None:
+        """Raise on every rank the error of the first rank whose count in ``sizes`` (just
+        exchanged, a rank's -1: its ``error``) is negative; the message comes from that rank."""
+        bad = next((r for r, c in enumerate(sizes) if c < 0), None)
+        if bad is None:
+            return
+        msg = self.bcast_object(str(error) if self.rank == bad else None, bad)
+        raise CollectiveInputError(f"NCCLCommunicator.{name}: {msg} on rank {bad}") from error
+
+    def _error(self, sendbuf: Any, counts: Sequence[int] | None = None) -> Exception | None:
+        """This rank's error with ``sendbuf`` (and ``counts``), or None."""
+        try:
+            self.check_buffer(sendbuf, "sendbuf")
+            if counts is not None and any(int(c) < 0 for c in counts):
+                raise ValueError(f"counts must be >= 0, got {list(counts)}")
+        except Exception as exc:
+            return exc
+        return None
+
     # -- payload collectives ------------------------------------------------------------
     def allgatherv(
         self, sendbuf: Any, counts: Sequence[int] | None = None
     ) -> tuple[Any, list[int]]:
         if not is_device_array(sendbuf):
             return super().allgatherv(sendbuf, counts)
+        with self.serial(), cupy_or_none().cuda.Device(self.device):
+            return self._allgatherv(sendbuf, counts)
+
+    def _allgatherv(self, sendbuf: Any, counts: Sequence[int] | None) -> tuple[Any, list[int]]:
         cp, nccl, nc = cupy_or_none(), self._nccl, self._live()
-        if counts is None:
-            counts = self.allgather_ints(int(sendbuf.shape[0]))
+        error = self._error(sendbuf)
+        if counts is None:  # (the counts' exchange shares an error: a rank's -1)
+            counts = self.allgather_ints(-1 if error else int(sendbuf.shape[0]))
+            self._agreed(counts, error, "allgatherv")
+        elif error is not None:  # (given counts: no exchange to share it in)
+            raise ValueError(f"{error} on rank {self.rank}") from error
         counts = [int(c) for c in counts]
         item = sendbuf.dtype.itemsize
         total = sum(counts)
@@ -127,9 +172,15 @@ class NCCLCommunicator(Communicator):
     def alltoallv(self, sendbuf: Any, sendcounts: Sequence[int]) -> tuple[Any, list[int]]:
         if not is_device_array(sendbuf):
             return super().alltoallv(sendbuf, sendcounts)
+        with self.serial(), cupy_or_none().cuda.Device(self.device):
+            return self._alltoallv(sendbuf, sendcounts)
+
+    def _alltoallv(self, sendbuf: Any, sendcounts: Sequence[int]) -> tuple[Any, list[int]]:
         cp, nccl, nc = cupy_or_none(), self._nccl, self._live()
-        sendcounts = [int(c) for c in sendcounts]
-        recvcounts = self.alltoall_ints(sendcounts)
+        error = self._error(sendbuf, sendcounts)
+        sendcounts = [-1] * self.size if error else [int(c) for c in sendcounts]
+        recvcounts = self.alltoall_ints(sendcounts)  # (a rank's error: its -1s)
+        self._agreed(recvcounts, error, "alltoallv")
         item = sendbuf.dtype.itemsize
         out = cp.empty(sum(recvcounts), dtype=sendbuf.dtype)
         send, recv = self._bytes(sendbuf), out.reshape(-1).view(np.uint8)
@@ -160,6 +211,10 @@ class NCCLCommunicator(Communicator):
     ) -> Any:
         if not is_device_array(buf):
             return super().allreduce(buf, out, op, check=check, work=work)
+        with self.serial(), cupy_or_none().cuda.Device(self.device):
+            return self._nccl_allreduce(buf, out, op, check, work)
+
+    def _nccl_allreduce(self, buf: Any, out: Any, op: str, check: bool, work: Any) -> Any:
         nccl, nc = self._nccl, self._live()
         given = out
         # (what it allocates is made before the ranks agree, as Communicator.allreduce's)
