@@ -241,8 +241,9 @@ def test_reused_update_of_step_async_outlives_later_submissions(comm, name):
     times. A step submitted (or a blocking one made) while an update is not yet handed over
     by wait() gets an array of its own; once it is, the buffer is reused again."""
     n = 2000
-    grads, _, want = _steps(comm, name, 11, n, 6)
-    red = GradientReducer(comm, n, name, 0.05, warmup=1, reuse_update=True)
+    grads, sync, want = _steps(comm, name, 11, n, 6)
+    # (its blocking step below: with the MPI calls of the progress thread, as _steps's)
+    red = GradientReducer(sync.comm, n, name, 0.05, warmup=1, reuse_update=True)
     reqs = [red.step_async(g) for g in grads[:3]]  # outstanding at once
     reqs[-1].wait()  # (all three have completed: the updates are read after the last)
     got = [r.wait().copy() for r in reqs]
