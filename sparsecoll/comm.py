@@ -685,15 +685,17 @@ class Communicator:
         that message; ``blocking``: it is a blocking call, which the watchdog watches).
         Raises RuntimeError when MPI was not initialized with MPI_THREAD_MULTIPLE.
         """
-        engine = self._attached_engine()
-        if engine is not None:
-            return engine
         if type(self) is not Communicator:
-            # a subclass (NCCLCommunicator) moves payloads its own way, outside the routing
+            # a subclass (NCCLCommunicator) moves payloads its own way, outside the routing;
+            # checked first: an engine that a Communicator started on the same MPI
+            # communicator took its calls onto the progress thread
             raise NotImplementedError(
                 f"nonblocking calls on a {type(self).__name__} are not supported; use a "
                 f"Communicator"
             )
+        engine = self._attached_engine()
+        if engine is not None:
+            return engine
         MPI = _mpi()
         level = MPI.Query_thread()
         if not thread_multiple():

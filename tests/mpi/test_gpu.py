@@ -532,6 +532,42 @@ def test_nccl_buffers_of_another_gpu_are_refused_everywhere(comm, xp):
         nc.close()
 
 
+def test_nccl_nonblocking_calls_are_refused_beside_a_running_engine(comm, xp):
+    """Nonblocking calls on an NCCLCommunicator raise NotImplementedError, also once a
+    Communicator on the same MPI communicator has started its progress engine: they were
+    then queued there, and its progress thread made NCCL calls (silently, with the NCCL
+    communicator that the user's thread calls too)."""
+    if xp is not fakecupy.module:
+        pytest.skip("the fake's NCCL records its calls")
+    from sparsecoll.nccl import NCCLCommunicator
+    from sparsecoll.training import GradientReducer
+
+    vals, idx = np.ones(2, np.float32), np.array([1, 3])
+    sparsecoll.iallreduce(comm, vals, idx, n=4).wait()  # the engine runs
+    nc = NCCLCommunicator(comm.mpi_comm)
+    try:
+        fakecupy.nccl.calls.clear()
+        dense = dict(n=4, algorithm="dense")
+        calls = {
+            "iallreduce": lambda: sparsecoll.iallreduce(
+                nc, xp.asarray(vals), xp.asarray(idx), **dense
+            ),
+            "step_async": lambda: GradientReducer(nc, 2, "dense").step_async(xp.asarray(vals)),
+        }
+        got = []
+        for name, call in calls.items():
+            try:
+                call().wait()
+                got.append(f"{name} ran")
+            except NotImplementedError as exc:
+                if "not supported" not in str(exc):
+                    got.append(f"{name}: {exc}")
+        got += [f"NCCL calls {fakecupy.nccl.calls}"] if fakecupy.nccl.calls else []
+        assert_all(comm, not got, "; ".join(got))
+    finally:
+        nc.close()
+
+
 def test_torch_cuda_tensors(comm, xp):
     torch = fakecupy.require_torch_cuda(xp)
     dev = torch.device("cuda", xp.cuda.Device().id)
