@@ -104,8 +104,7 @@ def allreduce(
         SparseVector(n=10, nnz=1, dtype=float32)
 
     With the watchdog on (:func:`sparsecoll.set_timeout`), the communicator's progress
-    engine watches the call (it still runs here), so that a hang ends in a diagnostic
-    (except on an NCCLCommunicator, which has no progress engine: it runs unwatched).
+    engine watches the call (it still runs here), so that a hang ends in a diagnostic.
     """
     c = Communicator.wrap(comm)
     label = f"allreduce(algorithm={_name(algorithm)!r}, n={n!r})"
@@ -216,7 +215,7 @@ def iallreduce(
         RuntimeError: MPI was not initialized with MPI_THREAD_MULTIPLE, or is finalized;
             the progress engine was shut down; a forked child (the engine is the parent's).
         TypeError: ``COMM_NULL`` or a freed communicator.
-        NotImplementedError: an NCCLCommunicator (it has no progress engine).
+        NotImplementedError: an NCCLCommunicator (its calls do not run on a progress thread).
     """
     c = Communicator.wrap(comm)
     label = f"iallreduce(algorithm={_name(algorithm)!r}, n={n!r})"
@@ -239,11 +238,11 @@ def _name(algorithm: Any) -> str:
 
 def watch(c: Communicator, label: str) -> contextlib.AbstractContextManager[None]:
     """Around a blocking call on ``c``: with the watchdog on, let ``c``'s progress engine
-    watch it (the call still runs in the calling thread, on ``c``). Unwatched: a call on the
-    progress thread itself (its engine watches it already), a Communicator subclass
-    (NCCLCommunicator has no engine), and below MPI_THREAD_MULTIPLE (the watchdog's thread
-    calls MPI; warned once)."""
-    if not get_timeout() or type(c) is not Communicator or c.on_progress_thread():
+    watch it (the call still runs in the calling thread, on ``c``; an NCCLCommunicator's
+    too: its engine only watches). Unwatched: a call on the progress thread itself (its
+    engine watches it already), and below MPI_THREAD_MULTIPLE (the watchdog's thread calls
+    MPI; warned once)."""
+    if not get_timeout() or c.on_progress_thread():
         return contextlib.nullcontext()
     if not thread_multiple():
         _unwatched()

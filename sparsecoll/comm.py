@@ -685,10 +685,11 @@ class Communicator:
         that message; ``blocking``: it is a blocking call, which the watchdog watches).
         Raises RuntimeError when MPI was not initialized with MPI_THREAD_MULTIPLE.
         """
-        if type(self) is not Communicator:
+        if type(self) is not Communicator and not blocking:
             # a subclass (NCCLCommunicator) moves payloads its own way, outside the routing;
             # checked first: an engine that a Communicator started on the same MPI
-            # communicator took its calls onto the progress thread
+            # communicator took its calls onto the progress thread. (Its blocking calls may
+            # be watched: they run in the calling thread.)
             raise NotImplementedError(
                 f"nonblocking calls on a {type(self).__name__} are not supported; use a "
                 f"Communicator"

@@ -10,7 +10,9 @@ Each NCCL call runs on the communicator's GPU (the current one when it was built
 GPU is current in the calling thread), on CuPy's current stream there, after the kernels
 queued there, and the stream is synchronized before the call returns; a device array on
 another GPU is refused (:meth:`NCCLCommunicator.check_buffer`). Byte accounting follows the
-MPI rules.
+MPI rules. With the watchdog on, the construction and each call are watched as blocking calls
+(the progress engine of the MPI communicator watches them; they still run in the calling
+thread); nonblocking calls are not supported.
 
 NCCL needs one GPU per rank: the constructor checks that no two ranks share a GPU and
 raises ValueError on every rank if they do (pick the device per rank first, e.g.
@@ -20,8 +22,9 @@ Communicator, which stages device buffers through pinned host memory.
 
 from __future__ import annotations
 
+import contextlib
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,6 +55,13 @@ class NCCLCommunicator(Communicator):
 
     def __init__(self, comm: Any = None) -> None:
         super().__init__(comm)
+        from .api import watch  # (api imports comm, which this module imports)
+
+        # (watched as one call: NCCL's own setup waits for every rank too)
+        with watch(self, "NCCLCommunicator()"):
+            self._setup()
+
+    def _setup(self) -> None:
         cp, nccl = cupy_or_none(), nccl_or_none()
         error, where = None, None
         if cp is None:
@@ -100,6 +110,17 @@ class NCCLCommunicator(Communicator):
             raise RuntimeError("the NCCL communicator was closed")
         return self.nccl_comm
 
+    @contextlib.contextmanager
+    def _watched(self, call: str) -> Iterator[None]:
+        """This rank's calls on the communicator one at a time (:meth:`serial`) and, with
+        the watchdog on, this one watched as a blocking call (a rank that skipped it left
+        the others in NCCL for ever), as Communicator's methods are; inside a watched call
+        (``sparsecoll.allreduce``) it is part of that one."""
+        from .api import watch
+
+        with self.serial(), watch(self, f"NCCLCommunicator.{call}"):
+            yield
+
     def check_buffer(self, array: Any, name: str) -> None:
         """Raise ValueError for a device array on another GPU than this communicator's
         (NCCL moves the memory of the GPU it was built on only; host arrays go over MPI)."""
@@ -138,7 +159,7 @@ class NCCLCommunicator(Communicator):
     ) -> tuple[Any, list[int]]:
         if not is_device_array(sendbuf):
             return super().allgatherv(sendbuf, counts)
-        with self.serial(), cupy_or_none().cuda.Device(self.device):
+        with self._watched("allgatherv()"), cupy_or_none().cuda.Device(self.device):
             return self._allgatherv(sendbuf, counts)
 
     def _allgatherv(self, sendbuf: Any, counts: Sequence[int] | None) -> tuple[Any, list[int]]:
@@ -172,7 +193,7 @@ class NCCLCommunicator(Communicator):
     def alltoallv(self, sendbuf: Any, sendcounts: Sequence[int]) -> tuple[Any, list[int]]:
         if not is_device_array(sendbuf):
             return super().alltoallv(sendbuf, sendcounts)
-        with self.serial(), cupy_or_none().cuda.Device(self.device):
+        with self._watched("alltoallv()"), cupy_or_none().cuda.Device(self.device):
             return self._alltoallv(sendbuf, sendcounts)
 
     def _alltoallv(self, sendbuf: Any, sendcounts: Sequence[int]) -> tuple[Any, list[int]]:
@@ -211,7 +232,7 @@ class NCCLCommunicator(Communicator):
     ) -> Any:
         if not is_device_array(buf):
             return super().allreduce(buf, out, op, check=check, work=work)
-        with self.serial(), cupy_or_none().cuda.Device(self.device):
+        with self._watched(f"allreduce(op={op!r})"), cupy_or_none().cuda.Device(self.device):
             return self._nccl_allreduce(buf, out, op, check, work)
 
     def _nccl_allreduce(self, buf: Any, out: Any, op: str, check: bool, work: Any) -> Any:
