@@ -317,7 +317,13 @@ def collective_check(
     # (the values' max is agreed[2::2], their min -agreed[3::2]; an engine's start is first:
     # a blocking call's input error on another rank is the mismatch's, not its own)
     if -agreed[3] == ENGINE_START and (agreed[2] != ENGINE_START or agreed[4] != -agreed[5]):
-        _raise_mixed(comm, error is None and sig[:2] == [ENGINE_START, 0], call)
+        start = sig[:2] if error is None else None  # (this rank's engine start, if it is one)
+        kind = (
+            {0: "nonblocking", 1: "watched"}.get(start[1])
+            if start and start[0] == ENGINE_START
+            else None
+        )
+        _raise_mixed(comm, kind or "blocking", call)
     if agreed[0]:
         bad = -int(agreed[1])
         kind, msg = comm.bcast_object(_describe(error) if comm.rank == bad else None, bad)
@@ -336,14 +342,26 @@ def start_check(comm: Communicator, call: str | None, blocking: bool) -> None:
     collective_check(comm, None, [ENGINE_START, int(blocking)], call=call)
 
 
-def _raise_mixed(comm: Communicator, nonblocking: bool, call: str | None) -> None:
+def _raise_mixed(comm: Communicator, kind: str, call: str | None) -> None:
     """Raise on every rank that blocking and nonblocking calls were mixed, naming each
-    rank's call (gathered: only on this failure)."""
-    kind = "nonblocking" if nonblocking else "blocking"
-    calls = comm.allgather_object(f"a {kind} call" + (f" ({call})" if call else ""))
+    rank's call (gathered: only on this failure). ``kind``: this rank's call is
+    "nonblocking" (an engine's start), "watched" (a blocking call's engine start, for the
+    watchdog) or "blocking" (its input agreement). Blocking calls alone, watched on some
+    ranks only, are the watchdog set on some ranks only."""
+    every = comm.allgather_object((kind, call))
+    if all(k != "nonblocking" for k, _ in every):
+        on = [r for r, (k, _) in enumerate(every) if k == "watched"]
+        off = [r for r, (k, _) in enumerate(every) if k != "watched"]
+        raise CollectiveInputError(
+            f"the watchdog is on on {_ranks(on)} but off on {_ranks(off)} (in "
+            f"{every[0][1] or 'a blocking call'}): set it alike on every rank "
+            f"(sparsecoll.set_timeout, SPARSECOLL_TIMEOUT); a watched call starts the "
+            f"communicator's progress engine, which every rank must do together"
+        )
     ranks: dict[str, list[int]] = {}
-    for r, what in enumerate(calls):
-        ranks.setdefault(what, []).append(r)
+    for r, (k, c) in enumerate(every):
+        what = f"a {'nonblocking' if k == 'nonblocking' else 'blocking'} call"
+        ranks.setdefault(what + (f" ({c})" if c else ""), []).append(r)
     listed = "; ".join(
         f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {what}"
         for what, rs in ranks.items()
@@ -353,6 +371,11 @@ def _raise_mixed(comm: Communicator, nonblocking: bool, call: str | None) -> Non
         f"must make the same calls in the same order (the first nonblocking call on a "
         f"communicator starts its progress engine, which every rank must do together)"
     )
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 1' or 'ranks 0, 2'."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _signature_error(signature: list[int], names: tuple[str, ...]) -> Exception | None:

@@ -878,3 +878,40 @@ def test_a_blocking_call_against_a_first_nonblocking_one_raises_everywhere(comm,
     finally:
         sparsecoll.set_timeout(before)
         mine.mpi_comm.Free()
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "step"])
+def test_the_watchdog_on_some_ranks_only_is_named(comm, kind):
+    """The watchdog set on rank 0 alone (sparsecoll.set_timeout or SPARSECOLL_TIMEOUT must be
+    alike on every rank): its first blocking call starts the engine where the others make
+    their input agreement. Every rank raised "blocking and nonblocking calls mixed on this
+    communicator (ranks 0, 1: a blocking call (...))", at every call, about calls that were
+    all blocking; now the message says what differs. Once set alike, the calls work."""
+    from mpi4py import MPI
+
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    before = sparsecoll.get_timeout()
+    mine = sparsecoll.Communicator(MPI.COMM_WORLD.Dup())  # (no engine yet)
+    try:
+        sparsecoll.set_timeout(600 if comm.rank == 0 else None)
+        try:
+            with pytest.raises(sparsecoll.CollectiveInputError) as info:
+                _first_call(kind, mine, blocking=True)
+        finally:
+            # (alike again before the checks: rank 0's watched allgather in assert_all would
+            # start an engine on comm against the others' plain allgather, and hang)
+            sparsecoll.set_timeout(None)
+        msg = str(info.value)
+        assert_all(comm, len(set(comm.allgather_object(msg))) == 1, msg)
+        others = "rank 1" if comm.size == 2 else f"ranks {', '.join(map(str, range(1, comm.size)))}"
+        assert_all(comm, msg.startswith(f"the watchdog is on on rank 0 but off on {others} ("), msg)
+        sparsecoll.set_timeout(600)
+        got = _first_call(kind, mine, blocking=True)
+        sparsecoll.set_timeout(None)
+        want = _first_call(kind, mine, blocking=True)
+        same = digest(got) == digest(want) if kind == "allreduce" else np.allclose(got, want)
+        assert_all(comm, same, "the calls after the error give other results")
+    finally:
+        sparsecoll.set_timeout(before)
+        mine.mpi_comm.Free()
