@@ -31,7 +31,6 @@ import numpy as np
 
 from ._array import cupy_or_none, is_device_array, nccl_or_none, wait_for_foreign
 from .comm import Communicator, _in_dtype
-from .errors import CollectiveInputError
 
 __all__ = ["NCCLCommunicator", "nccl_available"]
 
@@ -134,25 +133,6 @@ class NCCLCommunicator(Communicator):
                     f"{name} there, or build the NCCLCommunicator with GPU {dev} current)"
                 )
 
-    def _agreed(self, sizes: Sequence[int], error: Exception | None, name: str) -> None:
-        """Raise on every rank the error of the first rank whose count in ``sizes`` (just
-        exchanged, a rank's -1: its ``error``) is negative; the message comes from that rank."""
-        bad = next((r for r, c in enumerate(sizes) if c < 0), None)
-        if bad is None:
-            return
-        msg = self.bcast_object(str(error) if self.rank == bad else None, bad)
-        raise CollectiveInputError(f"NCCLCommunicator.{name}: {msg} on rank {bad}") from error
-
-    def _error(self, sendbuf: Any, counts: Sequence[int] | None = None) -> Exception | None:
-        """This rank's error with ``sendbuf`` (and ``counts``), or None."""
-        try:
-            self.check_buffer(sendbuf, "sendbuf")
-            if counts is not None and any(int(c) < 0 for c in counts):
-                raise ValueError(f"counts must be >= 0, got {list(counts)}")
-        except Exception as exc:
-            return exc
-        return None
-
     # -- payload collectives ------------------------------------------------------------
     def allgatherv(
         self, sendbuf: Any, counts: Sequence[int] | None = None
@@ -164,10 +144,14 @@ class NCCLCommunicator(Communicator):
 
     def _allgatherv(self, sendbuf: Any, counts: Sequence[int] | None) -> tuple[Any, list[int]]:
         cp, nccl, nc = cupy_or_none(), self._nccl, self._live()
-        error = self._error(sendbuf)
+        error = None
+        try:
+            self.check_buffer(sendbuf, "sendbuf")
+        except ValueError as exc:
+            error = exc
         if counts is None:  # (the counts' exchange shares an error: a rank's -1)
             counts = self.allgather_ints(-1 if error else int(sendbuf.shape[0]))
-            self._agreed(counts, error, "allgatherv")
+            self._share_error(counts, error, "NCCLCommunicator.allgatherv")
         elif error is not None:  # (given counts: no exchange to share it in)
             raise ValueError(f"{error} on rank {self.rank}") from error
         counts = [int(c) for c in counts]
@@ -198,10 +182,7 @@ class NCCLCommunicator(Communicator):
 
     def _alltoallv(self, sendbuf: Any, sendcounts: Sequence[int]) -> tuple[Any, list[int]]:
         cp, nccl, nc = cupy_or_none(), self._nccl, self._live()
-        error = self._error(sendbuf, sendcounts)
-        sendcounts = [-1] * self.size if error else [int(c) for c in sendcounts]
-        recvcounts = self.alltoall_ints(sendcounts)  # (a rank's error: its -1s)
-        self._agreed(recvcounts, error, "alltoallv")
+        sendcounts, recvcounts = self._alltoallv_counts(sendbuf, sendcounts)
         item = sendbuf.dtype.itemsize
         out = cp.empty(sum(recvcounts), dtype=sendbuf.dtype)
         send, recv = self._bytes(sendbuf), out.reshape(-1).view(np.uint8)
