@@ -488,12 +488,13 @@ def test_nccl_buffers_of_another_gpu_are_refused_everywhere(comm, xp):
     try:
         last = comm.size - 1
         with xp.cuda.Device(0 if comm.rank == last else 1):
-            x = xp.asarray(np.arange(6, dtype=np.float32) + comm.rank)
-            idx = xp.asarray(np.arange(6))
+            m = max(6, comm.size)  # (alltoallv below sends one to each rank)
+            x = xp.asarray(np.arange(m, dtype=np.float32) + comm.rank)
+            idx = xp.asarray(np.arange(m))
         calls = {
-            "allreduce dense": lambda: sparsecoll.allreduce(nc, x, idx, n=8, algorithm="dense"),
-            "allreduce allgather": lambda: sparsecoll.allreduce(nc, x, idx, n=8),
-            "step": lambda: GradientReducer(nc, 6, "allgather", 0.5).step(x),
+            "allreduce dense": lambda: sparsecoll.allreduce(nc, x, idx, n=m, algorithm="dense"),
+            "allreduce allgather": lambda: sparsecoll.allreduce(nc, x, idx, n=m),
+            "step": lambda: GradientReducer(nc, m, "allgather", 0.5).step(x),
             "Communicator.allreduce": lambda: nc.allreduce(x),
             "allgatherv": lambda: nc.allgatherv(x),
             "alltoallv": lambda: nc.alltoallv(x[: comm.size], [1] * comm.size),
