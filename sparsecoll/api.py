@@ -104,8 +104,7 @@ def allreduce(
         SparseVector(n=10, nnz=1, dtype=float32)
 
     With the watchdog on (:func:`sparsecoll.set_timeout`), the communicator's progress
-    engine watches the call (it still runs here), so that a hang ends in a diagnostic
-    (except on an NCCLCommunicator, which has no progress engine: it runs unwatched).
+    engine watches the call (it still runs here), so that a hang ends in a diagnostic.
     """
     c = Communicator.wrap(comm)
     label = f"allreduce(algorithm={_name(algorithm)!r}, n={n!r})"
@@ -165,6 +164,7 @@ def _allreduce(
         vals, wrap = as_array(values, "values")
         idx = as_indices(indices)
         check_same_device(idx, vals)
+        c.check_buffer(vals, "values")  # (an NCCLCommunicator's GPU)
         # all of it on the inputs' GPU, the checks' kernels too: CuPy refuses (or, with peer
         # access, runs from the current GPU) kernels on another GPU's arrays, and the current
         # GPU is 0 in a thread that never chose one (iallreduce's progress thread)
@@ -232,7 +232,7 @@ def iallreduce(
         RuntimeError: MPI was not initialized with MPI_THREAD_MULTIPLE, or is finalized;
             the progress engine was shut down; a forked child (the engine is the parent's).
         TypeError: ``COMM_NULL`` or a freed communicator.
-        NotImplementedError: an NCCLCommunicator (it has no progress engine).
+        NotImplementedError: an NCCLCommunicator (its calls do not run on a progress thread).
     """
     c = Communicator.wrap(comm)
     label = f"iallreduce(algorithm={_name(algorithm)!r}, n={n!r})"
@@ -261,11 +261,11 @@ def _name(algorithm: Any) -> str:
 
 def watch(c: Communicator, label: str) -> contextlib.AbstractContextManager[None]:
     """Around a blocking call on ``c``: with the watchdog on, let ``c``'s progress engine
-    watch it (the call still runs in the calling thread, on ``c``). Unwatched: a call on the
-    progress thread itself (its engine watches it already), a Communicator subclass
-    (NCCLCommunicator has no engine), and below MPI_THREAD_MULTIPLE (the watchdog's thread
-    calls MPI; warned once)."""
-    if not get_timeout() or type(c) is not Communicator or c.on_progress_thread():
+    watch it (the call still runs in the calling thread, on ``c``; an NCCLCommunicator's
+    too: its engine only watches). Unwatched: a call on the progress thread itself (its
+    engine watches it already), and below MPI_THREAD_MULTIPLE (the watchdog's thread calls
+    MPI; warned once)."""
+    if not get_timeout() or c.on_progress_thread():
         return contextlib.nullcontext()
     if not thread_multiple():
         _unwatched()
@@ -340,7 +340,13 @@ def collective_check(
     # (the values' max is agreed[2::2], their min -agreed[3::2]; an engine's start is first:
     # a blocking call's input error on another rank is the mismatch's, not its own)
     if -agreed[3] == ENGINE_START and (agreed[2] != ENGINE_START or agreed[4] != -agreed[5]):
-        _raise_mixed(comm, error is None and sig[:2] == [ENGINE_START, 0], call)
+        start = sig[:2] if error is None else None  # (this rank's engine start, if it is one)
+        kind = (
+            {0: "nonblocking", 1: "watched"}.get(start[1])
+            if start and start[0] == ENGINE_START
+            else None
+        )
+        _raise_mixed(comm, kind or "blocking", call)
     if agreed[0]:
         bad = -int(agreed[1])
         kind, msg = comm.bcast_object(_describe(error) if comm.rank == bad else None, bad)
@@ -359,14 +365,26 @@ def start_check(comm: Communicator, call: str | None, blocking: bool) -> None:
     collective_check(comm, None, [ENGINE_START, int(blocking)], call=call)
 
 
-def _raise_mixed(comm: Communicator, nonblocking: bool, call: str | None) -> None:
+def _raise_mixed(comm: Communicator, kind: str, call: str | None) -> None:
     """Raise on every rank that blocking and nonblocking calls were mixed, naming each
-    rank's call (gathered: only on this failure)."""
-    kind = "nonblocking" if nonblocking else "blocking"
-    calls = comm.allgather_object(f"a {kind} call" + (f" ({call})" if call else ""))
+    rank's call (gathered: only on this failure). ``kind``: this rank's call is
+    "nonblocking" (an engine's start), "watched" (a blocking call's engine start, for the
+    watchdog) or "blocking" (its input agreement). Blocking calls alone, watched on some
+    ranks only, are the watchdog set on some ranks only."""
+    every = comm.allgather_object((kind, call))
+    if all(k != "nonblocking" for k, _ in every):
+        on = [r for r, (k, _) in enumerate(every) if k == "watched"]
+        off = [r for r, (k, _) in enumerate(every) if k != "watched"]
+        raise CollectiveInputError(
+            f"the watchdog is on on {_ranks(on)} but off on {_ranks(off)} (in "
+            f"{every[0][1] or 'a blocking call'}): set it alike on every rank "
+            f"(sparsecoll.set_timeout, SPARSECOLL_TIMEOUT); a watched call starts the "
+            f"communicator's progress engine, which every rank must do together"
+        )
     ranks: dict[str, list[int]] = {}
-    for r, what in enumerate(calls):
-        ranks.setdefault(what, []).append(r)
+    for r, (k, c) in enumerate(every):
+        what = f"a {'nonblocking' if k == 'nonblocking' else 'blocking'} call"
+        ranks.setdefault(what + (f" ({c})" if c else ""), []).append(r)
     listed = "; ".join(
         f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {what}"
         for what, rs in ranks.items()
@@ -376,6 +394,11 @@ def _raise_mixed(comm: Communicator, nonblocking: bool, call: str | None) -> Non
         f"must make the same calls in the same order (the first nonblocking call on a "
         f"communicator starts its progress engine, which every rank must do together)"
     )
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 1' or 'ranks 0, 2'."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _signature_error(signature: list[int], names: tuple[str, ...]) -> Exception | None:

@@ -49,6 +49,7 @@ import ctypes
 import dataclasses
 import functools
 import math
+import operator
 import os
 import pickle
 import re
@@ -72,6 +73,7 @@ from ._array import (
 )
 from ._options import env_flag
 from ._progress import get_timeout
+from .errors import CollectiveInputError, CollectiveTypeError
 from .sparse import VALUE_DTYPES
 
 __all__ = ["CommStats", "Communicator", "Request", "mpi_library_version"]
@@ -667,6 +669,13 @@ class Communicator:
         """Return ``comm`` if it already is a Communicator, else wrap it."""
         return comm if isinstance(comm, Communicator) else cls(comm)
 
+    def check_buffer(self, array: Any, name: str) -> None:
+        """Raise ValueError when this communicator cannot move ``array`` (called ``name``
+        in the message). A Communicator moves host arrays and any GPU's (on the array's
+        own GPU); an :class:`~sparsecoll.nccl.NCCLCommunicator` refuses a device array on
+        another GPU than its own. Local: the entry points call it before their input
+        agreement, which shares the error with every rank."""
+
     # -- progress engine ------------------------------------------------------------------
     def engine(self, call: str | None = None, *, blocking: bool = False) -> Any:
         """The progress engine of this MPI communicator, started on first use.
@@ -678,15 +687,18 @@ class Communicator:
         that message; ``blocking``: it is a blocking call, which the watchdog watches).
         Raises RuntimeError when MPI was not initialized with MPI_THREAD_MULTIPLE.
         """
-        engine = self._attached_engine()
-        if engine is not None:
-            return engine
-        if type(self) is not Communicator:
-            # a subclass (NCCLCommunicator) moves payloads its own way, outside the routing
+        if type(self) is not Communicator and not blocking:
+            # a subclass (NCCLCommunicator) moves payloads its own way, outside the routing;
+            # checked first: an engine that a Communicator started on the same MPI
+            # communicator took its calls onto the progress thread. (Its blocking calls may
+            # be watched: they run in the calling thread.)
             raise NotImplementedError(
                 f"nonblocking calls on a {type(self).__name__} are not supported; use a "
                 f"Communicator"
             )
+        engine = self._attached_engine()
+        if engine is not None:
+            return engine
         MPI = _mpi()
         level = MPI.Query_thread()
         if not thread_multiple():
@@ -1112,9 +1124,11 @@ class Communicator:
         """Send ``sendcounts[j]`` consecutive elements of ``sendbuf`` to rank j.
 
         Receive counts are exchanged first as metadata. Returns ``(recvbuf, recvcounts)``.
+        ``sendcounts``: one integer >= 0 per rank, adding up to at most ``sendbuf.size``;
+        otherwise (on any rank) every rank raises CollectiveInputError (CollectiveTypeError
+        for counts that are not integers) naming that rank.
         """
-        sendcounts = [int(c) for c in sendcounts]
-        recvcounts = self.alltoall_ints(sendcounts)
+        sendcounts, recvcounts = self._alltoallv_counts(sendbuf, sendcounts)
         out = get_array_module(sendbuf).empty(sum(recvcounts), dtype=sendbuf.dtype)
         item = sendbuf.dtype.itemsize
         sb = [c * item for c in sendcounts]
@@ -1135,6 +1149,45 @@ class Communicator:
             finish()
         self._count_alltoallv(sb, rb)
         return out, recvcounts
+
+    def _alltoallv_counts(self, sendbuf: Any, sendcounts: Any) -> tuple[list[int], list[int]]:
+        """alltoallv's ``(sendcounts, recvcounts)``: this rank's checked (and its
+        ``sendbuf``, :meth:`check_buffer`), then exchanged; a rank's error goes in the
+        exchange as its -1s and is raised on every rank (:meth:`_share_error`). Counts past
+        ``sendbuf`` sent memory beyond it (MPI read what followed it), a negative one raised
+        numpy's error on one rank and MPI's on another, a float was truncated."""
+        error, counts = None, []
+        try:
+            self.check_buffer(sendbuf, "sendbuf")
+            counts = [operator.index(c) for c in sendcounts]
+            if len(counts) != self.size:
+                raise ValueError(
+                    f"sendcounts must have one count per rank ({self.size}), got {len(counts)}"
+                )
+            if counts and min(counts) < 0:
+                raise ValueError(f"sendcounts must be >= 0, got {counts}")
+            if sum(counts) > int(sendbuf.size):
+                raise ValueError(
+                    f"sendcounts add up to {sum(counts)} elements but sendbuf has "
+                    f"{int(sendbuf.size)}"
+                )
+        except Exception as exc:  # (shared with every rank: none is left waiting)
+            error = exc
+        recvcounts = self.alltoall_ints([-1] * self.size if error else counts)
+        self._share_error(recvcounts, error, f"{type(self).__name__}.alltoallv")
+        return counts, recvcounts
+
+    def _share_error(self, counts: Sequence[int], error: BaseException | None, call: str) -> None:
+        """Raise on every rank the error of the first rank whose count in ``counts`` (just
+        exchanged; a rank's -1: its ``error``) is negative, named by that rank: a
+        CollectiveTypeError for a TypeError, else a CollectiveInputError."""
+        bad = next((r for r, c in enumerate(counts) if c < 0), None)
+        if bad is None:
+            return
+        mine = (isinstance(error, TypeError), str(error)) if self.rank == bad else None
+        typed, msg = self.bcast_object(mine, bad)
+        kind = CollectiveTypeError if typed else CollectiveInputError
+        raise kind(f"{call}: {msg} on rank {bad}") from error
 
     def _alltoallv_past_limit(self, *byte_lists: list[int]) -> bool:
         """Whether any rank's alltoallv has a count or displacement past :data:`COUNT_MAX`
@@ -1271,6 +1324,9 @@ class Communicator:
                 out, _ = as_array(out, "out", writable=True)
             orig = buf.dtype
             buf = _check_out(buf, out, op)
+            self.check_buffer(buf, "buf")
+            if out is not None:
+                self.check_buffer(out, "out")
             if work is not None:
                 work, _ = as_array(work, "work", writable=True)
             send, dest, out = _sum_buffers(buf, out, work)

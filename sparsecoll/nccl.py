@@ -6,8 +6,13 @@ over NCCL (``cupy.cuda.nccl``; ``pip install 'sparsecoll[gpu]'``). Everything el
 MPI: the counts exchanged before a payload, metadata and validation, host buffers, and
 point-to-point messages (NCCL has no tags and no probe, and a blocking ncclSend waits for a
 matching ncclRecv on the peer's stream, so MPI-style send/recv ordering could deadlock).
-Each NCCL call runs on CuPy's current stream, after the kernels queued there, and the
-stream is synchronized before the call returns. Byte accounting follows the MPI rules.
+Each NCCL call runs on the communicator's GPU (the current one when it was built, whatever
+GPU is current in the calling thread), on CuPy's current stream there, after the kernels
+queued there, and the stream is synchronized before the call returns; a device array on
+another GPU is refused (:meth:`NCCLCommunicator.check_buffer`). Byte accounting follows the
+MPI rules. With the watchdog on, the construction and each call are watched as blocking calls
+(the progress engine of the MPI communicator watches them; they still run in the calling
+thread); nonblocking calls are not supported.
 
 NCCL needs one GPU per rank: the constructor checks that no two ranks share a GPU and
 raises ValueError on every rank if they do (pick the device per rank first, e.g.
@@ -17,8 +22,9 @@ Communicator, which stages device buffers through pinned host memory.
 
 from __future__ import annotations
 
+import contextlib
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,6 +54,13 @@ class NCCLCommunicator(Communicator):
 
     def __init__(self, comm: Any = None) -> None:
         super().__init__(comm)
+        from .api import watch  # (api imports comm, which this module imports)
+
+        # (watched as one call: NCCL's own setup waits for every rank too)
+        with watch(self, "NCCLCommunicator()"):
+            self._setup()
+
+    def _setup(self) -> None:
         cp, nccl = cupy_or_none(), nccl_or_none()
         error, where = None, None
         if cp is None:
@@ -73,6 +86,7 @@ class NCCLCommunicator(Communicator):
             owner[w] = r
         uid = self.bcast_object(nccl.get_unique_id() if self.rank == 0 else None, 0)
         self._nccl = nccl
+        self.device: int = int(cp.cuda.Device().id)  # the GPU it moves memory of
         self.nccl_comm = nccl.NcclCommunicator(self.size, uid, self.rank)
 
     def close(self) -> None:
@@ -95,15 +109,51 @@ class NCCLCommunicator(Communicator):
             raise RuntimeError("the NCCL communicator was closed")
         return self.nccl_comm
 
+    @contextlib.contextmanager
+    def _watched(self, call: str) -> Iterator[None]:
+        """This rank's calls on the communicator one at a time (:meth:`serial`) and, with
+        the watchdog on, this one watched as a blocking call (a rank that skipped it left
+        the others in NCCL for ever), as Communicator's methods are; inside a watched call
+        (``sparsecoll.allreduce``) it is part of that one."""
+        from .api import watch
+
+        with self.serial(), watch(self, f"NCCLCommunicator.{call}"):
+            yield
+
+    def check_buffer(self, array: Any, name: str) -> None:
+        """Raise ValueError for a device array on another GPU than this communicator's
+        (NCCL moves the memory of the GPU it was built on only; host arrays go over MPI)."""
+        cp = cupy_or_none()
+        if cp is not None and isinstance(array, cp.ndarray):  # (as_array's view of a tensor)
+            dev = int(array.device.id)
+            if dev != self.device:
+                raise ValueError(
+                    f"{name} is on GPU {dev}, not on GPU {self.device} where this "
+                    f"NCCLCommunicator was built (NCCL moves that GPU's memory only: move "
+                    f"{name} there, or build the NCCLCommunicator with GPU {dev} current)"
+                )
+
     # -- payload collectives ------------------------------------------------------------
     def allgatherv(
         self, sendbuf: Any, counts: Sequence[int] | None = None
     ) -> tuple[Any, list[int]]:
         if not is_device_array(sendbuf):
             return super().allgatherv(sendbuf, counts)
+        with self._watched("allgatherv()"), cupy_or_none().cuda.Device(self.device):
+            return self._allgatherv(sendbuf, counts)
+
+    def _allgatherv(self, sendbuf: Any, counts: Sequence[int] | None) -> tuple[Any, list[int]]:
         cp, nccl, nc = cupy_or_none(), self._nccl, self._live()
-        if counts is None:
-            counts = self.allgather_ints(int(sendbuf.shape[0]))
+        error = None
+        try:
+            self.check_buffer(sendbuf, "sendbuf")
+        except ValueError as exc:
+            error = exc
+        if counts is None:  # (the counts' exchange shares an error: a rank's -1)
+            counts = self.allgather_ints(-1 if error else int(sendbuf.shape[0]))
+            self._share_error(counts, error, "NCCLCommunicator.allgatherv")
+        elif error is not None:  # (given counts: no exchange to share it in)
+            raise ValueError(f"{error} on rank {self.rank}") from error
         counts = [int(c) for c in counts]
         item = sendbuf.dtype.itemsize
         total = sum(counts)
@@ -127,9 +177,12 @@ class NCCLCommunicator(Communicator):
     def alltoallv(self, sendbuf: Any, sendcounts: Sequence[int]) -> tuple[Any, list[int]]:
         if not is_device_array(sendbuf):
             return super().alltoallv(sendbuf, sendcounts)
+        with self._watched("alltoallv()"), cupy_or_none().cuda.Device(self.device):
+            return self._alltoallv(sendbuf, sendcounts)
+
+    def _alltoallv(self, sendbuf: Any, sendcounts: Sequence[int]) -> tuple[Any, list[int]]:
         cp, nccl, nc = cupy_or_none(), self._nccl, self._live()
-        sendcounts = [int(c) for c in sendcounts]
-        recvcounts = self.alltoall_ints(sendcounts)
+        sendcounts, recvcounts = self._alltoallv_counts(sendbuf, sendcounts)
         item = sendbuf.dtype.itemsize
         out = cp.empty(sum(recvcounts), dtype=sendbuf.dtype)
         send, recv = self._bytes(sendbuf), out.reshape(-1).view(np.uint8)
@@ -160,6 +213,10 @@ class NCCLCommunicator(Communicator):
     ) -> Any:
         if not is_device_array(buf):
             return super().allreduce(buf, out, op, check=check, work=work)
+        with self._watched(f"allreduce(op={op!r})"), cupy_or_none().cuda.Device(self.device):
+            return self._nccl_allreduce(buf, out, op, check, work)
+
+    def _nccl_allreduce(self, buf: Any, out: Any, op: str, check: bool, work: Any) -> Any:
         nccl, nc = self._nccl, self._live()
         given = out
         # (what it allocates is made before the ranks agree, as Communicator.allreduce's)

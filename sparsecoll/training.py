@@ -589,6 +589,7 @@ class GradientReducer:
             # work on grad's GPU, whatever the current device (step_async's progress thread
             # starts on device 0, as every new CUDA host thread does)
             scope.enter_context(device_scope(arr))
+            self.comm.check_buffer(arr, "grad")  # (an NCCLCommunicator's GPU)
             self._check_local(arr)
             if out is not None:
                 dest, _ = as_array(out, "out", writable=True)

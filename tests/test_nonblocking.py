@@ -87,6 +87,9 @@ def test_watchdog_aborts_when_a_rank_skips_the_first_call():
         # the Communicator's methods called directly: a collective, and point-to-point
         ("skip_barrier", "Communicator.barrier()"),
         ("skip_send", "Communicator.recv()"),
+        # an NCCLCommunicator's payload and construction (tests/fakecupy's NCCL: MPI)
+        ("skip_nccl", "NCCLCommunicator.allreduce(op='sum')"),
+        ("skip_nccl_init", "NCCLCommunicator()"),
     ],
 )
 def test_watchdog_aborts_when_a_rank_skips_another_blocking_call(mode, label):
@@ -502,9 +505,23 @@ def _skip_blocking(mode: str) -> None:
     import sparsecoll
 
     comm, vals, idx = _watched()
+    if mode.startswith("skip_nccl"):
+        from tests import fakecupy
+
+        fake = fakecupy.installed()  # (for the rest of the process: kept, as it is left)
+        fake.__enter__()
+        from sparsecoll.nccl import NCCLCommunicator
+
+        sparsecoll.set_timeout(None)
+        nc = NCCLCommunicator(comm) if mode == "skip_nccl" else None
+        sparsecoll.set_timeout(WATCHDOG_SECONDS)
     sparsecoll.allreduce(comm, vals, idx, n=9)  # call #1: the engine starts
     if comm.rank != 1:
-        if mode == "skip_load":
+        if mode == "skip_nccl":
+            nc.allreduce(fakecupy.module.ones(4, np.float32))
+        elif mode == "skip_nccl_init":
+            NCCLCommunicator(comm)
+        elif mode == "skip_load":
             red = sparsecoll.GradientReducer(comm, 4, "allgather", 0.5)
             red.load_state_dict(red.state_dict())
         elif mode == "skip_dense":
@@ -585,7 +602,7 @@ def _low_level(level: str) -> None:
 if __name__ == "__main__":
     modes = {"pending": _pending, "skip": _skip, "skip_step": _skip_step, "raise": _raise}
     modes.update(skip_first=_skip_first)
-    skips = ("load", "dense", "hook_load", "init", "barrier", "send")
+    skips = ("load", "dense", "hook_load", "init", "barrier", "send", "nccl", "nccl_init")
     for skipped in (f"skip_{what}" for what in skips):
         modes[skipped] = lambda skipped=skipped: _skip_blocking(skipped)
     modes.update(skip_exit=lambda: _skip(exits=True))

@@ -788,6 +788,7 @@ def _reduce_dense(
     if error is None:
         try:
             arr, _ = as_array(work, "bucket", writable=True)
+            state.comm.check_buffer(arr, "bucket")  # (an NCCLCommunicator's GPU)
             sig = [int(arr.size), VALUE_DTYPES.index(arr.dtype), WARMUP_MARK]
             wide = widening_buffer(arr)  # (float16: the float32 array it is summed in)
         except Exception as exc:  # (shared with every rank: none is left waiting)

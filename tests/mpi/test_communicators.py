@@ -1,5 +1,6 @@
 """Communicators a user of mpi4py may pass: sub-communicators used at once, derived and
-subclassed ones, an intercommunicator, a freed one, a fatal error handler."""
+subclassed ones, an intercommunicator, a freed one, a fatal error handler; and bad counts
+given to a Communicator's own methods."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from mpi4py import MPI
 
 import sparsecoll
+from sparsecoll import CollectiveInputError, CollectiveTypeError
 from sparsecoll.algorithms.base import reference_sum
 from sparsecoll.registry import algorithm_class, available_algorithms
 from sparsecoll.sparse import SparseVector
@@ -312,3 +314,39 @@ def test_the_duplicate_is_freed_with_the_communicator(comm):
     freed = dup is not None and dup == MPI.COMM_NULL
     ok = made and freed and result.values.tolist() == [comm.size] * 2
     assert_all(comm, ok, f"duplicate made {made}, freed {freed}, result {result.values}")
+
+
+@pytest.mark.parametrize(
+    ("what", "kind", "says"),
+    [
+        ("past the buffer", CollectiveInputError, "sendcounts add up to"),
+        ("negative", CollectiveInputError, "sendcounts must be >= 0"),
+        ("one count short", CollectiveInputError, "one count per rank"),
+        ("a float", CollectiveTypeError, "cannot be interpreted as an integer"),
+    ],
+)
+def test_alltoallv_counts_bad_on_one_rank_raise_everywhere(comm, what, kind, says):
+    """Communicator.alltoallv's sendcounts, bad on the last rank alone: every rank raises
+    the same error naming it, in the counts' exchange (no extra round). Counts adding up
+    past the buffer sent the memory that followed it, silently (MPI read it); a negative
+    count raised numpy's "negative dimensions are not allowed" on one rank and MPI's
+    "Invalid count" on another; a float was truncated. Good counts then work."""
+    x = np.arange(2 * comm.size, dtype=np.float64) + 100 * comm.rank
+    counts: list = [2] * comm.size
+    if comm.rank == comm.size - 1:
+        counts = {
+            "past the buffer": [2] * (comm.size - 1) + [3],
+            "negative": [-1] + [2] * (comm.size - 1),
+            "one count short": [2] * (comm.size - 1),
+            "a float": [2.0] * comm.size,
+        }[what]
+    with pytest.raises(kind) as info:
+        comm.alltoallv(x, counts)
+    msg = str(info.value)
+    same = len(set(comm.allgather_object(msg))) == 1
+    assert_all(comm, same and says in msg and msg.endswith(f"on rank {comm.size - 1}"), msg)
+    out, got = comm.alltoallv(x, [2] * comm.size)
+    want = [
+        v for r in range(comm.size) for v in (100 * r + 2 * comm.rank, 100 * r + 2 * comm.rank + 1)
+    ]
+    assert_all(comm, got == [2] * comm.size and out.tolist() == want, f"{got} {out}")

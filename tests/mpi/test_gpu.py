@@ -469,6 +469,106 @@ def test_nccl_shared_gpu_is_refused_everywhere(comm, xp):
         fakecupy._Device.shared = False
 
 
+def test_nccl_buffers_of_another_gpu_are_refused_everywhere(comm, xp):
+    """An NCCLCommunicator moves the memory of the GPU it was built on only. A device array
+    on another GPU (here on the last rank alone) went to NCCL as it was, silently on the fake
+    (one host memory) and, on GPUs, on that rank's stream and NCCL's device: now every entry
+    raises the same CollectiveInputError on every rank, naming the rank, before NCCL is
+    called. And a call from a thread whose current GPU is another (a new thread is on GPU
+    0) runs on the communicator's GPU: its results landed on the current one."""
+    if xp is not fakecupy.module:
+        pytest.skip("needs two GPUs per rank: the fake has them")
+    import threading
+
+    from sparsecoll.nccl import NCCLCommunicator
+    from sparsecoll.training import GradientReducer
+
+    with xp.cuda.Device(1):
+        nc = NCCLCommunicator(comm.mpi_comm)
+    try:
+        last = comm.size - 1
+        with xp.cuda.Device(0 if comm.rank == last else 1):
+            m = max(6, comm.size)  # (alltoallv below sends one to each rank)
+            x = xp.asarray(np.arange(m, dtype=np.float32) + comm.rank)
+            idx = xp.asarray(np.arange(m))
+        calls = {
+            "allreduce dense": lambda: sparsecoll.allreduce(nc, x, idx, n=m, algorithm="dense"),
+            "allreduce allgather": lambda: sparsecoll.allreduce(nc, x, idx, n=m),
+            "step": lambda: GradientReducer(nc, m, "allgather", 0.5).step(x),
+            "Communicator.allreduce": lambda: nc.allreduce(x),
+            "allgatherv": lambda: nc.allgatherv(x),
+            "alltoallv": lambda: nc.alltoallv(x[: comm.size], [1] * comm.size),
+        }
+        problems = []
+        for name, call in calls.items():
+            try:
+                call()
+                problems.append(f"{name}: no error")
+            except CollectiveInputError as exc:
+                if "is on GPU 0, not on GPU 1 where this NCCLCommunicator" not in str(
+                    exc
+                ) or not str(exc).endswith(f"on rank {last}"):
+                    problems.append(f"{name}: {exc}")
+        with xp.cuda.Device(1):
+            y = xp.asarray(np.arange(comm.size, dtype=np.float64) + comm.rank)
+        got = {}
+
+        def run() -> None:  # (on GPU 0: a new thread's current device)
+            got["allgatherv"] = nc.allgatherv(y)[0]
+            got["alltoallv"] = nc.alltoallv(y, [1] * comm.size)[0]
+            got["allreduce"] = nc.allreduce(y)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        where = {k: v.device.id for k, v in got.items()}
+        if where != dict.fromkeys(("allgatherv", "alltoallv", "allreduce"), 1):
+            problems.append(f"results of a thread on GPU 0 on GPUs {where}")
+        elif not np.array_equal(
+            got["allreduce"].get(), comm.size * np.arange(comm.size) + sum(range(comm.size))
+        ):
+            problems.append(f"allreduce from the thread: {got['allreduce'].get()}")
+        assert_all(comm, not problems, "; ".join(problems))
+    finally:
+        nc.close()
+
+
+def test_nccl_nonblocking_calls_are_refused_beside_a_running_engine(comm, xp):
+    """Nonblocking calls on an NCCLCommunicator raise NotImplementedError, also once a
+    Communicator on the same MPI communicator has started its progress engine: they were
+    then queued there, and its progress thread made NCCL calls (silently, with the NCCL
+    communicator that the user's thread calls too)."""
+    if xp is not fakecupy.module:
+        pytest.skip("the fake's NCCL records its calls")
+    from sparsecoll.nccl import NCCLCommunicator
+    from sparsecoll.training import GradientReducer
+
+    vals, idx = np.ones(2, np.float32), np.array([1, 3])
+    sparsecoll.iallreduce(comm, vals, idx, n=4).wait()  # the engine runs
+    nc = NCCLCommunicator(comm.mpi_comm)
+    try:
+        fakecupy.nccl.calls.clear()
+        dense = dict(n=4, algorithm="dense")
+        calls = {
+            "iallreduce": lambda: sparsecoll.iallreduce(
+                nc, xp.asarray(vals), xp.asarray(idx), **dense
+            ),
+            "step_async": lambda: GradientReducer(nc, 2, "dense").step_async(xp.asarray(vals)),
+        }
+        got = []
+        for name, call in calls.items():
+            try:
+                call().wait()
+                got.append(f"{name} ran")
+            except NotImplementedError as exc:
+                if "not supported" not in str(exc):
+                    got.append(f"{name}: {exc}")
+        got += [f"NCCL calls {fakecupy.nccl.calls}"] if fakecupy.nccl.calls else []
+        assert_all(comm, not got, "; ".join(got))
+    finally:
+        nc.close()
+
+
 def test_torch_cuda_tensors(comm, xp):
     torch = fakecupy.require_torch_cuda(xp)
     dev = torch.device("cuda", xp.cuda.Device().id)

@@ -241,8 +241,9 @@ def test_reused_update_of_step_async_outlives_later_submissions(comm, name):
     times. A step submitted (or a blocking one made) while an update is not yet handed over
     by wait() gets an array of its own; once it is, the buffer is reused again."""
     n = 2000
-    grads, _, want = _steps(comm, name, 11, n, 6)
-    red = GradientReducer(comm, n, name, 0.05, warmup=1, reuse_update=True)
+    grads, sync, want = _steps(comm, name, 11, n, 6)
+    # (its blocking step below: with the MPI calls of the progress thread, as _steps's)
+    red = GradientReducer(sync.comm, n, name, 0.05, warmup=1, reuse_update=True)
     reqs = [red.step_async(g) for g in grads[:3]]  # outstanding at once
     reqs[-1].wait()  # (all three have completed: the updates are read after the last)
     got = [r.wait().copy() for r in reqs]
@@ -871,6 +872,43 @@ def test_a_blocking_call_against_a_first_nonblocking_one_raises_everywhere(comm,
             msg,
         )
         got = _first_call(kind, mine, blocking=False)  # (the engine starts now, everywhere)
+        want = _first_call(kind, mine, blocking=True)
+        same = digest(got) == digest(want) if kind == "allreduce" else np.allclose(got, want)
+        assert_all(comm, same, "the calls after the error give other results")
+    finally:
+        sparsecoll.set_timeout(before)
+        mine.mpi_comm.Free()
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "step"])
+def test_the_watchdog_on_some_ranks_only_is_named(comm, kind):
+    """The watchdog set on rank 0 alone (sparsecoll.set_timeout or SPARSECOLL_TIMEOUT must be
+    alike on every rank): its first blocking call starts the engine where the others make
+    their input agreement. Every rank raised "blocking and nonblocking calls mixed on this
+    communicator (ranks 0, 1: a blocking call (...))", at every call, about calls that were
+    all blocking; now the message says what differs. Once set alike, the calls work."""
+    from mpi4py import MPI
+
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    before = sparsecoll.get_timeout()
+    mine = sparsecoll.Communicator(MPI.COMM_WORLD.Dup())  # (no engine yet)
+    try:
+        sparsecoll.set_timeout(600 if comm.rank == 0 else None)
+        try:
+            with pytest.raises(sparsecoll.CollectiveInputError) as info:
+                _first_call(kind, mine, blocking=True)
+        finally:
+            # (alike again before the checks: rank 0's watched allgather in assert_all would
+            # start an engine on comm against the others' plain allgather, and hang)
+            sparsecoll.set_timeout(None)
+        msg = str(info.value)
+        assert_all(comm, len(set(comm.allgather_object(msg))) == 1, msg)
+        others = "rank 1" if comm.size == 2 else f"ranks {', '.join(map(str, range(1, comm.size)))}"
+        assert_all(comm, msg.startswith(f"the watchdog is on on rank 0 but off on {others} ("), msg)
+        sparsecoll.set_timeout(600)
+        got = _first_call(kind, mine, blocking=True)
+        sparsecoll.set_timeout(None)
         want = _first_call(kind, mine, blocking=True)
         same = digest(got) == digest(want) if kind == "allreduce" else np.allclose(got, want)
         assert_all(comm, same, "the calls after the error give other results")
