@@ -49,9 +49,10 @@ indices (all of them reach the result: every rank's residual drops all K entries
 ``result.info`` has ``threshold``, ``counts`` (per partition), ``selected`` (this rank's
 count), ``rederived`` and ``bucket`` (``(lo, hi, start)`` when the call cut a tie: every
 |value| >= hi and, of those in ``[lo, hi)`` in index order, the run from position start,
-wrapping around, that completes k; else None), ``owners`` (the rank that selected each
-partition, partitions in index order) and ``ranges`` (each partition's index range
-``(lo, hi)`` on this call).
+wrapping around, that completes k; ``(inf, nan, start)`` for a tie among more than k
+infinities: nothing is >= NaN, and the run is of the infinities; else None), ``owners``
+(the rank that selected each partition, partitions in index order) and ``ranges`` (each
+partition's index range ``(lo, hi)`` on this call).
 """
 
 from __future__ import annotations
@@ -743,6 +744,12 @@ class ExDyna(Algorithm):
             if bucket is not None:
                 counts, lo, cut = bucket
                 return found, counts, lo, side, cut, total_nonzeros
+        if side > 0 and math.isinf(float(cast[j])):
+            # more than k infinities: no edge lies above them, and no re-derive can move the
+            # window past them. Cut the tie to k in index order, as any other: nothing is
+            # >= NaN, so the bucket [inf, NaN) is every infinity (it kept them all)
+            counts, cut = self._cut_run(comm.rank, table[:, j] * 0, table[:, j], math.nan, math.inf)
+            return found, counts, math.inf, 0, cut, total_nonzeros
         return found, table[:, j].tolist(), float(cast[j]), side, None, total_nonzeros
 
     def _bucket(
@@ -762,14 +769,22 @@ class ExDyna(Algorithm):
             return None
         j = known + b
         above = table[:, j + 1]
-        bucket = table[:, j] - above
+        lo, hi = float(cast[j]), float(cast[j + 1])
+        counts, cut = self._cut_run(rank, above, table[:, j] - above, hi, lo)
+        return counts, lo, cut
+
+    def _cut_run(
+        self, rank: int, above: np.ndarray, bucket: np.ndarray, hi: float, lo: float
+    ) -> tuple[list[int], _Bucket]:
+        """Every rank's count and this rank's cut when each rank r keeps its ``above[r]``
+        entries >= ``hi`` and its share of a run through the ``bucket`` (its entries in
+        ``[lo, hi)``, partitions in index order) that completes k."""
         start = bucket_start(self.step, int(bucket.sum()))
         # the bucket laid out partition after partition (their owners' counts in index order)
         shares = bucket_shares(bucket[self._owners()], self.k - int(above.sum()), start)
-        mine = [shares[self._partition(r)] for r in range(table.shape[0])]
+        mine = [shares[self._partition(r)] for r in range(bucket.shape[0])]
         counts = [int(above[r]) + sum(b - a for a, b in share) for r, share in enumerate(mine)]
-        lo, hi = float(cast[j]), float(cast[j + 1])
-        return counts, lo, _Bucket(lo, hi, mine[rank], counts[rank], start)
+        return counts, _Bucket(lo, hi, mine[rank], counts[rank], start)
 
     def _derive(self, comm: Communicator, n: int, part: Any) -> float | None:
         """The global k-th largest nonzero |value| (collective; O(k) volume when the large

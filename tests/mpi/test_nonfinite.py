@@ -126,3 +126,26 @@ def test_a_threshold_nudged_past_the_largest_float_comes_back(comm, name, opts):
         thresholds.append(float(algo.threshold))
     ok = all(math.isfinite(t) for t in thresholds) and sum(kept[3:]) > 0
     assert_all(comm, ok, f"{name}: kept {kept}, thresholds {thresholds}")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float64"])
+@pytest.mark.parametrize("name", ["gtopk", "oktopk", "exdyna"])
+def test_a_tie_among_infinities_is_cut_to_k(comm, name, dtype):
+    """More than k infinities (no two at one index, so no NaN) rank above every number and
+    tie: the selecting algorithms keep exactly k of them, as any other tie. exdyna kept
+    every one (the window's edges around inf are all inf, so no edge brackets k there and
+    no re-derive moves past them): 3·P for k = 2, on a fresh instance and on every call of
+    a reused one."""
+    n, k = 64, 2
+    idx = np.arange(comm.rank, n, comm.size)
+    vals = np.arange(1, idx.shape[0] + 1, dtype=np.float64)
+    vals[:3] = [np.inf, -np.inf, np.inf]
+    vals = vals.astype(dtype)
+    algo = sparsecoll.get_algorithm(name, k=k)
+    for call in range(4):  # a fresh instance, then one reused
+        use, opts = (name, {"k": k}) if call == 0 else (algo, {})
+        out = sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=n, algorithm=use, **opts)
+        assert_identical(comm, out)
+        got = np.asarray(out.values).astype(np.float64)
+        ok = out.nnz == k and bool(np.isinf(got).all())
+        assert_all(comm, ok, f"{name} call {call}: kept {np.asarray(out.indices)} {got} for k={k}")
