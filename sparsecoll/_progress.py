@@ -574,9 +574,13 @@ class Engine:
             if r != c.rank:
                 by.setdefault(where.get(r, silent), []).append(r)
         return f"call {mine}: " + "; ".join(
-            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, sorted(rs)))} {what}"
-            for what, rs in by.items()
+            f"{ranks_text(sorted(rs))} {what}" for what, rs in by.items()
         )
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """'rank 1' or 'ranks 0, 2'."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _pad(data: bytes) -> bytes:

@@ -16,7 +16,7 @@ import numpy as np
 from . import errors
 from ._array import as_array, device_scope, get_array_module, identity
 from ._options import canonical, effective_options
-from ._progress import SparseRequest, get_timeout
+from ._progress import SparseRequest, get_timeout, ranks_text
 from .algorithms.base import Algorithm
 from .comm import Communicator, thread_multiple
 from .errors import CollectiveInputError, CollectiveTypeError
@@ -376,7 +376,7 @@ def _raise_mixed(comm: Communicator, kind: str, call: str | None) -> None:
         on = [r for r, (k, _) in enumerate(every) if k == "watched"]
         off = [r for r, (k, _) in enumerate(every) if k != "watched"]
         raise CollectiveInputError(
-            f"the watchdog is on on {_ranks(on)} but off on {_ranks(off)} (in "
+            f"the watchdog is on on {ranks_text(on)} but off on {ranks_text(off)} (in "
             f"{every[0][1] or 'a blocking call'}): set it alike on every rank "
             f"(sparsecoll.set_timeout, SPARSECOLL_TIMEOUT); a watched call starts the "
             f"communicator's progress engine, which every rank must do together"
@@ -385,20 +385,12 @@ def _raise_mixed(comm: Communicator, kind: str, call: str | None) -> None:
     for r, (k, c) in enumerate(every):
         what = f"a {'nonblocking' if k == 'nonblocking' else 'blocking'} call"
         ranks.setdefault(what + (f" ({c})" if c else ""), []).append(r)
-    listed = "; ".join(
-        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {what}"
-        for what, rs in ranks.items()
-    )
+    listed = "; ".join(f"{ranks_text(rs)}: {what}" for what, rs in ranks.items())
     raise CollectiveInputError(
         f"blocking and nonblocking calls mixed on this communicator ({listed}): every rank "
         f"must make the same calls in the same order (the first nonblocking call on a "
         f"communicator starts its progress engine, which every rank must do together)"
     )
-
-
-def _ranks(ranks: list[int]) -> str:
-    """'rank 1' or 'ranks 0, 2'."""
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _signature_error(signature: list[int], names: tuple[str, ...]) -> Exception | None:
