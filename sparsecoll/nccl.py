@@ -111,13 +111,15 @@ class NCCLCommunicator(Communicator):
 
     @contextlib.contextmanager
     def _watched(self, call: str) -> Iterator[None]:
-        """This rank's calls on the communicator one at a time (:meth:`serial`) and, with
-        the watchdog on, this one watched as a blocking call (a rank that skipped it left
-        the others in NCCL for ever), as Communicator's methods are; inside a watched call
+        """Around a payload collective: on this communicator's GPU, this rank's calls on
+        the communicator one at a time (:meth:`serial`) and, with the watchdog on, this one
+        watched as a blocking call (a rank that skipped it left the others in NCCL for
+        ever), as Communicator's methods are; inside a watched call
         (``sparsecoll.allreduce``) it is part of that one."""
         from .api import watch
 
-        with self.serial(), watch(self, f"NCCLCommunicator.{call}"):
+        device = cupy_or_none().cuda.Device(self.device)
+        with self.serial(), watch(self, f"NCCLCommunicator.{call}"), device:
             yield
 
     def check_buffer(self, array: Any, name: str) -> None:
@@ -139,7 +141,7 @@ class NCCLCommunicator(Communicator):
     ) -> tuple[Any, list[int]]:
         if not is_device_array(sendbuf):
             return super().allgatherv(sendbuf, counts)
-        with self._watched("allgatherv()"), cupy_or_none().cuda.Device(self.device):
+        with self._watched("allgatherv()"):
             return self._allgatherv(sendbuf, counts)
 
     def _allgatherv(self, sendbuf: Any, counts: Sequence[int] | None) -> tuple[Any, list[int]]:
@@ -177,7 +179,7 @@ class NCCLCommunicator(Communicator):
     def alltoallv(self, sendbuf: Any, sendcounts: Sequence[int]) -> tuple[Any, list[int]]:
         if not is_device_array(sendbuf):
             return super().alltoallv(sendbuf, sendcounts)
-        with self._watched("alltoallv()"), cupy_or_none().cuda.Device(self.device):
+        with self._watched("alltoallv()"):
             return self._alltoallv(sendbuf, sendcounts)
 
     def _alltoallv(self, sendbuf: Any, sendcounts: Sequence[int]) -> tuple[Any, list[int]]:
@@ -213,7 +215,7 @@ class NCCLCommunicator(Communicator):
     ) -> Any:
         if not is_device_array(buf):
             return super().allreduce(buf, out, op, check=check, work=work)
-        with self._watched(f"allreduce(op={op!r})"), cupy_or_none().cuda.Device(self.device):
+        with self._watched(f"allreduce(op={op!r})"):
             return self._nccl_allreduce(buf, out, op, check, work)
 
     def _nccl_allreduce(self, buf: Any, out: Any, op: str, check: bool, work: Any) -> Any:
