@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
+import operator
 import os
 from typing import Any
 
@@ -21,6 +22,7 @@ __all__ = [
     "env_integer",
     "flag",
     "integer",
+    "read_only",
     "real",
 ]
 
@@ -31,6 +33,15 @@ def real(name: str, value: Any) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value) + 0.0
+
+
+def read_only(attr: str, name: str, doc: str | None = None) -> property:
+    """A property reading ``attr`` (a dotted path, as :func:`operator.attrgetter` takes)
+    whose setter raises the owner's ``_refuse(name, value)``: an option fixed at
+    construction, whose AttributeError says why and what to do instead."""
+    return property(
+        operator.attrgetter(attr), lambda self, value: self._refuse(name, value), doc=doc
+    )
 
 
 def check_density(value: Any) -> float:

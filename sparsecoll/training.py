@@ -61,7 +61,16 @@ from ._array import (
     to_module,
     wait_for_foreign,
 )
-from ._options import canonical, check_density, choice, effective_options, flag, integer, real
+from ._options import (
+    canonical,
+    check_density,
+    choice,
+    effective_options,
+    flag,
+    integer,
+    read_only,
+    real,
+)
 from ._state import Kind, check_values, optional, positive, within
 from .algorithms.base import Algorithm
 from .api import (
@@ -395,29 +404,15 @@ class GradientReducer:
     # n, k, the communicator, the algorithm and the selection are what the reducer's
     # buffers, its algorithm instance and its estimator were built for: read-only (before,
     # red.k = 50 on one rank changed that rank's local top-k alone, without an error)
-    n = property(
-        lambda self: self._n, lambda self, value: self._refuse("n", value), doc="The length."
+    n = read_only("_n", "n", "The length.")
+    comm = read_only("_comm", "comm", "The communicator (a sparsecoll Communicator).")
+    k = read_only(
+        "_k", "k", "Entries sent: round(density·n) per rank (exdyna: in all), at least 1."
     )
-    comm = property(
-        lambda self: self._comm,
-        lambda self, value: self._refuse("comm", value),
-        doc="The communicator (a sparsecoll Communicator).",
+    algorithm_name = read_only(
+        "_algorithm_name", "algorithm_name", "The algorithm's registered name."
     )
-    k = property(
-        lambda self: self._k,
-        lambda self, value: self._refuse("k", value),
-        doc="Entries sent: round(density·n) per rank (exdyna: in all), at least 1.",
-    )
-    algorithm_name = property(
-        lambda self: self._algorithm_name,
-        lambda self, value: self._refuse("algorithm_name", value),
-        doc="The algorithm's registered name.",
-    )
-    selection = property(
-        lambda self: self._selection,
-        lambda self, value: self._refuse("selection", value),
-        doc="The local selection policy's name.",
-    )
+    selection = read_only("_selection", "selection", "The local selection policy's name.")
 
     def _refuse(self, name: str, value: Any) -> None:
         raise AttributeError(

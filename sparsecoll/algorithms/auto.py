@@ -46,7 +46,7 @@ import numpy as np
 
 from .. import _state
 from .._array import index_dtype
-from .._options import real
+from .._options import read_only, real
 from ..api import collective_check
 from ..comm import Communicator
 from ..registry import algorithm_class, register_algorithm
@@ -181,15 +181,11 @@ class Auto(Algorithm):
 
     # the constants, read from the model, fixed as it is (before, a.alpha = -1.0 made an
     # attribute that no choice read, silently)
-    alpha = property(lambda self: self.model.alpha, lambda self, v: self._refuse_option("alpha", v))
-    beta = property(lambda self: self.model.beta, lambda self, v: self._refuse_option("beta", v))
-    gamma_sort = property(
-        lambda self: self.model.gamma_sort, lambda self, v: self._refuse_option("gamma_sort", v)
-    )
-    gamma_merge = property(
-        lambda self: self.model.gamma_merge, lambda self, v: self._refuse_option("gamma_merge", v)
-    )
-    delta = property(lambda self: self.model.delta, lambda self, v: self._refuse_option("delta", v))
+    alpha = read_only("model.alpha", "alpha")
+    beta = read_only("model.beta", "beta")
+    gamma_sort = read_only("model.gamma_sort", "gamma_sort")
+    gamma_merge = read_only("model.gamma_merge", "gamma_merge")
+    delta = read_only("model.delta", "delta")
 
     def reset(self) -> None:
         """Forget the learned overlap (the next call assumes independent uniform indices)."""

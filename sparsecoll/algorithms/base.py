@@ -78,15 +78,15 @@ class Algorithm(ABC):
         # exdyna's a.blocks = 0 were taken unchecked, silently, and a.tau = 0 raised
         # ZeroDivisionError inside a later call)
         if name in self.fixed_options and name in self.__dict__:
-            self._refuse_option(name, value)
+            self._refuse(name, value)
         object.__setattr__(self, name, value)
 
     def __delattr__(self, name: str) -> None:
         if name in self.fixed_options:
-            self._refuse_option(name, None, deleted=True)
+            self._refuse(name, None, deleted=True)
         object.__delattr__(self, name)
 
-    def _refuse_option(self, name: str, value: Any, *, deleted: bool = False) -> None:
+    def _refuse(self, name: str, value: Any, *, deleted: bool = False) -> None:
         change = "deleted" if deleted else f"got {value!r}"
         raise AttributeError(
             f"algorithm {self.name!r}'s {name} is fixed at construction (checked there; "

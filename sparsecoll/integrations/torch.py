@@ -36,7 +36,7 @@ from typing import Any
 
 from .._array import as_array, device_scope, is_device_array, synchronize
 from .._launch import torch_launcher_mismatch
-from .._options import check_density, integer
+from .._options import check_density, integer, read_only
 from ..api import collective_check, watch
 from ..comm import CommStats, Communicator, _mpi, widening_buffer
 from ..errors import NonFiniteError
@@ -418,11 +418,26 @@ class SparseHookState:
         dist = sys.modules.get("torch.distributed")
         self._launch_checked = dist is not None and dist.is_initialized()
 
-    @property
-    def algorithm(self) -> str:
+    algorithm = read_only(
+        "_algorithm",
+        "algorithm",
         """The algorithm's name, fixed at construction (each bucket's reducer holds its
-        state): for another, build a new state (a checkpoint of this one is refused there)."""
-        return self._algorithm
+        state): for another, build a new state (a checkpoint of this one is refused there).""",
+    )
+    comm = read_only(
+        "_comm",
+        "comm",
+        """The communicator every bucket is reduced over, fixed at construction as the
+        algorithm is (setting it left the buckets' reducers on the old one while rebuilt
+        buckets and the warm-up took the new one: a model reduced over two communicators,
+        the ranks' updates differing).""",
+    )
+    process_group = read_only(
+        "_process_group",
+        "process_group",
+        """DDP's process group that the communicator was checked against (None: not given,
+        nothing checked), fixed at construction as the communicator is.""",
+    )
 
     @property
     def options(self) -> Mapping[str, Any]:
@@ -431,35 +446,12 @@ class SparseHookState:
         as they were: only the watchdog's name and later buckets took it)."""
         return MappingProxyType(self._options)
 
-    @property
-    def comm(self) -> Communicator:
-        """The communicator every bucket is reduced over, fixed at construction as the
-        algorithm is (setting it left the buckets' reducers on the old one while rebuilt
-        buckets and the warm-up took the new one: a model reduced over two communicators,
-        the ranks' updates differing)."""
-        return self._comm
-
-    @comm.setter
-    def comm(self, value: Any) -> None:
-        raise AttributeError(_FIXED.format(what="comm", value=value))
-
-    @property
-    def process_group(self) -> Any:
-        """DDP's process group that the communicator was checked against (None: not given,
-        nothing checked), fixed at construction as the communicator is."""
-        return self._process_group
-
-    @process_group.setter
-    def process_group(self, value: Any) -> None:
-        raise AttributeError(_FIXED.format(what="process_group", value=value))
-
-    @algorithm.setter
-    def algorithm(self, value: Any) -> None:
-        raise AttributeError(_FIXED.format(what="algorithm", value=value))
-
     @options.setter
     def options(self, value: Any) -> None:
-        raise AttributeError(_FIXED.format(what="options", value=value))
+        self._refuse("options", value)
+
+    def _refuse(self, name: str, value: Any) -> None:
+        raise AttributeError(_FIXED.format(what=name, value=value))
 
     @property
     def nonfinite(self) -> str:
