@@ -187,6 +187,31 @@ def _world_mismatch(comm: Communicator) -> str | None:
     )
 
 
+def _group_ranks(process_group: Any) -> list[int]:
+    """``process_group``'s members as torch's global ranks, in its order. Raises
+    RuntimeError when torch.distributed is not initialized, TypeError for what is no
+    process group, ValueError when this process is not in it."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("process_group given, but torch.distributed is not initialized")
+    try:
+        # (a group's rank -1: not a member, for which torch's list of the group's ranks is
+        # another group's)
+        member = dist.get_rank(process_group) >= 0
+        ranks = [int(r) for r in dist.get_process_group_ranks(process_group)] if member else []
+    except Exception:
+        what = type(process_group).__name__
+        raise TypeError(
+            f"process_group must be a torch.distributed process group, got a {what}"
+        ) from None
+    if not member:
+        raise ValueError(
+            f"process_group: this process (torch's global rank {dist.get_rank()}) is not in "
+            f"it: build a state only where DDP runs on that group"
+        )
+    return ranks
+
+
 def _group_comm(process_group: Any) -> Any:
     """An MPI communicator of ``process_group``'s processes in its order, built on the
     group's processes alone: they gather their MPI world ranks over the group (torch) and
@@ -196,15 +221,9 @@ def _group_comm(process_group: Any) -> Any:
     _torch()
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        raise RuntimeError("process_group given, but torch.distributed is not initialized")
-    if dist.get_rank(process_group) < 0:  # (no collective on the group: it is not ours)
-        raise ValueError(
-            f"process_group: this process (torch's global rank {dist.get_rank()}) is not in "
-            f"it: build a state only where DDP runs on that group"
-        )
+    members = _group_ranks(process_group)  # (no collective on a group that is not ours)
     world = _mpi_world()
-    ranks: list[Any] = [None] * dist.get_world_size(process_group)
+    ranks: list[Any] = [None] * len(members)
     dist.all_gather_object(ranks, world.Get_rank(), group=process_group)
     if len(set(ranks)) != len(ranks):  # (the same list on every process of the group)
         raise RuntimeError(
@@ -229,28 +248,11 @@ def _group_mismatch(
     (the group's global ranks, as a CRC) and that value named for a mismatch's message.
     Every rank agreeing that its communicator rank is the group's global rank at that
     position, in groups alike of the communicator's size, makes the two the same."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        error = RuntimeError("process_group given, but torch.distributed is not initialized")
-        return error, None, None
-    me = dist.get_rank()
     try:
-        # (a group's rank -1: not a member, for which torch's list of the group's ranks is
-        # another group's)
-        member = dist.get_rank(process_group) >= 0
-        ranks = [int(r) for r in dist.get_process_group_ranks(process_group)] if member else []
-    except Exception:
-        what = type(process_group).__name__
-        error: BaseException | None = TypeError(
-            f"process_group must be a torch.distributed process group, got a {what}"
-        )
-        return error, None, None
-    if not member:
-        error = ValueError(
-            f"process_group: this process (torch's global rank {me}) is not in it: build a "
-            f"state only where DDP runs on that group"
-        )
-        return error, None, None
+        ranks = _group_ranks(process_group)
+    except Exception as exc:  # (shared with every rank by the caller's agreement)
+        return exc, None, None
+    me = sys.modules["torch.distributed"].get_rank()
     detail = (((0,), {"process_group (torch's global ranks)": ranks}),)
     sig = [zlib.crc32(repr(ranks).encode())]
     remedy = (
@@ -258,7 +260,7 @@ def _group_mismatch(
         "process_group alone (the state builds its communicator from the group), or a "
         "communicator of exactly the group's processes in its order"
     )
-    error = None
+    error: BaseException | None = None
     if len(ranks) != comm.size:
         error = ValueError(
             f"the hook's communicator has {comm.size} ranks but the process_group has "
