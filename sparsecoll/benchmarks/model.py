@@ -29,7 +29,7 @@ allgather           (P−1)·k·pair                                        3·l
 dsa                 max_r Σ_{j≠r} sp(c_rj, L_j) + Σ_d t_d·sp(K_r+d, L_r+d)  (below)
 recursive_doubling  Σ_{i<log2 p} sp(K(2^i + r_i), n) + f·sp(K(P), n)    2·log2 p + 3f
 gtopk               log2 p·k·pair + f·(k·pair + k/8)                    log2 p + 2f
-oktopk              2·k(P−1)/P·pair                                     2(P−1) + 2·lg + 1
+oktopk              (k_out + k(P−1)/P)·pair                             (P−1)(1 + o) + 2·lg + 1
 exdyna              k(P−1)/P·(i + 2v)                                   4·lg
 =================== =================================================== =========================
 
@@ -46,6 +46,11 @@ its own range, so it reduce-scatters nothing. Messages, max over ranks: a nonemp
 past P − 1; plus the counts' alltoall (P − 1) and the allgather of the owners' nnz (lg).
 Under ``disjoint`` these are exact; otherwise they are expectations, and the busiest rank
 sits above them by the spread of the draws (docs/benchmarks.md §3).
+
+oktopk: k_out = k(P−1)/P entries outside a rank's own region and o = 1 when the ranks draw
+alike (the balanced regions hold an equal share of every rank's), k_out = o = 0 under
+``disjoint``, where the regions fall on the ranks' slices (a few entries near a boundary
+still cross: measured within 3% in bytes and one message, docs/benchmarks.md §3).
 
 recursive_doubling's busiest rank is the power-of-two group's rank 0: entering round i it
 holds its 2^i lowest members' inputs, of which r_i = min(2^i, P−p) include a folded
@@ -283,7 +288,14 @@ def _gtopk(P: int, x: Problem) -> Counts:
 
 
 def _oktopk(P: int, x: Problem) -> Counts:
-    return Counts(2 * x.k * (P - 1) / P * x.pair, 2 * (P - 1) + 2 * _lg(P) + int(P > 1))
+    # step 3 sends a rank's entries outside its own region: the regions hold equal shares
+    # of every rank's entries when the ranks draw alike, all of a rank's own when disjoint
+    # (the balanced regions are its slice); step 5's allgatherv sends K(P - 1)/P, K = k
+    outside = 0.0 if x.overlap == "disjoint" else x.k * (P - 1) / P
+    chunks = 0 if x.overlap == "disjoint" else P - 1
+    return Counts(
+        (outside + x.k * (P - 1) / P) * x.pair, chunks + (P - 1) + 2 * _lg(P) + int(P > 1)
+    )
 
 
 def _exdyna(P: int, x: Problem) -> Counts:
