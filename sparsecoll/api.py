@@ -30,7 +30,7 @@ from .sparse import (
     coalesce,
 )
 
-__all__ = ["allreduce", "collective_check", "iallreduce", "watch"]
+__all__ = ["allreduce", "class_name", "collective_check", "iallreduce", "watch"]
 
 # named values behind a signature's values: ((their positions in it, {name: value}), ...)
 Detail = tuple[tuple[tuple[int, ...], dict[str, Any]], ...] | None
@@ -248,7 +248,8 @@ def _options_detail(algo: Any, options: dict[str, Any] | None) -> Detail:
     CRC) and of a named algorithm's ``options`` (None: an instance, whose options are not
     known: behind no signature value, so that none is named against another rank's)."""
     cls = type(algo)
-    named = ((2,), {"algorithm": cls.name or cls.__qualname__})
+    # (the class too: two of one name, a user's class over a built-in's, are named by it)
+    named = ((2,), {"algorithm": cls.name or cls.__qualname__, "algorithm class": class_name(cls)})
     if options is None:
         return (named, ((), {}))
     where = tuple(range(3, 3 + ALGORITHM_SIGNATURE_LEN))
@@ -291,8 +292,20 @@ def _unwatched() -> None:
 
 def _signature(algo: Any, vals: Any, n: Any) -> list[int]:
     dtype_code = VALUE_DTYPES.index(vals.dtype)
-    crc = zlib.crc32(type(algo).__qualname__.encode())
+    crc = zlib.crc32(class_name(type(algo)).encode())
     return [int(n), dtype_code, crc, *algorithm_signature(algo)]
+
+
+def class_name(cls: type) -> str:
+    """Which class an algorithm is, as every rank can tell: its module and qualified name,
+    and the class of that name it is defined over, if any. (By ``__qualname__`` alone, two
+    user classes named alike in two modules, or a class and a subclass of its name, were
+    one algorithm to the ranks' agreement: each rank ran its own.)"""
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    for base in cls.__mro__[1:]:
+        if f"{base.__module__}.{base.__qualname__}" == name:
+            return f"{name} (a subclass of {class_name(base)})"
+    return name
 
 
 def algorithm_signature(algo: Any) -> list[Any]:

@@ -3,7 +3,10 @@
 Third-party packages can register algorithms through the entry-point group
 ``sparsecoll.algorithms`` (``name = "package.module:AlgorithmClass"``). One that fails to
 load (its module missing or raising on import, or no Algorithm subclass) is not available:
-asking for its name raises ImportError with the cause; the others load as usual.
+asking for its name raises ImportError with the cause; the others load as usual. One named
+like an algorithm registered before it (a built-in, or an earlier plugin) is not loaded: the
+name stays the first one's. :func:`describe_algorithms` (``python -m sparsecoll algorithms``)
+lists both kinds, with why.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ __all__ = [
 _REGISTRY: dict[str, type[Algorithm]] = {}
 # entry points that failed to load: name -> why (what asking for the name raises)
 _BROKEN: dict[str, str] = {}
+# entry points left out because their name was taken: why, for the listing
+_SHADOWED: list[str] = []
 _loaded = False
 
 
@@ -64,9 +69,19 @@ def _load() -> None:
     _loaded = True
     from . import algorithms  # noqa: F401  (registers the built-in algorithms)
 
+    seen: dict[str, str] = {}  # name -> the entry point tried for it first
     for ep in entry_points(group="sparsecoll.algorithms"):
-        if ep.name in _REGISTRY or ep.name in _BROKEN:
+        if seen.get(ep.name) == ep.value:
+            continue  # (one plugin listed twice)
+        taken = _REGISTRY.get(ep.name)
+        if taken is not None and (ep.module, ep.attr) == (taken.__module__, taken.__qualname__):
+            continue  # (the plugin's class itself, registered already, by its own module)
+        if taken is not None or ep.name in _BROKEN:
+            # (it was skipped without a word: the name gave the other class, and nothing
+            # said that the plugin was never loaded)
+            _SHADOWED.append(_taken(ep.name, ep.value, seen.get(ep.name)))
             continue
+        seen[ep.name] = ep.value
         # (one plugin failing must not stop the others loading, nor fail the first call for
         # every name and then leave its name unknown: the first lookup raised its error,
         # and the plugins after it were never loaded)
@@ -77,6 +92,21 @@ def _load() -> None:
                 f"algorithm {ep.name!r} could not be loaded from its entry point "
                 f"{ep.value!r} (group sparsecoll.algorithms): {type(exc).__name__}: {exc}"
             )
+
+
+def _taken(name: str, value: str, first: str | None) -> str:
+    """Why the entry point ``value`` was not loaded: ``name`` is taken (by a built-in or an
+    algorithm registered before the plugins load; by the entry point ``first``)."""
+    if first is None and name in _REGISTRY:
+        cls = _REGISTRY[name]
+        kind = "built-in" if cls.__module__.startswith("sparsecoll.") else "registered"
+        owner = f"the {kind} algorithm {cls.__module__}.{cls.__qualname__}"
+    else:
+        owner = f"the entry point {first!r}, listed before it"
+    return (
+        f"algorithm {name!r} was not loaded from its entry point {value!r} (group "
+        f"sparsecoll.algorithms): the name is taken by {owner}; give the plugin another name"
+    )
 
 
 def available_algorithms() -> list[str]:
@@ -126,8 +156,8 @@ def algorithm_options(name: str) -> dict[str, tuple[Any, str]]:
 def describe_algorithms() -> str:
     """Every registered algorithm, exact or selecting, with its options and their defaults."""
     _load()
-    broken = "".join(f"\n    {why}\n" for _, why in sorted(_BROKEN.items()))
-    return textwrap.dedent(_options_doc()) + broken
+    left_out = [why for _, why in sorted(_BROKEN.items())] + _SHADOWED
+    return textwrap.dedent(_options_doc()) + "".join(f"\n    {why}\n" for why in left_out)
 
 
 def _accepts_any(cls: type[Algorithm]) -> bool:

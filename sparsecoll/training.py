@@ -76,6 +76,7 @@ from .algorithms.base import Algorithm
 from .api import (
     ALGORITHM_SIGNATURE_LEN,
     algorithm_signature,
+    class_name,
     collective_check,
     reduce_checked,
     watch,
@@ -325,6 +326,9 @@ class GradientReducer:
         # not a selection's seed: each rank may sample its own way)
         agreed = {
             "algorithm": algorithm,
+            # (which class the name stands for: each rank's registry, plugins included,
+            # may hold another under it)
+            "algorithm class": class_name(cls),
             "warmup": self.warmup,
             "average": self.average,
             "density": density,

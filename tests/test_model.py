@@ -7,10 +7,11 @@ import importlib.util
 import io
 import math
 
+import numpy as np
 import pytest
 
 from sparsecoll import available_algorithms
-from sparsecoll.algorithms.base import Fold
+from sparsecoll.algorithms.base import Fold, range_bounds
 from sparsecoll.benchmarks.model import (
     FORMULAS,
     LINKS,
@@ -19,6 +20,7 @@ from sparsecoll.benchmarks.model import (
     Problem,
     calibrate,
     check_messages,
+    range_nnz,
     read_rows,
     union_size,
 )
@@ -59,6 +61,38 @@ def test_formulas_shapes() -> None:
     assert FORMULAS["gtopk"](1024, x).bytes == 10 * x.k * 8
     # dsa switches the gathered result to dense once the union passes break-even
     assert FORMULAS["dsa"](1024, x).bytes <= (x.k * 1023 / 1024) * 8 + x.n * 4
+
+
+def test_range_nnz_follows_the_overlap_pattern() -> None:
+    """Each rank's expected counts add up to its k, the union never exceeds a range and adds
+    up to union_size, and the patterns put the nonzeros where make_problem does."""
+    n, k = 100_003, 1000
+    for overlap in ("random", "same", "disjoint", "skewed"):
+        for P in (2, 3, 7, 16):
+            c, union = range_nnz(Problem(n=n, k=k, overlap=overlap), P)
+            lengths = np.diff(range_bounds(n, P))
+            assert c.sum(axis=1) == pytest.approx(np.full(P, k)), (overlap, P)
+            assert (union <= lengths + 1e-9).all() and (union >= c.max(axis=0) - 1e-9).all()
+            if overlap == "disjoint":  # every rank's indices in its own range
+                assert (c == np.diag(union)).all() and (union == k).all()
+            if overlap == "same":
+                assert union == pytest.approx(c[0])
+            assert union.sum() == pytest.approx(union_size(n, k, P, overlap))
+    c, union = range_nnz(Problem(n=n, k=k, overlap="skewed"), 4)  # range 0 holds the hot 10%
+    assert c[0, 0] > 0.9 * k and union[0] > union_size(n // 10, 900, 4)
+
+
+def test_dsa_owner_of_the_hot_range_sends_it_every_round() -> None:
+    """Skewed inputs: rank 0 owns the hot range and sends it in each of Bruck's lg rounds;
+    disjoint inputs: nothing to reduce-scatter, each rank's k pairs sent P − 1 times."""
+    x = Problem(n=1 << 16, k=655, overlap="skewed")
+    for P in (3, 4, 8):
+        _, union = range_nnz(x, P)
+        hot = x.sp(union[0], (1 << 16) // P)
+        assert FORMULAS["dsa"](P, x).bytes >= math.ceil(math.log2(P)) * hot
+    for P in (2, 5, 8):
+        x = Problem(n=1 << 16, k=655, overlap="disjoint")
+        assert FORMULAS["dsa"](P, x).bytes == (P - 1) * 655 * x.pair
 
 
 def test_link_time_and_check_messages() -> None:

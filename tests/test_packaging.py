@@ -62,7 +62,7 @@ def _build(kind: str, tmp: Path, path: str) -> Path:
 def test_the_sdist_carries_what_the_tests_read(tmp_path, build_path):
     """An unpacked sdist runs its own tests: tests/ whole (tests/mpi, conftest.py and the
     helpers: setuptools' default took only tests/test_*.py, and 11 of them failed to import),
-    the docs test_docs.py checks, the bench scripts, the CI script."""
+    the docs test_docs.py checks, the bench scripts, the CI script; and the LICENSE."""
     with tarfile.open(_build("sdist", tmp_path, build_path)) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     wanted = [
@@ -72,7 +72,7 @@ def test_the_sdist_carries_what_the_tests_read(tmp_path, build_path):
         if "__pycache__" not in p.parts
     ]
     assert "tests/mpi/test_errors.py" in wanted
-    assert sorted(set(wanted) - names) == []
+    assert sorted({*wanted, "LICENSE"} - names) == []
     assert not [name for name in names if "__pycache__" in name or name.endswith(".pyc")]
 
 
@@ -82,10 +82,17 @@ def test_the_wheel_is_the_package_with_its_data(tmp_path, build_path):
         entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
         scripts = whl.read(entry).decode()
         meta = whl.read(entry.replace("entry_points.txt", "METADATA")).decode()
+        licensed = entry.replace("entry_points.txt", "licenses/LICENSE")
+        license_text = whl.read(licensed).decode() if licensed in names else ""
     assert "sparsecoll/py.typed" in names
     assert {n.split("/")[0] for n in names} == {"sparsecoll", entry.split("/")[0]}
     assert "sparsecoll = sparsecoll.__main__:main" in scripts
     assert "License-Expression: BSD-3-Clause" in meta
+    # the license's text, which BSD-3-Clause asks binary redistributions to carry (there
+    # was no LICENSE file: the wheel named the license but held no copy of it)
+    assert "\nLicense-File: LICENSE\n" in meta
+    assert license_text == (ROOT / "LICENSE").read_text()
+    assert "Copyright (c) 2026, the sparsecoll developers" in license_text
     # The version has one source, sparsecoll/__init__.py; the metadata carries it.
     version = re.search(
         r'^__version__ = "(.+)"$', (ROOT / "sparsecoll/__init__.py").read_text(), re.M

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import textwrap
 import types
 from pathlib import Path
 
@@ -221,10 +222,7 @@ def test_a_plugin_that_fails_to_load_leaves_the_others_and_names_itself(tmp_path
         EntryPoint("plugin-good", "plugin_ok:Good", group),
     ]
     monkeypatch.setattr(registry, "entry_points", lambda group: eps)
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    monkeypatch.setattr(registry, "_BROKEN", {}, raising=False)
-    monkeypatch.setattr(registry, "_loaded", False)
-    monkeypatch.setattr(registry.get_algorithm, "__doc__", registry.get_algorithm.__doc__)
+    _fresh_registry(monkeypatch)
     for _ in range(2):  # (the first call raised the plugin's error, later ones forgot it)
         names = sparsecoll.available_algorithms()
         assert "plugin-good" in names
@@ -239,6 +237,66 @@ def test_a_plugin_that_fails_to_load_leaves_the_others_and_names_itself(tmp_path
             "'plugin_missing_module:Algo' (group sparsecoll.algorithms): ModuleNotFoundError"
         )
     assert "algorithm 'plugin-broken' could not be loaded" in describe_algorithms()
+
+
+def _fresh_registry(monkeypatch):
+    """The registry as before its first lookup (the built-ins and what the tests registered
+    kept), restored after the test."""
+    from sparsecoll import registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_BROKEN", {})
+    monkeypatch.setattr(registry, "_SHADOWED", [], raising=False)
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(registry.get_algorithm, "__doc__", registry.get_algorithm.__doc__)
+
+
+def test_a_plugin_named_like_a_registered_algorithm_is_listed_as_not_loaded(tmp_path, monkeypatch):
+    """An entry point named like a built-in, or like an earlier entry point, is not loaded
+    (the name stays the first one's), and ``python -m sparsecoll algorithms`` says so, as it
+    lists a plugin that failed to load. Both were skipped without a word. The same entry
+    point listed twice, or naming the class its module registered already, is no clash."""
+    from importlib.metadata import EntryPoint
+
+    from sparsecoll import registry
+
+    (tmp_path / "plugin_clash.py").write_text(
+        "from sparsecoll.registry import algorithm_class, register_algorithm\n"
+        "class Mine(algorithm_class('allgather')):\n"
+        "    name = 'plugin-mine'\n"
+        "class Other(Mine):\n"
+        "    pass\n"
+        "@register_algorithm\n"
+        "class Itself(Mine):\n"
+        "    name = 'plugin-itself'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _fresh_registry(monkeypatch)
+    import plugin_clash  # (registers plugin-itself, as a plugin module imported early may)
+
+    group = "sparsecoll.algorithms"
+    eps = [
+        EntryPoint("oktopk", "plugin_clash:Mine", group),
+        EntryPoint("plugin-mine", "plugin_clash:Mine", group),
+        EntryPoint("plugin-mine", "plugin_clash:Mine", group),
+        EntryPoint("plugin-mine", "plugin_clash:Other", group),
+        EntryPoint("plugin-itself", "plugin_clash:Itself", group),
+    ]
+    monkeypatch.setattr(registry, "entry_points", lambda group: eps)
+    monkeypatch.setattr(registry, "_loaded", False)
+    assert type(sparsecoll.get_algorithm("oktopk", k=1)).__name__ == "OkTopk"
+    assert type(sparsecoll.get_algorithm("plugin-mine")) is plugin_clash.Mine
+    assert type(sparsecoll.get_algorithm("plugin-itself")) is plugin_clash.Itself
+    listing = describe_algorithms()
+    left_out = listing[len(textwrap.dedent(registry._options_doc())) :]
+    assert left_out == (
+        "\n    algorithm 'oktopk' was not loaded from its entry point 'plugin_clash:Mine' "
+        "(group sparsecoll.algorithms): the name is taken by the built-in algorithm "
+        "sparsecoll.algorithms.oktopk.OkTopk; give the plugin another name\n"
+        "\n    algorithm 'plugin-mine' was not loaded from its entry point "
+        "'plugin_clash:Other' (group sparsecoll.algorithms): the name is taken by the entry "
+        "point 'plugin_clash:Mine', listed before it; give the plugin another name\n"
+    )
 
 
 @pytest.mark.parametrize("returned", [None, (np.array([0]), np.array([1.0]))])

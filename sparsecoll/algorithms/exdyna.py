@@ -46,8 +46,9 @@ result holds the selected indices, sorted, the union of disjoint per-partition s
 at each of them the exact sum of every rank's input value there (0 where a rank has no entry),
 identical on every rank. ``result.contributed`` marks this rank's input entries at selected
 indices (all of them reach the result: every rank's residual drops all K entries).
-``result.info`` has ``threshold``, ``counts`` (per partition), ``selected`` (this rank's
-count), ``rederived`` and ``bucket`` (``(lo, hi, start)`` when the call cut a tie: every
+``result.info`` has ``threshold`` (NaN at k = 0, which keeps nothing: no value, infinities
+included, is >= NaN), ``counts`` (per partition), ``selected`` (this rank's count),
+``rederived`` and ``bucket`` (``(lo, hi, start)`` when the call cut a tie: every
 |value| >= hi and, of those in ``[lo, hi)`` in index order, the run from position start,
 wrapping around, that completes k; ``(inf, nan, start)`` for a tie among more than k
 infinities: nothing is >= NaN, and the run is of the infinities; else None), ``owners``
@@ -567,8 +568,10 @@ class ExDyna(Algorithm):
         if self.k == 0 or n == 0:
             self.step += 1
             out = SparseVector.empty(n, dtype, xp)
+            # (a threshold of NaN, which no value meets: inf, which it said, an infinite
+            # input meets, and by the info it should have been kept)
             out.info.update(
-                threshold=math.inf, counts=[0] * p, selected=0, rederived=False, bucket=None
+                threshold=math.nan, counts=[0] * p, selected=0, rederived=False, bucket=None
             )
             out.info.update(layout)
             return out

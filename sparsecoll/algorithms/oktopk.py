@@ -362,14 +362,16 @@ class OkTopk(Algorithm):
         trigger = None if self.imbalance is None or not self.k else self.imbalance * self.k
         self._over = trigger is not None and incoming > trigger * (size - 1) / size
         self._any_over = False
-        # (a NaN threshold, from inf + -inf at the k-th place, is recomputed like 0)
-        recompute = self.step % self.tau == 0 or not self.threshold > 0.0
+        # (a NaN threshold, from inf + -inf at the k-th place, is recomputed like 0; k = 0
+        # always is: its exact select keeps nothing at a threshold of NaN, which no value
+        # meets, where a reuse call reported inf, which an infinite value meets)
+        recompute = self.step % self.tau == 0 or not self.threshold > 0.0 or not self.k
         missed = False
         window = None
         kept = None  # (indices, values) kept in this rank's region
         chosen = None  # which of the region's entries were kept (a mask)
         start = None  # where a window call began taking its bucket
-        if not recompute and self.rule == "window" and self.k > 0:
+        if not recompute and self.rule == "window":
             picked = self._select_window(comm, *region)
             missed = recompute = picked is None
             if picked is not None:
@@ -377,8 +379,7 @@ class OkTopk(Algorithm):
                 threshold = self.threshold = window[0]
         elif not recompute:
             threshold = self.threshold
-            # k = 0 keeps nothing: its threshold of inf would still keep infinite values
-            keep = _at_least(region[1], threshold) if self.k else x.xp.zeros(0, np.int64)
+            keep = _at_least(region[1], threshold)
             kept_counts = self._gather_counts(comm, [int(keep.shape[0])])[:, 0].tolist()
             self.threshold = self.next_threshold(threshold, int(sum(kept_counts)))
         if recompute:
@@ -563,11 +564,11 @@ class OkTopk(Algorithm):
 
         Returns the kept positions in this rank's region, every rank's kept count and the
         threshold (the k-th largest |value|, or the smallest nonzero one when at most k
-        entries are nonzero; 0 when none is).
+        entries are nonzero; 0 when none is; NaN at k = 0, which no value meets).
         """
         xp = get_array_module(vals)
-        if self.k == 0:  # keep nothing; an infinite threshold keeps nothing on reuse too
-            return xp.zeros(0, dtype=np.int64), [0] * comm.size, float("inf")
+        if self.k == 0:
+            return xp.zeros(0, dtype=np.int64), [0] * comm.size, math.nan
         # the bits of a non-negative float order like it (not xp.abs: CuPy's flushes float32
         # subnormals to 0, so they would count as zeros)
         keys = magnitude_keys(vals)

@@ -26,19 +26,35 @@ algorithm           S(P) bytes sent                                     M(P) mes
 dense               2(P−1)/P·n·max(v, 4)                                2·lg
 rabenseifner        2(p−1)/p·n·v + f·n·v                                2·log2 p + f
 allgather           (P−1)·k·pair                                        3·lg
-dsa                 (P−1)·sp(k/P, n/P) + (P−1)/P·sp(K(P), n)            (P−1)(1 + c) + lg + w·g
+dsa                 max_r Σ_{j≠r} sp(c_rj, L_j) + Σ_d t_d·sp(K_r+d, L_r+d)  (below)
 recursive_doubling  Σ_{i<log2 p} sp(K(2^i + r_i), n) + f·sp(K(P), n)    2·log2 p + 3f
 gtopk               log2 p·k·pair + f·(k·pair + k/8)                    log2 p + 2f
-oktopk              2·k(P−1)/P·pair                                     2(P−1) + 2·lg + 1
+oktopk              (k_out + k(P−1)/P)·pair                             (P−1)(1 + o) + 2·lg + 1
 exdyna              k(P−1)/P·(i + 2v)                                   4·lg
 =================== =================================================== =========================
 
-dsa's messages: c (a reduce-scatter chunk of k/P entries) and g (a gathered range of K(P)/P)
-are 2 while they travel sparse (indices, values) and 1 once dense; w is the pieces rank P−1
-sends over Bruck's ⌈log2 P⌉ rounds (one a round, two where its run of min(2^i, P−2^i) > 1
-ranges wraps past P−1). recursive_doubling's busiest rank is the power-of-two group's rank 0:
-entering round i it holds its 2^i lowest members' inputs, of which r_i = min(2^i, P−p) include
-a folded partner's.
+dsa is counted range by range (:func:`range_nnz`): L_j is the length of range j (split as
+``j·n // P``), c_rj rank r's expected nonzeros in it and K_j the expected size of the ranks'
+union there, both from the overlap pattern. In Bruck's round i rank r sends the ranges
+r … r + cnt_i − 1 (mod P), cnt_i = min(2^i, P − 2^i), so range r + d goes t_d = #{i : d < cnt_i}
+times: the owner sends its own range in all lg rounds. With indices spread evenly (random,
+same) that is (P−1)·sp(k/P, n/P) + (P−1)/P·sp(K(P), n); under ``skewed`` the hot range's
+owner sends the heaviest range lg times, and under ``disjoint`` every rank's indices lie in
+its own range, so it reduce-scatters nothing. Messages, max over ranks: a nonempty chunk is
+2 while sparse (indices, values) and 1 once dense; a run of ranges is one message of indices
+(if a range in it travels sparse and nonempty) and one of values, twice that where it wraps
+past P − 1; plus the counts' alltoall (P − 1) and the allgather of the owners' nnz (lg).
+Under ``disjoint`` these are exact; otherwise they are expectations, and the busiest rank
+sits above them by the spread of the draws (docs/benchmarks.md §3).
+
+oktopk: k_out = k(P−1)/P entries outside a rank's own region and o = 1 when the ranks draw
+alike (the balanced regions hold an equal share of every rank's), k_out = o = 0 under
+``disjoint``, where the regions fall on the ranks' slices (a few entries near a boundary
+still cross: measured within 3% in bytes and one message, docs/benchmarks.md §3).
+
+recursive_doubling's busiest rank is the power-of-two group's rank 0: entering round i it
+holds its 2^i lowest members' inputs, of which r_i = min(2^i, P−p) include a folded
+partner's.
 
 The formulas describe the steady state of stateful algorithms (the suite's ``--reuse``, as in
 training): oktopk reusing its threshold and regions, exdyna its threshold window. A fresh
@@ -60,6 +76,10 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+
+from ..algorithms.base import range_bounds
+
 __all__ = [
     "FORMULAS",
     "LINKS",
@@ -70,6 +90,7 @@ __all__ = [
     "Problem",
     "calibrate",
     "check_messages",
+    "range_nnz",
     "read_rows",
     "union_size",
 ]
@@ -113,10 +134,6 @@ class Problem:
     def sp(self, m: float, length: float) -> float:
         """Bytes of m entries of a range of ``length``: sparse or dense, whichever is smaller."""
         return min(m * self.pair, length * self.value_bytes)
-
-    def sparse(self, m: float, length: float) -> bool:
-        """Whether m entries of a range of ``length`` travel sparse (the break-even rule)."""
-        return m * self.pair < length * self.value_bytes
 
     def union(self, m: float) -> float:
         return union_size(self.n, self.k, m, self.overlap)
@@ -175,15 +192,78 @@ def _allgather(P: int, x: Problem) -> Counts:
     return Counts((P - 1) * x.k * x.pair, 3 * _lg(P))
 
 
+def range_nnz(x: Problem, P: int) -> tuple[np.ndarray, np.ndarray]:
+    """Expected nonzeros of each rank in each of dsa's P ranges, and of the ranks' union there.
+
+    Returns ``c`` (P × P: ``c[s, j]`` rank s's expected count in range j) and ``K`` (P: the
+    expected size of the union of all P ranks' indices in range j), for make_problem's
+    overlap pattern. Every pattern draws each rank's indices uniformly from a few segments
+    of [0, n): ``random`` k of [0, n); ``same`` the same k for every rank; ``skewed`` 90% of
+    k in the first 10% of n and the rest in the other 90%, independently per rank;
+    ``disjoint`` k of rank s's own slice, which is dsa's range s (both split [0, n) as
+    ``i·n // P``). Within a segment a position is drawn with probability q = count/length,
+    independently per rank, so the union holds it with probability 1 − (1 − q)^P.
+    """
+    bounds = range_bounds(x.n, P)
+    lo, hi = bounds[:-1].astype(float), bounds[1:].astype(float)
+    if x.overlap == "disjoint":
+        # slice s is range s: rank s's min(k, L_s) indices all fall in its own range
+        K = np.minimum(float(x.k), hi - lo)
+        return np.diag(K), K
+    if x.overlap in ("random", "same"):
+        segments = [(0, x.n, min(x.k, x.n))]
+    elif x.overlap == "skewed":
+        hot, k_hot = max(1, x.n // 10), int(0.9 * x.k)
+        segments = [(0, hot, min(k_hot, hot)), (hot, x.n, min(x.k - k_hot, x.n - hot))]
+    else:
+        raise ValueError(f"unknown overlap {x.overlap!r}")
+    c = np.zeros(P)
+    K = np.zeros(P)
+    for a, b, count in segments:
+        if b <= a or count <= 0:
+            continue
+        q = count / (b - a)
+        inside = np.clip(np.minimum(hi, b) - np.maximum(lo, a), 0.0, None)
+        c += inside * q
+        if x.overlap == "same":
+            K += inside * q
+        else:
+            K += inside * (1.0 if q >= 1 else -math.expm1(P * math.log1p(-q)))
+    return np.broadcast_to(c, (P, P)), K
+
+
 def _dsa(P: int, x: Problem) -> Counts:
-    s = (P - 1) * x.sp(x.k / P, x.n / P) + (P - 1) / P * x.sp(x.union(P), x.n)
-    # a chunk or range travels as indices + values while sparse, as one message when dense;
-    # the counts' alltoall (P - 1) and allgather (lg); Bruck's rounds: rank P - 1 sends a
-    # run of ranges that wraps past P - 1 (two pieces) whenever the run is longer than one
-    chunk = 1 + x.sparse(x.k / P, x.n / P)
-    gathered = 1 + x.sparse(x.union(P) / P, x.n / P)
-    pieces = sum(1 if c == 1 else 2 for c in _bruck_counts(P))
-    return Counts(s, (P - 1) * (chunk + 1) + _lg(P) + pieces * gathered)
+    if P < 2:
+        return Counts(0, 0)
+    lengths = np.diff(range_bounds(x.n, P)).astype(float)
+    c, K = range_nnz(x, P)
+    ranks = np.arange(P)
+    # step 2: rank r sends its chunk of every other range j, sparse or dense
+    chunk = np.minimum(c * x.pair, lengths * x.value_bytes)
+    chunk[ranks, ranks] = 0.0
+    chunk_msgs = np.where(c > 0, np.where(c * x.pair < lengths * x.value_bytes, 2, 1), 0)
+    chunk_msgs[ranks, ranks] = 0
+    # step 3: in round i rank r sends ranges r .. r + cnt_i − 1 (mod P), so range r + d goes
+    # times[d] = #{i : d < cnt_i} times; the owner of a heavy range sends it every round
+    counts = _bruck_counts(P)
+    times = np.array([sum(d < cnt for cnt in counts) for d in range(P)])
+    block = np.minimum(K * x.pair, lengths * x.value_bytes)
+    ahead = (ranks[:, None] + ranks[None, :]) % P  # ahead[r, d] = (r + d) mod P
+    sent = chunk.sum(axis=1) + (block[ahead] * times).sum(axis=1)
+    # messages: a chunk or range travels as indices + values while sparse, as values alone
+    # once dense; a run of ranges is one message of each kind, two if it wraps past P − 1
+    sparse = K * x.pair < lengths * x.value_bytes
+    has_indices = sparse & (K > 0)
+    has_values = (K > 0) | (~sparse & (lengths > 0))
+    run_msgs = np.zeros(P)
+    for cnt in counts:
+        for r in range(P):
+            spans = [(r, min(r + cnt, P))] + ([(0, r + cnt - P)] if r + cnt > P else [])
+            for a, b in spans:
+                run_msgs[r] += int(has_indices[a:b].any()) + int(has_values[a:b].any())
+    msgs = chunk_msgs.sum(axis=1) + run_msgs
+    # metadata: the counts' alltoall (P − 1) and the owners' nnz allgather (lg)
+    return Counts(float(sent.max()), float(msgs.max()) + (P - 1) + _lg(P))
 
 
 def _bruck_counts(P: int) -> list[int]:
@@ -208,7 +288,14 @@ def _gtopk(P: int, x: Problem) -> Counts:
 
 
 def _oktopk(P: int, x: Problem) -> Counts:
-    return Counts(2 * x.k * (P - 1) / P * x.pair, 2 * (P - 1) + 2 * _lg(P) + int(P > 1))
+    # step 3 sends a rank's entries outside its own region: the regions hold equal shares
+    # of every rank's entries when the ranks draw alike, all of a rank's own when disjoint
+    # (the balanced regions are its slice); step 5's allgatherv sends K(P - 1)/P, K = k
+    outside = 0.0 if x.overlap == "disjoint" else x.k * (P - 1) / P
+    chunks = 0 if x.overlap == "disjoint" else P - 1
+    return Counts(
+        (outside + x.k * (P - 1) / P) * x.pair, chunks + (P - 1) + 2 * _lg(P) + int(P > 1)
+    )
 
 
 def _exdyna(P: int, x: Problem) -> Counts:

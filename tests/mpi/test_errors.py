@@ -125,6 +125,55 @@ def test_mismatched_algorithm(comm, instance):
         sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=given, **options)
 
 
+# user algorithms of one __qualname__ ("Mine"), each on some rank: a class of this module;
+# another defined in another module; one defined over the first under its name
+_ALLGATHER = algorithm_class("allgather")
+MINE = type("Mine", (_ALLGATHER,), {})
+ALIKE = {
+    "another module": type("Mine", (_ALLGATHER,), {"__module__": "elsewhere"}),
+    "a subclass": type("Mine", (MINE,), {}),
+}
+
+
+@pytest.mark.parametrize("how", sorted(ALIKE))
+@pytest.mark.parametrize("via", ["allreduce", "GradientReducer"])
+def test_two_algorithms_of_one_qualname_are_told_apart(comm, monkeypatch, how, via):
+    """Two classes named Mine, one on the last rank and the other elsewhere, are two
+    algorithms: every rank raises the same CollectiveInputError naming the rank and both
+    classes, through allreduce (an instance of each) and a GradientReducer (each rank's
+    registry holding its own class under one name). They were compared by __qualname__
+    alone: the call ran, each rank its own class's reduce()."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    bad = comm.size - 1
+    cls = ALIKE[how] if comm.rank == bad else MINE
+    ours = f"{MINE.__module__}.Mine"
+    theirs = {"another module": "elsewhere.Mine", "a subclass": f"{ours} (a subclass of {ours})"}
+    want = (
+        f"algorithm class must be the same on every rank: rank {bad} has {theirs[how]!r}, "
+        f"rank 0 has {ours!r}"
+    )
+    vals, idx = _good(comm.rank)
+    try:
+        if via == "allreduce":
+            sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=cls())
+        else:
+            from sparsecoll.registry import _REGISTRY
+
+            monkeypatch.setitem(_REGISTRY, "test-mine", cls)
+            red = sparsecoll.GradientReducer(comm, N, "test-mine", 0.02)
+            red.step(np.ones(N))
+        got = None
+    except Exception as exc:  # every rank must land here with the same error
+        got = (exc, str(exc))
+    ok = got is not None and isinstance(got[0], sparsecoll.CollectiveInputError)
+    assert_all(comm, ok, f"expected CollectiveInputError, got {got!r}")
+    assert_all(comm, want in got[1], f"message: {got[1]!r}")
+    assert_all(comm, len(set(comm.allgather_object(got[1]))) == 1, "messages differ")
+    out = sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=MINE())  # the ranks go on
+    assert_all(comm, out.n == N)
+
+
 DIFFERING_OPTIONS = {
     # (algorithm, its options on the other ranks, on the one rank): the message expected
     "gtopk_k": ("gtopk", {"k": 5}, {"k": 6}, "k must be the same on every rank: rank {r} has 6"),

@@ -407,7 +407,7 @@ def test_oktopk_k_zero_and_empty(comm):
     for _ in range(3):
         out = run(comm, algo, x, n)
         assert_all(comm, out.nnz == 0 and not out.contributed.any(), "k=0 kept something")
-    # infinite values: k = 0's threshold of inf must not keep them on reuse calls
+    # infinite values: k = 0 keeps none of them, on any call
     inf = np.array([np.inf, -np.inf, 1.0], np.float32)
     for rule in ("window", "paper"):
         algo = sparsecoll.get_algorithm("oktopk", k=0, tau=4, rule=rule)
@@ -428,6 +428,46 @@ def test_oktopk_k_zero_and_empty(comm):
         out = sparsecoll.allreduce(comm.mpi_comm, none, none.astype(np.int32), n=n, algorithm=algo)
         assert_all(comm, out.nnz == 0, "empty inputs")
     assert_all(comm, out.info["recomputed"], "a zero threshold must be recomputed")
+
+
+K_ZERO = {
+    "exdyna": {},
+    "exdyna_authors": {"rule": "authors"},
+    "gtopk": {},
+    "oktopk": {"tau": 4},
+    "oktopk_paper": {"tau": 4, "rule": "paper"},
+}
+
+
+@pytest.mark.parametrize("what", sorted(K_ZERO))
+def test_k_zero_keeps_nothing_and_says_so_with_infinite_values(comm, what):
+    """k = 0 with +inf and -inf in every rank's input, over several calls: nothing kept or
+    contributed, and the info says so (verify() holds): its threshold is NaN, which no
+    value meets. exdyna reported a threshold of inf on every call, and oktopk on its reuse
+    calls (kept nothing there), which an infinite value meets: by their own info they
+    should have kept the infinities, and verify() failed."""
+    name = what.split("_")[0]
+    algo = sparsecoll.get_algorithm(name, k=0, **K_ZERO[what])
+    n = 50
+    # (+inf at 2r and 2r + 2: the next rank's first, summed; -inf apart: no NaN in the sum)
+    r = comm.rank
+    idx = np.array([2 * r, n - 1 - 2 * r, 20 + r, 2 * r + 2])
+    vals = np.array([np.inf, -np.inf, 1.0, np.inf], np.float32)
+    inputs = [sparsecoll.SparseVector(i, vals, n) for i in comm.allgather_object(idx)]
+    reference = reference_sum(inputs)
+    bad = []
+    for call in range(5):
+        out = sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=n, algorithm=algo)
+        t = out.info.get("threshold", math.nan)
+        if out.nnz or out.contributed.any() or not math.isnan(t):
+            bad.append(f"call {call}: kept {out.indices.tolist()}, threshold {t}")
+        if not algo.verify(out, reference, inputs):
+            bad.append(f"call {call}: verify() failed: {out.info}")
+    if name == "exdyna":  # (its dense entry: the same call)
+        out = algo.reduce_dense(comm, np.resize(vals, n))
+        if out.nnz or not math.isnan(out.info["threshold"]):
+            bad.append(f"reduce_dense: kept {out.indices.tolist()}, {out.info['threshold']}")
+    assert_all(comm, not bad, f"{bad}")
 
 
 def _small_case(n):
