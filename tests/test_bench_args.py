@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 
-from .mpirun import ROOT
+from .mpirun import ROOT, run_mpi
 
 RESULTS = ROOT / "docs" / "results"
 
@@ -157,6 +157,7 @@ def test_bench_scripts_refuse_bad_inputs_in_process(capsys, script, args, messag
     "script",
     [
         "async_step.py",
+        "call_overhead.py",
         "exdyna_threshold.py",
         "gpu_kernels.py",
         "gpu_step.py",
@@ -267,3 +268,23 @@ def test_emulate_cluster_refuses_bad_values_before_the_root_check(capsys, args, 
     err = capsys.readouterr().err
     assert err.count(message) == 1, err
     assert "needs root" not in err
+
+
+def test_call_overhead_times_every_algorithm() -> None:
+    """bench/call_overhead.py under mpiexec: a row for MPI's floor, the Communicator's calls
+    and every registered algorithm, each with its two times."""
+    from sparsecoll.registry import available_algorithms
+
+    proc = run_mpi(2, [str(ROOT / "bench" / "call_overhead.py"), "-i", "2", "-x", "1"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        *name, wall, cpu = line.split()
+        if not line.startswith("#") and name and name[0] != "call":
+            rows[" ".join(name)] = (float(wall), float(cpu))
+    expected = {f"allreduce {a}" for a in available_algorithms()} | {
+        "MPI Allreduce (dense n)",
+        "Communicator.allgatherv",
+    }
+    assert expected <= rows.keys(), proc.stdout
+    assert all(wall > 0 and cpu >= 0 for wall, cpu in rows.values())
