@@ -349,7 +349,8 @@ def collective_check(
     # one MAX-allreduce: error flag, -(first bad rank), then +/- each signature value
     vec = [1 if error else 0, -(comm.rank if error else comm.size)]
     vec += [v for s in sig for v in (s, -s)]
-    agreed = comm.allreduce_ints(vec, "max")
+    # (as Python ints: the few reads below cost a numpy scalar operation each)
+    agreed = comm.allreduce_ints(vec, "max").tolist()
     # (the values' max is agreed[2::2], their min -agreed[3::2]; an engine's start is first:
     # a blocking call's input error on another rank is the mismatch's, not its own)
     if -agreed[3] == ENGINE_START and (agreed[2] != ENGINE_START or agreed[4] != -agreed[5]):
@@ -361,10 +362,10 @@ def collective_check(
         )
         _raise_mixed(comm, kind or "blocking", call)
     if agreed[0]:
-        bad = -int(agreed[1])
+        bad = -agreed[1]
         kind, msg = comm.bcast_object(_describe(error) if comm.rank == bad else None, bad)
         raise getattr(errors, kind)(f"{msg} on rank {bad}") from error
-    if np.any(agreed[2::2] != -agreed[3::2]):
+    if any(hi != -lo for hi, lo in zip(agreed[2::2], agreed[3::2])):
         _raise_mismatch(comm, sig, names, detail)
 
 

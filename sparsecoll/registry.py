@@ -12,6 +12,7 @@ lists both kinds, with why.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import re
 import textwrap
@@ -161,8 +162,20 @@ def describe_algorithms() -> str:
 
 
 def _accepts_any(cls: type[Algorithm]) -> bool:
+    return _takes(cls)[0]
+
+
+@functools.cache
+def _takes(cls: type[Algorithm]) -> tuple[bool, tuple[str, ...]]:
+    """Whether ``cls``'s constructor takes any keyword (``**options``), and the options it
+    names. Read once per class: get_algorithm checks a named algorithm's options at every
+    call, and inspect.signature cost up to ~1 ms there (oktopk's, with _options' docstring
+    parse)."""
     params = inspect.signature(cls).parameters.values()
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return (
+        any(p.kind is p.VAR_KEYWORD for p in params),
+        tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)),
+    )
 
 
 def _options(cls: type[Algorithm]) -> dict[str, tuple[Any, str]]:
@@ -229,7 +242,7 @@ _GET_ALGORITHM_DOC = """A new instance of the algorithm ``name``, built with ``o
 def get_algorithm(name: str, **options: Any) -> Algorithm:
     cls = algorithm_class(name)
     if options and not _accepts_any(cls):
-        takes = list(_options(cls))
+        takes = list(_takes(cls)[1])
         hint = ""
         if "density" in options and "density" not in takes and "k" in takes:
             hint = " (k is a count of entries: k = round(density·n))"

@@ -116,16 +116,17 @@ def _rows(P: int, t_us: float = 0.0, nbytes: int = 0, msgs: int = 0, meta: int =
 
 def test_calibration_uses_measurements_and_scales_formulas() -> None:
     x = Problem(n=1000, k=10)
-    rows = [_rows(1, 100.0), _rows(2, 300.0, 100, 2, 1), _rows(4, 900.0, 480, 4, 2)]
+    # (allgather: one allgatherv and the counts' allgather, lg messages each)
+    rows = [_rows(1, 100.0), _rows(2, 300.0, 100, 1, 1), _rows(4, 900.0, 480, 2, 2)]
     cal = calibrate("allgather", x, rows)
-    assert cal.counts(4) == Counts(480, 6)  # measured where measured
+    assert cal.counts(4) == Counts(480, 4)  # measured where measured
     assert cal.bytes_factor == pytest.approx(480 / (3 * 10 * 8))  # at the largest P
-    assert cal.messages_factor == pytest.approx(6 / 6)
+    assert cal.messages_factor == pytest.approx(4 / 4)
     assert cal.counts(16).bytes == pytest.approx(15 * 10 * 8 * cal.bytes_factor)
     assert cal.c0 == pytest.approx(100e-6)
     assert cal.c1 == pytest.approx(200e-6 / 100)
     link = Link("l", 1e-6, 1e6)
-    want = 1e-6 * (6 + check_messages(4)) + 480 / 1e6 + 100e-6 + 2e-6 * 480
+    want = 1e-6 * (4 + check_messages(4)) + 480 / 1e6 + 100e-6 + 2e-6 * 480
     assert cal.time(4, link) == pytest.approx(want)
     assert cal.time(1, link) == pytest.approx(100e-6)
     with pytest.raises(KeyError):

@@ -1,5 +1,5 @@
 """One rank runs out of memory for a receive buffer whose size the other ranks' data set
-(allgather's values, sized by the counts exchange just before the payload): what the ranks
+(allgather's packed pairs, sized by the counts exchange just before the payload): what the ranks
 see. Run: SPARSECOLL_TIMEOUT=5 mpiexec -n 2 python docs/results/memory_mid_exchange.py"""
 
 import numpy as np
@@ -12,14 +12,14 @@ real = np.empty
 
 
 class _Failing:
-    """numpy, whose empty() fails for float32 (the values' receive buffer)."""
+    """numpy, whose empty() fails for bytes (the pairs' receive buffer)."""
 
     def __getattr__(self, name):
         return getattr(np, name)
 
     def empty(self, n, dtype=None):
-        if np.dtype(dtype) == np.float32:
-            raise MemoryError(f"Unable to allocate {n} float32 (injected)")
+        if np.dtype(dtype) == np.uint8:
+            raise MemoryError(f"Unable to allocate {n} bytes (injected)")
         return real(n, dtype=dtype)
 
 

@@ -25,7 +25,7 @@ algorithm           S(P) bytes sent                                     M(P) mes
 =================== =================================================== =========================
 dense               2(P−1)/P·n·max(v, 4)                                2·lg
 rabenseifner        2(p−1)/p·n·v + f·n·v                                2·log2 p + f
-allgather           (P−1)·k·pair                                        3·lg
+allgather           (P−1)·k·pair                                        2·lg
 dsa                 max_r Σ_{j≠r} sp(c_rj, L_j) + Σ_d t_d·sp(K_r+d, L_r+d)  (below)
 recursive_doubling  Σ_{i<log2 p} sp(K(2^i + r_i), n) + f·sp(K(P), n)    2·log2 p + 3f
 gtopk               log2 p·k·pair + f·(k·pair + k/8)                    log2 p + 2f
@@ -189,7 +189,7 @@ def _rabenseifner(P: int, x: Problem) -> Counts:
 
 
 def _allgather(P: int, x: Problem) -> Counts:
-    return Counts((P - 1) * x.k * x.pair, 3 * _lg(P))
+    return Counts((P - 1) * x.k * x.pair, 2 * _lg(P))
 
 
 def range_nnz(x: Problem, P: int) -> tuple[np.ndarray, np.ndarray]:
