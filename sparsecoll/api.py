@@ -296,6 +296,7 @@ def _signature(algo: Any, vals: Any, n: Any) -> list[int]:
     return [int(n), dtype_code, crc, *algorithm_signature(algo)]
 
 
+@functools.cache  # (read at every call's agreement; a class's answer never changes)
 def class_name(cls: type) -> str:
     """Which class an algorithm is, as every rank can tell: its module and qualified name,
     and the class of that name it is defined over, if any. (By ``__qualname__`` alone, two

@@ -42,8 +42,14 @@ _CPU_BACKENDS = ("numba", "numpy")
 _choice: str | None = "numpy" if env_flag("SPARSECOLL_NO_NUMBA", False) else None
 
 
+_LOADED: dict[str, Any] = {}  # backend modules once imported (every selection looks one up)
+
+
 def _load(name: str) -> Any:
-    return importlib.import_module(f"{__package__}._{name}")
+    module = _LOADED.get(name)
+    if module is None:
+        module = _LOADED[name] = importlib.import_module(f"{__package__}._{name}")
+    return module
 
 
 def _cpu() -> Any:
