@@ -56,6 +56,7 @@ def test_plot_scripts_refuse_an_output_they_cannot_write(tmp_path, script, input
         ("density_table.py", ["--density", "0"], "argument --density: density must be in"),
         ("density_table.py", ["--warmup", "-1"], "argument --warmup: expecting an integer >= 1"),
         ("pass_hits.py", ["-m", "4K", "-i", "0"], "argument -i/--iterations: expecting an"),
+        ("call_instructions.py", ["-m", "16", "--nnz", "17"], "argument --nnz: 17 nonzeros do"),
         ("pass_hits.py", ["-m", "4X"], "argument -m/--size: expecting a size like"),
         ("pass_processes.py", ["--processes", "0"], "argument --processes: expecting an integer"),
         ("pass_processes.py", ["--share", "0"], "argument --share: density must be in"),
@@ -157,6 +158,7 @@ def test_bench_scripts_refuse_bad_inputs_in_process(capsys, script, args, messag
     "script",
     [
         "async_step.py",
+        "call_instructions.py",
         "call_overhead.py",
         "exdyna_threshold.py",
         "gpu_kernels.py",
