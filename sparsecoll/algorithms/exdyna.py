@@ -23,9 +23,18 @@ a reduction of arbitrary sparse inputs. One call, on every rank:
    O(k) in all), and the k-th largest of those is the new centre. A rank whose partition holds
    more than its share of the large values (all it sent lie at or above that centre) sends
    twice as many in another round, until none does, so the centre is the exact global k-th
-   largest |value|. With fewer than k nonzeros in all partitions a re-derive cannot reach
-   k either: the next COOLDOWN calls then follow the window instead, unless the data miss
-   it the other way or hold k nonzeros again.
+   largest |value|. With fewer than k nonzeros in all partitions no threshold reaches k:
+   the call keeps every one, and for the next COOLDOWN calls each rank's nonzeros ride in
+   the counts exchange. A call whose partitions then hold at most k + 5% nonzeros keeps
+   every one without a re-derive (and counts on for COOLDOWN more calls); through such
+   calls the window stays where the last call that could reach k left it, since the
+   owners rotate and partitions that held fewer than k on one call may hold more on the
+   next. A miss high, or a miss low with more nonzeros, re-derives at once; one after a
+   miss low that reaches k ends the counting. The window's span bounds what it follows:
+   where the k-th largest moves by more than ×0.8–×1.25 from one call to the next (k of
+   a few tens, owners rotating over the same data; under error feedback the second call,
+   whose accumulated gradient holds two gradients: √2 times the first's on Gaussian
+   data), the call re-derives.
    ``rule="authors"`` keeps the authors' rule instead (one count per rank; ×1.005 when
    K > 1.1k, ×0.995 when K ≤ 0.909k, else ×1.00125: it settles ~8% under k), for comparison.
 3. One allgatherv of the selected indices with the counts already known (no padding), then
@@ -619,18 +628,19 @@ class ExDyna(Algorithm):
         them (see :meth:`reduce_dense`)."""
         if self.k >= n and self.rule != "authors":
             return self._every_nonzero(comm, part, to_index, found)
-        rederived = False
+        rederived, cause, every = False, 0, False  # cause: the miss that re-derived (±1)
         before = self.threshold
         if self.threshold is None:
             if found is not None:
                 found.restore()
             found = None
-            self.threshold = self._derive(comm, n, part)
+            self.threshold, every = self._derive(comm, n, part)
             rederived = True
         self._cooldown = max(0, self._cooldown - 1)
         while True:
             if self.threshold is None:  # every partition is all zeros (known on every rank)
                 self.rederives += rederived
+                self._keep_centre(before)
                 empty = get_array_module(part).zeros(0, dtype=np.int64)
                 return to_index(empty), [0] * comm.size, math.inf, rederived, None
             if self.rule == "authors":
@@ -642,7 +652,7 @@ class ExDyna(Algorithm):
                 self.threshold = authors_rule(self.threshold, sum(counts), self.k)
                 self.rederives += rederived
                 return mine, counts, t, rederived, None
-            found, counts, used, side, cut, total = self._window(comm, part, found, nonzeros)
+            found, counts, used, side, cut, total = self._window(comm, part, found, nonzeros, every)
             missed = side != 0
             if not missed or rederived:
                 break
@@ -651,21 +661,28 @@ class ExDyna(Algorithm):
             # data grew past k) re-derives at once, and so does a miss low once there are
             # k nonzeros again (the data's scale fell below the window)
             held = self._cooldown and side == self._cooldown_side
-            if held and (side > 0 or total < self.k - 0.05 * self.k):
+            if held and (side > 0 or 0 <= total <= self.k + 0.05 * self.k):
                 break
             found.restore()
             found = None  # the candidates were for the old threshold
-            self.threshold = self._derive(comm, n, part)
-            rederived = True
+            self.threshold, every = self._derive(comm, n, part)
+            rederived, cause = True, side
         mine = found.take(used, to_index) if cut is None else found.take_bucket(cut, to_index)
+        self.rederives += rederived
+        if side < 0:  # at most k + 5% nonzeros in all: the call kept every one (_window)
+            self._keep_centre(before)
+            return mine, counts, used, rederived, cut
         if missed and rederived:
-            # k is outside the window even right after a re-derive (e.g. fewer than k
-            # nonzeros in all): follow the window instead of re-deriving every call
+            # k is outside the window even right after a re-derive (ties or infinities
+            # above it): follow the window instead of re-deriving every call
             self._cooldown = COOLDOWN
             self._cooldown_side = side
-        elif rederived:  # (k inside the window again: what started a cooldown is over)
+        elif rederived and cause <= 0:
+            # k inside the window again after a miss low: the partitions hold k nonzeros
+            # again (their scale fell below the window), and the cooldown is over. A miss
+            # high ends none: the nonzeros are still counted, as partitions that held
+            # fewer than k come round again to owners of the same data
             self._cooldown = 0
-        self.rederives += rederived
         self.threshold = used if 0 < used < math.inf else None
         if rederived or not before or self.threshold is None:
             self.growth, self.swing, self.trend_calls = 0.0, SWING0, 0
@@ -676,6 +693,18 @@ class ExDyna(Algorithm):
             self.growth = 0.5 * self.growth + 0.5 * step
             self.trend_calls += 1
         return mine, counts, used, rederived, cut
+
+    def _keep_centre(self, before: float | None) -> None:
+        """After a call whose partitions held at most k + 5% nonzeros in all (it kept every
+        one): count the nonzeros for the next COOLDOWN calls, and centre the next window
+        where the last call that could reach k left it (``before``; the re-derived
+        smallest nonzero when there was none). No threshold is needed on such a call; one
+        at or under its smallest nonzeros centred the next window far below k once the
+        partitions held more (the owners rotating over the same data: a re-derive on
+        every call)."""
+        self._cooldown, self._cooldown_side = COOLDOWN, -1
+        if before is not None:
+            self.threshold = before
 
     def _every_nonzero(
         self, comm: Communicator, part: Any, to_index: Any, found: _Found | None
@@ -698,35 +727,42 @@ class ExDyna(Algorithm):
         part: Any,
         found: _Found | None = None,
         counted: int | None = None,
+        every: bool = False,
     ) -> tuple[_Found, list[int], float, int, _Bucket | None, int]:
         """The window edge nearest k: the candidates it selects from, every rank's count
         at it, the edge, how k was missed (0 inside the window, +1 too many even at the
-        top edge, -1 too few even at the bottom one), the cut through a bucket when
-        even the nearest edge misses k by more than 5% (see :meth:`_bucket`), and the
-        ranks' nonzeros in all (counted only while a cooldown after a miss low holds;
-        else -1). ``found``
+        top edge, -1 too few even at the bottom one, or at most k + 5% nonzeros in all,
+        counted: then every nonzero, at the smallest subnormal), the cut through a bucket
+        when even the nearest edge misses k by more than 5% (see :meth:`_bucket`), and
+        the ranks' nonzeros in all (counted only while a cooldown after a miss low holds,
+        or with ``every``; else -1). ``found``
         (candidates from window edge ``found.low`` up): when the pick could lie below it,
         every rank counts its whole part and the counts are exchanged again, so the pick
         is the same as from all edges. ``counted``: this rank's nonzeros, when the caller
-        counted them."""
+        counted them. ``every``: a re-derive found fewer than k nonzeros in all; the
+        candidates are then every nonzero, and their counts the nonzeros."""
         cast = _edges(self.threshold, part.dtype)  # counts == selections in that dtype
         e, tol = cast.shape[0], 0.05 * self.k
         # while a cooldown after too few nonzeros holds (the same on every rank), the counts
-        # carry each rank's nonzeros too, so that a miss low re-derives once there are k
-        # again (before, the cooldown followed the window down ×0.8 a call whatever the
-        # data: a stream 100× smaller after one call of too few kept nothing for 12 calls)
-        nonzeros = self._counting(self._cooldown)
+        # carry each rank's nonzeros too: a call with at most k + 5% of them keeps every
+        # one, and a miss low with more re-derives (before, the cooldown followed the
+        # window down ×0.8 a call whatever the data: a stream 100× smaller after one call
+        # of too few kept nothing for 12 calls)
+        nonzeros = every or self._counting(self._cooldown)
+        tiny = float(np.finfo(part.dtype).smallest_subnormal)
         while True:
             # zeros are never selected, even where a tiny edge rounds to 0 in the data's dtype
             if found is None:
-                found = _above(part, _cut(part.dtype, float(cast[0])))
+                found = _above(part, tiny if every else _cut(part.dtype, float(cast[0])))
             # the counts, the lowest edge known, then the nonzeros
             row = np.full(e + 1 + nonzeros, -1, dtype=np.int64)
             if found is not None:
                 row[:e] = 0
                 row[found.low : e] = edge_totals(found.values, cast[found.low :])
                 row[e] = found.low
-                if nonzeros:
+                if every:
+                    row[e + 1] = found.idx.shape[0]
+                elif nonzeros:
                     row[e + 1] = _count_nonzeros(part, found, counted)
                     row[0] = min(row[0], row[e + 1])  # (-1: a NaN, flagged as _above does)
             table = np.asarray(comm.allgather_ints(row)).reshape(comm.size, -1)
@@ -734,6 +770,16 @@ class ExDyna(Algorithm):
             known = int(table[:, e].max())
             total = table[:, :e].sum(axis=0)
             total_nonzeros = int(table[:, e + 1].sum()) if nonzeros else -1
+            if 0 <= total_nonzeros <= self.k + tol:
+                # at most k + 5% nonzeros in all: every one is what a top-k keeps within
+                # the 5% (a re-derive's k-th largest of fewer than k is the smallest; of a
+                # few more, one of the smallest: a centre far below the next call's k),
+                # and this exchange carried their counts: no recount, no re-derive
+                if not every:
+                    found.restore()
+                    found = _above(part, tiny)
+                assert found is not None and found.idx.shape[0] == table[comm.rank, e + 1]
+                return found, table[:, e + 1].tolist(), tiny, -1, None, total_nonzeros
             if known == 0 or not _below_needed(total[known:], self.k, tol):
                 break
             found.restore()
@@ -789,9 +835,10 @@ class ExDyna(Algorithm):
         counts = [int(above[r]) + sum(b - a for a, b in share) for r, share in enumerate(mine)]
         return counts, _Bucket(lo, hi, mine[rank], counts[rank], start)
 
-    def _derive(self, comm: Communicator, n: int, part: Any) -> float | None:
+    def _derive(self, comm: Communicator, n: int, part: Any) -> tuple[float | None, bool]:
         """The global k-th largest nonzero |value| (collective; O(k) volume when the large
-        values are spread over the partitions).
+        values are spread over the partitions), and whether fewer than k came (then every
+        rank sent every nonzero it has: all there are).
 
         Every rank r sends its top ``take_r = min(k, ceil(2k·span_r/n) + 1)`` nonzero
         magnitudes (span_r: the length of its partition; fewer if it has fewer), and the
@@ -826,7 +873,7 @@ class ExDyna(Algorithm):
             _agree_no_nan(np.array([[-1 if np.isnan(c).any() else 0] for c in chunks]))
             everything = np.concatenate(chunks)
             if everything.shape[0] == 0:
-                return None
+                return None, True
             kk = min(self.k, everything.shape[0])
             estimate = float(np.partition(everything, everything.shape[0] - kk)[-kk])
             widen = [
@@ -835,7 +882,7 @@ class ExDyna(Algorithm):
                 if c.shape[0] == takes[r] < self.k and c.min() >= estimate
             ]
             if not widen:
-                return estimate
+                return estimate, everything.shape[0] < self.k
             for r in widen:
                 takes[r] = min(self.k, 2 * takes[r])
 

@@ -574,6 +574,38 @@ def test_a_scale_drop_after_too_few_nonzeros_rederives(comm, candidates):
     assert_all(comm, cooldown[0] > 0 and not any(cooldown[1:]), f"cooldown {cooldown}")
 
 
+def test_owners_rotating_over_about_k_nonzeros_rederive_rarely(comm):
+    """Every rank passes the same k = n/100 random entries on every call (the stream of a
+    small bucket: n = 4096, k = 40), so the partitions the ranks own hold about k nonzeros in
+    all: fewer on some calls, more on others, as the owners rotate. A call with at most
+    k + 5% keeps every one, and the window stays where the last call that could reach k
+    left it; after the first calls of each kind, no call re-derives. Before, a call with
+    fewer than k re-derived and left the threshold under its smallest nonzero, so the next
+    call with more missed high and re-derived too: at P = 2, all 40 calls re-derived."""
+    n, calls = 4096, 40
+    k = n // 100
+    rng = np.random.default_rng([7, comm.rank])
+    idx = np.sort(rng.choice(n, k, replace=False)).astype(np.int64)
+    val = rng.standard_normal(k).astype(np.float32)
+    inputs = comm.allgather_object(SparseVector(idx, val, n))
+    reference = reference_sum(inputs)
+    alg = ExDyna(k=k)
+    rederived, wrong = [], []
+    for t in range(calls):
+        out = sparsecoll.allreduce(comm, val, idx, n=n, algorithm=alg)
+        if out.info["rederived"]:
+            rederived.append(t)
+        owned = 0  # the nonzeros in the partitions, each in its owner's input
+        for r, (lo, hi) in zip(out.info["owners"], out.info["ranges"]):
+            owned += int(np.count_nonzero((inputs[r].indices >= lo) & (inputs[r].indices < hi)))
+        # K within 5% of k, or every nonzero of the owned partitions where they hold fewer
+        density_ok = 20 * abs(out.nnz - k) <= k or out.nnz == owned < k
+        if not (density_ok and alg.verify(out, reference, inputs)):
+            wrong.append(f"call {t}: K = {out.nnz} (k = {k}, {owned} nonzeros owned)")
+    assert_all(comm, not wrong, "; ".join(wrong))
+    assert_all(comm, len(rederived) <= 3, f"re-derived on calls {rederived} of {calls}")
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("momentum", [0.0, 0.5])
 def test_the_reducer_counts_the_nonzeros_in_its_pass(comm, monkeypatch, dtype, momentum):
