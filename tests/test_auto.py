@@ -59,14 +59,32 @@ def test_identical_indices_favour_recursive_doubling_over_dsa_at_small_p():
 def test_formulas_for_allgather_and_dense():
     m = CostModel(alpha=1.0, beta=0.0, gamma_sort=0.0, gamma_merge=0.0, delta=0.0)
     c = predict(8, 1000, 4000, I32, F32, model=m)
-    assert c["allgather"] == 3 * 3  # 3 collectives of lg = 3 messages each
+    assert c["allgather"] == 2 * 3  # 2 collectives of lg = 3 messages each (counts, pairs)
     assert c["dense"] == 2 * 3
     assert c["recursive_doubling"] == 2 * 3
-    assert c["dsa"] == 3 * 7 + 2 * 3
+    assert c["dsa"] == 3 * 7 + 3 + (2 + 4 + 4)  # Bruck rounds of 1, 2, 4 ranges
     m = CostModel(alpha=0.0, beta=1.0, gamma_sort=0.0, gamma_merge=0.0, delta=0.0)
     c = predict(8, 1000, 4000, I32, F32, model=m)
     assert c["allgather"] == pytest.approx(7 / 8 * 4000 * 8)
     assert c["dense"] == pytest.approx(2 * 7 / 8 * 1000 * 4)
+
+
+@pytest.mark.parametrize("P", range(1, 17))
+def test_message_terms_match_the_volume_model(P):
+    """auto's α terms count the messages the benchmark model counts (sparsecoll.benchmarks.
+    model, checked against measured counts by tests/mpi/test_model_volume.py) for sparse
+    random inputs: before, allgather was charged 3·lg (it makes 2·lg since its pairs travel
+    in one allgatherv), recursive_doubling 2·(⌈log2 P⌉ + 2) at P not a power of two (it
+    sends 2·⌊log2 P⌋ + 3), and dsa 3(P−1) + 2·lg (it sends 6 at P = 2, 34 at P = 8)."""
+    from sparsecoll.benchmarks.model import AUTO_CANDIDATES, FORMULAS, Problem
+
+    m = CostModel(alpha=1.0, beta=0.0, gamma_sort=0.0, gamma_merge=0.0, delta=0.0)
+    n, k = 10**6, 100  # (sparse everywhere: no range of dsa's goes dense)
+    c = predict(P, n, k * P, I32, F32, model=m)
+    # (dense is a candidate only when n <= 4 N; its messages do not depend on the data)
+    c["dense"] = predict(P, 4 * k * P, k * P, I32, F32, model=m)["dense"]
+    for name in AUTO_CANDIDATES:
+        assert c[name] == FORMULAS[name](P, Problem(n=n, k=k)).messages, name
 
 
 def test_dsa_allgather_phase_capped_by_break_even():

@@ -15,11 +15,16 @@ Predicted seconds, with lg = ⌈log2 P⌉, pair = index + value bytes, v = value
 ``sp(m, L) = min(m·pair, L·v)`` (the break-even rule), α per message, β per byte sent,
 γ_sort per pair and sorting pass, γ_merge per pair merged, δ per dense element pass:
 
-- allgather: 3·lg·α + β·(P−1)/P·N·pair + γ_sort·N·max(1, log2 P)
-- dsa: (3(P−1) + 2·lg)·α + β·(P−1)·sp(k̄/P, n/P) + β·(P−1)/P·sp(K(P), n)
-  + γ_merge·k̄·log2 P  (+ δ·n when the reduced ranges go dense)
-- recursive_doubling: 2·(lg + f)·α + β·Σ_i sp(K(m_i), n) + γ_merge·Σ_i K(2·m_i)
-  (+ δ·n when it goes dense); m_i = 2^i·P/p, f = 2 when P is not a power of two
+- allgather: 2·lg·α + β·(P−1)/P·N·pair + γ_sort·N·max(1, log2 P)
+- dsa: (3(P−1) + lg + Σ_i b_i)·α + β·(P−1)·sp(k̄/P, n/P) + β·(P−1)/P·sp(K(P), n)
+  + γ_merge·k̄·log2 P  (+ δ·n when the reduced ranges go dense); b_i = 2 for a Bruck
+  round that sends one range, 4 for one whose run of ranges wraps past rank P − 1
+- recursive_doubling: (2·lg₂ + 3f)·α + β·Σ_i sp(K(m_i), n) + γ_merge·Σ_i K(2·m_i)
+  (+ δ·n when it goes dense); lg₂ = ⌊log2 P⌋, p = 2^lg₂, m_i = 2^i·P/p, f = 1 when P is
+  not a power of two (the fold's messages)
+
+The α terms count the messages of the busiest rank while the data stay sparse, as
+``sparsecoll.benchmarks.model`` does (checked against measured counts there).
 - dense: 2·lg·α + β·2(P−1)/P·n·v + 3·δ·n; only considered when n ≤ 4·N (it needs O(n)
   memory, never worth it for very sparse inputs of a huge n).
 
@@ -79,6 +84,18 @@ def union_size(m: float, n: int, kbar: float, theta: float | None) -> float:
     return min(float(n), kbar * m**theta)
 
 
+def dsa_messages(P: int) -> int:
+    """Messages dsa's busiest rank (P − 1) sends while sparse: its chunks (indices and
+    values) to the P − 1 others, the counts' alltoall (P − 1), the owners' nnz allgather
+    (lg), and in each Bruck round its run of ranges as indices and values, twice that when
+    the run wraps past rank P − 1."""
+    if P < 2:
+        return 0
+    lg = math.ceil(math.log2(P))
+    rounds = [min(2**i, P - 2**i) for i in range(lg)]
+    return 3 * (P - 1) + lg + sum(4 if cnt > 1 else 2 for cnt in rounds)
+
+
 def predict(
     P: int,
     n: int,
@@ -103,18 +120,17 @@ def predict(
     K = union_size(P, n, kbar, theta)
     out = {}
     out["allgather"] = (
-        3 * lg * m.alpha + m.beta * (P - 1) / P * N * pair + m.gamma_sort * N * max(1.0, log2p)
+        2 * lg * m.alpha + m.beta * (P - 1) / P * N * pair + m.gamma_sort * N * max(1.0, log2p)
     )
     out["dsa"] = (
-        (3 * (P - 1) + 2 * lg) * m.alpha
+        dsa_messages(P) * m.alpha
         + m.beta * (P - 1) * sp(kbar / P, n / P)
         + m.beta * (P - 1) / P * sp(K, n)
         + m.gamma_merge * kbar * max(1.0, log2p)
         + (m.delta * n if K * pair >= n * vsz else 0.0)
     )
     p = 1 << (P.bit_length() - 1)
-    fold = 0 if p == P else 2
-    rd = 2 * (lg + fold) * m.alpha
+    rd = (2 * (p.bit_length() - 1) + 3 * int(p != P)) * m.alpha
     group = P / p
     for _ in range(p.bit_length() - 1):
         rd += m.beta * sp(union_size(group, n, kbar, theta), n)
