@@ -45,6 +45,19 @@ def pytest_configure(config):
         config.option.hypothesis_seed = SEED
 
 
+@pytest.hookimpl(trylast=True)  # (after -k and -m have deselected)
+def pytest_collection_modifyitems(config, items):
+    """Which tests/mpi/ files each P runs: tests/test_mpi.py launches them in one mpiexec."""
+    from .mpirun import MPI_SELECTED
+
+    chosen: dict[int, list] = {}
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if getattr(item, "originalname", None) == "test_under_mpiexec" and spec is not None:
+            chosen.setdefault(spec.params["nprocs"], []).append(spec.params["path"])
+    config.stash[MPI_SELECTED] = chosen
+
+
 def pytest_sessionstart(session):
     """Compile the Numba kernels once here, so mpiexec ranks load them from the cache
     instead of all compiling the same kernels at once."""

@@ -2,17 +2,29 @@
 
 While developing, ``SPARSECOLL_NPROCS=4 pytest`` (or ``=2,3``) runs them at those P only;
 CI (``CI`` set) always runs every P.
+
+Each P is one launch: the first test at that P runs every file selected at that P (``-k``,
+``-m`` and SPARSECOLL_NPROCS choose) in one ``mpiexec -n P pytest -x``, whose ranks record
+each test's outcome (tests/mpi/conftest.py); each file's test then reads its own from the
+records. Starting P Python processes that import numpy, Numba, mpi4py, Hypothesis and torch
+took 10 s at P = 8 on the 2-core machine, once per file before. A launch is killed when
+nothing moves for ``SPARSECOLL_MPI_TIMEOUT`` seconds (default 600): no output, no record.
+Under pytest-xdist each file still gets a launch of its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import re
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
-from .mpirun import run_mpi
+from .mpirun import MPI_SELECTED, ROOT, TIMEOUT, run_mpi_watched
 
 MPI_FILES = sorted((Path(__file__).parent / "mpi").glob("test_*.py"))
 NPROCS = [1, 2, 3, 4, 5, 8]
@@ -32,12 +44,100 @@ def select_nprocs(env: Mapping[str, str]) -> list[int]:
     return chosen
 
 
+@dataclasses.dataclass
+class Launch:
+    """One ``mpiexec -n P pytest`` over several tests/mpi/ files, and what each rank recorded."""
+
+    nprocs: int
+    files: tuple[Path, ...]
+    returncode: int
+    output: str
+    hung: bool  # killed after SPARSECOLL_MPI_TIMEOUT seconds without progress
+    ranks: list[dict | None]  # per rank: collected, failed, done, collect_errors
+
+    def problem(self, path: Path) -> str | None:
+        """Why ``path``'s tests did not pass at this P, or None if they did."""
+        prefix = path.resolve().relative_to(ROOT).as_posix()
+
+        def mine(nodeid: str) -> bool:
+            return nodeid.split("::")[0] == prefix
+
+        absent = [r for r, rec in enumerate(self.ranks) if rec is None]
+        if absent:
+            return f"rank(s) {absent} recorded nothing: pytest never started there?"
+        ranks: list[dict] = self.ranks  # type: ignore[assignment]
+        if any(mine(e) for rec in ranks for e in rec["collect_errors"]):
+            return f"collecting {path.name} failed"
+        failed = sorted({f for rec in ranks for f in rec["failed"] if mine(f)})
+        if failed:
+            return f"{len(failed)} failed: {', '.join(failed[:8])}"
+        ids = {i for i in ranks[0]["collected"] if mine(i)}
+        cut = [r for r, rec in enumerate(ranks) if not ids <= rec["done"]]
+        if cut:
+            if self.hung:
+                why = "nothing moved for the idle timeout (a hang?): the launch was killed"
+            else:
+                failing = sorted(
+                    {f.split("::")[0] for rec in ranks for f in rec["failed"]}
+                    | {e.split("::")[0] for rec in ranks for e in rec["collect_errors"]}
+                )
+                why = f"mpiexec exited with {self.returncode}" + (
+                    f" after failures in {', '.join(failing)} (-x)" if failing else ""
+                )
+            return f"did not complete on rank(s) {cut}: {why}"
+        # (a launch that failed or hung elsewhere: that file's test says so)
+        every = set(ranks[0]["collected"])
+        complete = all(every <= rec["done"] for rec in ranks)
+        clean = not any(rec["failed"] or rec["collect_errors"] for rec in ranks)
+        if self.returncode != 0 and complete and clean:
+            return f"every test passed, but mpiexec exited with {self.returncode}"
+        return None
+
+
+_launches: dict[tuple[int, tuple[Path, ...]], Launch] = {}
+
+
+def _read(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    rec: dict = {"collected": [], "failed": set(), "done": set(), "collect_errors": []}
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        if "collected" in entry:
+            rec["collected"] = entry["collected"]
+        elif "failed" in entry:
+            rec["failed"].add(entry["failed"])
+        elif "done" in entry:
+            rec["done"].add(entry["done"])
+        elif "collect_error" in entry:
+            rec["collect_errors"].append(entry["collect_error"])
+    return rec
+
+
+def launch(nprocs: int, files: tuple[Path, ...], idle: float = TIMEOUT) -> Launch:
+    """The launch of ``files`` at ``nprocs`` ranks: run once, then looked up."""
+    key = (nprocs, files)
+    if key not in _launches:
+        with tempfile.TemporaryDirectory(prefix="sparsecoll-mpi-") as tmp:
+            args = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *map(str, files)]
+            proc, hung = run_mpi_watched(
+                nprocs, args, Path(tmp), idle, env={"SPARSECOLL_MPI_RECORD": tmp}
+            )
+            ranks = [_read(Path(tmp) / f"rank{r}.jsonl") for r in range(nprocs)]
+        _launches[key] = Launch(nprocs, files, proc.returncode, proc.stdout, hung, ranks)
+    return _launches[key]
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("nprocs", select_nprocs(os.environ))
 @pytest.mark.parametrize("path", MPI_FILES, ids=lambda p: p.stem)
-def test_under_mpiexec(path: Path, nprocs: int) -> None:
-    proc = run_mpi(nprocs, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(path)])
-    assert proc.returncode == 0, f"mpiexec -n {nprocs} {path.name} failed:\n{proc.stdout[-8000:]}"
+def test_under_mpiexec(path: Path, nprocs: int, request: pytest.FixtureRequest) -> None:
+    files = tuple(request.config.stash.get(MPI_SELECTED, {}).get(nprocs, ()))
+    if path not in files or os.environ.get("PYTEST_XDIST_WORKER"):
+        files = (path,)  # (pytest-xdist: every worker would launch every file)
+    result = launch(nprocs, files)
+    problem = result.problem(path)
+    assert problem is None, f"mpiexec -n {nprocs} {path.name}: {problem}\n{result.output[-8000:]}"
 
 
 def test_nprocs_knob() -> None:
@@ -54,3 +154,59 @@ def test_readme_says_how_to_run_a_quick_subset() -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert 'pytest -m "not mpi"' in readme
     assert "SPARSECOLL_NPROCS=4 pytest" in readme
+
+
+HARNESS_FILES = {
+    "test_a.py": "def test_one():\n    pass\n\ndef test_two():\n    pass\n",
+    # fails on rank 1 only: that rank's record says so, and its abort ends the job
+    "test_b.py": (
+        "from mpi4py import MPI\n\n"
+        "def test_fails_on_rank_1():\n    assert MPI.COMM_WORLD.Get_rank() != 1\n"
+    ),
+    "test_c.py": "def test_after():\n    pass\n",
+    # rank 0 waits in a barrier that rank 1 never enters
+    "test_d.py": (
+        "import time\nfrom mpi4py import MPI\n\n"
+        "def test_hangs():\n"
+        "    if MPI.COMM_WORLD.Get_rank() == 0:\n        MPI.COMM_WORLD.Barrier()\n"
+        "    else:\n        time.sleep(3600)\n"
+    ),
+}
+
+
+@pytest.fixture
+def harness_files():
+    """Small test files in a folder of tests/mpi/ (its conftest records the outcomes; the
+    session outside mpiexec does not collect there)."""
+    folder = Path(tempfile.mkdtemp(prefix="_harness_", dir=Path(__file__).parent / "mpi"))
+    try:
+        paths = {}
+        for name, text in HARNESS_FILES.items():
+            (folder / name).write_text(text)
+            paths[name[5]] = folder / name
+        yield paths
+    finally:
+        for p in folder.iterdir():
+            p.unlink()
+        folder.rmdir()
+
+
+@pytest.mark.mpi
+def test_one_launch_tells_each_file_its_outcome(harness_files):
+    f = harness_files
+    result = launch(2, (f["a"], f["b"], f["c"]))
+    assert result.problem(f["a"]) is None, result.output[-4000:]
+    assert "1 failed:" in (result.problem(f["b"]) or ""), result.output[-4000:]
+    assert "test_fails_on_rank_1" in result.problem(f["b"])
+    # (rank 1 stopped at its failure, -x; rank 0 may have run test_c before the abort)
+    after = result.problem(f["c"]) or ""
+    assert re.search(r"did not complete on rank\(s\) \[(0, )?1\]", after), after
+    assert "after failures in" in after and "test_b.py (-x)" in after, after
+
+
+@pytest.mark.mpi
+def test_a_hung_launch_is_killed_and_said_so(harness_files):
+    f = harness_files
+    result = launch(2, (f["a"], f["d"]), idle=15)
+    assert result.hung and result.problem(f["a"]) is None, result.output[-4000:]
+    assert "a hang?" in (result.problem(f["d"]) or ""), result.output[-4000:]

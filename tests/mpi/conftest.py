@@ -1,9 +1,43 @@
-"""Inside mpiexec: a rank whose tests failed aborts the job, so the others cannot hang."""
+"""Inside mpiexec: a rank whose tests failed aborts the job, so the others cannot hang.
+
+With ``SPARSECOLL_MPI_RECORD=DIR`` (set by tests/test_mpi.py, which runs several files in one
+launch) each rank also writes what it collected and each test's outcome to
+``DIR/rank<r>.jsonl``, a line at a time, so that the launching test can tell which file
+failed, which completed, and where a launch that hung or aborted stopped.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 from mpi4py import MPI
+
+RECORD = os.environ.get("SPARSECOLL_MPI_RECORD")
+
+
+def _record(entry: dict) -> None:
+    path = os.path.join(RECORD, f"rank{MPI.COMM_WORLD.Get_rank()}.jsonl")
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+if RECORD:
+
+    def pytest_collection_finish(session):
+        _record({"collected": [item.nodeid for item in session.items]})
+
+    def pytest_collectreport(report):
+        if report.failed:
+            _record({"collect_error": report.nodeid})
+
+    def pytest_runtest_logreport(report):
+        if report.failed:
+            _record({"failed": report.nodeid, "when": report.when})
+        if report.when == "teardown":
+            _record({"done": report.nodeid})
+
 
 _failed: list[int] = []  # the session's exit status, when it failed
 
