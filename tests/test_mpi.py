@@ -157,7 +157,12 @@ def test_readme_says_how_to_run_a_quick_subset() -> None:
 
 
 HARNESS_FILES = {
-    "test_a.py": "def test_one():\n    pass\n\ndef test_two():\n    pass\n",
+    # rank 0 lags: rank 1 must not fail in test_b.py (and abort) before rank 0 finished here
+    "test_a.py": (
+        "import time\nfrom mpi4py import MPI\n\n"
+        "def test_one():\n    pass\n\n"
+        "def test_two():\n    time.sleep(2.0 if MPI.COMM_WORLD.Get_rank() == 0 else 0.0)\n"
+    ),
     # fails on rank 1 only: that rank's record says so, and its abort ends the job
     "test_b.py": (
         "from mpi4py import MPI\n\n"

@@ -3,7 +3,8 @@
 With ``SPARSECOLL_MPI_RECORD=DIR`` (set by tests/test_mpi.py, which runs several files in one
 launch) each rank also writes what it collected and each test's outcome to
 ``DIR/rank<r>.jsonl``, a line at a time, so that the launching test can tell which file
-failed, which completed, and where a launch that hung or aborted stopped.
+failed, which completed, and where a launch that hung or aborted stopped; the ranks then
+wait for each other at the end of every file.
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ if RECORD:
             _record({"failed": report.nodeid, "when": report.when})
         if report.when == "teardown":
             _record({"done": report.nodeid})
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        """After a file's last test (recorded), wait for every rank to finish that file: a
+        rank that fails in the next file aborts the job, which killed a rank still in this
+        one before it recorded its last tests."""
+        yield
+        if nextitem is None or nextitem.path != item.path:
+            MPI.COMM_WORLD.Barrier()
 
 
 _failed: list[int] = []  # the session's exit status, when it failed
