@@ -22,11 +22,11 @@ Predicted seconds, with lg = ⌈log2 P⌉, pair = index + value bytes, v = value
 - recursive_doubling: (2·lg₂ + 3f)·α + β·Σ_i sp(K(m_i), n) + γ_merge·Σ_i K(2·m_i)
   (+ δ·n when it goes dense); lg₂ = ⌊log2 P⌋, p = 2^lg₂, m_i = 2^i·P/p, f = 1 when P is
   not a power of two (the fold's messages)
+- dense: 2·lg·α + β·2(P−1)/P·n·v + 3·δ·n; only considered when n ≤ 4·N (it needs O(n)
+  memory, never worth it for very sparse inputs of a huge n).
 
 The α terms count the messages of the busiest rank while the data stay sparse, as
 ``sparsecoll.benchmarks.model`` does (checked against measured counts there).
-- dense: 2·lg·α + β·2(P−1)/P·n·v + 3·δ·n; only considered when n ≤ 4·N (it needs O(n)
-  memory, never worth it for very sparse inputs of a huge n).
 
 When the pick is ``dense`` (P > 1), its buffer of n values is made before the exchange and
 the ranks agree on it (one more small allreduce, only on that path): memory running out on
