@@ -57,6 +57,7 @@ from ..comm import Communicator
 from ..registry import algorithm_class, register_algorithm
 from ..sparse import SparseVector
 from .base import Algorithm, sparse_is_cheaper
+from .dsa import bruck_counts
 
 __all__ = ["CANDIDATES", "Auto", "CostModel", "choose", "predict", "union_size"]
 
@@ -89,11 +90,8 @@ def dsa_messages(P: int) -> int:
     values) to the P − 1 others, the counts' alltoall (P − 1), the owners' nnz allgather
     (lg), and in each Bruck round its run of ranges as indices and values, twice that when
     the run wraps past rank P − 1."""
-    if P < 2:
-        return 0
-    lg = math.ceil(math.log2(P))
-    rounds = [min(2**i, P - 2**i) for i in range(lg)]
-    return 3 * (P - 1) + lg + sum(4 if cnt > 1 else 2 for cnt in rounds)
+    rounds = bruck_counts(P)  # (one per lg)
+    return 3 * (P - 1) + len(rounds) + sum(4 if cnt > 1 else 2 for cnt in rounds)
 
 
 def predict(

@@ -79,6 +79,7 @@ from typing import Any
 import numpy as np
 
 from ..algorithms.base import range_bounds
+from ..algorithms.dsa import bruck_counts
 
 __all__ = [
     "FORMULAS",
@@ -245,7 +246,7 @@ def _dsa(P: int, x: Problem) -> Counts:
     chunk_msgs[ranks, ranks] = 0
     # step 3: in round i rank r sends ranges r .. r + cnt_i − 1 (mod P), so range r + d goes
     # times[d] = #{i : d < cnt_i} times; the owner of a heavy range sends it every round
-    counts = _bruck_counts(P)
+    counts = bruck_counts(P)  # ranges each rank sends in each round
     times = np.array([sum(d < cnt for cnt in counts) for d in range(P)])
     block = np.minimum(K * x.pair, lengths * x.value_bytes)
     ahead = (ranks[:, None] + ranks[None, :]) % P  # ahead[r, d] = (r + d) mod P
@@ -264,11 +265,6 @@ def _dsa(P: int, x: Problem) -> Counts:
     msgs = chunk_msgs.sum(axis=1) + run_msgs
     # metadata: the counts' alltoall (P − 1) and the owners' nnz allgather (lg)
     return Counts(float(sent.max()), float(msgs.max()) + (P - 1) + _lg(P))
-
-
-def _bruck_counts(P: int) -> list[int]:
-    """Ranges each rank sends in each round of dsa's Bruck allgather."""
-    return [min(2**i, P - 2**i) for i in range(_lg(P))]
 
 
 def _recursive_doubling(P: int, x: Problem) -> Counts:
