@@ -1,6 +1,10 @@
-"""Scratch: sched_setattr(2) of a 100 us slice for the calling thread, and the wake-up
-latency of 200 us sleeps beside a matmul thread (python slice_helper.py default|short)."""
-import ctypes, os, sys, threading, time, struct
+"""Scratch (not a bench script): beside a matmul thread, how late a 200 us sleep wakes up
+(``sleep``) or how long an os.sched_yield() takes (``yield``), with the kernel's time slice
+(``default``) or a 100 us one asked for with sched_setattr(2) (``short``). Run from this
+folder, on one core:
+OPENBLAS_NUM_THREADS=1 taskset -c 1 python slice_probe.py yield default|short
+"""
+import ctypes, os, sys, threading, time
 import numpy as np
 SYS_sched_setattr = {"x86_64": 314, "aarch64": 274}[os.uname().machine]
 libc = ctypes.CDLL(None, use_errno=True)
@@ -14,21 +18,26 @@ def set_slice(ns):
     r = libc.syscall(SYS_sched_setattr, 0, ctypes.byref(a), 0)
     if r != 0:
         print("setattr failed", ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-mode = sys.argv[1]
+what, mode = sys.argv[1], sys.argv[2]
 stop = False
 def compute():
     a = np.random.rand(400, 400)
     while not stop:
         a @ a
 lat = []
-def waker():
+def probe():
     if mode == "short":
         set_slice(100_000)
-    for _ in range(2000):
+    for _ in range(2000 if what == "sleep" else 500):
         t = time.perf_counter()
-        time.sleep(0.0002)
-        lat.append(time.perf_counter() - t - 0.0002)
+        if what == "sleep":
+            time.sleep(0.0002)
+            lat.append(time.perf_counter() - t - 0.0002)
+        else:
+            os.sched_yield()
+            lat.append(time.perf_counter() - t)
+            time.sleep(0.001)
 t = threading.Thread(target=compute); t.start()
-w = threading.Thread(target=waker); w.start(); w.join(); stop = True; t.join()
+w = threading.Thread(target=probe); w.start(); w.join(); stop = True; t.join()
 lat = np.array(lat) * 1e3
-print(mode, "median %.3f ms p90 %.3f p99 %.3f" % (np.median(lat), np.percentile(lat, 90), np.percentile(lat, 99)))
+print(mode, what, "median %.3f ms p90 %.3f p99 %.3f" % (np.median(lat), np.percentile(lat, 90), np.percentile(lat, 99)))
