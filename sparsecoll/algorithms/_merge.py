@@ -1,10 +1,10 @@
-"""Merge sorted sparse runs, summing equal indices: a Numba kernel on the host, coalesce on GPU.
+"""Merge sorted sparse runs, summing equal indices: Numba kernels on the host, CuPy on a GPU.
 
-Both inputs of :func:`merge_two` are sorted with unique indices (the coalesced form); the
-output is too. One linear pass (about 3× faster than sort-based coalescing of the
-concatenation). Equal indices are summed as ``a + b`` (first operand from the first run):
+:func:`merge_two` takes two coalesced runs (sorted, unique indices) and returns one, in one
+linear pass instead of a sort of the concatenation. Equal indices are summed as ``a + b``;
 IEEE addition is commutative, so two ranks merging the same pair of runs in either order
-get the same bits.
+get the same bits. The other kernels here (gather, take_at_least, keep_bucket, isin_sorted)
+are the selecting algorithms' host loops, each with a CuPy fallback.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ __all__ = [
 
 
 def accumulate_dtype(dtype: Any) -> np.dtype:
-    """The type sums are accumulated in: float64 for float16 (Numba has no float16, and the sum
-    of two float16 values is exact in float64, so it is rounded once), else dtype."""
+    """Return the type sums are accumulated in: float64 for float16, else ``dtype``.
+
+    Numba has no float16, and a float16 sum is exact in float64, so it is rounded once.
+    """
     dtype = np.dtype(dtype)
     return np.dtype(np.float64) if dtype == np.float16 else dtype
 
@@ -94,7 +96,7 @@ def _isin_kernel() -> Any:
 def _gather_kernel() -> Any:
     @cached_njit(nogil=True)
     def gather(x, idx, out, drop):  # pragma: no cover - compiled
-        for j in range(idx.shape[0]):  # (drop is the same for every j: a predictable branch)
+        for j in range(idx.shape[0]):  # drop is the same for every j: a predictable branch
             out[j] = x[idx[j]]
             if drop:
                 x[idx[j]] = 0
@@ -103,11 +105,11 @@ def _gather_kernel() -> Any:
 
 
 def gather(x: Any, idx: Any, drop: bool = False) -> Any:
-    """``x[idx]`` for in-range indices: a Numba loop on the host (numpy's fancy indexing
-    took 1.6x as long for 168K scattered entries of a 16M vector), ``x[idx]`` on a GPU.
-    With ``drop`` (unique indices only: a repeat would read the 0) the entries read are
-    set to 0, in the same loop on the host: the write finds the line that the read just
-    brought in."""
+    """Return ``x[idx]`` for in-range indices (a Numba loop on the host).
+
+    With ``drop`` (unique indices only: a repeat would read the 0) the entries read are set
+    to 0 in the same loop, while their cache line is still in.
+    """
     if get_array_module(x) is not np or x.dtype == np.float16:
         out = x[idx]
         if drop:
@@ -132,10 +134,9 @@ def _take_kernel() -> Any:
 
     @cached_njit(nogil=True)
     def take(values, t, zc, idx, lo, part, out_idx, out_val, fix):  # pragma: no cover
-        # every candidate is written at p, which advances when it is taken (no branch on
-        # the data: which are taken is random); with part, those between the two cuts are
-        # listed the same way, then written (a branch per candidate mispredicted, and each
-        # stalled a scattered write)
+        # every candidate is written at p, which advances when it is taken: no branch on
+        # the data (which are taken is random); with part, those between the two cuts are
+        # listed the same way and written after the loop
         p = 0
         f = 0
         for q in range(values.shape[0]):
@@ -158,21 +159,18 @@ def _take_kernel() -> Any:
 def take_at_least(
     values: Any, t: Any, idx: Any, lo: int = 0, part: Any = None, zc: Any = None
 ) -> tuple[Any, Any]:
-    """``(idx[keep], values[keep])`` where ``keep = |values| >= t`` (t a scalar of values'
-    dtype; NaN is never kept), the indices in idx's dtype.
+    """Return ``(idx[keep], values[keep])`` where ``keep = |values| >= t`` (NaN never kept).
 
-    ``part`` and ``zc``: ``values`` are those of ``part`` at positions ``idx - lo``, and
-    ``part`` holds 0 where ``|values| >= zc`` instead (a pass took them out): ``part`` is
-    then fixed to hold 0 exactly where kept. Only the entries between the two cuts are
-    written, the value given back or the 0 set. A branch-free Numba loop on the host
-    (numpy's boolean indexing was most of exdyna's window selection time,
-    docs/benchmarks.md), boolean indexing on a GPU.
+    ``t`` is a scalar of values' dtype. With ``part`` and ``zc``: ``values`` are those of
+    ``part`` at ``idx - lo``, and ``part`` holds 0 where ``|values| >= zc``; ``part`` is then
+    fixed to hold 0 exactly where kept (only the entries between the two cuts are written).
+    A branch-free Numba loop on the host, boolean indexing on a GPU.
     """
     xp = get_array_module(values)
     t = values.dtype.type(t)
     zc = values.dtype.type(np.inf if zc is None else zc)
     if xp is not np or values.dtype == np.float16:
-        keep = magnitude_ge(values, t)  # (not abs >=: CuPy's flushes float32 subnormals)
+        keep = magnitude_ge(values, t)  # not abs() >=: CuPy's flushes float32 subnormals
         if part is not None:
             fix = keep != magnitude_ge(values, zc)
             part[idx[fix] - lo] = xp.where(keep[fix], 0, values[fix]).astype(part.dtype)
@@ -193,8 +191,8 @@ def _keep_bucket_kernel() -> Any:
     def keep(idx, values, hi, lo, a1, b1, a2, b2, out_idx, out_val, chosen):  # pragma: no cover
         # every entry is written at p, which advances when it is kept: no branch on
         # whether it is kept (random). The bucket is a thin slice of the magnitudes, so the
-        # one branch, on entering it, is rarely taken and well predicted (a branch-free
-        # test of the runs for every entry took twice as long); o counts the bucket so far
+        # one branch, on entering it, is rarely taken and well predicted; o counts the
+        # bucket so far
         p = 0
         o = 0
         for i in range(values.shape[0]):
@@ -218,18 +216,19 @@ Runs = tuple[tuple[int, int], ...]
 def keep_bucket(
     idx: Any, values: Any, hi: Any, lo: Any, runs: Runs, count: int, mask: bool = False
 ) -> tuple[Any, ...]:
-    """The entries (``idx``, ``values``) with |value| >= hi, and of those with lo <= |value|
-    < hi (the bucket) the ones whose position in the bucket (0, 1, ... in order) lies in
-    one of ``runs``, at most two half-open ``(start, stop)`` ranges: ``count`` of them in
-    all (the caller knows it). hi and lo are scalars of values' dtype, lo <= hi. With
-    ``mask``, a third array: which entries were kept. A Numba loop on the host, masks on a
-    GPU."""
+    """Return the entries with |value| >= hi plus a chosen part of the bucket [lo, hi).
+
+    Of the bucket, in order, the entries at the positions in ``runs`` (at most two
+    half-open ``(start, stop)`` ranges) are kept; ``count`` entries in all (the caller
+    knows it). ``hi`` and ``lo`` are scalars of values' dtype, lo <= hi. With ``mask``, a
+    third array says which entries were kept.
+    """
     if len(runs) > 2:
         raise ValueError(f"keep_bucket: at most two runs, got {runs}")
     (a1, b1), (a2, b2) = (*runs, (0, 0), (0, 0))[:2]
     xp = get_array_module(values)
     if xp is not np or values.dtype == np.float16:
-        chosen = magnitude_ge(values, hi)  # (as in take_at_least)
+        chosen = magnitude_ge(values, hi)  # as in take_at_least
         bucket = xp.flatnonzero(magnitude_ge(values, lo) & ~chosen)
         for a, b in ((a1, b1), (a2, b2)):
             chosen[bucket[max(a, 0) : max(b, 0)]] = True
@@ -249,9 +248,10 @@ def keep_bucket(
 
 
 def isin_sorted(a: Any, b: Any) -> Any:
-    """Boolean mask over the ascending array ``a``: which entries occur in the ascending
-    array ``b``. One linear walk on the host (binary searches took ~20 ns an entry), a
-    search per entry on a GPU."""
+    """Return which entries of the ascending array ``a`` occur in the ascending ``b``.
+
+    One linear walk on the host, a binary search per entry on a GPU.
+    """
     xp = get_array_module(a)
     if b.shape[0] == 0:
         return xp.zeros(a.shape[0], dtype=bool)
@@ -264,10 +264,9 @@ def isin_sorted(a: Any, b: Any) -> Any:
 
 
 def merge_two(i1: Any, v1: Any, i2: Any, v2: Any, n: int) -> tuple[Any, Any]:
-    """Merge two coalesced runs (same index and value dtypes); returns new arrays.
+    """Merge two coalesced runs (same index and value dtypes) into new arrays.
 
-    float16 values are summed in float64 and rounded once (as ``coalesce`` does); the
-    result keeps the input dtype.
+    float16 values are summed in float64 and rounded once, as ``coalesce`` does.
     """
     if i2.shape[0] == 0:
         return i1.copy(), v1.copy()

@@ -29,24 +29,30 @@ WINDOW_OFFSETS = 0.003 * _J + (math.log(1.25) - 0.096) / 32**3 * _J**3
 
 
 def window_edges(threshold: float, dtype: Any) -> np.ndarray:
-    """The E = 65 edges ``threshold·e^{WINDOW_OFFSETS}``, ascending, as ``dtype`` holds them
-    (what ``|x| >= edge`` compares against in that dtype: inf past its largest finite
-    value, which only infinities reach, as intended; no overflow warning)."""
+    """Return the E = 65 edges ``threshold·e^{WINDOW_OFFSETS}``, ascending, in ``dtype``.
+
+    An edge past dtype's largest finite value is inf, which only infinities reach.
+    """
     with np.errstate(over="ignore"):
         return (threshold * np.exp(WINDOW_OFFSETS)).astype(dtype)
 
 
 def nudged_up(threshold: float, factor: float) -> float:
-    """``threshold·factor`` held to the largest float: above every finite |value| it keeps
-    only infinities either way, but inf would stay inf under every later division (a reuse
-    rule that kept nothing for ever, from values near float64's largest)."""
+    """Return ``threshold·factor``, held to the largest finite float.
+
+    Either way it keeps only infinities, but a finite threshold comes back down under later
+    divisions where inf would stay inf for ever.
+    """
     return min(threshold * factor, sys.float_info.max)
 
 
 def edge_counts(mags: Any, edges: np.ndarray) -> tuple[Any, np.ndarray]:
-    """``(h, ge)`` for non-negative ``mags``: ``h`` = how many edges are <= each magnitude
-    (so ``h > j`` selects ``mags >= edges[j]``) and ``ge[j]`` = #(mags >= edges[j]) (host
-    int64). One pass over ``mags``."""
+    """Count non-negative ``mags`` at each edge, in one pass.
+
+    Returns:
+        ``(h, ge)``: ``h`` how many edges are <= each magnitude (so ``h > j`` selects
+        ``mags >= edges[j]``), ``ge[j]`` = #(mags >= edges[j]) (host int64).
+    """
     xp = get_array_module(mags)
     if xp is np and backend() == "numba":
         from ..select._numba import bucketize
@@ -64,8 +70,7 @@ def edge_counts(mags: Any, edges: np.ndarray) -> tuple[Any, np.ndarray]:
 
 
 def edge_totals(x: Any, edges: np.ndarray) -> np.ndarray:
-    """``ge[j]`` = #(|x| >= edges[j]) (host int64): :func:`edge_counts` of ``|x|`` without
-    the per-magnitude bucket (one Numba pass on the CPU)."""
+    """Return ``ge[j]`` = #(|x| >= edges[j]) (host int64): :func:`edge_counts` without ``h``."""
     if isinstance(x, np.ndarray) and backend() == "numba":
         from ..select._numba import count_at_edges
 
@@ -74,9 +79,11 @@ def edge_totals(x: Any, edges: np.ndarray) -> np.ndarray:
 
 
 def pick_edge(total: np.ndarray, k: int, tol: float) -> tuple[int, bool]:
-    """``(j, missed)``: the edge whose global count ``total[j]`` is nearest ``k`` (the middle
-    one of a tie: margin on both sides); ``missed`` when k lies outside the window by more
-    than ``tol`` (then j is the end edge nearest k). Deterministic."""
+    """Return ``(j, missed)``: the edge whose global count ``total[j]`` is nearest ``k``.
+
+    A tie goes to the middle edge (margin on both sides). ``missed``: k lies outside the
+    window by more than ``tol``, and j is the end edge nearest k.
+    """
     if total[-1] > k + tol:  # too many even at the highest edge: the window is too low
         return total.shape[0] - 1, True
     if total[0] < k - tol:  # too few even at the lowest edge: the window is too high
@@ -87,26 +94,31 @@ def pick_edge(total: np.ndarray, k: int, tol: float) -> tuple[int, bool]:
 
 
 def bracket_edge(total: np.ndarray, k: int) -> int | None:
-    """The highest edge j whose global count ``total[j]`` is >= k, so that the k-th largest
-    magnitude lies in ``[edges[j], edges[j + 1])`` (or is exactly at the top edge); None when
-    k lies outside the window (fewer than k at the lowest edge, more at the highest)."""
+    """Return the highest edge j with ``total[j] >= k``, or None when k is outside the window.
+
+    The k-th largest magnitude then lies in ``[edges[j], edges[j + 1])`` (or at the top edge).
+    """
     if total[0] < k or total[-1] > k:
         return None
     return int(np.flatnonzero(np.asarray(total) >= k)[-1])
 
 
 def bucket_start(step: int, total: int) -> int:
-    """Where a window call's bucket of ``total`` entries starts being taken: the
-    fractional part of ``step·φ`` (golden ratio, in 64-bit fixed point) times ``total``, so
-    successive calls start far apart and every position comes round evenly."""
+    """Return where a window call's bucket of ``total`` entries starts being taken.
+
+    The fractional part of ``step·φ`` (golden ratio, 64-bit fixed point) times ``total``:
+    successive calls start far apart and every position comes round evenly.
+    """
     return ((step * 0x9E3779B97F4A7C15) & (2**64 - 1)) * total >> 64
 
 
 def bucket_shares(bucket: Any, need: int, start: int) -> list[tuple[tuple[int, int], ...]]:
-    """Each part's share of a run of ``need`` entries of a bucket laid out part after part
-    in index order (``bucket[i]`` entries in part i): the run starts at position ``start``
-    and wraps around. Per part, at most two ``(start, stop)`` ranges of positions in its
-    own share of the bucket (what :func:`sparsecoll.algorithms._merge.keep_bucket` takes)."""
+    """Split a run of ``need`` bucket entries from ``start`` (wrapping) among the parts.
+
+    The bucket is laid out part after part (``bucket[i]`` entries in part i). Returns, per
+    part, at most two ``(start, stop)`` ranges of positions in its own share, as
+    :func:`~sparsecoll.algorithms._merge.keep_bucket` takes them.
+    """
     counts = [int(c) for c in bucket]
     total = sum(counts)
     runs = [(start, min(start + need, total)), (0, max(start + need - total, 0))]

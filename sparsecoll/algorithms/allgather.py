@@ -1,10 +1,9 @@
-"""allgather (TopkA): allgatherv of every rank's pairs, then one local merge of the P runs.
+"""allgather (TopkA): gather every rank's pairs, then merge the P runs locally.
 
-Volume per rank: receives the other ranks' pairs, Σ_{s≠r} k_s·(index + value bytes), in
-one allgatherv of every rank's packed pairs (its index bytes, then its value bytes) after one
-exchange of counts. O(kP): the baseline.
-Exact: every rank sums the same gathered runs in the same (pairwise, by rank) order, so the
-result is bit-identical on every rank.
+Rounds: one exchange of counts, then one allgatherv of every rank's packed pairs (index
+bytes, then value bytes). Volume per rank: receives Σ_{s≠r} k_s pairs, O(kP): the baseline.
+Exact: every rank merges the same runs in the same order, so the result is bit-identical
+on every rank.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ class Allgather(Algorithm):
     name = "allgather"
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
-        # (one allgatherv of the packed pairs: gathering the indices and the values apart
-        # was one collective more per call, as the counts travel once either way)
+        # indices and values packed together: one allgatherv, one exchange of counts
         buf, sizes = comm.allgatherv(pack_pairs(x.indices, x.values))
         runs, start = [], 0
         for size in sizes:
@@ -39,10 +37,12 @@ class Allgather(Algorithm):
 
 
 def merge_runs(runs: list[tuple[Any, Any]], n: int) -> tuple[Any, Any]:
-    """Sum nonempty coalesced runs ``(indices, values)`` (rank order) by merging neighbours
-    pairwise, log2 P linear passes instead of sorting the concatenation. The pairing
-    depends only on the number of runs, so every rank adds in the same order and gets the
-    same bits. float16 values are summed in float64 and rounded once, at the end."""
+    """Sum nonempty coalesced runs ``(indices, values)``, given in rank order.
+
+    Neighbours are merged pairwise (log2 P linear passes). The pairing depends only on the
+    number of runs, so every rank adds in the same order and gets the same bits; float16
+    is summed in float64 and rounded once.
+    """
     dtype = runs[0][1].dtype
     acc = accumulate_dtype(dtype)
     runs = [(i, v.astype(acc, copy=False)) for i, v in runs]

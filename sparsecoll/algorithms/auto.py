@@ -1,43 +1,18 @@
 """auto: pick the exact algorithm (allgather, dsa, recursive_doubling, dense) per call.
 
-One small allreduce gives the global nnz N = Σ k_r; with P, n and the index/value sizes it
-feeds a latency–bandwidth–compute model (:func:`predict`), and the cheapest prediction wins
-(:func:`choose`; ties go to the earlier name in ``CANDIDATES``). The expected size of a
-union of m ranks' inputs is ``K(m) = n·(1 − (1 − k̄/n)^m)`` (independent uniform indices,
-k̄ = N/P) on the first call; after each call the instance learns the real overlap from the
-result, ``K(P) = nnz(result)``, as an exponent θ with ``K(m) = k̄·m^θ`` (θ = 0: identical
-indices, θ = 1: disjoint), and uses it on the next call. Both N and the result are the same
-on every rank, so every rank makes the same choice (use one instance per tensor, on every
-rank, as for any stateful algorithm; its state is part of the signature checked before
-each call).
+One small allreduce gives the global nnz N; with P, n and the index/value sizes it feeds a
+latency–bandwidth–compute model (:func:`predict`, formulas in docs/guide/algorithms.md) and
+the cheapest prediction runs (:func:`choose`; ties go to the earlier of ``CANDIDATES``;
+P = 1 always gives allgather). The first call assumes independent uniform indices; each
+later one uses the overlap exponent θ learned from the previous result (K(m) = k̄·m^θ).
+N and the result are the same on every rank, so every rank makes the same choice; θ is
+part of the signature, so use one instance per tensor on every rank.
 
-Predicted seconds, with lg = ⌈log2 P⌉, pair = index + value bytes, v = value bytes,
-``sp(m, L) = min(m·pair, L·v)`` (the break-even rule), α per message, β per byte sent,
-γ_sort per pair and sorting pass, γ_merge per pair merged, δ per dense element pass:
-
-- allgather: 2·lg·α + β·(P−1)/P·N·pair + γ_sort·N·max(1, log2 P)
-- dsa: (3(P−1) + lg + Σ_i b_i)·α + β·(P−1)·sp(k̄/P, n/P) + β·(P−1)/P·sp(K(P), n)
-  + γ_merge·k̄·log2 P  (+ δ·n when the reduced ranges go dense); b_i = 2 for a Bruck
-  round that sends one range, 4 for one whose run of ranges wraps past rank P − 1
-- recursive_doubling: (2·lg₂ + 3f)·α + β·Σ_i sp(K(m_i), n) + γ_merge·Σ_i K(2·m_i)
-  (+ δ·n when it goes dense); lg₂ = ⌊log2 P⌋, p = 2^lg₂, m_i = 2^i·P/p, f = 1 when P is
-  not a power of two (the fold's messages)
-- dense: 2·lg·α + β·2(P−1)/P·n·v + 3·δ·n; only considered when n ≤ 4·N (it needs O(n)
-  memory, never worth it for very sparse inputs of a huge n).
-
-The α terms count the messages of the busiest rank while the data stay sparse, as
-``sparsecoll.benchmarks.model`` does (checked against measured counts there).
-
-When the pick is ``dense`` (P > 1), its buffer of n values is made before the exchange and
-the ranks agree on it (one more small allreduce, only on that path): memory running out on
-one rank is then a CollectiveRuntimeError on every rank, not that rank's alone. So is
-``recursive_doubling``'s dense start when N is past its switch point (below it, no rank's
-input is, and nothing is made or agreed).
-
-P = 1 always gives ``allgather`` (no communication at all). The default constants describe a
-cluster node pair (5 µs, 10 GB/s) and this library's measured merge speeds; pass your own
-(``Auto(alpha=…, beta=…)``) to fit another machine. The choice is in
-``result.info["auto_choice"]``.
+When the pick may allocate O(n) (dense; recursive_doubling past its switch point), its
+preflight runs and the ranks agree on it first: memory running out on one rank is a
+CollectiveRuntimeError on every rank. The default constants describe a cluster node pair
+(5 µs, 10 GB/s); pass your own (``Auto(alpha=…, beta=…)``) to fit another machine. The
+choice is in ``result.info["auto_choice"]``.
 """
 
 from __future__ import annotations
@@ -76,7 +51,10 @@ class CostModel:
 
 
 def union_size(m: float, n: int, kbar: float, theta: float | None) -> float:
-    """Expected nnz of the sum of ``m`` ranks' inputs of ``kbar`` nonzeros each."""
+    """Return the expected nnz of the sum of ``m`` ranks' inputs of ``kbar`` nonzeros each.
+
+    ``theta`` None: independent uniform indices; else ``min(n, kbar·m**theta)``.
+    """
     if n <= 0 or kbar <= 0:
         return 0.0
     if theta is None:
@@ -86,11 +64,13 @@ def union_size(m: float, n: int, kbar: float, theta: float | None) -> float:
 
 
 def dsa_messages(P: int) -> int:
-    """Messages dsa's busiest rank (P − 1) sends while sparse: its chunks (indices and
-    values) to the P − 1 others, the counts' alltoall (P − 1), the owners' nnz allgather
-    (lg), and in each Bruck round its run of ranges as indices and values, twice that when
-    the run wraps past rank P − 1."""
-    rounds = bruck_counts(P)  # (one per lg)
+    """Count the messages dsa's busiest rank (P − 1) sends while sparse.
+
+    Its chunks (indices and values) to the P − 1 others, the counts' alltoall (P − 1), the
+    owners' nnz allgather (lg), and per Bruck round its ranges as indices and values (two
+    pieces each when the run wraps past rank P − 1).
+    """
+    rounds = bruck_counts(P)  # ⌈log2 P⌉ of them
     return 3 * (P - 1) + len(rounds) + sum(4 if cnt > 1 else 2 for cnt in rounds)
 
 
@@ -103,7 +83,7 @@ def predict(
     theta: float | None = None,
     model: CostModel | None = None,
 ) -> dict[str, float]:
-    """Predicted seconds of each candidate (see the module docstring for the formulas)."""
+    """Return the predicted seconds of each candidate (formulas: docs/guide/algorithms.md)."""
     m = model or CostModel()
     isz, vsz = np.dtype(itype).itemsize, np.dtype(vtype).itemsize
     pair = isz + vsz
@@ -151,7 +131,7 @@ def choose(
     theta: float | None = None,
     model: CostModel | None = None,
 ) -> str:
-    """The candidate with the smallest prediction (ties: earlier in ``CANDIDATES``)."""
+    """Return the candidate with the smallest prediction (ties: earlier in ``CANDIDATES``)."""
     if P <= 1:
         return "allgather"
     cost = predict(P, n, nnz_total, itype, vtype, theta, model)
@@ -160,7 +140,7 @@ def choose(
 
 @register_algorithm
 class Auto(Algorithm):
-    """Exact: picks allgather, dsa, recursive_doubling or dense per call (module docstring).
+    """Exact: picks allgather, dsa, recursive_doubling or dense per call by a cost model.
 
     Args:
         alpha: seconds per message (the default: a cluster node pair).
@@ -193,8 +173,7 @@ class Auto(Algorithm):
         self.model = CostModel(**{k: real(k, v) for k, v in constants.items()})
         self.reset()
 
-    # the constants, read from the model, fixed as it is (before, a.alpha = -1.0 made an
-    # attribute that no choice read, silently)
+    # the constants, read from the model: fixed at construction as the model is
     alpha = read_only("model.alpha", "alpha")
     beta = read_only("model.beta", "beta")
     gamma_sort = read_only("model.gamma_sort", "gamma_sort")
@@ -226,9 +205,11 @@ class Auto(Algorithm):
 
 
 def _preflight_may_allocate(algo: Algorithm, x: SparseVector, total: int) -> bool:
-    """Whether the pick has a preflight that may make something on some rank (known alike
-    on every rank): recursive_doubling's makes n values only for an input past its switch
-    point, and no rank's input holds more than the agreed total nnz."""
+    """Whether the pick's preflight may allocate on some rank (known alike on every rank).
+
+    recursive_doubling's allocates only for an input past its switch point, and no rank's
+    input holds more than the agreed total nnz.
+    """
     if type(algo).preflight is Algorithm.preflight:
         return False
     if algo.name == "recursive_doubling":
@@ -237,13 +218,14 @@ def _preflight_may_allocate(algo: Algorithm, x: SparseVector, total: int) -> boo
 
 
 def _preflight_agreed(comm: Communicator, algo: Algorithm, x: SparseVector) -> None:
-    """Run the chosen algorithm's preflight (dense: its buffer of n values), then agree on
-    its outcome: the choice comes after the call's own agreement, so memory running out on
-    one rank would otherwise leave the others waiting in the exchange. One small allreduce,
-    only on this path (beside an n-value allreduce, nothing)."""
+    """Run the pick's preflight, then agree on its outcome (one small allreduce).
+
+    The choice comes after the call's own agreement, so memory running out on one rank
+    would otherwise leave the others waiting in the exchange.
+    """
     error = None
     try:
         algo.preflight(x)
-    except Exception as exc:  # (shared with every rank: none is left waiting)
+    except Exception as exc:  # shared with every rank: none is left waiting
         error = exc
     collective_check(comm, error, None)

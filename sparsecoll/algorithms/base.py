@@ -45,24 +45,21 @@ class Algorithm(ABC):
     Class attributes:
         name: the registry name.
         exact: True when the result is the exact sum of every rank's input.
-        densifies: True when the algorithm needs O(n) memory per rank (dense references).
-        required: options the constructor cannot do without (a selecting algorithm's k),
-            listed as required although their default is None.
+        densifies: True when the algorithm needs O(n) memory per rank.
+        required: options without which the constructor fails (a selecting algorithm's
+            k), listed as required though their default is None.
         state_kinds: the attributes that calls change (what a GradientReducer checkpoint
-            restores), each with its kind (:mod:`sparsecoll._state`); the
-            other attributes are the constructor's. None: not declared (all attributes
-            restored as saved).
-        state_version: the version of that state's meaning, saved with it: raise it when an
-            attribute keeps its name but changes what it holds, so that a state saved
-            before is refused instead of misread.
-        fixed_options: the constructor's options kept as attributes of the same name,
-            fixed once the constructor set them: setting one later (or deleting it) raises
-            AttributeError saying to build a new instance (the constructor's checks, the
-            signature and the state of earlier calls are the old value's).
+            restores), each with its kind (:mod:`sparsecoll._state`); None: not declared
+            (every attribute restored as saved).
+        state_version: the version of that state's meaning, saved with it: raise it when
+            an attribute keeps its name but changes what it holds, so old states are
+            refused instead of misread.
+        fixed_options: constructor options kept as attributes of the same name; setting
+            or deleting one later raises AttributeError (build a new instance instead).
 
     Options are the constructor's parameters, documented in the class docstring's ``Args:``
-    section; :func:`sparsecoll.get_algorithm` and the registry's listing read them from
-    there. An algorithm without options defines no ``__init__``: it takes none.
+    section, which :func:`sparsecoll.get_algorithm` and the registry's listing read. An
+    algorithm without options defines no ``__init__``.
     """
 
     name: ClassVar[str] = ""
@@ -74,9 +71,8 @@ class Algorithm(ABC):
     fixed_options: ClassVar[tuple[str, ...]] = ()
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # (set once, by the constructor: before, oktopk's a.k = -1, a.rule = "bogus" or
-        # exdyna's a.blocks = 0 were taken unchecked, silently, and a.tau = 0 raised
-        # ZeroDivisionError inside a later call)
+        # fixed options are set once, by the constructor, which checks them; the
+        # signature and the state of earlier calls are built for that value
         if name in self.fixed_options and name in self.__dict__:
             self._refuse(name, value)
         object.__setattr__(self, name, value)
@@ -96,9 +92,8 @@ class Algorithm(ABC):
         )
 
     def __init__(self, **options: Any) -> None:
-        # What an algorithm without options inherits. It takes none, and its signature says
-        # so (below); the keywords are caught only to fail with a clear message, however
-        # the class is built (get_algorithm, GradientReducer, directly).
+        # an algorithm without options takes none (its signature says so, below); the
+        # keywords are caught only to fail with a clear message, however it is built
         if options:
             raise TypeError(
                 f"algorithm {self.name!r} takes no options, got {', '.join(sorted(options))}"
@@ -113,40 +108,46 @@ class Algorithm(ABC):
         """Reduce ``x`` over ``comm``; see the module docstring for the contract."""
 
     def preflight(self, x: SparseVector) -> None:
-        """This rank's local work for :meth:`reduce` that can fail here alone (an O(n)
-        allocation), done ahead: :func:`sparsecoll.allreduce` calls it before the ranks agree
-        on their input, so that such an error is raised on every rank rather than leaving the
-        others waiting in ``reduce``. What it makes goes in ``x.info`` (:func:`dense_of`);
-        ``reduce`` must work without it. Default: nothing."""
+        """Do the local work of :meth:`reduce` that can fail on this rank alone, ahead.
+
+        :func:`sparsecoll.allreduce` calls it before the ranks agree on their input, so
+        that such an error (an O(n) allocation) is raised on every rank. What it makes goes
+        in ``x.info`` (:func:`dense_of`); ``reduce`` must work without it.
+        """
         return None
 
     @classmethod
     def default_options(cls, n: int, k: int) -> dict[str, Any]:
-        """Options for a problem of length ``n`` with about ``k`` nonzeros per rank
-        (benchmarks build every algorithm this way)."""
+        """Return options for length ``n`` and about ``k`` nonzeros per rank (benchmarks)."""
         return {}
 
     def signature(self) -> list[int]:
-        """Integers that must agree on every rank (e.g. k); checked before any payload moves.
-        At most 5 (``allreduce`` adds n, the dtype and the class; a GradientReducer n, the
-        dtype, its options and its step), each a Python or numpy integer within int64; more
-        is a CollectiveInputError on every rank."""
+        """Return integers that must agree on every rank (e.g. k), checked before any payload.
+
+        At most 5, each within int64 (callers add n, the dtype and the class); more is a
+        CollectiveInputError on every rank.
+        """
         return []
 
     def check_state(self, saved: dict[str, Any], n: int, size: int) -> dict[str, Any]:
-        """The attributes to restore from ``saved`` (this class's attributes as a checkpoint
-        holds them), checked for this instance on a problem of length ``n`` over ``size``
-        ranks. Raises ValueError (TypeError for a value of the wrong type) naming what does
-        not fit; changes nothing. Override to check how the attributes fit together."""
+        """Return the attributes to restore from the checkpoint state ``saved``, checked.
+
+        Checked for this instance on length ``n`` over ``size`` ranks; changes nothing.
+        Override to check how the attributes fit together.
+
+        Raises:
+            ValueError: (TypeError for a wrong type) naming what does not fit.
+        """
         return check_saved(self, saved, n, size)
 
     def verify(
         self, result: SparseVector, reference: SparseVector, inputs: list[SparseVector]
     ) -> bool:
-        """Whether ``result`` meets this algorithm's contract, given the exact ``reference``
-        sum (:func:`reference_sum`) and every rank's coalesced ``inputs`` (used by
-        benchmarks and tests). Exact algorithms: the reference sum at every index, within
-        the rounding :func:`allclose_sparse` allows index by index."""
+        """Return whether ``result`` meets this algorithm's contract (benchmarks, tests).
+
+        ``reference`` is the exact sum (:func:`reference_sum`) of every rank's coalesced
+        ``inputs``. Exact algorithms must match it within :func:`allclose_sparse`'s rounding.
+        """
         return allclose_sparse(result, reference, inputs)
 
     def __repr__(self) -> str:
@@ -154,9 +155,11 @@ class Algorithm(ABC):
 
 
 def state_crc(values: Any, bounds: Any = None) -> int:
-    """A CRC of ``values`` (their repr: options and the scalar state of earlier calls) and
-    of the int64 array ``bounds`` (partition bounds; None: none yet), for a stateful
-    algorithm's :meth:`Algorithm.signature`."""
+    """Return a CRC of ``values``' repr and the int64 array ``bounds`` (None: none yet).
+
+    For a stateful algorithm's :meth:`Algorithm.signature`: options, the scalar state of
+    earlier calls, partition bounds.
+    """
     crc = zlib.crc32(repr(values).encode())
     if bounds is not None:
         crc = zlib.crc32(np.ascontiguousarray(bounds, np.int64).tobytes(), crc)
@@ -164,13 +167,13 @@ def state_crc(values: Any, bounds: Any = None) -> int:
 
 
 def dense_of(x: SparseVector) -> Any:
-    """``x`` as a new dense array: the one :meth:`Algorithm.preflight` made, or made now."""
+    """Return ``x`` as a new dense array: the one :meth:`Algorithm.preflight` made, or now."""
     dense = x.info.pop("dense", None)
     return x.to_dense() if dense is None else dense
 
 
 def _dense_on(union: np.ndarray, indices: Any, values: Any) -> np.ndarray:
-    """``values`` (float64) placed at ``indices`` among the ascending ``union``, 0 elsewhere."""
+    """Place ``values`` (float64) at ``indices`` among the ascending ``union``, 0 elsewhere."""
     out = np.zeros(union.shape[0])
     out[np.searchsorted(union, np.asarray(to_host(indices)).astype(np.int64))] = np.asarray(
         to_host(values), dtype=np.float64
@@ -179,8 +182,10 @@ def _dense_on(union: np.ndarray, indices: Any, values: Any) -> np.ndarray:
 
 
 def input_mass(inputs: list[SparseVector], at: np.ndarray) -> np.ndarray:
-    """Σ_r |x_r[i]| over every rank's coalesced input, in float64, at each index of the
-    ascending int64 array ``at``: what bounds the rounding of any sum of them at ``i``."""
+    """Return Σ_r |x_r[i]| (float64) at each index of the ascending int64 array ``at``.
+
+    It bounds the rounding of any sum of the inputs at ``i``.
+    """
     mass = np.zeros(at.shape[0])
     for x in inputs:
         xi = np.asarray(to_host(x.indices)).astype(np.int64)
@@ -191,10 +196,11 @@ def input_mass(inputs: list[SparseVector], at: np.ndarray) -> np.ndarray:
 
 
 def reference_sum(inputs: list[SparseVector]) -> SparseVector:
-    """The exact sum of every rank's input, built apart from any algorithm: summed in
-    float64 (exact for the benchmarks' few terms of at most float32 precision, and within
-    float64 rounding otherwise) and rounded once to the inputs' dtype. Every index held by
-    some input is present (a sum that cancels is an explicit 0)."""
+    """Return the exact sum of every rank's input, computed apart from any algorithm.
+
+    Summed in float64 (exact for a few float32 terms) and rounded once to the inputs' dtype.
+    Every index held by some input is present (a sum that cancels is an explicit 0).
+    """
     n, dtype = inputs[0].n, inputs[0].values.dtype
     idx = [np.asarray(to_host(x.indices)).astype(np.int64) for x in inputs]
     union, inverse = np.unique(np.concatenate(idx), return_inverse=True)
@@ -204,15 +210,13 @@ def reference_sum(inputs: list[SparseVector]) -> SparseVector:
 
 
 def allclose_sparse(a: SparseVector, b: SparseVector, inputs: list[SparseVector]) -> bool:
-    """Whether ``a`` and ``b``, two ways of summing ``inputs`` (P of them) at the same
-    indices, are equal as dense vectors up to the rounding a sum may do, index by index:
-    ``|a[i] - b[i]| <= P·eps·Σ_r |x_r[i]|`` (plus P of the dtype's smallest subnormals).
+    """Return whether two sums ``a`` and ``b`` of ``inputs`` (P of them) agree index by index.
 
-    Summing P terms in any order, each partial sum rounded in the dtype (the multi-hop
-    algorithms round in float16 on float16 input), is within (P - 1)·u·Σ|x_r[i]| of the
-    exact sum (u = eps/2), and a reference rounded once within u·|sum|: P·eps is twice
-    their total. Equal values (infinities included) always match. The bound is per index:
-    an entry is never excused by the size of others (a result missing a small term fails).
+    Tolerance: ``|a[i] - b[i]| <= P·eps·Σ_r |x_r[i]|`` plus P of the dtype's smallest
+    subnormals. P terms summed in any order, each partial sum rounded in the dtype, are
+    within (P − 1)·u·Σ|x_r[i]| of the exact sum (u = eps/2), and a reference rounded once
+    within u·|sum|: P·eps is twice their total. Equal values (infinities too) always match;
+    the bound is per index, so a result missing a small term fails.
     """
     if a.n != b.n:
         return False
@@ -234,10 +238,10 @@ def allclose_sparse(a: SparseVector, b: SparseVector, inputs: list[SparseVector]
 class Fold:
     """How a rank takes part in a power-of-two algorithm when P is not a power of two.
 
-    The first ``2 r`` ranks (``r = P - 2^floor(log2 P)``) pair up: each even rank hands
-    its data to the odd rank above it before the algorithm and gets the result back after
-    (the MPICH approach). ``newrank`` is the rank inside the power-of-two group, or -1 for
-    a rank folded away; ``partner`` is the rank it pairs with, or -1.
+    The first ``2 r`` ranks (``r = P - 2^floor(log2 P)``) pair up: each even rank hands its
+    data to the odd rank above it before the algorithm and gets the result back after (as
+    MPICH does). ``newrank``: the rank in the power-of-two group, -1 for a folded rank;
+    ``partner``: the rank it pairs with, or -1.
     """
 
     rank: int
@@ -268,20 +272,21 @@ class Fold:
 
 
 def range_bounds(n: int, parts: int) -> np.ndarray:
-    """``parts + 1`` boundaries splitting [0, n) into contiguous near-equal ranges (int64).
+    """Return ``parts + 1`` int64 bounds splitting [0, n) into near-equal contiguous ranges.
 
-    Computed in Python integers: ``i * n`` overflows int64 for n above 2**63 / parts."""
+    Computed in Python integers: ``i * n`` overflows int64 for n above 2**63 / parts.
+    """
     if not parts:
         return np.zeros(1, np.int64)
     return np.array([i * n // parts for i in range(parts + 1)], dtype=np.int64)
 
 
 def region_cuts(indices: Any, bounds: np.ndarray) -> list[int]:
-    """Where each region starts and ends in the ascending ``indices``: ``len(bounds)``
-    positions, the first 0 and the last ``len(indices)`` (region 0 takes everything below
-    bounds[1], the last everything from bounds[-2] on). The bounds are searched in the
-    indices' dtype where it holds them: int64 keys in int32 indices would convert the
-    whole index array first."""
+    """Return where each region starts in the ascending ``indices`` (``len(bounds)`` cuts).
+
+    The first cut is 0 and the last ``len(indices)``. Bounds are searched in the indices'
+    dtype where it holds them: int64 keys would convert a whole int32 index array first.
+    """
     xp = get_array_module(indices)
     dtype = indices.dtype if int(bounds.max()) <= np.iinfo(indices.dtype).max else bounds.dtype
     cuts = [int(c) for c in to_host(xp.searchsorted(indices, xp.asarray(bounds, dtype=dtype)))]
@@ -290,14 +295,14 @@ def region_cuts(indices: Any, bounds: np.ndarray) -> list[int]:
 
 
 def sparse_is_cheaper(nnz: int, length: int, itype: Any, vtype: Any) -> bool:
-    """The break-even rule: send sparse while nnz·(index+value bytes) < length·value bytes."""
+    """Apply the break-even rule: sparse while nnz·(index+value bytes) < length·value bytes."""
     isz = np.dtype(itype).itemsize
     vsz = np.dtype(vtype).itemsize
     return nnz * (isz + vsz) < length * vsz
 
 
 def pack_pairs(indices: Any, values: Any) -> Any:
-    """One byte buffer holding the indices then the values (no float-packed ints)."""
+    """Pack the indices then the values into one byte buffer (no float-packed ints)."""
     xp = get_array_module(values)
     out = xp.empty(indices.nbytes + values.nbytes, dtype=np.uint8)
     out[: indices.nbytes] = indices.view(np.uint8)
@@ -306,9 +311,11 @@ def pack_pairs(indices: Any, values: Any) -> Any:
 
 
 def unpack_pairs(buf: Any, itype: Any, vtype: Any) -> tuple[Any, Any]:
-    """Split a buffer from :func:`pack_pairs` back into (indices, values) views (copies
-    where a part is misaligned for its type, e.g. float64 values after an odd count of
-    int32 indices: GPUs fault on misaligned loads)."""
+    """Split a buffer from :func:`pack_pairs` back into (indices, values) views.
+
+    A part misaligned for its type (float64 after an odd count of int32) is copied: GPUs
+    fault on misaligned loads.
+    """
     isz = np.dtype(itype).itemsize
     vsz = np.dtype(vtype).itemsize
     m = buf.shape[0] // (isz + vsz)
@@ -316,8 +323,7 @@ def unpack_pairs(buf: Any, itype: Any, vtype: Any) -> tuple[Any, Any]:
 
 
 def recv_pairs(comm: Communicator, source: int, tag: int, n: int, vtype: Any, xp: Any = np):
-    """Receive a pair buffer of unknown length from ``source`` (probe, then receive) into
-    an array of module ``xp`` (on the device directly when MPI is CUDA-aware)."""
+    """Receive a pair buffer of unknown length from ``source`` into an array of ``xp``."""
     buf = comm.recv_bytes(source, tag, xp)
     return unpack_pairs(buf, index_dtype(n), vtype)
 

@@ -20,7 +20,8 @@ class Dense(Algorithm):
     densifies = True
 
     def preflight(self, x: SparseVector) -> None:
-        # the dense array, and (float16) the float32 one the allreduce sums it in
+        # made before the ranks agree: the dense array and (float16) the float32 one it is
+        # summed in
         x.info["dense"] = dense = x.to_dense()
         x.info["work"] = widening_buffer(dense)
 

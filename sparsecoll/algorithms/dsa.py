@@ -1,46 +1,17 @@
 """dsa (TopkDSA): SparCML's split-allgather sparse allreduce with the dynamic dense switch.
 
-Renggli et al., "SparCML: High-Performance Sparse Communication for Machine Learning",
-SC'19 (``SSAR_Split_allgather``/DSAR); "TopkDSA" in Li & Hoefler, PPoPP'22.
+Renggli et al., SC'19 (``SSAR_Split_allgather``/DSAR); "TopkDSA" in Li & Hoefler, PPoPP'22.
 
-1. [0, n) is split into P contiguous near-equal ranges; rank j owns range j.
-2. Sparse reduce-scatter: after one alltoall of counts (metadata), rank r sends its pairs
-   in range j to rank j, destinations rotated (step s: send to r+s, receive from r−s). All
-   receives are posted up front; the owner merges each chunk (a linear two-run merge,
-   binary-counter order) as soon as it has come, in the senders' rotated order, while the
-   later ones are still in flight. A chunk denser than the break-even point travels as the
-   range's dense values (the receiver knows from the counts) and the owner then sums into a
-   dense accumulator.
-3. Allgather of the reduced ranges, Bruck's algorithm: the owners' nnz are gathered first
-   (metadata), then ⌈log2 P⌉ rounds; in round i (dist = 2^i) rank r sends the first
-   min(dist, P − dist) ranges it holds (r, r+1, …) to r − dist and receives as many from
-   r + dist, straight into their places in the result. Range j travels sparse while
-   nnz·(index + value bytes) < length·value bytes, dense otherwise; every rank knows each
-   range's form before it arrives and decodes the same bytes, so the result is
-   bit-identical everywhere.
-
-Messages per rank: ≤ 2(P−1) in step 2 (indices and values; none for an empty chunk), and
-≤ 4⌈log2 P⌉ in step 3 (indices and values, a wrapped run in two pieces), plus an alltoall
-and an allgather of counts (metadata).
-Volume sent by rank r, with ``bytes(c, L) = c·(i+v)`` when sparse is cheaper, else ``L·v``
-(``L_j`` the length of range j, ``c_rj`` rank r's nonzeros in it, ``K_j`` its reduced nnz):
-
-- reduce-scatter: ``Σ_{j≠r} bytes(c_rj, L_j)`` ≈ k(P−1)/P pairs for spread-out indices;
-- allgather: ``Σ_i Σ_{b < cnt_i} bytes(K_{r+b}, L_{r+b})`` (cnt_i = min(2^i, P − 2^i));
-  it receives every range but its own once. For equal ranges that is (P−1)/P of the
-  reduced vector: from k(P−1)/P pairs (identical indices) up to about
-  min(kP·(i+v), n·v)·(P−1)/P bytes (disjoint indices: "gradient build-up").
-
-``result.info["phases"]`` holds the CommStats of each phase.
-
-Contract: exact. Every rank's result is the sum of all inputs; sums of a range sent dense
-drop entries that are exactly zero. The summation order is fixed, so repeated runs give the
-same bits, and ranks never differ from each other.
-
-Why not MPI_Waitany: on an oversubscribed node (more ranks than cores) MPICH 5's Waitany,
-Testany and probes cost about a millisecond per completed message (measured here: 4 ms vs
-30 µs for three 4 KB messages at P = 4 on 2 cores), while waiting on each request in turn
-costs microseconds; senders send in the same rotated order, so chunks come in that order.
+[0, n) is split into P near-equal ranges, rank j owning range j. Sparse reduce-scatter:
+after an alltoall of counts, each rank sends its pairs in range j to rank j (rotated: step s
+sends to r+s) and the owner merges each chunk as it arrives. Allgather of the reduced ranges
+by Bruck's algorithm (⌈log2 P⌉ rounds, after an allgather of their nnz). A chunk or range
+travels as pairs while nnz·(index + value bytes) < length·value bytes, dense otherwise.
+Volume sent per rank: ≈ k(P−1)/P pairs in the reduce-scatter (spread-out indices), then
+(P−1)/P of the reduced vector: from k(P−1)/P pairs (identical indices) to
+min(kP·pair, n·v)·(P−1)/P bytes (disjoint). ``result.info["phases"]`` holds each phase's
+CommStats. Exact: every rank gets the same bits, and repeated runs too (fixed summation
+order); ranges sent dense drop entries that sum to exactly zero.
 """
 
 from __future__ import annotations
@@ -89,7 +60,7 @@ class DSA(Algorithm):
 
 
 def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
-    """Step 2: return this rank's reduced range as ("sparse", idx, vals) or ("dense", vals)."""
+    """Return this rank's reduced range as ("sparse", idx, vals) or ("dense", vals)."""
     P, r, n = comm.size, comm.rank, x.n
     xp = x.xp
     itype, vtype = index_dtype(n), x.dtype
@@ -103,7 +74,7 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
     def is_dense(count: int, ln: int) -> bool:
         return not sparse_is_cheaper(count, ln, itype, vtype)
 
-    # Post every receive first, in rotated order (from r-1, r-2, ...).
+    # every receive posted first, in rotated order (from r-1, r-2, ...)
     order: list[int] = []
     chunks: dict[int, tuple[list[Any], list[Request]]] = {}
     any_dense = is_dense(int(sendcounts[r]), length)
@@ -120,7 +91,7 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
             ib, vb = xp.empty(c, itype), xp.empty(c, vtype)
             chunks[src] = ([ib, vb], [comm.irecv(ib, src, TAG_IDX), comm.irecv(vb, src, TAG_VAL)])
         order.append(src)
-    # Then every send, rotated (to r+1, r+2, ...), so no rank is everyone's first target.
+    # then every send, rotated (to r+1, r+2, ...): no rank is everyone's first target
     sends: list[Request] = []
     for s in range(1, P):
         dst = (r + s) % P
@@ -142,8 +113,9 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
     else:
         stack = _RunStack(n, xp, acc_t)
         stack.push(mine[0], mine[1].astype(acc_t, copy=False))
-    # Sum each chunk in the order the senders send it (rotated), while the later ones are
-    # still in flight. A fixed order also makes the sum reproducible from run to run.
+    # Chunks are summed in the order the senders send them, while later ones are in flight:
+    # a fixed order makes the sum reproducible. Each request is waited on in turn rather
+    # than with Waitany, which is slow on oversubscribed nodes (docs/guide/algorithms.md).
     for src in order:
         parts, reqs = chunks.pop(src)
         Request.waitall(reqs)
@@ -178,9 +150,11 @@ def _add_sparse(acc: Any, idx: Any, vals: Any, lo: int) -> None:
 
 
 class _RunStack:
-    """Merge runs as they arrive, binary-counter style: a run is merged with the top of the
-    stack while the top is no more than twice its size, so the total work stays
-    O(m log runs) and most of it happens while later chunks are still in flight."""
+    """Merge runs as they arrive, binary-counter style (O(m log runs) work in all).
+
+    A run is merged with the top of the stack while the top is at most twice its size, so
+    most of the work happens while later chunks are still in flight.
+    """
 
     def __init__(self, n: int, xp: Any, dtype: Any) -> None:
         self.n, self.xp, self.dtype = n, xp, dtype
@@ -215,14 +189,11 @@ def bruck_counts(size: int) -> list[int]:
 
 
 def _allgather(comm: Communicator, owned, x: SparseVector, bounds: np.ndarray) -> SparseVector:
-    """Step 3: Bruck allgather of the reduced ranges, straight into the result's arrays.
+    """Bruck-allgather the reduced ranges straight into the result's arrays.
 
-    The owners' nnz are gathered first (metadata; a range that travels dense announces its
-    length), so every rank knows each range's form and place in the output. Round i
-    (dist = 2^i): send the ranges r, r+1, … (the first min(dist, P − dist) held) to
-    r − dist and receive as many from r + dist; ⌈log2 P⌉ rounds. Indices and values travel
-    as separate messages into their final places (a run of ranges that wraps past P − 1 is
-    two pieces), so nothing is packed or copied afterwards unless a range went dense.
+    The owners' nnz go first, so every rank knows each range's form and place. Round i
+    (dist = 2^i) sends ranges r, r+1, … (min(dist, P − dist) of them) to r − dist, indices
+    and values as separate messages into their final places.
     """
     P, r, n, xp = comm.size, comm.rank, x.n, x.xp
     itype, vtype = index_dtype(n), x.dtype

@@ -1,31 +1,17 @@
 """gtopk: global top-k by recursive doubling (Shi et al., ICDCS'19), for any number of ranks.
 
-Rounds: each rank first keeps its local top-k. With ``p = 2^⌊log2 P⌋`` and
-``r = P − p``, the first 2r ranks fold in pairs (the even rank hands its top-k to the odd
-one, which merges and keeps the top k); then ``log2 p`` rounds of recursive doubling: partners
-swap their k-sparse vectors, sum equal indices and keep the top k by |value| of the ≤ 2k
-candidates. Both partners merge the same two sets, so they hold the same result and no
-broadcast is needed; folded ranks get the result (and their contribution mask) back at the end.
+Rounds: each rank keeps its local top-k; extra ranks fold in pairs (:class:`~.base.Fold`);
+then in each of log2 p rounds partners swap their k-sparse sets, sum equal indices and keep
+the top k by |value|. Both merge the same two sets, so no broadcast is needed.
+Volume per rank: ≤ k pairs each way per round, 2k·log2 p in all; folding adds k pairs each
+way and a k-bit mask. Indices travel as ``index_dtype(n)``, never inside float buffers.
 
-Volume per rank: at most ``k`` pairs sent and ``k`` received per round, so
-``2k·log2 p`` pairs in all; folding adds ``k`` pairs each way plus a bit mask of ``k`` bits.
-Indices travel as int32/int64 (``index_dtype(n)``), never inside float buffers.
-
-Contract: the result equals the same merge tree computed sequentially on the gathered inputs
-(:func:`gtopk_tree`), identically on every rank. It is at most k entries, no repeated index,
-sorted; entries whose value is exactly zero are never kept (they carry nothing). Ties in
-|value| are broken by the lower index. A sum of +inf and -inf met in a merge is NaN, as in
-the dense sum, and ranks above every number (so it reaches the result on every rank instead
-of stopping the merge on one: NaN inputs are refused up front). It is the exact global
-top-k when no entry is dropped in a subtree (for instance disjoint inputs with at most k
-nonzeros in all); otherwise it is approximate by design: a contribution dropped in one
-subtree is never recovered.
-
-Error feedback: ``result.contributed`` marks the entries of this rank's input whose value is
-in the result. It is tracked per round (an entry is alive while its index survives every merge
-it takes part in), not read off the final index set: an entry dropped in its own subtree whose
-index survived through another rank did *not* reach the result and must go back to the
-residual. Then ``sum of results + sum of residuals == sum of inputs`` exactly (up to rounding).
+Contract: the result equals the same merge tree computed sequentially (:func:`gtopk_tree`),
+on every rank: at most k entries, sorted, no zeros, ties in |value| to the lower index; a
++inf + -inf sum is NaN and ranks above every number. It is the exact global top-k when no
+subtree drops an entry; otherwise approximate by design. ``result.contributed`` marks this
+rank's entries that survived every merge they took part in (tracked per round, not read off
+the final index set), so ``sum of results + sum of residuals == sum of inputs`` up to rounding.
 """
 
 from __future__ import annotations
@@ -61,11 +47,10 @@ def check_k(name: str, k: Any) -> int:
 
 
 def topk_positions(values: Any, k: int) -> Any:
-    """Ascending positions of the ``k`` largest ``|values|``, ties by lower position.
+    """Return the ascending positions of the ``k`` largest nonzero ``|values|``.
 
-    Exactly-zero values are never selected, so fewer than k positions come back when fewer
-    than k values are nonzero. On a coalesced vector, position order is index order, so this
-    is the top-k with ties broken by the lower index.
+    Ties go to the lower position (on a coalesced vector: the lower index); fewer than k
+    come back when fewer than k values are nonzero.
     """
     if k == 0 or values.shape[0] == 0:
         return get_array_module(values).zeros(0, dtype=np.int64)
@@ -74,17 +59,16 @@ def topk_positions(values: Any, k: int) -> Any:
 
 
 def merge_topk(a: tuple[Any, Any], b: tuple[Any, Any], k: int, n: int) -> tuple[Any, Any]:
-    """Sum two coalesced (indices, values) sets and keep the top k (see topk_positions).
+    """Sum two coalesced (indices, values) sets and keep the top k (:func:`topk_positions`).
 
-    Symmetric in its arguments: at most two values meet at an index and a + b == b + a,
-    so both partners of a round get the same bits.
+    Symmetric (a + b == b + a at each index), so both partners of a round get the same bits.
     """
     idx, vals = merge_two(a[0], a[1], b[0], b[1], n)
     xp = get_array_module(vals)
     nan = xp.isnan(vals)
     if not bool(nan.any()):
         pos = topk_positions(vals, k)
-    else:  # inf + (-inf) met here: the sum is NaN, as the dense sum's is; ranked first
+    else:  # inf + (-inf) met here: NaN (as in the dense sum), ranked above every number
         pos = xp.flatnonzero(nan)[:k]
         rest = xp.flatnonzero(~nan)
         if pos.shape[0] < k and rest.shape[0]:
@@ -93,8 +77,10 @@ def merge_topk(a: tuple[Any, Any], b: tuple[Any, Any], k: int, n: int) -> tuple[
 
 
 def _local_topk(x: SparseVector, k: int, copy: bool) -> tuple[Any, tuple[Any, Any]]:
-    """This rank's top-k: positions in x, and (indices, values) -- x's own arrays when x is
-    no larger than k and has no zeros (a training step's local top-k), unless ``copy``."""
+    """Return this rank's top-k: positions in x, and (indices, values).
+
+    The pair is x's own arrays when x has at most k entries, none zero (unless ``copy``).
+    """
     if x.nnz <= k and bool(nonzero_mask(x.values).all()):
         pos = x.xp.arange(x.nnz)
         return pos, (x.indices.copy(), x.values.copy()) if copy else (x.indices, x.values)
@@ -112,7 +98,7 @@ def _mask_over(x: SparseVector, pos: Any, alive: Any) -> Any:
 
 @register_algorithm
 class GTopk(Algorithm):
-    """Global top-k sparse allreduce by recursive doubling (see the module docstring).
+    """Global top-k sparse allreduce by recursive doubling.
 
     Args:
         k: entries to keep (int >= 0); the same on every rank.
@@ -182,8 +168,7 @@ class GTopk(Algorithm):
     def verify(
         self, result: SparseVector, reference: SparseVector, inputs: list[SparseVector]
     ) -> bool:
-        """Equal to the sequential merge tree on ``inputs`` (up to rounding, for benchmarks
-        whose reference inputs went through another path)."""
+        """Whether ``result`` equals the sequential merge tree on ``inputs`` (up to rounding)."""
         want, _ = gtopk_tree(inputs, self.k)
         if result.nnz != want.nnz:
             return False
@@ -206,11 +191,12 @@ def _unpack_bits(bits: Any, m: int, xp: Any) -> Any:
 
 
 def gtopk_tree(inputs: list[SparseVector], k: int) -> tuple[SparseVector, list[Any]]:
-    """The gtopk merge tree computed sequentially on every rank's coalesced input.
+    """Compute the gtopk merge tree sequentially on every rank's coalesced input.
 
-    Returns the result and, per rank, the contributed mask over that rank's input. This is
-    the reference the distributed algorithm must equal (bit for bit); it follows the tree
-    by groups of ranks instead of messages.
+    The reference the distributed algorithm equals bit for bit.
+
+    Returns:
+        The result, and per rank the contributed mask over that rank's input.
     """
     size = len(inputs)
     n = inputs[0].n

@@ -1,17 +1,15 @@
-"""rabenseifner: dense allreduce by recursive-halving reduce-scatter + recursive-doubling
-allgather, written on the Communicator's point-to-point primitives.
+"""rabenseifner: dense allreduce by recursive-halving reduce-scatter, then recursive-doubling
+allgather, on the Communicator's point-to-point primitives.
 
-Any P: with ``r = P − 2^⌊log2 P⌋``, the first 2r ranks fold in pairs before (even hands its
-vector to odd) and unfold after (odd returns the result), as MPICH does.
-Volume per rank (n values, p = 2^⌊log2 P⌋): 2·(p−1)/p·n for ranks in the power-of-two
-group (+ n for the odd ranks that return the result to their folded partner), n for the
-folded even ranks. Result: the nonzeros of the dense sum.
+Any P: with r = P − 2^⌊log2 P⌋, the first 2r ranks fold in pairs before (even hands its
+vector to odd) and unfold after, as MPICH does (:class:`~.base.Fold`).
+Volume per rank (p = 2^⌊log2 P⌋): 2·(p−1)/p·n values in the power-of-two group (+ n for
+a rank returning the result to its folded partner); n for a folded rank.
+Result: the nonzeros of the dense sum.
 
-Memory: the dense vector and a scratch of n values that the received parts land in (a fold
-partner receives n, the others n/2, n/4, ...), both made in ``preflight``, before the ranks
-agree, so that memory running out on one rank is an error on every rank. Every rank holds
-both (2n values), a folded one too (the preflight does not know the rank); before, the
-scratch was made in the exchange and a rank not folding held at most n/2 of it at a time.
+Memory: the dense vector and a scratch of n values, both made in ``preflight`` (before the
+ranks agree, so that memory running out on one rank is an error on every rank): 2n values
+on every rank, folded ones included.
 """
 
 from __future__ import annotations
@@ -42,9 +40,11 @@ class Rabenseifner(Algorithm):
 
 
 def allreduce_dense(comm: Communicator, buf, scratch=None):
-    """Sum the dense array ``buf`` over ``comm`` in place (Rabenseifner); returns it.
-    ``scratch``: an array like ``buf`` that the received parts land in (made here when
-    None and this rank receives any)."""
+    """Sum the dense array ``buf`` over ``comm`` in place and return it.
+
+    Args:
+        scratch: an array like ``buf`` for the received parts (made here when None).
+    """
     fold = Fold.plan(comm.rank, comm.size)
     if comm.size == 1:
         return buf

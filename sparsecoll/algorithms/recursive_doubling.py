@@ -2,28 +2,17 @@
 
 Renggli et al., "SparCML: High-Performance Sparse Communication for Machine Learning", SC'19.
 
-log2 p rounds (p = 2^⌊log2 P⌋): in round i a rank exchanges its whole current vector with
-the rank whose (power-of-two) number differs in bit i, and both merge the two vectors the
-same way (lower rank's run first), so after the last round every rank holds the same sum.
-A vector travels sparse (one message: indices then values) while nnz·(index + value bytes)
-< n·value bytes, and as n dense values once it passes that break-even point; the receiver
-tells the two apart by the message length (a sparse message is always shorter than n·v),
-which partners swap first (8 bytes of metadata) so that no probe is needed.
-Once dense, a vector stays dense. Non-power-of-two P: the first 2(P − p) ranks fold in pairs
-before (the even rank hands its vector to the odd one) and get the result back after, as in
-``rabenseifner``.
+Rounds: log2 p (p = 2^⌊log2 P⌋); in round i partners whose numbers differ in bit i swap
+their whole running sums and both merge them, lower rank's run first. A sum travels as
+pairs while nnz·(index + value bytes) < n·value bytes, else as n dense values (and stays
+dense); the size goes first (8 bytes), and the length tells the forms apart. Non-power-of-two
+P folds the first 2(P − p) ranks in pairs (:class:`~.base.Fold`).
+Volume sent per rank: Σ_i bytes(K_i), K_i the nnz held entering round i (identical indices:
+k·log2 p pairs; disjoint: ≈ k(p−1), capped at n values a round). Latency: log2 p messages
+(+2 when folding): best for small messages.
 
-Volume sent per rank (``bytes(m) = m·(i+v)`` if sparse is cheaper else ``n·v``, ``K_i`` the
-nnz of the vector held entering round i): Σ_i bytes(K_i), plus bytes(result) for ranks that
-return the result to a folded partner; a folded rank sends only bytes(its input). With
-identical indices that is k·log2 p pairs; with disjoint ones Σ_i 2^i·k ≈ k(p−1) pairs, capped
-at n values per round. Latency: log2 p messages (+2 when folding): best for small messages.
-
-An input already past the switch point is made dense in ``preflight``, before the ranks agree
-(memory running out there on one rank is then an error on every rank).
-
-Contract: exact, bit-identical on every rank. Entries of a vector that went dense are
-returned only where the sum is nonzero.
+Exact and bit-identical on every rank; an entry of a sum that went dense is returned only
+where it is nonzero.
 """
 
 from __future__ import annotations
@@ -49,8 +38,8 @@ class RecursiveDoubling(Algorithm):
     name = "recursive_doubling"
 
     def preflight(self, x: SparseVector) -> None:
-        # an input already past the switch point starts dense: its n values, made here
-        # (before the ranks agree) rather than before the first exchange
+        # an input past the switch point starts dense: made before the ranks agree, so
+        # memory running out here is an error on every rank
         if not sparse_is_cheaper(x.nnz, x.n, index_dtype(x.n), x.dtype):
             x.info["dense"] = x.to_dense()
 
@@ -80,10 +69,10 @@ class RecursiveDoubling(Algorithm):
 
 
 def _exchange(comm: Communicator, peer: int, send: Any, like: SparseVector) -> _Vector | None:
-    """Swap vectors with ``peer`` (``send`` None: only receive); sizes go first as metadata.
+    """Swap vectors with ``peer`` (``send`` None: only receive).
 
-    A blocking probe for the size (MPI_Mprobe) costs about a millisecond per message on
-    an oversubscribed node with MPICH 5 (measured here), a size exchange some microseconds.
+    Sizes go first, so no receive probes: a probe costs far more than an 8-byte exchange
+    on an oversubscribed node.
     """
     mine = -1 if send is None else int(send.nbytes)
     theirs = comm.sendrecv_ints(mine, peer, peer, TAG)
