@@ -2,13 +2,11 @@
 
 import os as _os
 
-# Numba colours its error messages with colorama, whose init() registers an exit handler
-# that writes a terminal reset (ESC[0m) whenever stdout is a terminal. Numba builds such
-# messages while it compiles (overloads it tries and drops), and Open MPI 4 gives every rank
-# a pseudo-terminal as stdout, even when mpiexec's output goes to a file or a pipe, so each
-# rank's output ended in a stray escape (seen on the H100 machine: CSV and JSON from
-# `python -m sparsecoll bench osu` no longer parsed). Plain messages instead, unless the
-# user chose otherwise (read when Numba is first imported).
+# Numba colours the error messages it builds while compiling with colorama, whose exit
+# handler writes a terminal reset (ESC[0m) when stdout is a terminal; Open MPI 4 gives every
+# rank a pseudo-terminal even when mpiexec's output goes to a file, so CSV or JSON output
+# would end in a stray escape. Plain messages, unless the user chose otherwise (read when
+# Numba is first imported).
 _os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
 
 from ._progress import SparseRequest, get_timeout, set_timeout

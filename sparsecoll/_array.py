@@ -80,25 +80,19 @@ def _dlpack_device_type(x: Any) -> int | None:
 
 
 def as_array(x: Any, name: str, *, writable: bool = False) -> tuple[Any, Any]:
-    """Return ``(array, wrap)``: a numpy/CuPy view of ``x`` and a function that
-    converts a result array back to the caller's kind (torch tensors stay torch).
+    """Return ``(array, wrap)``: a numpy/CuPy view of ``x``, and a function converting a
+    result back to the caller's kind (torch in, torch out).
 
-    Host arrays go through ``np.asarray`` (buffer protocol, ``__array__``) or DLPack;
-    device arrays (``__cuda_array_interface__`` or a CUDA DLPack device, e.g. torch CUDA
-    tensors) through CuPy, without a copy and on the array's own device. Results of other
-    device kinds come back as CuPy arrays on that device. numpy subclasses come back as
-    plain ndarrays (np.matrix, a masked array's data), so that no subclass arithmetic
-    runs inside. An input (``writable`` False) in non-native byte order (``>f4`` on a
-    little-endian host) comes back as a native copy: MPI moves raw bytes, and every
-    rank must read them alike. ``writable`` (an output buffer) never copies: what numpy
+    Host arrays go through ``np.asarray`` or DLPack; device arrays (CUDA array interface or
+    DLPack) through CuPy, without a copy, on their own device. numpy subclasses come back
+    as plain ndarrays. An input in non-native byte order comes back as a native copy (MPI
+    moves raw bytes). With ``writable`` (an output buffer) nothing is copied: what numpy
     could only copy (a list) is refused, since writes to the copy would be lost.
 
     Raises:
-        TypeError: ``x`` cannot be viewed as an array (whatever the converter raised, e.g.
-            a BufferError for a torch "meta" tensor, so that callers agree on it across
-            ranks as the input error it is; or what numpy only wraps in a 0-d object or
-            string array: None, a str, a dict), or is a masked array with masked entries
-            (numpy's conversion would drop the mask and sum what it hides).
+        TypeError: ``x`` cannot be viewed as an array (whatever the converter raised, so
+            that callers agree on it across ranks as an input error; or None, a str, a
+            dict), or is a masked array with masked entries (the mask would be ignored).
     """
     try:
         a, wrap = _as_array(x, name, writable)
@@ -115,7 +109,7 @@ def as_array(x: Any, name: str, *, writable: bool = False) -> tuple[Any, Any]:
 
 
 def _plain(a: np.ndarray, name: str, writable: bool) -> np.ndarray:
-    """``a`` as a base-class ndarray (a view); masked entries are refused."""
+    """Return ``a`` as a base-class ndarray (a view); masked entries are refused."""
     if isinstance(a, np.ma.MaskedArray):
         masked = int(np.count_nonzero(np.ma.getmaskarray(a)))
         if masked:
@@ -129,7 +123,7 @@ def _plain(a: np.ndarray, name: str, writable: bool) -> np.ndarray:
 
 
 def _no_copy(x: Any) -> np.ndarray:
-    """``x`` as a numpy array without a copy; ValueError when numpy could only copy it."""
+    """Return ``x`` as a numpy array without a copy; ValueError when numpy could only copy."""
     if _NUMPY2:
         return np.asarray(x, copy=False)
     a = np.asarray(x)  # numpy 1.x has no copy=False meaning "never": a copy owns its data
@@ -173,7 +167,7 @@ def _as_array(x: Any, name: str, writable: bool) -> tuple[Any, Any]:
     if writable:
         try:
             return _no_copy(x), wrap
-        except ValueError:  # (numpy could only copy it: writes to the copy would be lost)
+        except ValueError:  # numpy could only copy it: writes to the copy would be lost
             kind = type(x).__name__
             raise TypeError(f"{name} must be an array written in place, got a {kind}") from None
     try:
@@ -184,7 +178,7 @@ def _as_array(x: Any, name: str, writable: bool) -> tuple[Any, Any]:
         a = None
     if a is None or (a.ndim == 0 and a.dtype.kind in "OSUV"):
         # numpy wraps what it cannot read as an array (None, a str, a dict, an object that
-        # offers DLPack alone) in a 0-d array: refused as the "1-D" ValueError before
+        # offers DLPack alone) in a 0-d array: a type error, not a shape error
         if hasattr(x, "__dlpack__"):
             return np.from_dlpack(x), wrap
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -192,16 +186,17 @@ def _as_array(x: Any, name: str, writable: bool) -> tuple[Any, Any]:
 
 
 def _torch_kind(x: Any) -> str:
-    """``torch.float32 tensor``, with its layout when it is not a strided (dense) one."""
+    """Describe a tensor as ``torch.float32 tensor``, with its layout when not strided."""
     layout = str(x.layout).removeprefix("torch.")
     return f"{x.dtype} tensor" + ("" if layout == "strided" else f" of layout {layout}")
 
 
 def _torch_hint(x: Any, name: str) -> str:
-    """What to pass instead of the torch tensor ``x`` that numpy could not take: a sparse
-    tensor's values and indices; a float tensor of a type numpy lacks (bfloat16, float8)
-    widened (the DDP hooks widen such buckets). Not the widening for a float32 tensor that
-    numpy refused for another reason (sparse, a negative view), nor for indices (integers)."""
+    """Return a hint on what to pass instead of the torch tensor ``x`` numpy refused.
+
+    A sparse tensor: its values and indices. A float type numpy lacks (bfloat16, float8):
+    widened, as the DDP hooks do (not for indices, nor for a type numpy has).
+    """
     import torch
 
     if x.layout != torch.strided:
@@ -226,28 +221,30 @@ def _torch_wrap(a: Any) -> Any:
 
 
 def nonzero_mask(x: Any) -> Any:
-    """``x != 0`` (numpy or CuPy). A float32 device array is tested on its bits: CuPy
-    compiles every kernel with -ftz=true, and its comparisons, ``count_nonzero`` and
-    ``flatnonzero`` then read float32 subnormals as 0 (PTX setp.ne.ftz.f32)."""
+    """Return ``x != 0`` (numpy or CuPy), counting float32 subnormals on a GPU too.
+
+    A float32 device array is tested on its bits: CuPy compiles every kernel with
+    -ftz=true, and its comparisons then read float32 subnormals as 0.
+    """
     if isinstance(x, np.ndarray) or x.dtype != np.float32:
         return x != 0
     return (x.view(np.uint32) & np.uint32(0x7FFF_FFFF)) != np.uint32(0)
 
 
 def nonzero_positions(x: Any) -> Any:
-    """``flatnonzero(x)`` of a 1-D array, float32 subnormals counted on a GPU too."""
+    """Return ``flatnonzero(x)`` of a 1-D array, float32 subnormals counted on a GPU too."""
     xp = get_array_module(x)
     return xp.flatnonzero(x if xp is np or x.dtype != np.float32 else nonzero_mask(x))
 
 
 def nonzero_count(x: Any) -> int:
-    """``count_nonzero(x)``, float32 subnormals counted on a GPU too."""
+    """Return ``count_nonzero(x)``, float32 subnormals counted on a GPU too."""
     xp = get_array_module(x)
     return int(xp.count_nonzero(x if xp is np or x.dtype != np.float32 else nonzero_mask(x)))
 
 
 def get_array_module(x: Any) -> Any:
-    """numpy for host arrays, cupy for device arrays."""
+    """Return numpy for host arrays, cupy for device arrays."""
     if isinstance(x, np.ndarray):
         return np
     cp = cupy_or_none()
@@ -257,7 +254,7 @@ def get_array_module(x: Any) -> Any:
 
 
 def device_scope(x: Any) -> Any:
-    """A context in which new CuPy arrays land on ``x``'s device (no-op for host arrays)."""
+    """Return a context in which new CuPy arrays land on ``x``'s device (no-op on the host)."""
     cp = cupy_or_none()
     if cp is not None and isinstance(x, cp.ndarray):
         return x.device
@@ -281,13 +278,14 @@ def synchronize() -> None:
 
 def wait_for_foreign(given: Any, view: Any) -> None:
     """Hand the caller's ``given`` (an ``out``), just written through ``view``, back to its
-    owner: wait for CuPy's stream when ``view`` is a CuPy view of another library's device
-    array (a torch CUDA tensor), not ``given`` itself: the kernels that wrote it ran on
-    CuPy's stream, and nothing orders the owner's stream after them (a new result goes back
-    through DLPack, which does). A torch tensor's version counter is raised, as torch's own
-    in-place writes do: written through a numpy or CuPy view, autograd did not see it
-    change, and a tensor saved for backward gave gradients of the new values, silently
-    (torch raises "modified by an inplace operation" instead)."""
+    owner.
+
+    When ``view`` is CuPy's view of another library's device array, CuPy's stream is
+    synchronized: nothing orders the owner's stream after the kernels that wrote it. A torch
+    tensor's version counter is raised, as torch's in-place writes do, so that autograd
+    sees the write (a tensor saved for backward then raises instead of giving gradients of
+    the new values).
+    """
     if given is None or given is view:
         return
     if is_device_array(view):
@@ -295,13 +293,13 @@ def wait_for_foreign(given: Any, view: Any) -> None:
     if type(given).__module__.split(".")[0] == "torch":
         import torch
 
-        bump = getattr(torch.autograd.graph, "increment_version", None)  # (torch >= 2.1)
+        bump = getattr(torch.autograd.graph, "increment_version", None)  # torch >= 2.1
         if bump is not None:
             bump(given)
 
 
 def to_host(x: Any) -> np.ndarray:
-    """Copy a device array to the host; host arrays are returned unchanged."""
+    """Copy a device array to the host; return host arrays unchanged."""
     if isinstance(x, np.ndarray):
         return x
     return x.get()
@@ -315,8 +313,10 @@ def to_module(x: np.ndarray, xp: Any) -> Any:
 
 
 def pinned_empty(nbytes: int) -> np.ndarray:
-    """A host uint8 array of ``nbytes`` in page-locked memory (from CuPy's pinned pool),
-    so device copies run at full speed; plain host memory without CuPy."""
+    """Return a host uint8 array of ``nbytes``, page-locked when CuPy is there.
+
+    Device copies from pinned memory run at full speed.
+    """
     cp = cupy_or_none()
     if cp is None or nbytes == 0:
         return np.empty(nbytes, dtype=np.uint8)
@@ -331,8 +331,10 @@ def _address(a: Any) -> int:
 
 
 def aligned_view(buf: Any, dtype: Any) -> Any:
-    """View the 1-D byte array ``buf`` as ``dtype``, copying first when its address is not
-    a multiple of the item size (GPUs fault on misaligned loads; CPUs only slow down)."""
+    """View the 1-D byte array ``buf`` as ``dtype``, copied first when misaligned for it.
+
+    GPUs fault on misaligned loads; CPUs only slow down.
+    """
     dtype = np.dtype(dtype)
     if buf.shape[0] and _address(buf) % dtype.itemsize:
         buf = buf.copy()
@@ -340,7 +342,7 @@ def aligned_view(buf: Any, dtype: Any) -> Any:
 
 
 def index_dtype(n: int) -> np.dtype:
-    """The index type used for a vector of length ``n``: int32 while every index fits."""
+    """Return the index type for a vector of length ``n``: int32 while every index fits."""
     return np.dtype(np.int32) if n <= INT32_LIMIT + 1 else np.dtype(np.int64)
 
 
@@ -349,9 +351,11 @@ RADIX_MIN = 1 << 12  # shorter index arrays go to numpy's sort
 
 
 def stable_argsort(keys: Any, n: int) -> Any:
-    """``argsort(keys, kind="stable")`` for integer keys in ``[0, n)``. On the host, for
-    long arrays, an LSD radix sort in Numba (ceil(log2 n / 12) passes; numpy's stable
-    argsort took ~70 ns a key on 167K random indices); numpy's or CuPy's sort otherwise."""
+    """Return ``argsort(keys, kind="stable")`` for integer keys in ``[0, n)``.
+
+    Long host arrays get an LSD radix sort in Numba (ceil(log2 n / 12) passes, faster than
+    numpy's stable argsort); others numpy's or CuPy's sort.
+    """
     xp = get_array_module(keys)
     m = int(keys.shape[0])
     if xp is not np or m < RADIX_MIN or n <= 1:
@@ -398,11 +402,10 @@ def _radix_argsort_kernel() -> Any:
 
 
 def segment_sum(vals: Any, heads: Any) -> Any:
-    """Sum ``vals`` over the segments starting at ``heads`` (strictly ascending, heads[0]
-    == 0, each below vals.size), each from its first value: -0.0 + -0.0 is -0.0.
+    """Sum ``vals`` over the segments starting at ``heads``, each from its first value.
 
-    Deterministic on both modules (each segment summed in order, no atomics), so every
-    rank summing the same data gets the same bits.
+    ``heads`` is strictly ascending from 0 (so -0.0 + -0.0 is -0.0). Each segment is summed
+    in order, without atomics, so every rank summing the same data gets the same bits.
     """
     if isinstance(vals, np.ndarray):
         return np.add.reduceat(vals, heads)
@@ -417,11 +420,11 @@ def segment_sum(vals: Any, heads: Any) -> Any:
 
 
 # CuPy compiles every kernel with -ftz=true (cupy/cuda/compiler.py): float32 additions and
-# products then flush subnormal operands and results to 0, which the host never does (g + r
-# with a subnormal g gave 0 in the fused pass: PTX add.rn.ftz.f32). sc_add and sc_mul round
-# once in IEEE arithmetic whatever that flag (PTX without .ftz; float64 never flushes) and are
-# never fused into an FMA. The template serves other types (float16: CuPy's own operators).
-# sc_widen: float32 to float64 exactly (a plain cast compiles to cvt.ftz.f64.f32).
+# products then flush subnormal operands and results to 0, which the host never does.
+# sc_add and sc_mul round once in IEEE arithmetic whatever that flag (PTX without .ftz;
+# float64 never flushes) and are never fused into an FMA. The template serves other types
+# (float16: CuPy's own operators). sc_widen: float32 to float64 exactly (a plain cast
+# compiles to cvt.ftz.f64.f32).
 IEEE_ARITHMETIC = r"""
 template <typename X> __device__ __forceinline__ X sc_add(X a, X b) { return a + b; }
 template <typename X> __device__ __forceinline__ X sc_mul(X a, X b) { return a * b; }
@@ -447,8 +450,8 @@ __device__ __forceinline__ double sc_widen(float a) {
 
 @functools.cache
 def _segment_sum_kernel(cp: Any) -> Any:
-    # One thread per segment: out[i] = sum of v[h[i]:e[i]] in index order, from its first
-    # value as numpy's reduceat (from 0, duplicates of -0.0 summed to +0.0)
+    # one thread per segment: out[i] = sum of v[h[i]:e[i]] in index order, from its first
+    # value as numpy's reduceat (starting from 0 would turn -0.0 sums into +0.0)
     return cp.ElementwiseKernel(
         "raw T v, int64 h, int64 e",
         "T out",

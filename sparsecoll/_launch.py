@@ -26,24 +26,20 @@ def under_mpi() -> bool:
 
 
 def launcher_mismatch(world_size: int, library: str) -> str | None:
-    """Why the launcher cannot be this MPI's (None when it can be), from its environment.
+    """Return why the launcher cannot be this MPI's, or None, from the environment.
 
-    A launcher of another MPI (Open MPI's mpiexec in front of an MPICH mpi4py, or the
-    reverse) starts P processes that each find no launcher of their own and run as a world
-    of one: P copies of the job, not one job of P ranks. Only that is taken as a mismatch:
-    a world of several ranks has its launcher, whatever an outer launch left in the
-    environment. ``world_size`` is what this MPI's
-    COMM_WORLD holds, ``library`` its version line (for the message).
+    A launcher of another MPI starts P processes that each run as a world of one: P copies
+    of the job. Only that is a mismatch (a world of several ranks has its launcher). The
+    counts read: ``PMI_SIZE`` (Hydra, srun's PMI plugins), ``OMPI_COMM_WORLD_SIZE`` (Open
+    MPI), ``MV2_COMM_WORLD_SIZE`` (MVAPICH), and srun's ``SLURM_STEP_NUM_TASKS`` when this
+    process is itself a task of the step (``SLURM_TASK_PID`` is its pid; a process a task's
+    shell starts may be meant to run alone).
 
-    The launchers' own counts: ``PMI_SIZE`` (MPICH's and Intel MPI's Hydra, srun's PMI
-    plugins), ``OMPI_COMM_WORLD_SIZE`` (Open MPI), ``MV2_COMM_WORLD_SIZE`` (MVAPICH). And
-    srun's ``SLURM_STEP_NUM_TASKS`` when this process is itself one of the step's tasks
-    (``SLURM_TASK_PID`` is its pid): srun without the PMI plugin that mpi4py's MPI takes
-    (``--mpi=``) starts every task as a world of one and sets none of the others. A process
-    that a task's shell or script starts (an interactive step's shell, a batch script: its
-    own pid differs) is not taken for one: it may be meant to run alone there.
+    Args:
+        world_size: the size of this MPI's COMM_WORLD.
+        library: its version line, for the message.
     """
-    if world_size != 1:  # (a variable inherited from an outer launch may disagree)
+    if world_size != 1:  # a variable inherited from an outer launch may disagree
         return None
     for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
         started = os.environ.get(var, "")
@@ -72,13 +68,11 @@ def launcher_mismatch(world_size: int, library: str) -> str | None:
 
 
 def torch_launcher_mismatch(world_size: int, world_rank: int) -> str | None:
-    """Why a torch launcher's environment disagrees with MPI's COMM_WORLD (None when not).
+    """Return why a torch launcher's environment disagrees with COMM_WORLD, or None.
 
-    torchrun (or another launcher of torch's) sets ``WORLD_SIZE``/``RANK`` and
-    ``LOCAL_WORLD_SIZE``/``LOCAL_RANK`` for the processes it starts; it starts no MPI job,
-    so each of them is an MPI world of one. Taken as a mismatch: ``WORLD_SIZE`` or ``RANK``
-    unlike COMM_WORLD's size or this rank, or ``LOCAL_WORLD_SIZE``/``LOCAL_RANK`` counting
-    more processes than COMM_WORLD holds. Variables that are not integers are left alone.
+    torchrun starts no MPI job, so each process it starts is an MPI world of one. A
+    mismatch: ``WORLD_SIZE`` or ``RANK`` unlike COMM_WORLD's, or ``LOCAL_WORLD_SIZE`` /
+    ``LOCAL_RANK`` counting more processes than it holds (non-integers are left alone).
     """
     wrong = []
     for var, want, local in (
@@ -102,7 +96,7 @@ def torch_launcher_mismatch(world_size: int, world_rank: int) -> str | None:
 
 
 def find_mpiexec() -> str:
-    """mpiexec next to the running interpreter first (the ``mpich`` wheel), then on PATH."""
+    """Return mpiexec: $SPARSECOLL_MPIEXEC, else beside the interpreter (mpich wheel), PATH."""
     env = os.environ.get("SPARSECOLL_MPIEXEC")
     if env:
         found = shutil.which(env)  # a path, or a command's name to look up on PATH
@@ -122,11 +116,10 @@ def find_mpiexec() -> str:
 
 
 def mpiexec_command(nprocs: int, mpiexec: str | None = None) -> list[str]:
-    """``mpiexec -n P``, ready for the program's command line, on any launcher.
+    """Return ``mpiexec -n P``, ready for the program's command line, on any launcher.
 
-    Open MPI's mpiexec refuses to start more ranks than the host has cores (slots) unless
-    told ``--oversubscribe``, where MPICH's starts them: the relaunches (``bench --np 4`` on
-    a 2-core laptop, the tests' P = 8) would fail there, so the option is added for it.
+    Open MPI's gets ``--oversubscribe``: it refuses more ranks than the host has cores,
+    where MPICH's starts them.
     """
     exe = mpiexec or find_mpiexec()
     extra = ["--oversubscribe"] if _is_open_mpi(exe) else []
@@ -135,7 +128,7 @@ def mpiexec_command(nprocs: int, mpiexec: str | None = None) -> list[str]:
 
 @functools.cache
 def _is_open_mpi(mpiexec: str) -> bool:
-    """Whether ``mpiexec --version`` names Open MPI (5: "Open MPI", 4 and older: "OpenRTE")."""
+    """Return whether ``mpiexec --version`` names Open MPI ("Open MPI", or "OpenRTE" <= 4)."""
     try:
         proc = subprocess.run(
             [mpiexec, "--version"], capture_output=True, text=True, timeout=60, check=False

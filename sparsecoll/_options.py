@@ -1,5 +1,5 @@
 """Checks of constructor options: a wrong type raises TypeError, a wrong value ValueError, each
-naming the option and what it takes (float() and bool() took strings, None and True)."""
+naming the option and what it takes (stricter than float() and bool(), which take strings)."""
 
 from __future__ import annotations
 
@@ -28,24 +28,28 @@ __all__ = [
 
 
 def real(name: str, value: Any) -> float:
-    """``value`` (a Python or numpy real number, not a bool) as a float; -0.0 as 0.0 (one
-    value: the ranks agree on options by their reprs, where -0.0 and 0.0 differed)."""
+    """Return ``value`` (a Python or numpy real number, not a bool) as a float.
+
+    -0.0 comes back as 0.0: ranks agree on options by their reprs, where the two differ.
+    """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value) + 0.0
 
 
 def read_only(attr: str, name: str, doc: str | None = None) -> property:
-    """A property reading ``attr`` (a dotted path, as :func:`operator.attrgetter` takes)
-    whose setter raises the owner's ``_refuse(name, value)``: an option fixed at
-    construction, whose AttributeError says why and what to do instead."""
+    """Return a property for an option fixed at construction.
+
+    It reads ``attr`` (a dotted path, as :func:`operator.attrgetter` takes); its setter
+    raises the owner's ``_refuse(name, value)``, an AttributeError that says what to do.
+    """
     return property(
         operator.attrgetter(attr), lambda self, value: self._refuse(name, value), doc=doc
     )
 
 
 def check_density(value: Any) -> float:
-    """``value`` (a real number in (0, 1]: a fraction of entries to keep) as a float."""
+    """Return ``value`` (a real number in (0, 1]: a fraction of entries to keep) as a float."""
     value = real("density", value)
     if not 0.0 < value <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {value!r}")
@@ -53,10 +57,13 @@ def check_density(value: Any) -> float:
 
 
 def integer(name: str, value: Any, low: int, *, int64: bool = False) -> int:
-    """``value`` (a Python or numpy integer, not a bool, at least ``low``) as an int: a
-    TypeError for another type (a float, even 3.0, as numpy's ``np.zeros(3.0)``), a
-    ValueError for an integer below ``low``, or with ``int64`` (a value the ranks agree on
-    as an int64) at or above 2**63."""
+    """Return ``value`` (a Python or numpy integer >= ``low``, not a bool) as an int.
+
+    Raises:
+        TypeError: another type (a float, even 3.0, as numpy's ``np.zeros(3.0)``).
+        ValueError: an integer below ``low``, or with ``int64`` (a value the ranks agree
+            on as an int64) at or above 2**63.
+    """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(
             f"{name} must be an integer >= {low}, got {value!r} ({type(value).__name__})"
@@ -69,15 +76,14 @@ def integer(name: str, value: Any, low: int, *, int64: bool = False) -> int:
 
 
 def flag(name: str, value: Any) -> bool:
-    """``value`` (True or False, a numpy bool too) as a bool: bool() took any object ("no")."""
+    """Return ``value`` (True or False, a numpy bool too) as a bool; bool("no") is True."""
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
     return bool(value)
 
 
 def choice(name: str, value: Any, choices: Any) -> str:
-    """``value`` (a str among ``choices``): a TypeError for another type, a ValueError for
-    another name."""
+    """Return ``value``, a str among ``choices`` (TypeError for another type, else ValueError)."""
     what = f"{name} must be one of {', '.join(choices)}, got {value!r}"
     if not isinstance(value, str):
         raise TypeError(f"{what} ({type(value).__name__})")
@@ -87,8 +93,10 @@ def choice(name: str, value: Any, choices: Any) -> str:
 
 
 def count_band(name: str, value: Any) -> tuple[float, float]:
-    """``value`` (a pair of real numbers ``(low, high)`` with ``0 <= low <= 1 <= high``: a
-    band of counts as multiples of k) as a tuple of floats."""
+    """Return ``value``, a band ``(low, high)`` of multiples of k, as a tuple of floats.
+
+    Both real numbers, with ``0 <= low <= 1 <= high``.
+    """
     what = f"{name} must be a pair (low, high) of real numbers with 0 <= low <= 1 <= high"
     if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:
         raise TypeError(f"{what}, got {value!r}")
@@ -102,9 +110,10 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def env_flag(name: str, default: bool | None) -> bool | None:
-    """The environment variable ``name`` as a bool (1/true/yes/on, 0/false/no/off, any
-    case); ``default`` when unset or empty; a ValueError naming it for another value (it was
-    read as false, silently)."""
+    """Return the environment variable ``name`` as a bool (1/true/yes/on, 0/false/no/off).
+
+    Any case; ``default`` when unset or empty; a ValueError naming it for another value.
+    """
     raw = os.environ.get(name, "")
     text = raw.strip().lower()
     if not text:
@@ -118,8 +127,10 @@ def env_flag(name: str, default: bool | None) -> bool | None:
 
 
 def env_integer(name: str, low: int) -> int | None:
-    """The environment variable ``name`` as an integer >= ``low``; None when unset or empty;
-    a ValueError naming it for another value (it was dropped, silently)."""
+    """Return the environment variable ``name`` as an integer >= ``low`` (None when unset).
+
+    Empty counts as unset; another value is a ValueError naming the variable.
+    """
     raw = os.environ.get(name, "")
     try:
         value = int(raw.strip()) if raw.strip() else None
@@ -131,20 +142,20 @@ def env_integer(name: str, low: int) -> int | None:
 
 
 def canonical(value: Any) -> Any:
-    """``value`` as plain Python values that compare and print alike on every rank: numbers
-    as int or float (a numpy scalar as the Python one, -0.0 as 0.0), containers and numpy
-    arrays item by item (as tuples), and any other object as its type's name alone (its
-    repr may hold an address; what it does is not compared)."""
+    """Return ``value`` as plain Python values that compare and print alike on every rank.
+
+    Numbers as int or float (-0.0 as 0.0), containers and numpy arrays item by item (as
+    tuples), any other object as its type's name alone (its repr may hold an address).
+    """
     if value is None or isinstance(value, (str, bool, np.bool_)):
         return value if not isinstance(value, np.bool_) else bool(value)
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real):
-        return float(value) + 0.0  # (-0.0 as 0.0)
+        return float(value) + 0.0  # -0.0 as 0.0
     if isinstance(value, (list, tuple)):
         return tuple(canonical(v) for v in value)
-    # (an array option, band=np.array(...), by its values: by its type alone, ranks given
-    # other values agreed)
+    # an array option (band=np.array(...)) is compared by its values, not by its type
     if isinstance(value, np.ndarray):
         return canonical(value.tolist())
     if isinstance(value, dict):
@@ -155,14 +166,16 @@ def canonical(value: Any) -> Any:
 def effective_options(
     cls: Any, given: dict[str, Any], leave_out: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-    """The options ``cls`` (an algorithm or a selection estimator; None: no options) is built
-    with, by name: its constructor's defaults, then ``given``; without those in
-    ``leave_out``. (Without a signature that inspect can read: ``given`` alone.)"""
+    """Return the options ``cls`` is built with, by name: its defaults updated by ``given``.
+
+    ``cls`` is an algorithm or a selection estimator (None: no options); names in
+    ``leave_out`` are left out. Without a signature inspect can read: ``given`` alone.
+    """
     if cls is None:
         return {}
     options = dict(_defaults(cls))
     options.update(given)
-    # (a list and a tuple of the same values, e.g. band=, are the same option)
+    # a list and a tuple of the same values (band=) are the same option
     return {
         name: tuple(value) if isinstance(value, list) else value
         for name, value in sorted(options.items())
@@ -172,7 +185,7 @@ def effective_options(
 
 @functools.cache
 def _defaults(cls: Any) -> tuple[tuple[str, Any], ...]:
-    """The constructor defaults of ``cls`` (read once: allreduce reads them at every call)."""
+    """Return the constructor defaults of ``cls`` (cached: allreduce reads them every call)."""
     try:
         params = inspect.signature(cls).parameters.values()
     except (TypeError, ValueError):

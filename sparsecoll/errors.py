@@ -34,12 +34,16 @@ class CollectiveTypeError(SparseCollError, TypeError):
 
 
 class CollectiveRuntimeError(SparseCollError, RuntimeError):
-    """A call's local work before its first collective failed on some rank with an error
-    that is not about the input (a bug, an exhausted resource, a user hook's exception);
-    raised on every rank, naming the rank and the original error, instead of leaving the
-    other ranks waiting. On the failing rank the original error is its ``__cause__``."""
+    """Local work before a call's first collective failed on some rank; raised on every rank.
+
+    An error not about the input (a bug, an exhausted resource, a user hook's exception),
+    named with its rank instead of leaving the other ranks waiting. On the failing rank the
+    original error is the ``__cause__``.
+    """
 
 
 class NonFiniteError(CollectiveInputError):
-    """A gradient step met NaN or Inf (in ``grad + residual``) on some rank; raised on every
-    rank, with nothing changed (GradientReducer.step)."""
+    """A gradient step met NaN or Inf in ``grad + residual`` on some rank; raised on every rank.
+
+    Nothing is changed (GradientReducer.step).
+    """

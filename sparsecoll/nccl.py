@@ -1,23 +1,18 @@
 """NCCLCommunicator: a Communicator whose bulk collectives on device buffers run on NCCL.
 
-With CuPy buffers, the payload of ``allgatherv`` (grouped ncclBroadcast, one per rank with
-data), ``alltoallv`` (grouped ncclSend/ncclRecv) and ``allreduce`` (ncclAllReduce) moves
-over NCCL (``cupy.cuda.nccl``; ``pip install 'sparsecoll[gpu]'``). Everything else stays on
-MPI: the counts exchanged before a payload, metadata and validation, host buffers, and
-point-to-point messages (NCCL has no tags and no probe, and a blocking ncclSend waits for a
-matching ncclRecv on the peer's stream, so MPI-style send/recv ordering could deadlock).
-Each NCCL call runs on the communicator's GPU (the current one when it was built, whatever
-GPU is current in the calling thread), on CuPy's current stream there, after the kernels
-queued there, and the stream is synchronized before the call returns; a device array on
-another GPU is refused (:meth:`NCCLCommunicator.check_buffer`). Byte accounting follows the
-MPI rules. With the watchdog on, the construction and each call are watched as blocking calls
-(the progress engine of the MPI communicator watches them; they still run in the calling
-thread); nonblocking calls are not supported.
+With CuPy buffers, the payload of ``allgatherv`` (grouped ncclBroadcast), ``alltoallv``
+(grouped ncclSend/ncclRecv) and ``allreduce`` (ncclAllReduce) moves over NCCL
+(``pip install 'sparsecoll[gpu]'``). Counts, metadata, host buffers and point-to-point
+messages stay on MPI: NCCL has no tags or probe, and its blocking send waits for the peer's
+receive, so MPI-style ordering could deadlock. Each NCCL call runs on the communicator's GPU
+(current when it was built), on CuPy's current stream there, synchronized before it returns;
+a device array on another GPU is refused. Byte accounting follows the MPI rules; with the
+watchdog on, construction and each call are watched as blocking calls; nonblocking calls
+are not supported.
 
-NCCL needs one GPU per rank: the constructor checks that no two ranks share a GPU and
-raises ValueError on every rank if they do (pick the device per rank first, e.g.
-``cupy.cuda.Device(local_rank).use()``). With several ranks on one GPU use the plain
-Communicator, which stages device buffers through pinned host memory.
+NCCL needs one GPU per rank: the constructor raises ValueError on every rank when two ranks
+share one (select a device per rank first, e.g. ``cupy.cuda.Device(local_rank).use()``).
+With several ranks on one GPU use the plain Communicator (staging through pinned memory).
 """
 
 from __future__ import annotations
@@ -48,15 +43,18 @@ class NCCLCommunicator(Communicator):
     """A :class:`Communicator` that moves device payloads of collectives over NCCL.
 
     Built collectively on every rank of ``comm`` (an mpi4py Intracomm, default COMM_WORLD,
-    or a Communicator), each rank on its current CuPy device. Raises RuntimeError on every
-    rank when a rank lacks CuPy or NCCL, ValueError when two ranks share a GPU.
+    or a Communicator), each rank on its current CuPy device.
+
+    Raises:
+        RuntimeError: on every rank, when a rank lacks CuPy or NCCL.
+        ValueError: on every rank, when two ranks share a GPU.
     """
 
     def __init__(self, comm: Any = None) -> None:
         super().__init__(comm)
         from .api import watch  # (api imports comm, which this module imports)
 
-        # (watched as one call: NCCL's own setup waits for every rank too)
+        # watched as one call: NCCL's own setup waits for every rank too
         with watch(self, "NCCLCommunicator()"):
             self._setup()
 
@@ -111,11 +109,12 @@ class NCCLCommunicator(Communicator):
 
     @contextlib.contextmanager
     def _watched(self, call: str) -> Iterator[None]:
-        """Around a payload collective: on this communicator's GPU, this rank's calls on
-        the communicator one at a time (:meth:`serial`) and, with the watchdog on, this one
-        watched as a blocking call (a rank that skipped it left the others in NCCL for
-        ever), as Communicator's methods are; inside a watched call
-        (``sparsecoll.allreduce``) it is part of that one."""
+        """Run a payload collective on this communicator's GPU, serialized and watched.
+
+        This rank's calls go one at a time (:meth:`serial`); with the watchdog on, the call
+        is watched as a blocking call (a rank that skipped it would leave the others in NCCL
+        for ever), or as part of the watched call it runs inside (``sparsecoll.allreduce``).
+        """
         from .api import watch
 
         device = cupy_or_none().cuda.Device(self.device)
@@ -123,10 +122,12 @@ class NCCLCommunicator(Communicator):
             yield
 
     def check_buffer(self, array: Any, name: str) -> None:
-        """Raise ValueError for a device array on another GPU than this communicator's
-        (NCCL moves the memory of the GPU it was built on only; host arrays go over MPI)."""
+        """Raise ValueError for a device array on another GPU than this communicator's.
+
+        NCCL moves the memory of the GPU it was built on only; host arrays go over MPI.
+        """
         cp = cupy_or_none()
-        if cp is not None and isinstance(array, cp.ndarray):  # (as_array's view of a tensor)
+        if cp is not None and isinstance(array, cp.ndarray):  # as_array's view of a tensor
             dev = int(array.device.id)
             if dev != self.device:
                 raise ValueError(
@@ -151,10 +152,10 @@ class NCCLCommunicator(Communicator):
             self.check_buffer(sendbuf, "sendbuf")
         except ValueError as exc:
             error = exc
-        if counts is None:  # (the counts' exchange shares an error: a rank's -1)
+        if counts is None:  # the counts' exchange shares an error: a rank's -1
             counts = self.allgather_ints(-1 if error else int(sendbuf.shape[0]))
             self._share_error(counts, error, "NCCLCommunicator.allgatherv")
-        elif error is not None:  # (given counts: no exchange to share it in)
+        elif error is not None:  # given counts: no exchange to share it in
             raise ValueError(f"{error} on rank {self.rank}") from error
         counts = [int(c) for c in counts]
         item = sendbuf.dtype.itemsize
@@ -221,7 +222,7 @@ class NCCLCommunicator(Communicator):
     def _nccl_allreduce(self, buf: Any, out: Any, op: str, check: bool, work: Any) -> Any:
         nccl, nc = self._nccl, self._live()
         given = out
-        # (what it allocates is made before the ranks agree, as Communicator.allreduce's)
+        # what it allocates is made before the ranks agree, as in Communicator.allreduce
         work, dest, out, wrap, orig = self._allreduce_args(buf, out, op, check, work)
         # NCCL sums in place when both pointers are the same (dest is work: contiguous)
         dtype = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64}

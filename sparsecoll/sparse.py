@@ -70,7 +70,7 @@ class SparseVector:
     def __init__(self, indices: Any, values: Any, n: int) -> None:
         self.indices = indices
         self.values = values
-        # (int(n) took 5.5 as 5, "7" as 7: a length is checked even here)
+        # the length is checked even here: int() would take 5.5 as 5 and "7" as 7
         self.n = _length(n)
         self.contributed: Any = None
         self.local: SparseVector | None = None
@@ -82,16 +82,16 @@ class SparseVector:
         """Validate COO input on this rank and return the coalesced vector.
 
         ``indices`` and ``values`` may be anything :func:`sparsecoll.allreduce` takes
-        (numpy/CuPy arrays, torch tensors, lists, buffers); the vector's arrays are of the
-        kind ``values`` was (torch in, torch out)."""
+        (numpy/CuPy arrays, torch tensors, lists, buffers); torch in, torch out.
+        """
         vals, wrap = as_array(values, "values")
         idx = as_indices(indices)
         check_same_device(idx, vals)
-        with device_scope(vals):  # (the checks' kernels too: on the inputs' GPU)
+        with device_scope(vals):  # the checks' kernels too run on the inputs' GPU
             check_local(idx, vals, n)
             x = coalesce(idx, vals, int(n))
-            # (coalesce returns input already coalesced as is: the vector gets arrays of its
-            # own, as allreduce's results have, so that writing to one leaves the other)
+            # the vector owns its arrays (coalesce returns coalesced input as is), as
+            # allreduce's results do: writing to one leaves the other
             if x.indices is idx:
                 x.indices = idx.copy()
             if x.values is vals:
@@ -100,8 +100,7 @@ class SparseVector:
 
     @classmethod
     def from_dense(cls, x: Any) -> SparseVector:
-        """The nonzeros of a dense 1-D float16/32/64 array (numpy, CuPy, torch, or anything
-        numpy takes; torch in, torch out)."""
+        """Return the nonzeros of a dense 1-D float16/32/64 array (torch in, torch out)."""
         arr, wrap = as_array(x, "x")
         if getattr(arr, "ndim", None) != 1:
             raise ValueError(f"x must be a 1-D array, got shape {getattr(arr, 'shape', None)}")
@@ -119,7 +118,7 @@ class SparseVector:
     # -- views --------------------------------------------------------------------------
     @property
     def nnz(self) -> int:
-        return len(self.indices)  # (the plain constructor may hold lists)
+        return len(self.indices)  # the plain constructor may hold lists
 
     @property
     def shape(self) -> tuple[int]:
@@ -135,14 +134,13 @@ class SparseVector:
         return get_array_module(self.values)
 
     def to_dense(self, out: Any = None) -> Any:
-        """A dense array of length ``n`` (same kind and dtype as ``values``: numpy, CuPy,
-        or torch for the results of torch input).
+        """Return a dense array of length ``n``, of the kind and dtype of ``values``.
 
         Args:
-            out: an array to fill instead of a new one (as scipy's ``toarray(out=)``): of
-                shape ``(n,)`` and the values' dtype, on their device (numpy or a torch CPU
-                tensor for host values, CuPy on their GPU), writable, strided or not. It is
-                zeroed, the entries written, and returned.
+            out: an array to fill and return instead of a new one (as scipy's
+                ``toarray(out=)``): shape ``(n,)``, the values' dtype, on their device
+                (numpy or a torch CPU tensor for host values, CuPy on their GPU), writable,
+                strided or not.
         """
         vals, wrap = as_array(self.values, "values", writable=True)
         idx, _ = as_array(self.indices, "indices", writable=True)
@@ -154,7 +152,7 @@ class SparseVector:
             return wrap(dense)
         buf = _dense_out(out, vals, self.n)
         with device_scope(vals):
-            # (an out that holds the vector's own arrays: zeroing it would lose them)
+            # an out that holds the vector's own arrays: zeroing it would lose them
             if xp.may_share_memory(buf, vals):
                 vals = vals.copy()
             if xp.may_share_memory(buf, idx):
@@ -168,7 +166,7 @@ class SparseVector:
         return self.n
 
     def __bool__(self) -> bool:
-        # (len() made it n > 0: a result with no entries was true); numpy's convention
+        # ambiguous, as numpy's arrays are: "has entries" and "has a length" differ
         raise ValueError(
             "the truth value of a SparseVector is ambiguous: use v.nnz > 0 (it has entries) "
             "or v.n > 0 (its length)"
@@ -186,7 +184,7 @@ class SparseVector:
 
 
 def _length(n: Any) -> int:
-    """``n`` (a Python or numpy integer, not a bool, >= 0) as an int."""
+    """Return ``n`` (a Python or numpy integer >= 0, not a bool) as an int."""
     if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
         raise TypeError(f"n must be an integer, got {type(n).__name__}")
     if n < 0:
@@ -195,7 +193,7 @@ def _length(n: Any) -> int:
 
 
 def _dense_out(out: Any, vals: Any, n: int) -> Any:
-    """``out`` (:meth:`SparseVector.to_dense`'s) as an array to write into, checked."""
+    """Return ``out`` (:meth:`SparseVector.to_dense`'s) as a checked array to write into."""
     buf, _ = as_array(out, "out", writable=True)
     if not same_device(buf, vals):
         where = "on their GPU" if is_device_array(vals) else "on the host"
@@ -204,8 +202,8 @@ def _dense_out(out: Any, vals: Any, n: int) -> Any:
         raise ValueError(f"out must have shape ({n},), got {tuple(buf.shape)}")
     step = buf.strides[0]
     if n > 1 and abs(step) < buf.dtype.itemsize:
-        # (a broadcast or expanded view, torch's expand(): every entry written over the
-        # others, one value left in every place; torch refuses such an in-place write)
+        # a broadcast or expanded view (torch's expand()): every write lands on the same
+        # memory; torch refuses such an in-place write too
         raise ValueError(
             f"out's elements share memory (a stride of {step} bytes for {buf.dtype.itemsize}"
             f"-byte elements: a broadcast or expanded view): pass an array of {n} elements"
@@ -218,15 +216,17 @@ def _dense_out(out: Any, vals: Any, n: int) -> Any:
 
 
 def _wrapped(x: SparseVector, wrap: Any) -> SparseVector:
-    """``x`` with its arrays converted back to the caller's kind by ``wrap``."""
+    """Convert ``x``'s arrays back to the caller's kind with ``wrap``; return ``x``."""
     x.indices, x.values = wrap(x.indices), wrap(x.values)
     return x
 
 
 def as_indices(indices: Any) -> Any:
-    """``indices`` as an array (:func:`as_array`); an empty list, tuple or range is an empty
-    index array, as in numpy's own ``x[[]]`` (``np.asarray([])`` and ``np.asarray(range(0))``
-    are float64, where a range of entries is int64)."""
+    """Return ``indices`` as an array (:func:`as_array`).
+
+    An empty list, tuple or range is an empty int64 array, as in numpy's ``x[[]]``
+    (``np.asarray([])`` and ``np.asarray(range(0))`` alone are float64).
+    """
     idx, _ = as_array(indices, "indices")
     if isinstance(indices, (list, tuple, range)):
         if not len(indices):
@@ -237,11 +237,13 @@ def as_indices(indices: Any) -> Any:
 
 
 def _beyond_int64(indices: list[Any] | tuple[Any, ...] | range) -> None:
-    """Raise ValueError when ``indices`` holds only integers: numpy made floats (or objects)
-    of them because one lies beyond int64 and uint64 both (``[2**63, 1]`` is float64,
-    rounded), and "indices must be integers, got float64" would misname the problem."""
+    """Raise ValueError when ``indices`` are all integers but one lies beyond int64.
+
+    numpy made floats (or objects) of them (``[2**63, 1]`` is float64, rounded), and
+    "indices must be integers, got float64" would misname the problem.
+    """
     ints = []
-    for i in indices:  # (a bool is 0 or 1 here, as numpy reads it in a list of ints)
+    for i in indices:  # a bool is 0 or 1 here, as numpy reads it in a list of ints
         if not isinstance(i, (int, np.integer, np.bool_)):
             return
         ints.append(int(i))
@@ -257,9 +259,10 @@ _SWAPPED = (
 
 
 def check_same_device(indices: Any, values: Any) -> None:
-    """Raise TypeError unless ``indices`` and ``values`` (arrays) are both host arrays or
-    both device arrays on one GPU (kernels on arrays of two GPUs fail, or run slowly
-    through peer access)."""
+    """Raise TypeError unless ``indices`` and ``values`` are both on the host or on one GPU.
+
+    Kernels on arrays of two GPUs fail, or run slowly through peer access.
+    """
     if get_array_module(indices) is not get_array_module(values):
         raise TypeError("values and indices must live on the same device")
     if not same_device(indices, values):
@@ -291,7 +294,7 @@ def check_local(indices: Any, values: Any, n: Any) -> None:
             f"indices and values differ in length: {indices.shape[0]} != {values.shape[0]}"
         )
     if indices.shape[0]:
-        # (the methods: numpy's and CuPy's alike, without xp.min's dispatch at every call)
+        # the array methods: numpy's and CuPy's alike, without xp.min's dispatch
         lo = int(indices.min())
         hi = int(indices.max())
         if lo < 0 or hi >= n:
