@@ -28,21 +28,14 @@ __all__ = [
 
 
 def real(name: str, value: Any) -> float:
-    """Return ``value`` (a Python or numpy real number, not a bool) as a float.
-
-    -0.0 comes back as 0.0: ranks agree on options by their reprs, where the two differ.
-    """
+    """Return ``value`` (a real number, not a bool) as a float, -0.0 as 0.0: ranks compare reprs."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value) + 0.0
 
 
 def read_only(attr: str, name: str, doc: str | None = None) -> property:
-    """Return a property for an option fixed at construction.
-
-    It reads ``attr`` (a dotted path, as :func:`operator.attrgetter` takes); its setter
-    raises the owner's ``_refuse(name, value)``, an AttributeError that says what to do.
-    """
+    """Return a property reading ``attr`` (dotted) whose setter raises the owner's ``_refuse``."""
     return property(
         operator.attrgetter(attr), lambda self, value: self._refuse(name, value), doc=doc
     )
@@ -57,12 +50,9 @@ def check_density(value: Any) -> float:
 
 
 def integer(name: str, value: Any, low: int, *, int64: bool = False) -> int:
-    """Return ``value`` (a Python or numpy integer >= ``low``, not a bool) as an int.
+    """Return ``value`` (an integer >= ``low``, not a bool; with ``int64`` below 2**63) as an int.
 
-    Raises:
-        TypeError: another type (a float, even 3.0, as numpy's ``np.zeros(3.0)``).
-        ValueError: an integer below ``low``, or with ``int64`` (a value the ranks agree
-            on as an int64) at or above 2**63.
+    A float, even 3.0, is a TypeError (as in ``np.zeros(3.0)``); out of range, a ValueError.
     """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(
@@ -76,7 +66,7 @@ def integer(name: str, value: Any, low: int, *, int64: bool = False) -> int:
 
 
 def flag(name: str, value: Any) -> bool:
-    """Return ``value`` (True or False, a numpy bool too) as a bool; bool("no") is True."""
+    """Return ``value`` (True or False, a numpy bool too) as a bool; other objects are refused."""
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
     return bool(value)
@@ -93,10 +83,7 @@ def choice(name: str, value: Any, choices: Any) -> str:
 
 
 def count_band(name: str, value: Any) -> tuple[float, float]:
-    """Return ``value``, a band ``(low, high)`` of multiples of k, as a tuple of floats.
-
-    Both real numbers, with ``0 <= low <= 1 <= high``.
-    """
+    """Return ``value``, reals ``(low, high)`` with ``0 <= low <= 1 <= high``, as two floats."""
     what = f"{name} must be a pair (low, high) of real numbers with 0 <= low <= 1 <= high"
     if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:
         raise TypeError(f"{what}, got {value!r}")
@@ -112,7 +99,7 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 def env_flag(name: str, default: bool | None) -> bool | None:
     """Return the environment variable ``name`` as a bool (1/true/yes/on, 0/false/no/off).
 
-    Any case; ``default`` when unset or empty; a ValueError naming it for another value.
+    Any case; ``default`` when unset or empty; any other value is a ValueError naming it.
     """
     raw = os.environ.get(name, "")
     text = raw.strip().lower()
@@ -127,10 +114,7 @@ def env_flag(name: str, default: bool | None) -> bool | None:
 
 
 def env_integer(name: str, low: int) -> int | None:
-    """Return the environment variable ``name`` as an integer >= ``low`` (None when unset).
-
-    Empty counts as unset; another value is a ValueError naming the variable.
-    """
+    """Return the environment variable ``name`` as an integer >= ``low`` (None: unset or empty)."""
     raw = os.environ.get(name, "")
     try:
         value = int(raw.strip()) if raw.strip() else None
@@ -144,8 +128,8 @@ def env_integer(name: str, low: int) -> int | None:
 def canonical(value: Any) -> Any:
     """Return ``value`` as plain Python values that compare and print alike on every rank.
 
-    Numbers as int or float (-0.0 as 0.0), containers and numpy arrays item by item (as
-    tuples), any other object as its type's name alone (its repr may hold an address).
+    Numbers as int or float (-0.0 as 0.0), containers and arrays as tuples, any other object as
+    its type's name (its repr may hold an address).
     """
     if value is None or isinstance(value, (str, bool, np.bool_)):
         return value if not isinstance(value, np.bool_) else bool(value)
@@ -166,10 +150,10 @@ def canonical(value: Any) -> Any:
 def effective_options(
     cls: Any, given: dict[str, Any], leave_out: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-    """Return the options ``cls`` is built with, by name: its defaults updated by ``given``.
+    """Return the options ``cls`` is built with: its defaults updated by ``given``.
 
-    ``cls`` is an algorithm or a selection estimator (None: no options); names in
-    ``leave_out`` are left out. Without a signature inspect can read: ``given`` alone.
+    ``cls``: an algorithm or a selection estimator (None: no options). Names in ``leave_out``
+    are left out.
     """
     if cls is None:
         return {}

@@ -25,10 +25,7 @@ __all__ = [
 
 
 def accumulate_dtype(dtype: Any) -> np.dtype:
-    """Return the type sums are accumulated in: float64 for float16, else ``dtype``.
-
-    Numba has no float16, and a float16 sum is exact in float64, so it is rounded once.
-    """
+    """Return float64 for float16 (a float16 sum is exact in float64; Numba has no float16)."""
     dtype = np.dtype(dtype)
     return np.dtype(np.float64) if dtype == np.float16 else dtype
 

@@ -29,20 +29,16 @@ WINDOW_OFFSETS = 0.003 * _J + (math.log(1.25) - 0.096) / 32**3 * _J**3
 
 
 def window_edges(threshold: float, dtype: Any) -> np.ndarray:
-    """Return the E = 65 edges ``threshold·e^{WINDOW_OFFSETS}``, ascending, in ``dtype``.
+    """Return the 65 edges ``threshold·e^{WINDOW_OFFSETS}``, ascending, in ``dtype``.
 
-    An edge past dtype's largest finite value is inf, which only infinities reach.
+    An edge past dtype's largest value is inf, which only infinities reach.
     """
     with np.errstate(over="ignore"):
         return (threshold * np.exp(WINDOW_OFFSETS)).astype(dtype)
 
 
 def nudged_up(threshold: float, factor: float) -> float:
-    """Return ``threshold·factor``, held to the largest finite float.
-
-    Either way it keeps only infinities, but a finite threshold comes back down under later
-    divisions where inf would stay inf for ever.
-    """
+    """Return ``threshold·factor`` held to the largest float (inf would never come back down)."""
     return min(threshold * factor, sys.float_info.max)
 
 

@@ -39,9 +39,8 @@ class Allgather(Algorithm):
 def merge_runs(runs: list[tuple[Any, Any]], n: int) -> tuple[Any, Any]:
     """Sum nonempty coalesced runs ``(indices, values)``, given in rank order.
 
-    Neighbours are merged pairwise (log2 P linear passes). The pairing depends only on the
-    number of runs, so every rank adds in the same order and gets the same bits; float16
-    is summed in float64 and rounded once.
+    Neighbours merge pairwise; the pairing depends only on the number of runs, so every
+    rank gets the same bits. float16 is summed in float64 and rounded once.
     """
     dtype = runs[0][1].dtype
     acc = accumulate_dtype(dtype)

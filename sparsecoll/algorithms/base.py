@@ -155,11 +155,7 @@ class Algorithm(ABC):
 
 
 def state_crc(values: Any, bounds: Any = None) -> int:
-    """Return a CRC of ``values``' repr and the int64 array ``bounds`` (None: none yet).
-
-    For a stateful algorithm's :meth:`Algorithm.signature`: options, the scalar state of
-    earlier calls, partition bounds.
-    """
+    """Return a CRC of ``values``' repr and the int64 ``bounds`` (None: none) for signature()."""
     crc = zlib.crc32(repr(values).encode())
     if bounds is not None:
         crc = zlib.crc32(np.ascontiguousarray(bounds, np.int64).tobytes(), crc)
