@@ -194,8 +194,7 @@ def _torch_kind(x: Any) -> str:
 def _torch_hint(x: Any, name: str) -> str:
     """Return a hint on what to pass instead of the torch tensor ``x`` numpy refused.
 
-    A sparse tensor: its values and indices. A float type numpy lacks (bfloat16, float8):
-    widened, as the DDP hooks do (not for indices, nor for a type numpy has).
+    A sparse tensor's values and indices; a float type numpy lacks (bfloat16, float8) widened.
     """
     import torch
 
@@ -221,11 +220,7 @@ def _torch_wrap(a: Any) -> Any:
 
 
 def nonzero_mask(x: Any) -> Any:
-    """Return ``x != 0`` (numpy or CuPy), counting float32 subnormals on a GPU too.
-
-    A float32 device array is tested on its bits: CuPy compiles every kernel with
-    -ftz=true, and its comparisons then read float32 subnormals as 0.
-    """
+    """Return ``x != 0``; a float32 device array is tested on its bits (CuPy flushes subnormals)."""
     if isinstance(x, np.ndarray) or x.dtype != np.float32:
         return x != 0
     return (x.view(np.uint32) & np.uint32(0x7FFF_FFFF)) != np.uint32(0)
@@ -277,14 +272,11 @@ def synchronize() -> None:
 
 
 def wait_for_foreign(given: Any, view: Any) -> None:
-    """Hand the caller's ``given`` (an ``out``), just written through ``view``, back to its
-    owner.
+    """Hand ``given`` (an ``out`` written through ``view``) back to the library that owns it.
 
     When ``view`` is CuPy's view of another library's device array, CuPy's stream is
-    synchronized: nothing orders the owner's stream after the kernels that wrote it. A torch
-    tensor's version counter is raised, as torch's in-place writes do, so that autograd
-    sees the write (a tensor saved for backward then raises instead of giving gradients of
-    the new values).
+    synchronized (nothing orders the owner's stream after it). A torch tensor's version counter
+    is raised, as torch's in-place writes do, so that autograd sees the write.
     """
     if given is None or given is view:
         return
@@ -313,10 +305,7 @@ def to_module(x: np.ndarray, xp: Any) -> Any:
 
 
 def pinned_empty(nbytes: int) -> np.ndarray:
-    """Return a host uint8 array of ``nbytes``, page-locked when CuPy is there.
-
-    Device copies from pinned memory run at full speed.
-    """
+    """Return a host uint8 array of ``nbytes``, page-locked (fast device copies) with CuPy."""
     cp = cupy_or_none()
     if cp is None or nbytes == 0:
         return np.empty(nbytes, dtype=np.uint8)
@@ -331,10 +320,7 @@ def _address(a: Any) -> int:
 
 
 def aligned_view(buf: Any, dtype: Any) -> Any:
-    """View the 1-D byte array ``buf`` as ``dtype``, copied first when misaligned for it.
-
-    GPUs fault on misaligned loads; CPUs only slow down.
-    """
+    """View the byte array ``buf`` as ``dtype``, copied first if misaligned (GPUs fault on it)."""
     dtype = np.dtype(dtype)
     if buf.shape[0] and _address(buf) % dtype.itemsize:
         buf = buf.copy()
@@ -353,8 +339,7 @@ RADIX_MIN = 1 << 12  # shorter index arrays go to numpy's sort
 def stable_argsort(keys: Any, n: int) -> Any:
     """Return ``argsort(keys, kind="stable")`` for integer keys in ``[0, n)``.
 
-    Long host arrays get an LSD radix sort in Numba (ceil(log2 n / 12) passes, faster than
-    numpy's stable argsort); others numpy's or CuPy's sort.
+    Long host arrays get an LSD radix sort in Numba (ceil(log2 n / 12) passes).
     """
     xp = get_array_module(keys)
     m = int(keys.shape[0])

@@ -99,7 +99,7 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 def env_flag(name: str, default: bool | None) -> bool | None:
     """Return the environment variable ``name`` as a bool (1/true/yes/on, 0/false/no/off).
 
-    Any case; ``default`` when unset or empty; any other value is a ValueError naming it.
+    ``default`` when unset or empty; another value is a ValueError naming it.
     """
     raw = os.environ.get(name, "")
     text = raw.strip().lower()
@@ -152,8 +152,7 @@ def effective_options(
 ) -> dict[str, Any]:
     """Return the options ``cls`` is built with: its defaults updated by ``given``.
 
-    ``cls``: an algorithm or a selection estimator (None: no options). Names in ``leave_out``
-    are left out.
+    Names in ``leave_out`` are left out; ``cls`` None has no options.
     """
     if cls is None:
         return {}

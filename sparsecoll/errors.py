@@ -36,14 +36,10 @@ class CollectiveTypeError(SparseCollError, TypeError):
 class CollectiveRuntimeError(SparseCollError, RuntimeError):
     """Local work before a call's first collective failed on some rank; raised on every rank.
 
-    An error not about the input (a bug, an exhausted resource, a user hook's exception),
-    named with its rank instead of leaving the other ranks waiting. On the failing rank the
-    original error is the ``__cause__``.
+    Not an input error (a bug, an exhausted resource, a hook's exception); on the failing rank
+    the original error is the ``__cause__``.
     """
 
 
 class NonFiniteError(CollectiveInputError):
-    """A gradient step met NaN or Inf in ``grad + residual`` on some rank; raised on every rank.
-
-    Nothing is changed (GradientReducer.step).
-    """
+    """A gradient step met NaN or Inf on some rank; raised on every rank, nothing changed."""

@@ -42,12 +42,9 @@ def _offsets(counts: Sequence[int]) -> list[int]:
 class NCCLCommunicator(Communicator):
     """A :class:`Communicator` that moves device payloads of collectives over NCCL.
 
-    Built collectively on every rank of ``comm`` (an mpi4py Intracomm, default COMM_WORLD,
-    or a Communicator), each rank on its current CuPy device.
-
-    Raises:
-        RuntimeError: on every rank, when a rank lacks CuPy or NCCL.
-        ValueError: on every rank, when two ranks share a GPU.
+    Built collectively on every rank of ``comm`` (an mpi4py Intracomm, default COMM_WORLD, or
+    a Communicator), each rank on its current CuPy device. Raises RuntimeError on every rank
+    when a rank lacks CuPy or NCCL, ValueError when two ranks share a GPU.
     """
 
     def __init__(self, comm: Any = None) -> None:
@@ -111,9 +108,8 @@ class NCCLCommunicator(Communicator):
     def _watched(self, call: str) -> Iterator[None]:
         """Run a payload collective on this communicator's GPU, serialized and watched.
 
-        This rank's calls go one at a time (:meth:`serial`); with the watchdog on, the call
-        is watched as a blocking call (a rank that skipped it would leave the others in NCCL
-        for ever), or as part of the watched call it runs inside (``sparsecoll.allreduce``).
+        With the watchdog on, it is watched as a blocking call (a rank that skipped it would leave
+        the others in NCCL for ever), or as part of the watched call it runs inside.
         """
         from .api import watch
 
@@ -122,10 +118,7 @@ class NCCLCommunicator(Communicator):
             yield
 
     def check_buffer(self, array: Any, name: str) -> None:
-        """Raise ValueError for a device array on another GPU than this communicator's.
-
-        NCCL moves the memory of the GPU it was built on only; host arrays go over MPI.
-        """
+        """Raise ValueError for a device array on another GPU than the one NCCL was built on."""
         cp = cupy_or_none()
         if cp is not None and isinstance(array, cp.ndarray):  # as_array's view of a tensor
             dev = int(array.device.id)

@@ -222,11 +222,7 @@ def _wrapped(x: SparseVector, wrap: Any) -> SparseVector:
 
 
 def as_indices(indices: Any) -> Any:
-    """Return ``indices`` as an array (:func:`as_array`).
-
-    An empty list, tuple or range is an empty int64 array, as in numpy's ``x[[]]``
-    (``np.asarray([])`` and ``np.asarray(range(0))`` alone are float64).
-    """
+    """Return ``indices`` as an array; an empty list, tuple or range as int64 (numpy: float64)."""
     idx, _ = as_array(indices, "indices")
     if isinstance(indices, (list, tuple, range)):
         if not len(indices):
@@ -237,11 +233,7 @@ def as_indices(indices: Any) -> Any:
 
 
 def _beyond_int64(indices: list[Any] | tuple[Any, ...] | range) -> None:
-    """Raise ValueError when ``indices`` are all integers but one lies beyond int64.
-
-    numpy made floats (or objects) of them (``[2**63, 1]`` is float64, rounded), and
-    "indices must be integers, got float64" would misname the problem.
-    """
+    """Raise ValueError when ``indices`` are integers but one lies beyond int64 (numpy: floats)."""
     ints = []
     for i in indices:  # a bool is 0 or 1 here, as numpy reads it in a list of ints
         if not isinstance(i, (int, np.integer, np.bool_)):
@@ -259,10 +251,7 @@ _SWAPPED = (
 
 
 def check_same_device(indices: Any, values: Any) -> None:
-    """Raise TypeError unless ``indices`` and ``values`` are both on the host or on one GPU.
-
-    Kernels on arrays of two GPUs fail, or run slowly through peer access.
-    """
+    """Raise TypeError unless ``indices`` and ``values`` are both on the host or on one GPU."""
     if get_array_module(indices) is not get_array_module(values):
         raise TypeError("values and indices must live on the same device")
     if not same_device(indices, values):

@@ -29,10 +29,7 @@ WINDOW_OFFSETS = 0.003 * _J + (math.log(1.25) - 0.096) / 32**3 * _J**3
 
 
 def window_edges(threshold: float, dtype: Any) -> np.ndarray:
-    """Return the 65 edges ``threshold·e^{WINDOW_OFFSETS}``, ascending, in ``dtype``.
-
-    An edge past dtype's largest value is inf, which only infinities reach.
-    """
+    """Return the 65 edges ``threshold·e^{WINDOW_OFFSETS}`` in ``dtype`` (inf past its range)."""
     with np.errstate(over="ignore"):
         return (threshold * np.exp(WINDOW_OFFSETS)).astype(dtype)
 
@@ -43,11 +40,10 @@ def nudged_up(threshold: float, factor: float) -> float:
 
 
 def edge_counts(mags: Any, edges: np.ndarray) -> tuple[Any, np.ndarray]:
-    """Count non-negative ``mags`` at each edge, in one pass.
+    """Return ``(h, ge)`` for non-negative ``mags``, in one pass over them.
 
-    Returns:
-        ``(h, ge)``: ``h`` how many edges are <= each magnitude (so ``h > j`` selects
-        ``mags >= edges[j]``), ``ge[j]`` = #(mags >= edges[j]) (host int64).
+    ``h``: how many edges are <= each magnitude (``h > j`` selects ``mags >= edges[j]``);
+    ``ge[j]``: #(mags >= edges[j]), host int64.
     """
     xp = get_array_module(mags)
     if xp is np and backend() == "numba":
@@ -75,10 +71,9 @@ def edge_totals(x: Any, edges: np.ndarray) -> np.ndarray:
 
 
 def pick_edge(total: np.ndarray, k: int, tol: float) -> tuple[int, bool]:
-    """Return ``(j, missed)``: the edge whose global count ``total[j]`` is nearest ``k``.
+    """Return ``(j, missed)``: the edge whose global count is nearest ``k`` (ties: the middle one).
 
-    A tie goes to the middle edge (margin on both sides). ``missed``: k lies outside the
-    window by more than ``tol``, and j is the end edge nearest k.
+    ``missed``: k lies outside the window by more than ``tol`` (j is then the nearer end).
     """
     if total[-1] > k + tol:  # too many even at the highest edge: the window is too low
         return total.shape[0] - 1, True
@@ -90,20 +85,16 @@ def pick_edge(total: np.ndarray, k: int, tol: float) -> tuple[int, bool]:
 
 
 def bracket_edge(total: np.ndarray, k: int) -> int | None:
-    """Return the highest edge j with ``total[j] >= k``, or None when k is outside the window.
-
-    The k-th largest magnitude then lies in ``[edges[j], edges[j + 1])`` (or at the top edge).
-    """
+    """Return the highest edge j with ``total[j] >= k`` (the k-th largest is above it), or None."""
     if total[0] < k or total[-1] > k:
         return None
     return int(np.flatnonzero(np.asarray(total) >= k)[-1])
 
 
 def bucket_start(step: int, total: int) -> int:
-    """Return where a window call's bucket of ``total`` entries starts being taken.
+    """Return where a window call starts taking its bucket of ``total``: frac(step·φ)·total.
 
-    The fractional part of ``step·φ`` (golden ratio, 64-bit fixed point) times ``total``:
-    successive calls start far apart and every position comes round evenly.
+    Successive calls start far apart and every position comes round evenly.
     """
     return ((step * 0x9E3779B97F4A7C15) & (2**64 - 1)) * total >> 64
 
@@ -111,9 +102,8 @@ def bucket_start(step: int, total: int) -> int:
 def bucket_shares(bucket: Any, need: int, start: int) -> list[tuple[tuple[int, int], ...]]:
     """Split a run of ``need`` bucket entries from ``start`` (wrapping) among the parts.
 
-    The bucket is laid out part after part (``bucket[i]`` entries in part i). Returns, per
-    part, at most two ``(start, stop)`` ranges of positions in its own share, as
-    :func:`~sparsecoll.algorithms._merge.keep_bucket` takes them.
+    ``bucket[i]`` entries lie in part i, in index order. Per part: at most two ``(start,
+    stop)`` ranges of its own positions, as :func:`._merge.keep_bucket` takes them.
     """
     counts = [int(c) for c in bucket]
     total = sum(counts)

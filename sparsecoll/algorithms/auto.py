@@ -51,10 +51,7 @@ class CostModel:
 
 
 def union_size(m: float, n: int, kbar: float, theta: float | None) -> float:
-    """Return the expected nnz of the sum of ``m`` ranks' inputs of ``kbar`` nonzeros each.
-
-    ``theta`` None: independent uniform indices; else ``min(n, kbar·m**theta)``.
-    """
+    """Return the expected nnz of the sum of ``m`` inputs of ``kbar`` (θ None: uniform indices)."""
     if n <= 0 or kbar <= 0:
         return 0.0
     if theta is None:
@@ -66,9 +63,8 @@ def union_size(m: float, n: int, kbar: float, theta: float | None) -> float:
 def dsa_messages(P: int) -> int:
     """Count the messages dsa's busiest rank (P − 1) sends while sparse.
 
-    Its chunks (indices and values) to the P − 1 others, the counts' alltoall (P − 1), the
-    owners' nnz allgather (lg), and per Bruck round its ranges as indices and values (two
-    pieces each when the run wraps past rank P − 1).
+    Chunks (indices and values) to P − 1 ranks, the counts' alltoall, the nnz allgather (lg),
+    and per Bruck round its ranges as indices and values (two pieces each when they wrap).
     """
     rounds = bruck_counts(P)  # ⌈log2 P⌉ of them
     return 3 * (P - 1) + len(rounds) + sum(4 if cnt > 1 else 2 for cnt in rounds)
@@ -205,10 +201,9 @@ class Auto(Algorithm):
 
 
 def _preflight_may_allocate(algo: Algorithm, x: SparseVector, total: int) -> bool:
-    """Whether the pick's preflight may allocate on some rank (known alike on every rank).
+    """Whether the pick's preflight may allocate on some rank (decided alike on every rank).
 
-    recursive_doubling's allocates only for an input past its switch point, and no rank's
-    input holds more than the agreed total nnz.
+    recursive_doubling's allocates only past its switch point, which no input passes if N doesn't.
     """
     if type(algo).preflight is Algorithm.preflight:
         return False
@@ -220,8 +215,8 @@ def _preflight_may_allocate(algo: Algorithm, x: SparseVector, total: int) -> boo
 def _preflight_agreed(comm: Communicator, algo: Algorithm, x: SparseVector) -> None:
     """Run the pick's preflight, then agree on its outcome (one small allreduce).
 
-    The choice comes after the call's own agreement, so memory running out on one rank
-    would otherwise leave the others waiting in the exchange.
+    The choice comes after the call's own agreement: without this, memory running out on one
+    rank would leave the others waiting in the exchange.
     """
     error = None
     try:

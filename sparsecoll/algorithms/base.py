@@ -110,9 +110,8 @@ class Algorithm(ABC):
     def preflight(self, x: SparseVector) -> None:
         """Do the local work of :meth:`reduce` that can fail on this rank alone, ahead.
 
-        :func:`sparsecoll.allreduce` calls it before the ranks agree on their input, so
-        that such an error (an O(n) allocation) is raised on every rank. What it makes goes
-        in ``x.info`` (:func:`dense_of`); ``reduce`` must work without it.
+        Called before the ranks agree on the call, so that such an error (an O(n) allocation) is
+        raised on every rank. It puts what it makes in ``x.info``; ``reduce`` works without it.
         """
         return None
 
@@ -122,31 +121,23 @@ class Algorithm(ABC):
         return {}
 
     def signature(self) -> list[int]:
-        """Return integers that must agree on every rank (e.g. k), checked before any payload.
-
-        At most 5, each within int64 (callers add n, the dtype and the class); more is a
-        CollectiveInputError on every rank.
-        """
+        """Return integers that must agree on every rank (e.g. k): at most 5, each within int64."""
         return []
 
     def check_state(self, saved: dict[str, Any], n: int, size: int) -> dict[str, Any]:
         """Return the attributes to restore from the checkpoint state ``saved``, checked.
 
-        Checked for this instance on length ``n`` over ``size`` ranks; changes nothing.
-        Override to check how the attributes fit together.
-
-        Raises:
-            ValueError: (TypeError for a wrong type) naming what does not fit.
+        Raises ValueError (TypeError for a wrong type) naming what does not fit ``n`` and ``size``
+        ranks; changes nothing. Override to check how the attributes fit together.
         """
         return check_saved(self, saved, n, size)
 
     def verify(
         self, result: SparseVector, reference: SparseVector, inputs: list[SparseVector]
     ) -> bool:
-        """Return whether ``result`` meets this algorithm's contract (benchmarks, tests).
+        """Return whether ``result`` meets the contract, given the exact sum of ``inputs``.
 
-        ``reference`` is the exact sum (:func:`reference_sum`) of every rank's coalesced
-        ``inputs``. Exact algorithms must match it within :func:`allclose_sparse`'s rounding.
+        Exact algorithms: ``reference`` within :func:`allclose_sparse`'s rounding.
         """
         return allclose_sparse(result, reference, inputs)
 
@@ -178,10 +169,7 @@ def _dense_on(union: np.ndarray, indices: Any, values: Any) -> np.ndarray:
 
 
 def input_mass(inputs: list[SparseVector], at: np.ndarray) -> np.ndarray:
-    """Return Σ_r |x_r[i]| (float64) at each index of the ascending int64 array ``at``.
-
-    It bounds the rounding of any sum of the inputs at ``i``.
-    """
+    """Return Σ_r |x_r[i]| (float64) at each index of ``at``: it bounds the rounding of a sum."""
     mass = np.zeros(at.shape[0])
     for x in inputs:
         xi = np.asarray(to_host(x.indices)).astype(np.int64)
@@ -194,8 +182,7 @@ def input_mass(inputs: list[SparseVector], at: np.ndarray) -> np.ndarray:
 def reference_sum(inputs: list[SparseVector]) -> SparseVector:
     """Return the exact sum of every rank's input, computed apart from any algorithm.
 
-    Summed in float64 (exact for a few float32 terms) and rounded once to the inputs' dtype.
-    Every index held by some input is present (a sum that cancels is an explicit 0).
+    Summed in float64 and rounded once to the inputs' dtype; a sum that cancels is an explicit 0.
     """
     n, dtype = inputs[0].n, inputs[0].values.dtype
     idx = [np.asarray(to_host(x.indices)).astype(np.int64) for x in inputs]
@@ -268,9 +255,9 @@ class Fold:
 
 
 def range_bounds(n: int, parts: int) -> np.ndarray:
-    """Return ``parts + 1`` int64 bounds splitting [0, n) into near-equal contiguous ranges.
+    """Return ``parts + 1`` int64 bounds of near-equal ranges of [0, n).
 
-    Computed in Python integers: ``i * n`` overflows int64 for n above 2**63 / parts.
+    Computed in Python ints: ``i * n`` overflows int64 for n above 2**63 / parts.
     """
     if not parts:
         return np.zeros(1, np.int64)
@@ -307,11 +294,7 @@ def pack_pairs(indices: Any, values: Any) -> Any:
 
 
 def unpack_pairs(buf: Any, itype: Any, vtype: Any) -> tuple[Any, Any]:
-    """Split a buffer from :func:`pack_pairs` back into (indices, values) views.
-
-    A part misaligned for its type (float64 after an odd count of int32) is copied: GPUs
-    fault on misaligned loads.
-    """
+    """Split a :func:`pack_pairs` buffer into (indices, values) views, copying a misaligned part."""
     isz = np.dtype(itype).itemsize
     vsz = np.dtype(vtype).itemsize
     m = buf.shape[0] // (isz + vsz)

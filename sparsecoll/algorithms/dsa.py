@@ -150,10 +150,9 @@ def _add_sparse(acc: Any, idx: Any, vals: Any, lo: int) -> None:
 
 
 class _RunStack:
-    """Merge runs as they arrive, binary-counter style (O(m log runs) work in all).
+    """Merge runs as they arrive, binary-counter style: O(m log runs) work, mostly overlapped.
 
-    A run is merged with the top of the stack while the top is at most twice its size, so
-    most of the work happens while later chunks are still in flight.
+    A run merges with the top of the stack while the top is at most twice its size.
     """
 
     def __init__(self, n: int, xp: Any, dtype: Any) -> None:

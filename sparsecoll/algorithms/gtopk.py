@@ -77,9 +77,9 @@ def merge_topk(a: tuple[Any, Any], b: tuple[Any, Any], k: int, n: int) -> tuple[
 
 
 def _local_topk(x: SparseVector, k: int, copy: bool) -> tuple[Any, tuple[Any, Any]]:
-    """Return this rank's top-k: positions in x, and (indices, values).
+    """Return this rank's top-k positions in x and (indices, values).
 
-    The pair is x's own arrays when x has at most k entries, none zero (unless ``copy``).
+    The pair is x's own arrays when every entry is kept, unless ``copy``.
     """
     if x.nnz <= k and bool(nonzero_mask(x.values).all()):
         pos = x.xp.arange(x.nnz)

@@ -40,11 +40,7 @@ class Rabenseifner(Algorithm):
 
 
 def allreduce_dense(comm: Communicator, buf, scratch=None):
-    """Sum the dense array ``buf`` over ``comm`` in place and return it.
-
-    Args:
-        scratch: an array like ``buf`` for the received parts (made here when None).
-    """
+    """Sum the dense array ``buf`` over ``comm`` in place; return it (``scratch`` made if None)."""
     fold = Fold.plan(comm.rank, comm.size)
     if comm.size == 1:
         return buf
