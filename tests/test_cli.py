@@ -205,7 +205,7 @@ def test_main_bench_relaunches_and_names_its_check() -> None:
     assert lines[2].startswith("# network: shared memory, one host (2 ranks on ")
     assert lines[3].startswith("# steady state: one instance per algorithm, reused")
     assert any(line.startswith("# check: 'sum' = equals the exact dense sum") for line in lines)
-    assert any("1G: alpha = 50 us, beta = 125 MB/s" in line for line in lines)
+    assert any("1G: alpha = 50 us/message, beta = 8 ns/byte (125 MB/s)" in line for line in lines)
     head = next(i for i, line in enumerate(lines) if line.startswith("algorithm"))
     assert lines[head].split() == [
         "algorithm",

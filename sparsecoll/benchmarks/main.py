@@ -194,8 +194,8 @@ def network(comm: Communicator) -> str:
 
 
 def projected_ms(link: Link, median: float, nbytes: int, messages: int) -> float:
-    """A row's projected milliseconds on ``link``: its time here plus its bytes and
-    messages sent per rank on the link (α·messages + bytes/B)."""
+    """A row's projected milliseconds on ``link``: its time here plus the time its messages
+    and bytes sent per rank take on the link (α·messages + β·bytes, β = 1/bandwidth)."""
     return (median + link.time(messages, nbytes)) * 1e3
 
 
@@ -227,12 +227,14 @@ def _print_header(
         "speedup = dense median / median; bytes ratio = bytes/rank / dense bytes/rank"
     )
     links = "; ".join(
-        f"{tag}: alpha = {link.alpha * 1e6:g} us, beta = {link.bandwidth / 1e6:g} MB/s"
+        f"{tag}: alpha = {link.alpha * 1e6:g} us/message, beta = {1e9 / link.bandwidth:g} "
+        f"ns/byte ({link.bandwidth / 1e6:g} MB/s)"
         for tag, link in zip(("1G", "10G"), PROJECTED)
     )
     print(
         f"# 1G ms, 10G ms: projected on a 1 and a 10 Gbit/s link, median ms + alpha*msgs "
-        f"+ bytes/beta ({links}; sparsecoll.benchmarks.model)"
+        f"+ beta*bytes (bytes with metadata; {links}; the alpha-beta model of "
+        f"sparsecoll.benchmarks.model)"
     )
     print(
         f"{'algorithm':<26}{'check':>13}{'median ms':>11}{'speedup':>9}{'bytes/rank':>12}"
