@@ -15,6 +15,7 @@ import numpy as np
 
 from . import errors
 from ._array import as_array, device_scope, get_array_module, identity
+from ._byname import note_named_call
 from ._options import canonical, effective_options
 from ._progress import SparseRequest, get_timeout, ranks_text
 from .algorithms.base import Algorithm
@@ -72,8 +73,13 @@ def allreduce(
         indices: 1-D integer array of the same length, each in ``[0, n)``; unsorted input
             and repeated indices are allowed (repeats are summed).
         n: the dense length, the same on every rank.
-        algorithm: a registered name (a fresh instance is built with ``options``) or an
-            Algorithm instance (stateful algorithms keep their state in it).
+        algorithm: a registered name (a new instance is built with ``options`` for every
+            call, so the call depends on its arguments alone) or an Algorithm instance
+            (stateful algorithms keep their state in it). A stateful selecting algorithm
+            (oktopk, exdyna) reuses its threshold only through an instance: build one with
+            :func:`sparsecoll.get_algorithm` and pass it to every call of a stream (one per
+            stream, e.g. per layer; on every rank). A repeated call by name with the same
+            options and ``n`` warns once (UserWarning) with that fix.
         **options: constructor options for a named algorithm (e.g. ``k=`` for gtopk).
 
     Returns:
@@ -152,6 +158,7 @@ def _allreduce(
             detail = functools.partial(_options_detail, algo, None)
         elif isinstance(algorithm, str):
             algo = get_algorithm(algorithm, **options)
+            note_named_call(algo, options, n)  # (warns when a stateful one repeats)
             # (a fresh instance: its signature differs across ranks by its options alone,
             # which a mismatch's message then names, with both ranks' values; made only
             # then, when it is gathered)

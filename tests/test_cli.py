@@ -195,12 +195,17 @@ def test_usage_errors_under_mpiexec_exit_2_once(args: list[str], message: str) -
 
 @pytest.mark.mpi
 def test_main_bench_relaunches_and_names_its_check() -> None:
-    """--np and a suffixed size; the check column says what each result was checked against."""
+    """--np and a suffixed size; the header names the network, the steady state and the
+    projection's links; the check column says what each result was checked against; auto
+    names its pick."""
     proc = cli("bench", "--np", "2", "-m", "16K", "-i", "1", "-x", "0", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[1].startswith("# P=2 n=16384 ")
+    assert lines[2].startswith("# network: shared memory, one host (2 ranks on ")
+    assert lines[3].startswith("# steady state: one instance per algorithm, reused")
     assert any(line.startswith("# check: 'sum' = equals the exact dense sum") for line in lines)
+    assert any("1G: alpha = 50 us/message, beta = 8 ns/byte (125 MB/s)" in line for line in lines)
     head = next(i for i, line in enumerate(lines) if line.startswith("algorithm"))
     assert lines[head].split() == [
         "algorithm",
@@ -211,15 +216,25 @@ def test_main_bench_relaunches_and_names_its_check() -> None:
         "bytes/rank",
         "bytes",
         "ratio",
+        "msgs",
+        "1G",
+        "ms",
+        "10G",
+        "ms",
         "result",
         "nnz",
     ]
     rows = {line.split()[0]: line.split() for line in lines[head + 1 :]}
     assert sorted(rows) == available_algorithms()
+    pick = rows["auto"].pop(1)
+    assert pick.strip("()") in available_algorithms(), pick
     for name in ("allgather", "dense", "dsa", "auto"):
         assert rows[name][1:3] == ["sum", "ok"], rows[name]
     for name in ("oktopk", "gtopk", "exdyna"):
         assert rows[name][1:3] == ["contract", "ok"], rows[name]
+    for row in rows.values():  # the projection adds the link's time to the time here
+        median, far1, far10 = float(row[3]), float(row[8]), float(row[9])
+        assert median <= far10 <= far1, row
     assert proc.stdout.count("# P=2") == 1  # rank 0 alone prints
 
 

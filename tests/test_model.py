@@ -248,3 +248,14 @@ def test_project_model_script_runs(tmp_path, capsys) -> None:
     assert "median |error|" in out
     assert "Projected latency" in out
     assert "| dense |" in out
+
+
+def test_main_bench_projection() -> None:
+    """The main job's 1G/10G columns: the time here plus α·messages + bytes/B."""
+    from sparsecoll.benchmarks.main import PROJECTED, projected_ms
+
+    one, ten = PROJECTED
+    assert one == LINKS["1gbe"]
+    assert (ten.alpha, ten.bandwidth) == (10e-6, 1.25e9)
+    assert projected_ms(one, 0.010, 125_000_000, 20) == pytest.approx(10 + 1000 + 1)
+    assert projected_ms(ten, 0.0, 0, 0) == 0

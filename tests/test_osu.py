@@ -91,6 +91,29 @@ def test_text_output_has_osu_shape() -> None:
 
 
 @pytest.mark.mpi
+def test_table_compares_algorithms_in_one_table() -> None:
+    """--table: one OSU-style table, a row per size and per algorithm its avg latency and
+    bytes per rank (the same figures as the CSV's), validation in the last column."""
+    names = ["dsa", "oktopk", "dense"]
+    base = [*OSU, *TINY, "--reuse", "--algorithm", ",".join(names)]
+    proc = run_mpi(2, [*base, "--table"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("# sparsecoll OSU-style sparse allreduce latency test v")
+    assert lines[1].startswith("# MPI library: ")
+    assert "P: 2, algorithms: dsa, oktopk, dense, density: 0.01" in lines[2]
+    assert lines[2].endswith("one instance reused per size")
+    assert lines[3].startswith("# Size: bytes of the dense vector (n x 4 B); NAME(us): avg")
+    cols = [f"{a}({unit})" for a in names for unit in ("us", "B")]
+    assert lines[4].split() == ["#", "Size", "n", *cols, "Validation"]
+    rows = [line.split() for line in lines[5:]]
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(4096, 1024), (12000, 3000)]
+    assert all(r[-1] == "Pass" for r in rows)
+    assert all(float(r[2 + 2 * i]) > 0 for r in rows for i in range(len(names)))
+    assert [int(r[7]) for r in rows] == [2 * 4 * 1024 // 2, 2 * 4 * 3000 // 2]  # dense(B)
+
+
+@pytest.mark.mpi
 def test_full_stats_come_from_the_same_samples() -> None:
     """The issue's case: with -f, median, avg, min and max are all over the same calls."""
     args = [*OSU, "-m", "64K:256K", "-i", "3", "-x", "1", "--format", "csv", "-f", "-q"]

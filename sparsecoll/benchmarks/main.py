@@ -1,16 +1,21 @@
 """The main job: every registered algorithm on one problem, each result checked.
 
 Run with ``python -m sparsecoll bench`` (relaunches itself under ``mpiexec -n 4``).
-Prints, on rank 0, per algorithm: what its result was checked against and the verdict
-(exact algorithms: the dense sum; selecting ones: their own contract, since they keep
-only part of the sum), the median latency, the speed-up over dense, bytes sent per rank
-and their ratio to dense.
+Every algorithm is timed in steady state: one instance per algorithm, reused for the
+warm-up and the timed calls, as training reuses it. Prints, on rank 0, the network it ran
+on and per algorithm: what its result was checked against and the verdict (exact
+algorithms: the dense sum; selecting ones: their own contract, since they keep only part
+of the sum), the median latency, the speed-up over dense, bytes and messages sent per rank,
+and the time the same call is projected to take on a 1 and a 10 Gbit/s link (α-β model,
+:data:`PROJECTED`); ``auto`` names its pick.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import socket
 import sys
 import zlib
 from typing import Any
@@ -30,19 +35,26 @@ from .cli import (
     parse_checked,
     size_arg,
 )
+from .model import LINKS, Link, check_messages
 from .problems import make_problem
 
 __all__ = [
+    "PROJECTED",
     "Timing",
     "build_parser",
     "gather_inputs",
     "main",
+    "network",
     "parse_args",
     "run",
     "run_algorithm",
     "time_algorithm",
     "verify_all",
 ]
+
+# the links each row is projected onto: 1 GbE as the model's preset, 10 GbE (TCP) with a
+# fifth of its per-message latency
+PROJECTED = (LINKS["1gbe"], Link("10 Gbit/s Ethernet", 10e-6, 1.25e9))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +86,7 @@ class Timing:
     result: SparseVector  # the last call's result
     times: list[float]  # this rank's seconds per timed call
     stats: CommStats  # this rank's counts for the last timed call
+    picks: list[str] = dataclasses.field(default_factory=list)  # auto's, per timed call
 
 
 def time_algorithm(
@@ -99,6 +112,7 @@ def time_algorithm(
     cls = algorithm_class(name)
     algo = cls(**cls.default_options(n, k))
     times: list[float] = []
+    picks: list[str] = []
     out = None
     for it in range(warmup + iters):
         if not reuse and it:
@@ -111,7 +125,9 @@ def time_algorithm(
         dt = comm.wtime() - t0
         if it >= warmup:
             times.append(dt)
-    return Timing(out, times, out.info["stats"])
+            if "auto_choice" in out.info:
+                picks.append(out.info["auto_choice"])
+    return Timing(out, times, out.info["stats"], picks)
 
 
 def gather_inputs(comm: Communicator, vals: Any, idx: Any, n: int) -> list[SparseVector]:
@@ -167,30 +183,69 @@ def check_label(name: str) -> str:
     return "sum" if algorithm_class(name).exact else "contract"
 
 
-def _print_header(size: int, n: int, args: argparse.Namespace, dtype: np.dtype, k: int) -> None:
+def network(comm: Communicator) -> str:
+    """The network the ranks talk over, as the header names it (collective)."""
+    hosts = comm.allgather_object(socket.gethostname())
+    if len(set(hosts)) > 1:
+        return f"{len(set(hosts))} hosts, {comm.size} ranks: the MPI library's transport"
+    cores = os.cpu_count() or 1
+    over = ": oversubscribed" if comm.size > cores else ""
+    return f"shared memory, one host ({comm.size} ranks on {cores} cores{over})"
+
+
+def projected_ms(link: Link, median: float, nbytes: int, messages: int) -> float:
+    """A row's projected milliseconds on ``link``: its time here plus the time its messages
+    and bytes sent per rank take on the link (α·messages + β·bytes, β = 1/bandwidth)."""
+    return (median + link.time(messages, nbytes)) * 1e3
+
+
+def _print_header(
+    size: int, n: int, args: argparse.Namespace, dtype: np.dtype, k: int, net: str
+) -> None:
     """The table's legend and column titles (rank 0, before the first row)."""
     print(f"# sparsecoll {__version__} bench: {mpi_library_version()}")
     print(
         f"# P={size} n={n} density={args.density} overlap={args.overlap} "
         f"dtype={dtype} k/rank={k} iterations={args.iterations} warmup={args.warmup}"
     )
+    print(f"# network: {net}")
     print(
-        "# check: 'sum' = equals the exact dense sum; 'contract' = meets the selecting "
-        "algorithm's contract (about k entries: docs/selecting.md)"
+        "# steady state: one instance per algorithm, reused for the warm-up and the timed "
+        "calls, on the same input every call, as training reuses it (oktopk: threshold and "
+        "regions; exdyna: threshold window; auto: learned overlap)"
     )
     print(
-        "# bytes/rank: payload bytes sent per call by the busiest rank (metadata, such as "
-        "counts and input checks, not included)"
+        "# check: 'sum' = equals the exact dense sum; 'contract' = meets the selecting "
+        "algorithm's contract (about k entries: docs/selecting.md); auto (X): auto picked X"
+    )
+    print(
+        "# bytes/rank, msgs: payload bytes and messages sent per call by the busiest rank "
+        "(msgs with metadata and the input check; bytes without)"
     )
     print(
         "# median ms: median over the timed calls of the slowest rank's time; "
         "speedup = dense median / median; bytes ratio = bytes/rank / dense bytes/rank"
     )
+    links = "; ".join(
+        f"{tag}: alpha = {link.alpha * 1e6:g} us/message, beta = {1e9 / link.bandwidth:g} "
+        f"ns/byte ({link.bandwidth / 1e6:g} MB/s)"
+        for tag, link in zip(("1G", "10G"), PROJECTED)
+    )
     print(
-        f"{'algorithm':<20}{'check':>14}{'median ms':>12}{'speedup':>10}"
-        f"{'bytes/rank':>14}{'bytes ratio':>13}{'result nnz':>12}"
+        f"# 1G ms, 10G ms: projected on a 1 and a 10 Gbit/s link, median ms + alpha*msgs "
+        f"+ beta*bytes (bytes with metadata; {links}; the alpha-beta model of "
+        f"sparsecoll.benchmarks.model)"
+    )
+    print(
+        f"{'algorithm':<26}{'check':>13}{'median ms':>11}{'speedup':>9}{'bytes/rank':>12}"
+        f"{'bytes ratio':>13}{'msgs':>6}{'1G ms':>9}{'10G ms':>9}{'result nnz':>12}"
     )
     sys.stdout.flush()
+
+
+def _label(name: str, picks: list[str]) -> str:
+    """The row's name: auto's with the algorithms it picked in the timed calls."""
+    return f"{name} ({'/'.join(dict.fromkeys(picks))})" if picks else name
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,20 +257,30 @@ def run(args: argparse.Namespace) -> int:
     names = args.algorithm
     inputs = gather_inputs(comm, vals, idx, n)
     reference = reference_sum(inputs)  # built apart from every algorithm, dense included
+    net = network(comm)
     rows = []
     if comm.rank == 0:
-        _print_header(comm.size, n, args, dtype, k)
+        _print_header(comm.size, n, args, dtype, k, net)
     for name in ["dense", *[a for a in names if a != "dense"]]:
-        out, times, sent = run_algorithm(comm, name, vals, idx, n, k, args.iterations, args.warmup)
-        ok = verify_all(comm, name, out, reference, inputs, n, k)
-        sent_max = int(comm.allreduce_ints([sent], "max")[0])
-        rows.append((name, ok, float(np.median(times)), sent_max, out.nnz))
+        t = time_algorithm(comm, name, vals, idx, n, k, args.iterations, args.warmup, reuse=True)
+        times = comm.allreduce_floats(t.times, "max").tolist()
+        ok = verify_all(comm, name, t.result, reference, inputs, n, k)
+        s = t.stats
+        counts = [s.bytes_sent, s.bytes_sent + s.meta_bytes_sent]
+        counts.append(s.messages_sent + s.meta_messages_sent)
+        sent, sent_all, msgs = comm.allreduce_ints(counts, "max").tolist()
+        msgs += check_messages(comm.size)  # (the input check, outside the counted window)
+        rows.append((name, ok, float(np.median(times)), sent, t.result.nnz))
         if comm.rank == 0:  # each row as soon as it is measured: a long run shows progress
             _, _, dense_t, dense_bytes, _ = rows[0]  # dense always runs first: the reference
-            t, b, nnz = rows[-1][2:]
+            t_med, b, nnz = rows[-1][2:]
             check = f"{check_label(name)} {'ok' if ok else 'FAIL'}"
-            speed = f"{dense_t / t:.2f}x" if t > 0 else "-"
+            speed = f"{dense_t / t_med:.2f}x" if t_med > 0 else "-"
             ratio = f"{b / dense_bytes:.3f}" if dense_bytes else "-"
-            print(f"{name:<20}{check:>14}{t * 1e3:>12.2f}{speed:>10}{b:>14}{ratio:>13}{nnz:>12}")
+            far = [projected_ms(link, t_med, sent_all, msgs) for link in PROJECTED]
+            print(
+                f"{_label(name, t.picks):<26}{check:>13}{t_med * 1e3:>11.2f}{speed:>9}{b:>12}"
+                f"{ratio:>13}{msgs:>6}{far[0]:>9.2f}{far[1]:>9.2f}{nnz:>12}"
+            )
             sys.stdout.flush()
     return 0 if all(r[1] for r in rows) else 1

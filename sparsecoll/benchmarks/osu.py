@@ -13,7 +13,9 @@ OSU's message size; ``n`` has its own column. ``dense`` (MPI_Allreduce) always r
 the baseline of ``Speedup vs dense`` (dense avg latency / this avg latency: > 1 means
 faster than dense; CSV ``speedup_vs_dense``; CSV ``bytes_vs_dense`` is the byte ratio).
 ``Bytes/rank`` is the payload one call sends per rank (the max over ranks), exact, from
-the Communicator's counters. Only rank 0 prints; progress goes to stderr.
+the Communicator's counters. ``--table`` prints one table for every algorithm (a row per
+size, an avg latency and a bytes column per algorithm) instead of one per algorithm. Only
+rank 0 prints; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -129,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="one algorithm instance for all calls of a size (steady state of "
         "stateful algorithms); default: a fresh instance per call",
+    )
+    p.add_argument(
+        "--table",
+        action="store_true",
+        help="text format: one comparison table, a row per size and an avg latency and a "
+        "bytes column per algorithm (default: a table per algorithm)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     return p
@@ -303,6 +311,8 @@ def render(rows: list[dict[str, Any]], args: Any, nprocs: int, names: list[str])
     }
     if args.format == "json":
         return json.dumps({"header": header, "results": rows}, indent=1) + "\n"
+    if args.table:
+        return render_table(rows, args, header, names)
     for name in names:
         sel = [r for r in rows if r["algorithm"] == name]
         kind = "exact" if algorithm_class(name).exact else "selecting"
@@ -346,4 +356,42 @@ def render(rows: list[dict[str, Any]], args: Any, nprocs: int, names: list[str])
                 line += f"{'Pass' if r['valid'] == 'yes' else 'FAIL':>12}"
             print(line, file=out)
         print(file=out)
+    return out.getvalue()
+
+
+def render_table(
+    rows: list[dict[str, Any]], args: Any, header: dict[str, Any], names: list[str]
+) -> str:
+    """The rows as one OSU-style text table: a row per size, per algorithm its avg latency
+    (``name(us)``) and bytes per rank (``name(B)``); failed checks in a last column."""
+    out = io.StringIO()
+    instance = "one instance reused per size" if args.reuse else "a fresh instance per call"
+    print(f"# {header['test']} v{__version__}", file=out)
+    print(f"# MPI library: {header['mpi_library']}", file=out)
+    print(
+        f"# P: {header['P']}, algorithms: {', '.join(names)}, density: {args.density}, "
+        f"overlap: {args.overlap}, dtype: {args.dtype}, device: {args.device}, {instance}",
+        file=out,
+    )
+    print(
+        f"# Size: bytes of the dense vector (n x {np.dtype(args.dtype).itemsize} B); "
+        f"NAME(us): avg latency over the {args.iterations} timed calls, each its slowest "
+        f"rank's; NAME(B): payload bytes sent per rank per call (max over ranks)",
+        file=out,
+    )
+    widths = {name: max(12, len(name) + 6) for name in names}
+    cols = f"{'# Size':<14}{'n':>12}"
+    cols += "".join(f"{f'{a}(us)':>{widths[a]}}{f'{a}(B)':>{widths[a]}}" for a in names)
+    print(cols + (f"  {'Validation'}" if args.validate else ""), file=out)
+    for n in dict.fromkeys(r["n"] for r in rows):
+        at = {r["algorithm"]: r for r in rows if r["n"] == n}
+        line = f"{next(iter(at.values()))['size_bytes']:<14}{n:>12}"
+        for a in names:
+            r, w = at[a], widths[a]
+            cells = ("error", "-") if r["error"] else (f"{r['avg_us']:.2f}", r["bytes_per_rank"])
+            line += f"{cells[0]:>{w}}{cells[1]:>{w}}"
+        if args.validate:
+            bad = [a for a in names if at[a]["valid"] == "no" or at[a]["error"]]
+            line += f"  {'FAIL: ' + ','.join(bad) if bad else 'Pass'}"
+        print(line, file=out)
     return out.getvalue()
