@@ -6,8 +6,8 @@ One row per (P, n, algorithm): median latency over the timed calls, ``speedup vs
 with ``--rate``, the wire-time floor of each row (bytes per rank / link rate) and how far the
 measured median is above it.
 
-    python bench/osu_table.py docs/reports/data/emu_1gbit_p4.csv docs/reports/data/emu_1gbit_p8.csv \\
-        --rate 1gbit --sizes 25557032
+    python bench/osu_table.py docs/reports/data/emu_1gbit_p4.csv \\
+        docs/reports/data/emu_1gbit_p8.csv --rate 1gbit --sizes 25557032
 """
 
 from __future__ import annotations

@@ -94,6 +94,7 @@ def _main(script: str):
 
 
 MISSING = "no/such/file.csv"
+SWEEP = str(DATA / "exact_sweep.txt")
 SHM = str(DATA / "shm_p2.csv")
 
 
@@ -108,10 +109,12 @@ SHM = str(DATA / "shm_p2.csv")
         ("osu_table.py", [SHM, "docs"], "argument csv: cannot read docs: not a file"),
         ("sweep_table.py", [MISSING], f"argument sweep: cannot read {MISSING}: no such file"),
         ("density_table.py", [MISSING], f"argument csv: cannot read {MISSING}: no such file"),
+        ("auto_fit.py", [MISSING], f"argument paths: cannot read {MISSING}: no such file"),
         ("project_model.py", ["--shm", MISSING], f"argument --shm: cannot read {MISSING}"),
         ("project_model.py", ["--shm", SHM, "--emulated", MISSING], "argument --emulated: canno"),
         # a file of another kind: a ValueError traceback from int()
         ("sweep_table.py", [str(ROOT / "README.md")], "not a row of bench/sweep_exact.py's table"),
+        ("auto_fit.py", [SHM], "no configuration in"),
         # unknown names failed on every rank at their first call, with a traceback
         ("sweep_exact.py", ["--algorithms", "dense,oktop"], "unknown algorithm 'oktop' (did you"),
         ("sweep_exact.py", ["--algorithms", ","], "expecting algorithm names or 'all', got --al"),
@@ -125,6 +128,7 @@ SHM = str(DATA / "shm_p2.csv")
         ("project_model.py", ["--shm", SHM, "--P", "8,0"], "argument --P: expecting an integer"),
         ("project_model.py", ["--shm", SHM, "--links", "1gbit"], "unknown link preset '1gbit'"),
         ("project_model.py", ["--shm", SHM, "--emu-rate", "1gb"], "expecting a rate like 1gbit"),
+        ("auto_fit.py", [SWEEP, "--alpha", "5e-6,-1"], "argument --alpha: expecting a number >="),
         ("bench_select.py", ["--sizes", "1M,1.5"], "argument --sizes: expecting a whole number"),
         ("bench_select.py", ["--densities", "0"], "argument --densities: density must be in"),
         ("bench_select.py", ["--repeat", "0"], "argument --repeat: expecting an integer >= 1"),
