@@ -23,7 +23,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")))
+DOCS = (  # the README, the guide and the reports; not the reports' raw files
+    ROOT / "README.md",
+    *sorted(
+        p for p in (ROOT / "docs").rglob("*.md") if not p.is_relative_to(ROOT / "docs/reports/data")
+    ),
+)
 
 _FENCE = re.compile(r"^(`{3,})\s*(\S*)")
 _MARKER = re.compile(r"^<!--\s*example:\s*(.*?)\s*-->\s*$")
