@@ -204,3 +204,10 @@ def test_the_two_setup_commands():
     marker = lines.index("<!-- test-command -->")
     assert lines[marker + 1] == "```bash"
     assert lines[marker + 2] == 'pip install -e ".[mpi,test]" && pytest'
+
+
+def test_every_bench_script_is_listed_in_the_index():
+    """bench/ holds the maintained benchmarks, each named in docs/index.md."""
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    scripts = sorted(p.name for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh"))
+    assert scripts and [s for s in scripts if f"`bench/{s}`" not in index] == []
