@@ -1,6 +1,6 @@
 """Replay auto's rule on a recorded sweep: how close its picks come to the fastest, per α.
 
-    python bench/auto_fit.py docs/exact_sweep.txt [--alpha 5e-6,5e-5,2e-4,1e-3]
+    python bench/auto_fit.py docs/reports/data/exact_sweep.txt [--alpha 5e-6,5e-5,2e-4,1e-3]
 
 For each configuration of the sweep (output of bench/sweep_exact.py, table format) and each
 latency constant α, ``choose`` picks an algorithm from (P, n, N) as on a first call; its

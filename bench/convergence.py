@@ -13,8 +13,8 @@ Tasks (data that ships offline):
           evaluated on the last 10% of the text (loss in nats per character).
 
 Usage (rank 0 writes the CSV and prints the summary):
-  mpiexec -n 4 python bench/convergence.py --task digits --out bench/results/digits.csv
-  python bench/plot_convergence.py bench/results/digits.csv
+  mpiexec -n 4 python bench/convergence.py --task digits --out digits.csv
+  python bench/plot_convergence.py digits.csv
 Needs torch (and scikit-learn for digits).
 """
 

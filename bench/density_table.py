@@ -5,7 +5,7 @@ the update's nonzeros over n, every bucket together), over the steps after the d
 and ``SETTLE`` more (bench/convergence.py's definitions: the same band, the same period-2
 verdict). Prints a Markdown table, one row per method, and the out-of-band steps.
 
-  python bench/density_table.py bench/results/convergence_charlm_3000.csv \\
+  python bench/density_table.py docs/reports/data/convergence/convergence_charlm_3000.csv \\
       --methods oktopk,oktopk+mc,oktopk-paper
 """
 

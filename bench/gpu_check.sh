@@ -89,7 +89,7 @@ step)
     {
         set -x
         timeout 200 python3 -m sparsecoll bench osu --np 4 -d cuda -m 1M:16M -c
-        # GradientReducer.step on device gradients (docs/gpu.md, "Training step")
+        # GradientReducer.step on device gradients (docs/reports/gpu.md, "Training step")
         timeout 160 python3 bench/gpu_step.py -m 100M
         timeout 180 "$MPIEXEC" -n 4 "$PY" bench/gpu_step.py -m 25M
     } > "$out/step.log" 2>&1

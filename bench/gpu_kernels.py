@@ -5,7 +5,7 @@
 Each line: the median GPU and host time of 30 calls (``cupyx.profiler.benchmark``, 3 warm-up
 calls): the public functions at k = n/1000 and n/100 (threshold 2.5) beside ``torch.topk``
 of ``|x|``, then the passes that make them up, and one ``cupy.copyto`` of the vector for
-scale (docs/gpu.md, "Measured figures").
+scale (docs/reports/gpu.md, "Measured figures").
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""Markdown tables from OSU-suite CSV files (``--format csv``), for docs/benchmarks.md.
+"""Markdown tables from OSU-suite CSV files (``--format csv``), for docs/reports/benchmarks.md.
 
 One row per (P, n, algorithm): median latency over the timed calls, ``speedup vs dense``
 (dense median / this median: > 1 is faster than dense), exact payload bytes per rank, and,
 with ``--rate``, the wire-time floor of each row (bytes per rank / link rate) and how far the
 measured median is above it.
 
-    python bench/osu_table.py docs/results/emu_1gbit_p4.csv docs/results/emu_1gbit_p8.csv \\
-        --rate 1gbit --sizes 25557032
+    python bench/osu_table.py docs/reports/data/emu_1gbit_p4.csv \\
+        docs/reports/data/emu_1gbit_p8.csv --rate 1gbit --sizes 25557032
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Plot a CSV from bench/convergence.py: evaluation metric and bytes per rank vs step.
 
-python bench/plot_convergence.py bench/results/digits.csv [-o docs/img/digits.png]
+python bench/plot_convergence.py digits.csv [-o digits.png]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Plot bench/train_cluster.py's CSVs: held-out loss vs wall-clock, and the step's parts.
 
-python bench/plot_train_cluster.py docs/results/ttl_p4 [docs/results/ttl_p8 ...] -o docs/img/ttl.png
+python bench/plot_train_cluster.py ttl_p4 [ttl_p8 ...] -o ttl.png
 
 One row of two panels per directory (one CSV per method in it): held-out loss against
 wall-clock (evaluation excluded) with dense's final loss as a dashed line; and per method the

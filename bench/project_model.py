@@ -11,7 +11,7 @@ Inputs are CSV files of the OSU suite (``--format csv``), all for the same densi
 
 Prints markdown: (1) the byte/message formulas against the Communicator's counters,
 (2) the validation (model vs measured on the emulated cluster, with the error),
-(3) projected latency per link preset for P up to 1024. See docs/benchmarks.md.
+(3) projected latency per link preset for P up to 1024. See docs/reports/benchmarks.md.
 
     python bench/project_model.py --shm shm_p*.csv --emulated emu_p*.csv --emu-rate 1gbit
 """

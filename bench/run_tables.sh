@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Re-run every measurement behind docs/benchmarks.md; CSVs, logs and figures go to OUT.
+# Re-run every measurement behind docs/reports/benchmarks.md; CSVs, logs and figures go to OUT.
 # Needs root for the emulated cluster (network namespaces, tc). 15-45 minutes, by load.
-#   bench/run_tables.sh [OUT=docs/results] [STEPS="emu fresh shm sweep model plot"]
+#   bench/run_tables.sh [OUT=docs/reports/data] [STEPS="emu fresh shm sweep model plot"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-docs/results}"
+out="${1:-docs/reports/data}"
 steps="${2:-emu fresh shm sweep model plot}"
 py="${PYTHON:-python}"
 n=25557032   # ResNet-50's parameter count: one float32 gradient

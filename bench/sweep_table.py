@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Markdown table of a bench/sweep_exact.py run (its text output), as in docs/exact.md.
+"""Markdown table of a bench/sweep_exact.py run (its text output), as in docs/reports/exact.md.
 
 One row per (P, n, density, overlap); each algorithm's cell is ``median latency · bytes sent
 per rank``; the fastest of dense, allgather, dsa and recursive_doubling is in bold; ``auto``
 shows its own time and its pick.
 
-    python bench/sweep_exact.py --np 2,4,8 -i 3 -x 1 > docs/exact_sweep.txt
-    python bench/sweep_table.py docs/exact_sweep.txt
+    python bench/sweep_exact.py --np 2,4,8 -i 3 -x 1 > docs/reports/data/exact_sweep.txt
+    python bench/sweep_table.py docs/reports/data/exact_sweep.txt
 """
 
 from __future__ import annotations

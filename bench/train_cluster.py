@@ -33,8 +33,8 @@ On an emulated cluster (bench/emulate_cluster.py; ``--iface eth0`` makes gloo us
 namespace's link and rank 0's address on it the rendezvous):
 
   python bench/emulate_cluster.py -n 4 --rate 1gbit -- python bench/train_cluster.py \\
-      --iface eth0 --methods compute,dense,oktopk,exdyna --out-dir docs/results/ttl_p4
-  python bench/plot_train_cluster.py docs/results/ttl_p4
+      --iface eth0 --methods compute,dense,oktopk,exdyna --out-dir docs/reports/data/ttl_p4
+  python bench/plot_train_cluster.py docs/reports/data/ttl_p4
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ```python examples of README.md and docs/*.md, so a docs change that breaks one fails.
+"""The ```python examples of README.md and docs/**/*.md, so a docs change that breaks one fails.
 
 Every ```python block is an example, run as a script of its own (a fresh namespace): at
 P = 1 in the test process (tests/test_docs.py) and under mpiexec at every P
@@ -23,7 +23,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+DOCS = (  # the README, the guide and the reports; not the reports' raw files
+    ROOT / "README.md",
+    *sorted(
+        p for p in (ROOT / "docs").rglob("*.md") if not p.is_relative_to(ROOT / "docs/reports/data")
+    ),
+)
 
 _FENCE = re.compile(r"^(`{3,})\s*(\S*)")
 _MARKER = re.compile(r"^<!--\s*example:\s*(.*?)\s*-->\s*$")
@@ -40,7 +45,8 @@ class Example:
 
     @property
     def id(self) -> str:
-        return f"{self.path.name}:{self.line}"
+        where = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path
+        return f"{Path(where).as_posix()}:{self.line}"
 
     def compiled(self):
         """The code object, with line numbers those of the document."""

@@ -14,7 +14,7 @@ import pytest
 
 from .mpirun import ROOT, run_mpi
 
-RESULTS = ROOT / "docs" / "results"
+DATA = ROOT / "tests" / "data"  # small copies of docs/reports/data files
 
 
 def _run(script: str, args: list[str]) -> subprocess.CompletedProcess:
@@ -35,9 +35,9 @@ def _refused(script: str, args: list[str], message: str) -> None:
 @pytest.mark.parametrize(
     ("script", "inputs", "option"),
     [
-        ("plot_convergence.py", [str(ROOT / "bench" / "results" / "convergence_digits.csv")], "-o"),
-        ("plot_osu.py", [str(RESULTS / "shm_p2.csv")], "-o"),
-        ("plot_train_cluster.py", [str(RESULTS / "ttl_p4")], "-o"),
+        ("plot_convergence.py", [str(DATA / "convergence_digits.csv")], "-o"),
+        ("plot_osu.py", [str(DATA / "shm_p2.csv")], "-o"),
+        ("plot_train_cluster.py", [str(DATA / "ttl_p4")], "-o"),
     ],
 )
 def test_plot_scripts_refuse_an_output_they_cannot_write(tmp_path, script, inputs, option) -> None:
@@ -55,18 +55,13 @@ def test_plot_scripts_refuse_an_output_they_cannot_write(tmp_path, script, input
         # each ran with the bad value: a table of nan or nothing, or a late traceback
         ("density_table.py", ["--density", "0"], "argument --density: density must be in"),
         ("density_table.py", ["--warmup", "-1"], "argument --warmup: expecting an integer >= 1"),
-        ("pass_hits.py", ["-m", "4K", "-i", "0"], "argument -i/--iterations: expecting an"),
-        ("call_instructions.py", ["-m", "16", "--nnz", "17"], "argument --nnz: 17 nonzeros do"),
-        ("pass_hits.py", ["-m", "4X"], "argument -m/--size: expecting a size like"),
-        ("pass_processes.py", ["--processes", "0"], "argument --processes: expecting an integer"),
-        ("pass_processes.py", ["--share", "0"], "argument --share: density must be in"),
         ("sweep_exact.py", ["--density", "0.01,0"], "argument --density: density must be in"),
         ("sweep_exact.py", ["-n", "0"], "argument -n: sizes must be positive, got '0'"),
         ("sweep_exact.py", ["-i", "0"], "argument -i/--iterations: expecting an integer >= 1"),
     ],
 )
 def test_bench_scripts_refuse_bad_arguments(script, args, message) -> None:
-    inputs = [str(ROOT / "bench" / "results" / "convergence_digits.csv")]
+    inputs = [str(DATA / "convergence_digits.csv")]
     _refused(script, [*(inputs if script == "density_table.py" else []), *args], message)
 
 
@@ -99,8 +94,8 @@ def _main(script: str):
 
 
 MISSING = "no/such/file.csv"
-SWEEP = str(ROOT / "docs" / "exact_sweep.txt")
-SHM = str(RESULTS / "shm_p2.csv")
+SWEEP = str(DATA / "exact_sweep.txt")
+SHM = str(DATA / "shm_p2.csv")
 
 
 @pytest.mark.parametrize(
@@ -139,8 +134,6 @@ SHM = str(RESULTS / "shm_p2.csv")
         ("bench_select.py", ["--repeat", "0"], "argument --repeat: expecting an integer >= 1"),
         ("bench_select.py", ["--threads", "0"], "argument --threads: expecting an integer >= 1"),
         ("bench_select.py", ["--torch-max-n", "3O"], "argument --torch-max-n: expecting a size"),
-        ("oktopk_regions.py", ["--every", "0"], "argument --every: expecting an integer >= 1"),
-        ("oktopk_regions.py", ["--imbalance", "0"], "argument --imbalance: expecting a number >"),
         ("exdyna_threshold.py", ["--n", "1e-3"], "argument --n: expecting a whole number"),
     ],
 )
@@ -157,17 +150,12 @@ def test_bench_scripts_refuse_bad_inputs_in_process(capsys, script, args, messag
 @pytest.mark.parametrize(
     "script",
     [
-        "async_step.py",
-        "call_instructions.py",
         "call_overhead.py",
         "exdyna_threshold.py",
         "gpu_kernels.py",
         "gpu_step.py",
         "oktopk_density.py",
-        "oktopk_regions.py",
         "osu_table.py",
-        "pass_hits.py",
-        "pass_processes.py",
         "plot_osu.py",
         "project_model.py",
         "step.py",
@@ -185,7 +173,7 @@ def test_every_size_option_documents_one_spelling(capsys, script) -> None:
     assert SIZE_HELP in " ".join(capsys.readouterr().out.split())
 
 
-DIGITS = str(ROOT / "bench" / "results" / "convergence_digits.csv")
+DIGITS = str(DATA / "convergence_digits.csv")
 
 
 @pytest.mark.parametrize(

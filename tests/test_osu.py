@@ -134,8 +134,8 @@ def test_latency_stats_share_samples() -> None:
 
 
 def test_readers_take_old_and_new_csvs(tmp_path) -> None:
-    """docs/results/ CSVs predate size_bytes; read_rows fills it in from n and dtype."""
-    old = read_rows([str(ROOT / "docs" / "results" / "shm_p2.csv")])
+    """Older CSVs predate size_bytes; read_rows fills it in from n and dtype."""
+    old = read_rows([str(ROOT / "tests" / "data" / "shm_p2.csv")])
     assert old
     assert all(r["size_bytes"] == 4 * r["n"] for r in old)
     row = dict.fromkeys(FIELDS, "")

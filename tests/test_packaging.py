@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+REPORT_DATA = ROOT / "docs" / "reports" / "data"  # raw files: in the repository only
 
 
 @pytest.fixture(scope="module")
@@ -60,19 +61,22 @@ def _build(kind: str, tmp: Path, path: str) -> Path:
 
 
 def test_the_sdist_carries_what_the_tests_read(tmp_path, build_path):
-    """An unpacked sdist runs its own tests: tests/ whole (tests/mpi, conftest.py and the
-    helpers: setuptools' default took only tests/test_*.py, and 11 of them failed to import),
-    the docs test_docs.py checks, the bench scripts, the CI script; and the LICENSE."""
+    """An unpacked sdist runs its own tests: tests/ whole (tests/mpi, conftest.py, the
+    helpers and tests/data), the docs test_docs.py checks, the bench scripts, the CI script;
+    and the LICENSE. The reports' raw data stays out."""
     with tarfile.open(_build("sdist", tmp_path, build_path)) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    patterns = ("tests/**/*.py", "tests/data/**/*", "docs/**/*.md", "bench/*", ".ci/run")
     wanted = [
         p.relative_to(ROOT).as_posix()
-        for pattern in ("tests/**/*.py", "docs/*.md", "bench/*.py", ".ci/run")
+        for pattern in patterns
         for p in ROOT.glob(pattern)
-        if "__pycache__" not in p.parts
+        if p.is_file() and "__pycache__" not in p.parts and not p.is_relative_to(REPORT_DATA)
     ]
-    assert "tests/mpi/test_errors.py" in wanted
+    assert {"tests/mpi/test_errors.py", "docs/index.md", "tests/data/shm_p2.csv"} <= {*wanted}
     assert sorted({*wanted, "LICENSE"} - names) == []
+    assert REPORT_DATA.is_dir()
+    assert [name for name in names if name.startswith("docs/reports/data")] == []
     assert not [name for name in names if "__pycache__" in name or name.endswith(".pyc")]
 
 

@@ -195,9 +195,9 @@ def test_dir_shows_only_the_api_and_submodules():
 
 
 def test_docs_list_the_options_as_the_code_does():
-    """docs/api.md carries the output of ``python -m sparsecoll algorithms``; rerun it
+    """docs/guide/api.md carries the output of ``python -m sparsecoll algorithms``; rerun it
     into the block after the ``algorithms-listing`` marker when an option changes."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    text = (Path(__file__).resolve().parent.parent / "docs" / "guide" / "api.md").read_text()
     block = text.split("<!-- algorithms-listing", 1)[1].split("```text\n", 1)[1]
     assert block.split("```", 1)[0] == describe_algorithms()
 

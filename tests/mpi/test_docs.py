@@ -1,4 +1,4 @@
-"""The runnable ```python examples of README.md and docs/*.md under mpiexec, every rank running
+"""The runnable ```python examples of README.md and docs/ under mpiexec, every rank running
 each as a script of its own (tests/docexamples.py)."""
 
 from __future__ import annotations
