@@ -67,7 +67,7 @@ def test_the_examples_are_found():
         ex.id for ex in EVERY if ex.path.name == "gpu.md"
     ]
     assert {ex.path for ex in EVERY} <= set(DOCS)
-    assert {"sparsecoll.api", "sparsecoll.sparse", "sparsecoll.training"} <= set(DOCTESTED)
+    assert {"sparsecoll.api", "sparsecoll.sparse", "sparsecoll.training.reducer"} <= set(DOCTESTED)
 
 
 def test_markers_and_a_broken_example(tmp_path):
