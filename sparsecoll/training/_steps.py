@@ -392,7 +392,7 @@ def strategy_for(
     args = (algorithm, comm, n, k)
     if dense:
         return DenseStep(*args)
-    if callable(getattr(algorithm, "reduce_dense", None)):
+    if hasattr(algorithm, "reduce_dense"):
         return ExdynaStep(*args)
     if selector is None:
         return TopkStep(*args, prediction=prediction)

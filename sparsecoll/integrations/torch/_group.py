@@ -50,7 +50,7 @@ def init_process_group(
     Launch with mpiexec. Under torchrun each process is an MPI world of one: when
     ``WORLD_SIZE``, ``RANK``, ``LOCAL_WORLD_SIZE`` or ``LOCAL_RANK`` (set by torchrun)
     disagree with MPI's COMM_WORLD on any rank, every rank raises RuntimeError, naming the
-    rank (before, torch's rendezvous waited until its timeout).
+    rank, before torch's rendezvous.
     """
     torch_module()
     import torch.distributed as dist
@@ -60,8 +60,8 @@ def init_process_group(
         raise RuntimeError("a torch process group is already initialized")
     world = _mpi_world()
     mismatch = torch_launcher_mismatch(world.Get_size(), world.Get_rank())
-    # the MPI exchanges watched as a blocking call (SPARSECOLL_TIMEOUT): a rank that
-    # skipped the call left the others in them for ever (torch's own timeout covers its
+    # the MPI exchanges watched as a blocking call (SPARSECOLL_TIMEOUT), so that a rank that
+    # skips the call ends in the watchdog's diagnostic (torch's own timeout covers its
     # rendezvous only)
     with c.serial(), watch(c, "init_process_group()"):
         seen = c.allgather_object((socket.gethostname(), mismatch))

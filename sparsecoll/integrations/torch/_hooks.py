@@ -109,8 +109,7 @@ def _reduce_dense(
 ) -> None:
     """Overwrite ``work`` with its average over the ranks (the warm-up), after the ranks
     agree that every one has its bucket ready (``error``: this rank's failure to). Watched
-    as a blocking call (with the watchdog on) under ``label``, as a bucket's step is: a
-    rank that skipped a warm-up iteration left the others waiting for ever."""
+    as a blocking call (with the watchdog on) under ``label``, as a bucket's step is."""
     arr, wide, sig = None, None, None
     if error is None:
         try:
@@ -120,7 +119,7 @@ def _reduce_dense(
             wide = widening_buffer(arr)  # (float16: the float32 array it is summed in)
         except Exception as exc:  # (shared with every rank: none is left waiting)
             error = exc
-    # (the check and the allreduce as one: another thread between them matched messages)
+    # (the check and the allreduce as one: no other thread's messages come between them)
     with state.comm.serial(), watch(state.comm, label):
         collective_check(state.comm, error, sig, HOOK_AGREED)
         # on the bucket's GPU: the asynchronous hook runs this on the progress thread, whose
@@ -144,7 +143,7 @@ def _bucket_reducer(
     and this rank's error in building it; counts the iteration on its last bucket. Building
     it can fail on one rank alone (memory running out for the copy of a restored state, or
     of the state carried to a new density): the error goes to the bucket's agreement, so
-    that every rank raises it (raised here, the other ranks waited in the step for ever).
+    that every rank raises it.
     Raises what every rank raises alike, before counting the bucket (the launch check)."""
     buf = bucket.buffer()
     red, error = None, None

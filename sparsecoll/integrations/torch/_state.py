@@ -199,9 +199,7 @@ class SparseHookState:
         "_comm",
         "comm",
         """The communicator every bucket is reduced over, fixed at construction as the
-        algorithm is (setting it left the buckets' reducers on the old one while rebuilt
-        buckets and the warm-up took the new one: a model reduced over two communicators,
-        the ranks' updates differing).""",
+        algorithm is (the buckets' reducers are built on it).""",
     )
     process_group = read_only(
         "_process_group",
@@ -213,8 +211,7 @@ class SparseHookState:
     @property
     def options(self) -> Mapping[str, Any]:
         """The reducers' other options (read-only), fixed at construction as the algorithm
-        is (setting ``state.algorithm`` or ``state.options`` left the reducers already built
-        as they were: only the watchdog's name and later buckets took it)."""
+        is (the buckets' reducers are built with them)."""
         return MappingProxyType(self._options)
 
     @options.setter
@@ -227,9 +224,8 @@ class SparseHookState:
     @property
     def nonfinite(self) -> str:
         """What a bucket whose gradient holds NaN or Inf comes back as: ``"raise"`` or
-        ``"nan"``. The same on every rank (each bucket's step agrees on it: a rank filling
-        NaN while another raised went on silently); it may be set between iterations, on
-        every rank alike."""
+        ``"nan"``. The same on every rank (each bucket's step agrees on it); it may be set
+        between iterations, on every rank alike."""
         return self._nonfinite
 
     @nonfinite.setter
@@ -249,8 +245,7 @@ class SparseHookState:
         """Iterations reduced densely first, counted from the state's first (``iteration``):
         at least 1. It may be set between iterations, alike on every rank (a rank still in
         its warm-up while another steps raises on every rank); checked as the constructor
-        checks it (before, ``state.warmup = "2"`` made every later bucket raise a
-        comparison's TypeError, and 0 or 2.5 were taken)."""
+        checks it."""
         return self._warmup
 
     @warmup.setter
@@ -396,7 +391,7 @@ class SparseHookState:
         left as it was."""
         error, sig = None, None
         try:
-            # (as saved: an int >= 0; int() took 2.7 as 2 and "3" as 3)
+            # (as saved: an int >= 0, not converted)
             iteration = integer("the saved iteration", state["iteration"], 0)
             layouts = state.get("layouts", {})
             for key in ("reducers", "layouts"):  # (read after the ranks agree: checked here)
@@ -405,7 +400,7 @@ class SparseHookState:
                         f"the saved {key} must be a dict, got {type(state[key]).__name__}"
                     )
             for index, saved in state["reducers"].items():
-                # (a bucket index: another key, e.g. "0", never matched a bucket)
+                # (a bucket index: no other key, e.g. "0", matches a bucket)
                 integer("a saved bucket index", index, 0)
                 try:  # (as the bucket's reducer will take it)
                     self._new_reducer(integer("n", saved["n"], 0), saved)
@@ -442,8 +437,7 @@ def _check_warmup(value: Any) -> int:
 
 def _check_layout(index: Any, layout: Any, reducers: dict[Any, Any]) -> None:
     """A saved bucket layout as state_dict() writes it: for a saved bucket, its size (the
-    bucket's n), dtype name and parameter shapes (another never matched a bucket: the
-    bucket's state was dropped after 3 iterations, with a warning only)."""
+    bucket's n), dtype name and parameter shapes (no other layout matches a bucket)."""
     saved = reducers.get(index)
     if saved is None:
         raise ValueError(f"the saved layouts hold bucket {index!r}, whose state is not saved")
