@@ -22,17 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from .._array import (
-    to_host,
-)
+from .._array import to_host
 from .._options import canonical, check_density, choice, effective_options, flag, integer, read_only
 from ..algorithms.base import Algorithm
-from ..api import (
-    ALGORITHM_SIGNATURE_LEN,
-    class_name,
-    collective_check,
-    watch,
-)
+from ..api import ALGORITHM_SIGNATURE_LEN, class_name, collective_check, watch
 from ..comm import CommStats, Communicator
 from ..registry import (
     _accepts_any,
@@ -383,8 +376,8 @@ class GradientReducer(Stepping):
 
     @property
     def traffic(self) -> CommStats:
-        """This reducer's traffic since it was built or reset (a copy): bytes and messages
-        sent and received, as :meth:`stats` counts them in total."""
+        """This reducer's traffic since it was built or reset (a copy of its counters:
+        bytes sent and received, messages and metadata bytes sent)."""
         return self._totals.copy()
 
     def step(self, grad: Any, out: Any = None) -> Any:

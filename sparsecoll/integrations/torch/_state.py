@@ -60,9 +60,11 @@ class SparseHookState:
             over it, then MPI_Comm_create_group).
         algorithm, density: as for :class:`~sparsecoll.GradientReducer` (default
             ``"oktopk"``, as the reducer's).
-        warmup: iterations reduced densely first (>= 1: DDP's buckets change after the first),
-            the same on every rank (a rank still in its warm-up while another steps raises
-            a CollectiveInputError on every rank saying so).
+        warmup: iterations reduced densely first (>= 1: DDP's buckets change after the first;
+            with ``static_graph=True`` after the second: use 2), the same on every rank (a
+            rank still in its warm-up while another steps raises a CollectiveInputError on
+            every rank saying so). A bucket whose layout changes later gets a fresh reducer,
+            with a RuntimeWarning; its residual is dropped.
         nonfinite: what a bucket whose gradient holds NaN or Inf (on any rank) comes back as:
             ``"raise"`` (default): ``backward()`` raises on every rank (a RuntimeError naming
             the :class:`~sparsecoll.NonFiniteError`); ``"nan"``: the bucket is filled with
