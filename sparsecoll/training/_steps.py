@@ -38,6 +38,7 @@ __all__ = [
     "StepStrategy",
     "numba_host",
     "restore",
+    "selects_by_itself",
     "snapshot",
     "strategy_for",
 ]
@@ -392,13 +393,19 @@ def strategy_for(
     args = (algorithm, comm, n, k)
     if dense:
         return DenseStep(*args)
-    if hasattr(algorithm, "reduce_dense"):
+    if selects_by_itself(algorithm):
         return ExdynaStep(*args)
     if selector is None:
         return TopkStep(*args, prediction=prediction)
     if isinstance(selector, select.ReuseThreshold):
         return ReuseStep(*args, selector, prediction=prediction)
     return EstimatorStep(*args, selector)
+
+
+def selects_by_itself(algorithm: Any) -> bool:
+    """Whether an algorithm (class or instance) sparsifies the dense accumulated vector
+    itself (``reduce_dense``: its own partition and threshold), taking no local top-k."""
+    return hasattr(algorithm, "reduce_dense")
 
 
 def snapshot(prediction: Prediction, selector: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

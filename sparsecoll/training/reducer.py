@@ -46,7 +46,14 @@ from ._config import (
     selection_version,
 )
 from ._stepping import StepInfo, Stepping
-from ._steps import DenseStep, Prediction, StepStrategy, slot_values, strategy_for
+from ._steps import (
+    DenseStep,
+    Prediction,
+    StepStrategy,
+    selects_by_itself,
+    slot_values,
+    strategy_for,
+)
 
 __all__ = ["GradientReducer"]
 
@@ -151,7 +158,7 @@ class GradientReducer(Stepping):
         if SELECTIONS[selection] is not None:  # bad estimator options fail here, early
             SELECTIONS[selection](k=self.k, **(selection_options or {}))
         cls = algorithm_class(algorithm)
-        if selection != "exact" and (algorithm == "dense" or hasattr(cls, "reduce_dense")):
+        if selection != "exact" and (algorithm == "dense" or selects_by_itself(cls)):
             # (the estimator would be built, checkpointed and agreed on, but never consulted)
             how = (
                 "reduces the whole gradient densely"
