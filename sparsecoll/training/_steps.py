@@ -64,42 +64,44 @@ PREDICTION: dict[str, Kind] = {
 class Prediction:
     """The exact local top-k's candidate cut, predicted from the steps before."""
 
-    __slots__ = ("_cut", "_growth", "_kth", "_slope", "_zcut", "full_topk")
+    __slots__ = ("cut", "full_topk", "growth", "kth", "slope", "zcut")
 
     def __init__(self) -> None:
-        self._cut: float | None = None  # the next pass's candidate cut (None: no prediction)
-        self._kth = 0.0  # the last exact top-k's k-th largest |value|
-        self._growth = 0.0  # its smoothed log growth per step
-        self._slope = 5.0  # d log(count) / d log(1/cut) near it (a Gaussian tail at 1%: ~5)
-        self._zcut = math.inf  # the next k-th largest |value|, predicted
+        self.cut: float | None = None  # the next pass's candidate cut (None: no prediction)
+        self.kth = 0.0  # the last exact top-k's k-th largest |value|
+        self.growth = 0.0  # its smoothed log growth per step
+        self.slope = 5.0  # d log(count) / d log(1/cut) near it (a Gaussian tail at 1%: ~5)
+        self.zcut = math.inf  # the next k-th largest |value|, predicted
         self.full_topk = 0  # steps whose cut missed: a top-k over all of acc (since built)
 
     def values(self) -> dict[str, Any]:
-        """What a checkpoint's topk_state holds."""
-        return {name: getattr(self, name) for name in PREDICTION}
+        """What a checkpoint's topk_state holds (each slot under its name with a leading
+        underscore)."""
+        return {name: getattr(self, name[1:]) for name in PREDICTION}
 
     def load(self, saved: dict[str, Any]) -> None:
+        """Take a checkpoint's topk_state (checked)."""
         for name, value in saved.items():
-            setattr(self, name, value)
+            setattr(self, name[1:], value)
 
     def update(self, found: select.Accumulation, kth: float, k: int) -> None:
         """Next step's candidate cut, aiming at CUT_TARGET·k candidates: this step's k-th
         largest |value|, times its smoothed growth per step, lowered by the tail's local
         slope (how fast the count rises below the k-th value, measured between this step's
         cut and its k-th value; a miss makes it more careful)."""
-        cut = self._cut
+        cut = self.cut
         if cut is not None and 0 < cut < kth and found.hits > k:
             slope = math.log(found.hits / k) / math.log(kth / cut)
-            self._slope = min(max(slope, 1.0), 30.0)
+            self.slope = min(max(slope, 1.0), 30.0)
         elif cut is not None and found.hits < k:
-            self._slope = max(1.0, self._slope / 2)
-        if self._kth > 0 and kth > 0:
-            step = min(max(math.log(kth / self._kth), -0.5), 0.5)
-            self._growth = 0.5 * self._growth + 0.5 * step
-        self._kth = kth
-        self._zcut = kth * math.exp(self._growth)
-        pred = self._zcut * CUT_TARGET ** (-1.0 / self._slope)
-        self._cut = pred if pred > 0 else EVERY_NONZERO if k else None
+            self.slope = max(1.0, self.slope / 2)
+        if self.kth > 0 and kth > 0:
+            step = min(max(math.log(kth / self.kth), -0.5), 0.5)
+            self.growth = 0.5 * self.growth + 0.5 * step
+        self.kth = kth
+        self.zcut = kth * math.exp(self.growth)
+        pred = self.zcut * CUT_TARGET ** (-1.0 / self.slope)
+        self.cut = pred if pred > 0 else EVERY_NONZERO if k else None
 
 
 class Pass(NamedTuple):
@@ -300,8 +302,8 @@ class TopkStep(LocalStep):
 
     def plan(self, prep: Prepared, g: Any, numba: bool) -> Pass:
         pred = self.prediction
-        cut = math.inf if pred._cut is None else pred._cut
-        zero_cut = max(cut, pred._zcut) if numba else math.inf
+        cut = math.inf if pred.cut is None else pred.cut
+        zero_cut = max(cut, pred.zcut) if numba else math.inf
         return Pass(cut, 0, self.n, zero_cut, CAP_FACTOR * self.k + 1024, buckets=True)
 
     def whole_again(self, prep: Prepared, plan: Pass) -> bool:
@@ -347,7 +349,7 @@ class ReuseStep(TopkStep):
         est, found, k = self.selector, prep.found, self.k
         if self.selector.due:
             idx, vals, taken, _ = super().pick(prep, plan)
-            est.observe(k, k, exact=self.prediction._kth)
+            est.observe(k, k, exact=self.prediction.kth)
             return idx, vals, taken, False
         if self._misses(found):  # below the band: the exact top-k of acc, a recompute
             idx, vals = select.topk(prep.acc, k)
