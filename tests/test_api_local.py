@@ -182,6 +182,17 @@ def test_reducer_rejects_k_beside_density(self_comm, algorithm):
         GradientReducer(self_comm, 1000, algorithm, 0.01, k=50)
 
 
+def test_training_defaults_to_oktopk(self_comm):
+    """The reducer and the DDP hook's state default to oktopk, the README's recommendation
+    for training (volume per rank near 2k(P-1)/P, not allgather's up to P·k entries)."""
+    from sparsecoll.integrations.torch import SparseHookState  # (builds without torch)
+    from sparsecoll.training import GradientReducer
+
+    assert GradientReducer(self_comm, 100).algorithm_name == "oktopk"
+    assert sparsecoll.GradientReducer is GradientReducer
+    assert SparseHookState(self_comm).algorithm == "oktopk"
+
+
 def test_allreduce_takes_big_endian_values_and_returns_native(self_comm):
     """MPI moves raw bytes: non-native input is converted, not refused as "not float32"."""
     for dtype in (">f2", ">f4", ">f8"):

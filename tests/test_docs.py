@@ -74,7 +74,7 @@ def test_the_examples_are_found():
     ]
     assert {ex.path.parent.name for ex in EVERY} == {ROOT.name, "guide"}
     assert {ex.path for ex in EVERY} <= set(DOCS)
-    assert {"sparsecoll.api", "sparsecoll.sparse", "sparsecoll.training"} <= set(DOCTESTED)
+    assert {"sparsecoll.api", "sparsecoll.sparse", "sparsecoll.training.reducer"} <= set(DOCTESTED)
 
 
 def test_markers_and_a_broken_example(tmp_path):

@@ -127,7 +127,7 @@ def _wrong_type(option, value):
     [
         pytest.param(build, option, v, extra, id=f"{getattr(build, '__name__', '')}-{option}-{v!r}")
         for build, option, values, extra in CASES
-        if build is not _hook_state  # (its options: sparsecoll/integrations/torch.py)
+        if build is not _hook_state  # (its options: sparsecoll/integrations/torch/_state.py)
         for v in values
     ],
 )

@@ -695,7 +695,7 @@ def test_the_warm_up_holds_the_communicator_from_check_to_allreduce(monkeypatch)
 
     from mpi4py import MPI
 
-    import sparsecoll.integrations.torch as hook_module
+    import sparsecoll.integrations.torch._hooks as hook_module
     from sparsecoll.integrations.torch import SparseHookState, sparse_allreduce_hook
 
     state = SparseHookState(MPI.COMM_SELF, algorithm="allgather", density=0.25, warmup=1)

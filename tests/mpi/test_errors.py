@@ -1044,7 +1044,7 @@ def test_memory_running_out_on_one_rank_building_a_bucket_reducer(
         method = "state_dict"
     else:
         state.load_state_dict(state.state_dict())
-        method = "_read_state"
+        method = "load_state_local"
     if comm.rank == bad:
 
         def out_of_memory(*args):
