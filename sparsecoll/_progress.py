@@ -253,19 +253,34 @@ class SparseRequest:
 
 
 class Engine:
-    """One progress thread: runs submitted calls in order on ``comm`` (a polling duplicate).
-
-    ``alarm`` is a second duplicate, used only by the watchdog.
+    """One progress thread of the communicator of rank ``rank`` of ``size``: it first runs
+    ``start()``, which completes the engine's collective start and returns its two
+    Communicators, ``comm`` (a polling duplicate: the calls run there) and the watchdog's
+    ``alarm``; then the submitted calls, in order. A start that raises fails every call
+    submitted to the engine with its error (``failed``), and the engine ends. ``abort``
+    ends the job while no alarm communicator exists.
     """
 
-    def __init__(self, comm: Any, alarm: Any) -> None:
-        self.comm = comm
-        self._alarm = alarm
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        start: Callable[[], tuple[Any, Any]],
+        abort: Callable[[int], None],
+    ) -> None:
+        self.rank, self.size = rank, size
+        self._comm: Any = None
+        self._alarm: Any = None
+        self._start: Callable[[], tuple[Any, Any]] | None = start
+        self._abort_job = abort
+        self._ready = threading.Event()  # the start has ended (failed or not)
+        self.failed: BaseException | None = None  # the start's error
         self._cond = threading.Condition()
         # (request, call, owner, the owner's measure() scopes open in the submitting thread)
         self._queue: deque[tuple[SparseRequest, Callable[[], Any], Any, Any]] = deque()
         self._submitted = 0
         self._completed = 0
+        self._up = False  # the start has ended (as _ready, read where it costs little)
         self._closed = False
         self._current: SparseRequest | None = None
         self._started = 0.0
@@ -284,7 +299,7 @@ class Engine:
         self._watchdog: threading.Thread | None = None
         self._pid = os.getpid()  # a child made by fork() has no progress thread
         self._thread = threading.Thread(
-            target=self._loop, name=f"sparsecoll-progress-{comm.rank}", daemon=True
+            target=self._loop, name=f"sparsecoll-progress-{rank}", daemon=True
         )
         self._thread.start()
         global _atexit_registered
@@ -293,6 +308,19 @@ class Engine:
             if not _atexit_registered:
                 atexit.register(shutdown)
                 _atexit_registered = True
+
+    @property
+    def comm(self) -> Any:
+        """The Communicator the calls run on (waits for the start; raises its error)."""
+        if self._comm is None:
+            self.wait_started()
+        return self._comm
+
+    def wait_started(self) -> None:
+        """Wait until the engine's start has completed; raise its error if it failed."""
+        self._ready.wait()
+        if self.failed is not None:
+            raise self.failed
 
     # -- the user's side ------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any], label: str, owner: Any = None) -> SparseRequest:
@@ -305,7 +333,8 @@ class Engine:
         scopes = () if owner is None else tuple(owner._open_scopes())
         with self._cond:
             if self._closed:
-                raise RuntimeError("the progress engine of this communicator is shut down")
+                why = f": its start failed ({self.failed})" if self.failed else ""
+                raise RuntimeError(f"the progress engine of this communicator is shut down{why}")
             self._submitted += 1
             self._calls += 1
             req = SparseRequest(self._calls, label, self._thread)
@@ -369,7 +398,7 @@ class Engine:
                 among them): only this thread completes them, so it waited for ever.
         """
         self._check_process()
-        if self._completed == self._submitted:
+        if self._completed == self._submitted and self._up:
             return
         if self.is_worker_thread():
             raise RuntimeError(
@@ -379,7 +408,7 @@ class Engine:
             )
         with self._cond:
             target = self._submitted
-            while self._completed < target:
+            while self._completed < target or not self._up:
                 self._cond.wait()
 
     def _check_process(self) -> None:
@@ -395,7 +424,7 @@ class Engine:
     def route(self, comm: Any) -> Any:
         """The Communicator that ``comm``'s calls should use from the calling thread."""
         if threading.get_ident() == self._thread.ident:
-            return self.comm
+            return self._comm
         self.drain()
         return comm
 
@@ -403,8 +432,8 @@ class Engine:
         return threading.get_ident() == self._thread.ident
 
     def pending(self) -> int:
-        """How many submitted calls have not completed."""
-        return self._submitted - self._completed
+        """How many submitted calls have not completed (the engine's start counts as one)."""
+        return self._submitted - self._completed + (not self._up)
 
     def cpu_time(self) -> float:
         """CPU seconds the progress thread has used so far (Linux, macOS)."""
@@ -438,7 +467,22 @@ class Engine:
             self._stopped = True
 
     # -- the progress thread ----------------------------------------------------------------
+    def _begin(self) -> None:
+        """Run the start; on failure close the engine (its calls get the start's error)."""
+        start, self._start = self._start, None
+        try:
+            self._comm, self._alarm = start()
+        except BaseException as exc:
+            self.failed = exc  # (set before any request completes: see _attached_engine)
+        with self._cond:
+            if self.failed is not None:
+                self._closed = True
+            self._up = True
+            self._ready.set()
+            self._cond.notify_all()
+
     def _loop(self) -> None:
+        self._begin()
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
@@ -449,13 +493,16 @@ class Engine:
                     break
                 req, fn, owner, scopes = self._queue.popleft()
                 self._current, self._started = req, time.monotonic()
-            before = self.comm.stats.copy()
-            try:
-                value, error = fn(), None
-            except BaseException as exc:  # the error belongs to the request
-                value, error = None, exc
-            if owner is not None and owner is not self.comm:
-                owner._add_stats(self.comm.stats - before, scopes)
+            if self.failed is not None:
+                value, error = None, self.failed
+            else:
+                before = self._comm.stats.copy()
+                try:
+                    value, error = fn(), None
+                except BaseException as exc:  # the error belongs to the request
+                    value, error = None, exc
+                if owner is not None and owner is not self._comm:
+                    owner._add_stats(self._comm.stats - before, scopes)
             with self._cond:
                 self._current = None
                 self._ended_call(req)
@@ -467,10 +514,10 @@ class Engine:
             # the thread waits for the next call with nothing of this one: its result (a
             # dense update) and its arguments (a gradient) were kept alive until then
             del req, fn, owner, scopes, value, error
-        if free:  # every rank frees the user's communicator, so every rank gets here
+        if free and self._comm is not None:  # every rank frees the user's communicator
             if watchdog is not None:
                 watchdog.join()  # it stops once _ended is set
-            self.comm.mpi_comm.Free()
+            self._comm.mpi_comm.Free()
             self._alarm.mpi_comm.Free()
 
     # -- watchdog ---------------------------------------------------------------------------
@@ -481,7 +528,7 @@ class Engine:
             if self._watchdog is not None or (self._ended and (self._free or self._stopped)):
                 return
             self._watchdog = threading.Thread(
-                target=self._watch, name=f"sparsecoll-watchdog-{self.comm.rank}", daemon=True
+                target=self._watch, name=f"sparsecoll-watchdog-{self.rank}", daemon=True
             )
             self._watchdog.start()  # under the lock: the thread's end may join it
 
@@ -504,7 +551,7 @@ class Engine:
             )
             if late:
                 self._fire(timeout, late[0].call)
-            alarm = self._alarm.try_recv_ints(ALARM_TAG)
+            alarm = None if self._alarm is None else self._alarm.try_recv_ints(ALARM_TAG)
             if alarm is not None:
                 self._report(f"rank {alarm[0]} timed out in its call #{alarm[1][0]}")
                 self._answer(alarm[0])
@@ -537,12 +584,18 @@ class Engine:
         if self._reported:
             return
         self._reported = True
-        c = self.comm
-        _stderr(f"sparsecoll watchdog: rank {c.rank} of {c.size}: {self.state()}; {why}")
+        _stderr(f"sparsecoll watchdog: rank {self.rank} of {self.size}: {self.state()}; {why}")
+
+    def abort(self, code: int) -> None:
+        """MPI_Abort: end every process of the job."""
+        (self._alarm.abort if self._alarm is not None else self._abort_job)(code)
 
     def _fire(self, timeout: float, call: int) -> None:
         c = self._alarm
         self._report(f"timeout {timeout:g} s expired (SPARSECOLL_TIMEOUT); aborting the job")
+        if c is None:  # (no call runs before the start has made it: not expected)
+            self.abort(1)
+            return
         msg = np.array([call], dtype=np.int64)
         sends = [c.isend(msg, r, ALARM_TAG) for r in range(c.size) if r != c.rank]
         # the other ranks print their state meanwhile, and answer with it
@@ -633,11 +686,8 @@ def _abort(engines: list[Engine], calls: int, why: str) -> None:
     line on stderr with ``why`` and the state of the first engine that has calls."""
     if calls:
         e = next((x for x in engines if x.pending() or x._blocking), engines[0])
-        _stderr(
-            f"sparsecoll: rank {e.comm.rank} of {e.comm.size}: {why} ({e.state()}); "
-            f"aborting the job"
-        )
-        e._alarm.abort(1)
+        _stderr(f"sparsecoll: rank {e.rank} of {e.size}: {why} ({e.state()}); aborting the job")
+        e.abort(1)
 
 
 def stop(engines: list[Engine] | None = None) -> None:

@@ -50,6 +50,13 @@ from typing import Any
 import numpy as np
 
 from . import select
+from ._agree import (
+    ALGORITHM_SIGNATURE_LEN,
+    algorithm_signature,
+    class_name,
+    collective_check,
+    watch,
+)
 from ._array import (
     as_array,
     device_scope,
@@ -73,14 +80,7 @@ from ._options import (
 )
 from ._state import Kind, check_values, optional, positive, within
 from .algorithms.base import Algorithm
-from .api import (
-    ALGORITHM_SIGNATURE_LEN,
-    algorithm_signature,
-    class_name,
-    collective_check,
-    reduce_checked,
-    watch,
-)
+from .api import reduce_checked
 from .comm import CommStats, Communicator, widening_buffer
 from .errors import NonFiniteError
 from .registry import (

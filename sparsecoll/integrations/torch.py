@@ -34,10 +34,10 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from .._agree import collective_check, watch
 from .._array import as_array, device_scope, is_device_array, synchronize
 from .._launch import torch_launcher_mismatch
 from .._options import check_density, integer, read_only
-from ..api import collective_check, watch
 from ..comm import CommStats, Communicator, _mpi, widening_buffer
 from ..errors import NonFiniteError
 from ..sparse import VALUE_DTYPES
