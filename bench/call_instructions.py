@@ -31,7 +31,7 @@ def child(algorithms: list[str], n: int, nnz: int, calls: int) -> None:
     import numpy as np
 
     import sparsecoll
-    from sparsecoll.comm import _mpi
+    from sparsecoll._mpilib import mpi as _mpi
 
     comm = _mpi().COMM_WORLD
     rng = np.random.default_rng(0)

@@ -41,7 +41,6 @@ from ._buffers import (
     widening_buffer,
 )
 from ._large import allgatherv_by_bcast, alltoallv_by_pairs, alltoallv_past_limit
-from ._mpilib import mpi as _mpi  # noqa: F401 (sparsecoll.integrations.torch imports it)
 from ._mpilib import mpi_library_version, thread_multiple
 from ._options import env_flag
 from ._polling import Request, poll

@@ -37,8 +37,9 @@ from typing import Any
 from .._agree import collective_check, watch
 from .._array import as_array, device_scope, is_device_array, synchronize
 from .._launch import torch_launcher_mismatch
+from .._mpilib import mpi as _mpi
 from .._options import check_density, integer, read_only
-from ..comm import CommStats, Communicator, _mpi, widening_buffer
+from ..comm import CommStats, Communicator, widening_buffer
 from ..errors import NonFiniteError
 from ..sparse import VALUE_DTYPES
 from ..training import GradientReducer, _add_totals
