@@ -12,9 +12,7 @@ nonblocking calls mixed". The starters also duplicate the communicator (``MPI_Co
 a rank that meets a start in its agreement joins that duplication, and the message about the
 mix travels on the duplicate, apart from the user's traffic.
 
-The communicator is passed in (duck-typed: ``rank``, ``size``, ``iallreduce_ints``,
-``bcast_object``, ``allgather_object``, ``duplicate``, ``engine``); this module never imports
-the transport.
+The communicator is passed in (duck-typed); this module never imports the transport.
 """
 
 from __future__ import annotations

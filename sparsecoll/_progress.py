@@ -1,10 +1,11 @@
 """Nonblocking calls: a progress thread per communicator, requests, and the watchdog.
 
 Each MPI communicator used for nonblocking calls gets one :class:`Engine` (see
-:meth:`sparsecoll.Communicator.engine`): a daemon thread that runs the submitted calls one
-after the other, in submission order, on a duplicate of the communicator in polling mode
-(so neither the user's own traffic can interleave with it nor its waiting spin a core).
-Every rank must submit its calls in the same order, as with blocking collectives.
+:meth:`sparsecoll.Communicator.engine`): a daemon thread that first completes the engine's
+collective start, then runs the submitted calls one after the other, in submission order,
+on a duplicate of the communicator in polling mode (so neither the user's own traffic can
+interleave with it nor its waiting spin a core). Every rank must submit its calls in the
+same order, as with blocking collectives. This module imports no other of sparsecoll's.
 
 The watchdog (off by default; :func:`set_timeout` or ``SPARSECOLL_TIMEOUT=seconds``) watches
 the call each engine is running, and the blocking calls the user's threads make on the
@@ -55,8 +56,7 @@ _registry_lock = threading.Lock()
 
 
 def _new_registry_lock() -> None:
-    # (a fork while another thread held the lock copies it locked: the child's exit handler
-    # then waited for ever for a thread the child does not have)
+    # (a fork while another thread holds the lock copies it locked: the child's own is free)
     global _registry_lock
     _registry_lock = threading.Lock()
 
@@ -68,8 +68,8 @@ if hasattr(os, "register_at_fork"):
 def _seconds(name: str, value: Any) -> float | None:
     """``value`` (None, or a Python or numpy real number of seconds, not a bool) as a float;
     past ``threading.TIMEOUT_MAX`` (infinity too) as None: no limit (waits and timers
-    raised OverflowError there). A TypeError for another type (float() took "3", True;
-    threading's raw errors came from deep inside a wait), a ValueError for NaN."""
+    raise OverflowError there). A TypeError for another type (a str, a bool), a ValueError
+    for NaN."""
     if value is None:
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
@@ -122,11 +122,10 @@ def get_timeout() -> float | None:
 
 @contextlib.contextmanager
 def starting(comm: Any, call: str | None) -> Iterator[None]:
-    """Around the collective start of ``comm``'s progress engine (its agreement and its
+    """Around the completion of ``comm``'s progress engine's collective start (its vote and
     duplications), which no engine watches yet: with the watchdog on, past the timeout
-    print this rank's state and call MPI_Abort. (Every rank starts the engine at its first
-    nonblocking call on the communicator, or its first blocking one under the watchdog: a
-    rank that skipped that call left the others in the start for ever, with no word.)"""
+    print this rank's state and call MPI_Abort (a rank that never makes the call that
+    starts the engine would leave the others there for ever)."""
     timeout = get_timeout()
     if not timeout:
         yield
@@ -152,8 +151,7 @@ def starting(comm: Any, call: str | None) -> Iterator[None]:
 
 
 class SparseRequest:
-    """A nonblocking call in flight; in the style of mpi4py requests and
-    ``concurrent.futures``.
+    """A nonblocking call in flight, in the style of mpi4py requests and futures.
 
     ``wait()`` returns the call's result (a SparseVector for :func:`sparsecoll.iallreduce`,
     the dense update for ``GradientReducer.step_async``) or raises its error; ``test()`` and
@@ -185,20 +183,17 @@ class SparseRequest:
     def wait(self, timeout: float | None = None) -> Any:
         """Block (without spinning) until the call completes; return its result.
 
-        ``timeout``: seconds at most (None: as long as it takes); as with
-        ``concurrent.futures.Future.result``, one of 0 or less does not wait (it only looks
-        whether the call has completed).
+        ``timeout``: seconds at most (None: as long as it takes); 0 or less only looks
+        whether the call has completed, as ``concurrent.futures.Future.result`` does.
 
         Raises:
             TimeoutError: not complete within ``timeout`` seconds; the call goes on, and a
                 later ``wait()`` can still complete it.
             TypeError / ValueError: ``timeout`` is not None or a real number / is NaN.
             The call's own error (e.g. CollectiveInputError), on every rank alike.
-            RuntimeError: called in a child made by fork() while the call was pending in
-                the parent (no thread completes it there); called before the call
-                completed on the progress thread that runs it (in a callable run there,
-                such as a callback of the DDP hook's future): only that thread can complete
-                it, so it waited for ever.
+            RuntimeError: in a child made by fork() while the call was pending in the
+                parent; on the progress thread that runs the call, before it completed (in
+                a callable run there, such as a DDP hook future's callback).
         """
         self._complete(timeout)
         if self._error is not None:
@@ -346,12 +341,10 @@ class Engine:
 
     @contextlib.contextmanager
     def watching(self, label: str) -> Iterator[None]:
-        """Let the watchdog see a blocking call that the calling thread makes, where it runs
-        (on the user's communicator: in order with this thread's other calls, on its CUDA
-        stream), numbered among this engine's calls. A call inside a watched one counts
-        as part of it. Its clock starts once the requests submitted before it have
-        completed (it waits for them first, as its communication would): each of those is
-        watched on its own, and their time is not the blocking call's."""
+        """Let the watchdog see a blocking call that the calling thread makes where it runs,
+        numbered among this engine's calls (a call inside a watched one is part of it). Its
+        clock starts once the requests submitted before it have completed (it waits for
+        them first, as its communication would): their time is theirs."""
         self._check_process()
         me = threading.get_ident()
         if me in self._blocking:
@@ -395,7 +388,7 @@ class Engine:
 
         Raises:
             RuntimeError: called on the progress thread with calls pending (its own call
-                among them): only this thread completes them, so it waited for ever.
+                among them): only this thread completes them.
         """
         self._check_process()
         if self._completed == self._submitted and self._up:
@@ -412,8 +405,8 @@ class Engine:
                 self._cond.wait()
 
     def _check_process(self) -> None:
-        """Refuse to be used in a child made by fork(): its queue would never run (a call
-        submitted or waited for there hung) and its MPI state is not the child's."""
+        """Refuse to be used in a child made by fork(): its queue would never run and its
+        MPI state is not the child's."""
         if os.getpid() != self._pid:
             raise RuntimeError(
                 f"process {os.getpid()} was forked from the one that started this "
@@ -512,7 +505,7 @@ class Engine:
                 req._finish(value, error)
                 self._cond.notify_all()
             # the thread waits for the next call with nothing of this one: its result (a
-            # dense update) and its arguments (a gradient) were kept alive until then
+            # dense update) and its arguments (a gradient) are the caller's alone
             del req, fn, owner, scopes, value, error
         if free and self._comm is not None:  # every rank frees the user's communicator
             if watchdog is not None:
@@ -533,12 +526,10 @@ class Engine:
             self._watchdog.start()  # under the lock: the thread's end may join it
 
     def _watch(self) -> None:
-        # Once the progress thread has ended (close(), stop()), the communicator's blocking
-        # calls are still watched: the watchdog goes on while one runs, and the next one
-        # starts it again (the timeout holds for the communicator's whole life, as
-        # torch.distributed's for a process group's). It stops when the engine frees its
-        # duplicates (the user's communicator was freed: no call can follow), and once stop()
-        # has seen the blocking calls in flight end (at exit: later ones are not watched).
+        # The timeout holds for the communicator's whole life: after the progress thread
+        # ended (close(), stop()), a blocking call still runs the watchdog (or starts it
+        # again). It ends with the engine's duplicates (the user's communicator was freed),
+        # and once stop() has seen the blocking calls in flight end (at exit).
         while True:
             with self._cond:
                 if self._ended and (self._free or self._stopped or not self._blocking):
@@ -652,13 +643,10 @@ def shutdown() -> None:
     """At interpreter exit: let every engine finish its queued calls, then stop its thread.
 
     Pending requests are completed (every rank submitted them, so their collectives
-    match); a call that cannot complete hangs here unless the watchdog is on. When the
-    program dies of an uncaught exception, nothing is waited for: the other ranks may never
-    reach the pending calls. If calls are still pending then, the job is aborted
-    (MPI_Abort): the exit would otherwise hang, this rank in MPI_Finalize (which waits for
-    every other rank) and the others in their pending calls, which need this one. So is it
-    when the wait here is interrupted (Ctrl-C: KeyboardInterrupt) with calls still in
-    progress (pending, or a daemon thread's watched blocking call).
+    match); a call that cannot complete hangs here unless the watchdog is on. After an
+    uncaught exception, or when this wait is interrupted (KeyboardInterrupt), with calls
+    still in progress, the job is aborted (MPI_Abort): the other ranks may never reach
+    them, and this rank's MPI_Finalize would wait for theirs.
     """
     engines = _own_engines()
     for engine in engines:

@@ -94,10 +94,8 @@ def allreduce(
 
 def reduce_checked(algo: Algorithm, comm: Communicator, x: SparseVector) -> SparseVector:
     """``algo.reduce(comm, x)``, refusing a result that is no SparseVector with a TypeError
-    naming the algorithm (a user's algorithm returning None was "'NoneType' object has no
-    attribute 'info'", or 'contributed' in a GradientReducer, naming neither the algorithm
-    nor what it must return). Checked on this rank after the call: nothing collective
-    follows it."""
+    naming the algorithm (a user's algorithm may return anything). Checked on this rank
+    after the call: nothing collective follows it."""
     out = algo.reduce(comm, x)
     if not isinstance(out, SparseVector):
         raise TypeError(
@@ -181,22 +179,20 @@ def iallreduce(
 ) -> SparseRequest:
     """Start :func:`allreduce` on the communicator's progress thread; return its request.
 
-    ``request.wait()`` returns the SparseVector (or raises what ``allreduce`` would have
-    raised, on every rank alike: input errors surface there, not here). Calls on a
-    communicator run one after the other in submission order, on a duplicate of it: every
-    rank must start them in the same order. ``values``, ``indices`` (and an Algorithm
-    instance) are borrowed: do not modify them until the request has completed. A blocking
-    call on the same communicator first waits for every pending request.
+    Returns at once, the first call on a communicator too. ``request.wait()`` returns the
+    SparseVector (or raises what ``allreduce`` would have raised, on every rank alike: input
+    errors surface there, not here). Calls on a communicator run one after the other in
+    submission order, on a duplicate of it: every rank must start them in the same order.
+    ``values``, ``indices`` (and an Algorithm instance) are borrowed: do not modify them
+    until the request has completed. A blocking call on the same communicator first waits
+    for every pending request.
 
-    The first nonblocking call on a communicator starts its progress engine, with one
-    agreement that every rank's first nonblocking call makes (as a blocking call's input
-    agreement): a rank making a blocking call there instead raises, as this one does, a
-    CollectiveInputError naming which rank made which call.
+    The first nonblocking call on a communicator starts its progress engine, which every
+    rank's first nonblocking call there does: a rank making a blocking call there instead
+    raises a CollectiveInputError naming which rank made which call, and so does every
+    other rank's ``wait()`` of its requests on the engine.
 
     Raises:
-        CollectiveInputError: this is the first nonblocking call on ``comm`` here, and
-            another rank makes a blocking call instead (a blocking call and a nonblocking
-            one mixed across ranks), raised on every rank of the two calls.
         RuntimeError: MPI was not initialized with MPI_THREAD_MULTIPLE, or is finalized;
             the progress engine was shut down; a forked child (the engine is the parent's).
         TypeError: ``COMM_NULL`` or a freed communicator.
@@ -212,7 +208,7 @@ def iallreduce(
 
 
 def _options_detail(algo: Any, options: dict[str, Any] | None) -> Detail:
-    """The detail (:func:`collective_check`) of the algorithm (its name, behind the class's
+    """The detail (:class:`~._agree.Vote`) of the algorithm (its name, behind the class's
     CRC) and of a named algorithm's ``options`` (None: an instance, whose options are not
     known: behind no signature value, so that none is named against another rank's)."""
     cls = type(algo)

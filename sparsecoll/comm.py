@@ -196,7 +196,7 @@ class Communicator(Accounting):
         MPI = _mpilib.usable_mpi()
         engine = self._engine
         if self.mpi_comm == MPI.COMM_NULL and (engine is None or not engine.is_worker_thread()):
-            # (MPI's error on a null handle aborted the job under ERRORS_ARE_FATAL)
+            # (MPI's error on a null handle aborts the job under ERRORS_ARE_FATAL)
             raise TypeError("the communicator was freed (its handle is MPI.COMM_NULL now)")
         # kept once found: the calls queued before the user frees the MPI communicator
         # (whose handle becomes MPI_COMM_NULL) still run, on the engine's duplicate; one
@@ -231,11 +231,10 @@ class Communicator(Accounting):
     def apart(self) -> Iterator[None]:
         """Inside it, this thread's calls on this Communicator travel on a duplicate of the
         MPI communicator (made once, on first use), apart from the caller's own traffic on
-        it: a receive the caller left pending with ``MPI.ANY_TAG`` (or a send with one of
-        the algorithms' tags) matched an algorithm's message, which hung the job or failed
-        with "Message truncated". Collective on first use (``Dup``): every rank must enter
-        it at the same call, after the call's agreement. The progress engine's own
-        duplicates are apart already."""
+        it: a receive the caller leaves pending with ``MPI.ANY_TAG`` (or a send with one of
+        the algorithms' tags) cannot match an algorithm's message. Collective on first use
+        (``Dup``): every rank must enter it at the same call, after the call's agreement.
+        The progress engine's own duplicates are apart already."""
         if self._internal or self.on_progress_thread():
             yield
             return
