@@ -131,6 +131,8 @@ class Vote:
     ``positions`` digest (options in a CRC), or a function making it; gathered only when
     the signatures differ, so the message names the first value that differs, with both
     ranks'. ``call`` names this rank's call when the ranks' calls are not of one kind.
+    ``poll``: complete the vote by Test calls with sleeps (an engine's start does: it may
+    wait long for late ranks); None: as ``comm`` completes its calls.
     """
 
     __slots__ = ("_agreed", "_req", "call", "comm", "detail", "error", "names", "sig")
@@ -143,6 +145,7 @@ class Vote:
         names: tuple[str, ...] = (),
         detail: Detail | Callable[[], Detail] = None,
         call: str | None = None,
+        poll: bool | None = None,
     ) -> None:
         if error is None and signature is not None:
             # (raised here alone, a bad signature would leave the other ranks waiting)
@@ -154,7 +157,7 @@ class Vote:
         vec += [v for s in sig for v in (s, -s)]
         self.comm, self.error, self.sig, self.names = comm, error, sig, names
         self.detail, self.call = detail, call
-        self._req, self._agreed = comm.iallreduce_ints(vec, "max")
+        self._req, self._agreed = comm.iallreduce_ints(vec, "max", poll=poll)
 
     def settle(self, duplicate: Any = None) -> None:
         """Complete the vote; raise the agreed error on every rank (nothing when all agree).
@@ -240,7 +243,7 @@ def start_vote(comm: Any, call: str | None, blocking: bool) -> Vote:
     call's input agreement, marked as a start (``blocking``: to watch a blocking call), so
     that a rank whose call there is another kind matches it and both raise, naming both
     calls. Settle it with the start's duplication (:meth:`Vote.settle`)."""
-    return Vote(comm, None, [ENGINE_START, int(blocking)], call=call)
+    return Vote(comm, None, [ENGINE_START, int(blocking)], call=call, poll=True)
 
 
 def share_error(comm: Any, counts: Sequence[int], error: BaseException | None, call: str) -> None:

@@ -64,9 +64,9 @@ class _Duplicate:
 
     __slots__ = ("_comm", "_req")
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, poll: bool | None = None) -> None:
         self._comm, req = comm.mpi_comm.Idup()  # (on the user's communicator, not apart)
-        self._req = Request(req, poll=comm.poll)
+        self._req = Request(req, poll=comm.poll if poll is None else poll)
 
     def get(self, poll: bool = True) -> Communicator:
         """The duplicate, once made, wrapped in a Communicator of sparsecoll's own."""
@@ -172,7 +172,7 @@ class Communicator(Accounting):
         thread_state.starting = True  # (its calls are the start's: not watched alone)
         try:
             vote = start_vote(self, call, blocking)
-            dup = _Duplicate(self)
+            dup = _Duplicate(self, poll=True)  # (completed on the engine's thread)
         finally:
             thread_state.starting = False
         poll = bool(env_flag("SPARSECOLL_PROGRESS_POLL", True))
@@ -593,17 +593,20 @@ class Communicator(Accounting):
         return self._allreduce_meta(values, np.int64, op)
 
     @routed
-    def iallreduce_ints(self, values: Sequence[int], op: str = "sum") -> tuple[Request, Any]:
+    def iallreduce_ints(
+        self, values: Sequence[int], op: str = "sum", poll: bool | None = None
+    ) -> tuple[Request, Any]:
         """Start reducing a small int64 vector over all ranks (MPI_Iallreduce, ``op`` in
         sum/max/min): ``(request, out)``, ``out`` holding the result once the request has
-        completed. What every input agreement makes (:class:`~._agree.Vote`)."""
+        completed (by polling if ``poll``; None: as this communicator's calls). What every
+        input agreement makes (:class:`~._agree.Vote`)."""
         MPI = _mpilib.mpi()
         a = np.ascontiguousarray(values, dtype=np.int64)
         out = np.empty_like(a)
         op_ = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
         req = self._wire().Iallreduce(a, out, op_)
         self._meta(2 * a.nbytes, 2 * self._log2())
-        return Request(req, keep=a, poll=self.poll), out
+        return Request(req, keep=a, poll=self.poll if poll is None else poll), out
 
     def duplicate(self) -> _Duplicate:
         """Start duplicating the MPI communicator (``MPI_Comm_idup``: collective, in order
