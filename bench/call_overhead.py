@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import sparsecoll
     from sparsecoll import Communicator
-    from sparsecoll.comm import _mpi, mpi_library_version
+    from sparsecoll._mpilib import mpi as _mpi
+    from sparsecoll._mpilib import mpi_library_version
     from sparsecoll.registry import algorithm_options, available_algorithms
 
     MPI = _mpi()

@@ -1,10 +1,11 @@
 """Nonblocking calls: a progress thread per communicator, requests, and the watchdog.
 
 Each MPI communicator used for nonblocking calls gets one :class:`Engine` (see
-:meth:`sparsecoll.Communicator.engine`): a daemon thread that runs the submitted calls one
-after the other, in submission order, on a duplicate of the communicator in polling mode
-(so neither the user's own traffic can interleave with it nor its waiting spin a core).
-Every rank must submit its calls in the same order, as with blocking collectives.
+:meth:`sparsecoll.Communicator.engine`): a daemon thread that first completes the engine's
+collective start, then runs the submitted calls one after the other, in submission order,
+on a duplicate of the communicator in polling mode (so neither the user's own traffic can
+interleave with it nor its waiting spin a core). Every rank must submit its calls in the
+same order, as with blocking collectives. This module imports no other of sparsecoll's.
 
 The watchdog (off by default; :func:`set_timeout` or ``SPARSECOLL_TIMEOUT=seconds``) watches
 the call each engine is running, and the blocking calls the user's threads make on the
@@ -55,8 +56,7 @@ _registry_lock = threading.Lock()
 
 
 def _new_registry_lock() -> None:
-    # (a fork while another thread held the lock copies it locked: the child's exit handler
-    # then waited for ever for a thread the child does not have)
+    # (a fork while another thread holds the lock copies it locked: the child's own is free)
     global _registry_lock
     _registry_lock = threading.Lock()
 
@@ -68,8 +68,8 @@ if hasattr(os, "register_at_fork"):
 def _seconds(name: str, value: Any) -> float | None:
     """``value`` (None, or a Python or numpy real number of seconds, not a bool) as a float;
     past ``threading.TIMEOUT_MAX`` (infinity too) as None: no limit (waits and timers
-    raised OverflowError there). A TypeError for another type (float() took "3", True;
-    threading's raw errors came from deep inside a wait), a ValueError for NaN."""
+    raise OverflowError there). A TypeError for another type (a str, a bool), a ValueError
+    for NaN."""
     if value is None:
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
@@ -122,11 +122,10 @@ def get_timeout() -> float | None:
 
 @contextlib.contextmanager
 def starting(comm: Any, call: str | None) -> Iterator[None]:
-    """Around the collective start of ``comm``'s progress engine (its agreement and its
+    """Around the completion of ``comm``'s progress engine's collective start (its vote and
     duplications), which no engine watches yet: with the watchdog on, past the timeout
-    print this rank's state and call MPI_Abort. (Every rank starts the engine at its first
-    nonblocking call on the communicator, or its first blocking one under the watchdog: a
-    rank that skipped that call left the others in the start for ever, with no word.)"""
+    print this rank's state and call MPI_Abort (a rank that never makes the call that
+    starts the engine would leave the others there for ever)."""
     timeout = get_timeout()
     if not timeout:
         yield
@@ -152,8 +151,7 @@ def starting(comm: Any, call: str | None) -> Iterator[None]:
 
 
 class SparseRequest:
-    """A nonblocking call in flight; in the style of mpi4py requests and
-    ``concurrent.futures``.
+    """A nonblocking call in flight, in the style of mpi4py requests and futures.
 
     ``wait()`` returns the call's result (a SparseVector for :func:`sparsecoll.iallreduce`,
     the dense update for ``GradientReducer.step_async``) or raises its error; ``test()`` and
@@ -185,20 +183,17 @@ class SparseRequest:
     def wait(self, timeout: float | None = None) -> Any:
         """Block (without spinning) until the call completes; return its result.
 
-        ``timeout``: seconds at most (None: as long as it takes); as with
-        ``concurrent.futures.Future.result``, one of 0 or less does not wait (it only looks
-        whether the call has completed).
+        ``timeout``: seconds at most (None: as long as it takes); 0 or less only looks
+        whether the call has completed, as ``concurrent.futures.Future.result`` does.
 
         Raises:
             TimeoutError: not complete within ``timeout`` seconds; the call goes on, and a
                 later ``wait()`` can still complete it.
             TypeError / ValueError: ``timeout`` is not None or a real number / is NaN.
             The call's own error (e.g. CollectiveInputError), on every rank alike.
-            RuntimeError: called in a child made by fork() while the call was pending in
-                the parent (no thread completes it there); called before the call
-                completed on the progress thread that runs it (in a callable run there,
-                such as a callback of the DDP hook's future): only that thread can complete
-                it, so it waited for ever.
+            RuntimeError: in a child made by fork() while the call was pending in the
+                parent; on the progress thread that runs the call, before it completed (in
+                a callable run there, such as a DDP hook future's callback).
         """
         self._complete(timeout)
         if self._error is not None:
@@ -253,19 +248,34 @@ class SparseRequest:
 
 
 class Engine:
-    """One progress thread: runs submitted calls in order on ``comm`` (a polling duplicate).
-
-    ``alarm`` is a second duplicate, used only by the watchdog.
+    """One progress thread of the communicator of rank ``rank`` of ``size``: it first runs
+    ``start()``, which completes the engine's collective start and returns its two
+    Communicators, ``comm`` (a polling duplicate: the calls run there) and the watchdog's
+    ``alarm``; then the submitted calls, in order. A start that raises fails every call
+    submitted to the engine with its error (``failed``), and the engine ends. ``abort``
+    ends the job while no alarm communicator exists.
     """
 
-    def __init__(self, comm: Any, alarm: Any) -> None:
-        self.comm = comm
-        self._alarm = alarm
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        start: Callable[[], tuple[Any, Any]],
+        abort: Callable[[int], None],
+    ) -> None:
+        self.rank, self.size = rank, size
+        self._comm: Any = None
+        self._alarm: Any = None
+        self._start: Callable[[], tuple[Any, Any]] | None = start
+        self._abort_job = abort
+        self._ready = threading.Event()  # the start has ended (failed or not)
+        self.failed: BaseException | None = None  # the start's error
         self._cond = threading.Condition()
         # (request, call, owner, the owner's measure() scopes open in the submitting thread)
         self._queue: deque[tuple[SparseRequest, Callable[[], Any], Any, Any]] = deque()
         self._submitted = 0
         self._completed = 0
+        self._up = False  # the start has ended (as _ready, read where it costs little)
         self._closed = False
         self._current: SparseRequest | None = None
         self._started = 0.0
@@ -284,7 +294,7 @@ class Engine:
         self._watchdog: threading.Thread | None = None
         self._pid = os.getpid()  # a child made by fork() has no progress thread
         self._thread = threading.Thread(
-            target=self._loop, name=f"sparsecoll-progress-{comm.rank}", daemon=True
+            target=self._loop, name=f"sparsecoll-progress-{rank}", daemon=True
         )
         self._thread.start()
         global _atexit_registered
@@ -293,6 +303,19 @@ class Engine:
             if not _atexit_registered:
                 atexit.register(shutdown)
                 _atexit_registered = True
+
+    @property
+    def comm(self) -> Any:
+        """The Communicator the calls run on (waits for the start; raises its error)."""
+        if self._comm is None:
+            self.wait_started()
+        return self._comm
+
+    def wait_started(self) -> None:
+        """Wait until the engine's start has completed; raise its error if it failed."""
+        self._ready.wait()
+        if self.failed is not None:
+            raise self.failed
 
     # -- the user's side ------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any], label: str, owner: Any = None) -> SparseRequest:
@@ -305,7 +328,8 @@ class Engine:
         scopes = () if owner is None else tuple(owner._open_scopes())
         with self._cond:
             if self._closed:
-                raise RuntimeError("the progress engine of this communicator is shut down")
+                why = f": its start failed ({self.failed})" if self.failed else ""
+                raise RuntimeError(f"the progress engine of this communicator is shut down{why}")
             self._submitted += 1
             self._calls += 1
             req = SparseRequest(self._calls, label, self._thread)
@@ -317,12 +341,10 @@ class Engine:
 
     @contextlib.contextmanager
     def watching(self, label: str) -> Iterator[None]:
-        """Let the watchdog see a blocking call that the calling thread makes, where it runs
-        (on the user's communicator: in order with this thread's other calls, on its CUDA
-        stream), numbered among this engine's calls. A call inside a watched one counts
-        as part of it. Its clock starts once the requests submitted before it have
-        completed (it waits for them first, as its communication would): each of those is
-        watched on its own, and their time is not the blocking call's."""
+        """Let the watchdog see a blocking call that the calling thread makes where it runs,
+        numbered among this engine's calls (a call inside a watched one is part of it). Its
+        clock starts once the requests submitted before it have completed (it waits for
+        them first, as its communication would): their time is theirs."""
         self._check_process()
         me = threading.get_ident()
         if me in self._blocking:
@@ -366,10 +388,10 @@ class Engine:
 
         Raises:
             RuntimeError: called on the progress thread with calls pending (its own call
-                among them): only this thread completes them, so it waited for ever.
+                among them): only this thread completes them.
         """
         self._check_process()
-        if self._completed == self._submitted:
+        if self._completed == self._submitted and self._up:
             return
         if self.is_worker_thread():
             raise RuntimeError(
@@ -379,12 +401,12 @@ class Engine:
             )
         with self._cond:
             target = self._submitted
-            while self._completed < target:
+            while self._completed < target or not self._up:
                 self._cond.wait()
 
     def _check_process(self) -> None:
-        """Refuse to be used in a child made by fork(): its queue would never run (a call
-        submitted or waited for there hung) and its MPI state is not the child's."""
+        """Refuse to be used in a child made by fork(): its queue would never run and its
+        MPI state is not the child's."""
         if os.getpid() != self._pid:
             raise RuntimeError(
                 f"process {os.getpid()} was forked from the one that started this "
@@ -395,7 +417,7 @@ class Engine:
     def route(self, comm: Any) -> Any:
         """The Communicator that ``comm``'s calls should use from the calling thread."""
         if threading.get_ident() == self._thread.ident:
-            return self.comm
+            return self._comm
         self.drain()
         return comm
 
@@ -403,8 +425,8 @@ class Engine:
         return threading.get_ident() == self._thread.ident
 
     def pending(self) -> int:
-        """How many submitted calls have not completed."""
-        return self._submitted - self._completed
+        """How many submitted calls have not completed (the engine's start counts as one)."""
+        return self._submitted - self._completed + (not self._up)
 
     def cpu_time(self) -> float:
         """CPU seconds the progress thread has used so far (Linux, macOS)."""
@@ -438,7 +460,22 @@ class Engine:
             self._stopped = True
 
     # -- the progress thread ----------------------------------------------------------------
+    def _begin(self) -> None:
+        """Run the start; on failure close the engine (its calls get the start's error)."""
+        start, self._start = self._start, None
+        try:
+            self._comm, self._alarm = start()
+        except BaseException as exc:
+            self.failed = exc  # (set before any request completes: see _attached_engine)
+        with self._cond:
+            if self.failed is not None:
+                self._closed = True
+            self._up = True
+            self._ready.set()
+            self._cond.notify_all()
+
     def _loop(self) -> None:
+        self._begin()
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
@@ -449,13 +486,16 @@ class Engine:
                     break
                 req, fn, owner, scopes = self._queue.popleft()
                 self._current, self._started = req, time.monotonic()
-            before = self.comm.stats.copy()
-            try:
-                value, error = fn(), None
-            except BaseException as exc:  # the error belongs to the request
-                value, error = None, exc
-            if owner is not None and owner is not self.comm:
-                owner._add_stats(self.comm.stats - before, scopes)
+            if self.failed is not None:
+                value, error = None, self.failed
+            else:
+                before = self._comm.stats.copy()
+                try:
+                    value, error = fn(), None
+                except BaseException as exc:  # the error belongs to the request
+                    value, error = None, exc
+                if owner is not None and owner is not self._comm:
+                    owner._add_stats(self._comm.stats - before, scopes)
             with self._cond:
                 self._current = None
                 self._ended_call(req)
@@ -465,12 +505,12 @@ class Engine:
                 req._finish(value, error)
                 self._cond.notify_all()
             # the thread waits for the next call with nothing of this one: its result (a
-            # dense update) and its arguments (a gradient) were kept alive until then
+            # dense update) and its arguments (a gradient) are the caller's alone
             del req, fn, owner, scopes, value, error
-        if free:  # every rank frees the user's communicator, so every rank gets here
+        if free and self._comm is not None:  # every rank frees the user's communicator
             if watchdog is not None:
                 watchdog.join()  # it stops once _ended is set
-            self.comm.mpi_comm.Free()
+            self._comm.mpi_comm.Free()
             self._alarm.mpi_comm.Free()
 
     # -- watchdog ---------------------------------------------------------------------------
@@ -481,17 +521,15 @@ class Engine:
             if self._watchdog is not None or (self._ended and (self._free or self._stopped)):
                 return
             self._watchdog = threading.Thread(
-                target=self._watch, name=f"sparsecoll-watchdog-{self.comm.rank}", daemon=True
+                target=self._watch, name=f"sparsecoll-watchdog-{self.rank}", daemon=True
             )
             self._watchdog.start()  # under the lock: the thread's end may join it
 
     def _watch(self) -> None:
-        # Once the progress thread has ended (close(), stop()), the communicator's blocking
-        # calls are still watched: the watchdog goes on while one runs, and the next one
-        # starts it again (the timeout holds for the communicator's whole life, as
-        # torch.distributed's for a process group's). It stops when the engine frees its
-        # duplicates (the user's communicator was freed: no call can follow), and once stop()
-        # has seen the blocking calls in flight end (at exit: later ones are not watched).
+        # The timeout holds for the communicator's whole life: after the progress thread
+        # ended (close(), stop()), a blocking call still runs the watchdog (or starts it
+        # again). It ends with the engine's duplicates (the user's communicator was freed),
+        # and once stop() has seen the blocking calls in flight end (at exit).
         while True:
             with self._cond:
                 if self._ended and (self._free or self._stopped or not self._blocking):
@@ -504,7 +542,7 @@ class Engine:
             )
             if late:
                 self._fire(timeout, late[0].call)
-            alarm = self._alarm.try_recv_ints(ALARM_TAG)
+            alarm = None if self._alarm is None else self._alarm.try_recv_ints(ALARM_TAG)
             if alarm is not None:
                 self._report(f"rank {alarm[0]} timed out in its call #{alarm[1][0]}")
                 self._answer(alarm[0])
@@ -537,12 +575,18 @@ class Engine:
         if self._reported:
             return
         self._reported = True
-        c = self.comm
-        _stderr(f"sparsecoll watchdog: rank {c.rank} of {c.size}: {self.state()}; {why}")
+        _stderr(f"sparsecoll watchdog: rank {self.rank} of {self.size}: {self.state()}; {why}")
+
+    def abort(self, code: int) -> None:
+        """MPI_Abort: end every process of the job."""
+        (self._alarm.abort if self._alarm is not None else self._abort_job)(code)
 
     def _fire(self, timeout: float, call: int) -> None:
         c = self._alarm
         self._report(f"timeout {timeout:g} s expired (SPARSECOLL_TIMEOUT); aborting the job")
+        if c is None:  # (no call runs before the start has made it: not expected)
+            self.abort(1)
+            return
         msg = np.array([call], dtype=np.int64)
         sends = [c.isend(msg, r, ALARM_TAG) for r in range(c.size) if r != c.rank]
         # the other ranks print their state meanwhile, and answer with it
@@ -599,13 +643,10 @@ def shutdown() -> None:
     """At interpreter exit: let every engine finish its queued calls, then stop its thread.
 
     Pending requests are completed (every rank submitted them, so their collectives
-    match); a call that cannot complete hangs here unless the watchdog is on. When the
-    program dies of an uncaught exception, nothing is waited for: the other ranks may never
-    reach the pending calls. If calls are still pending then, the job is aborted
-    (MPI_Abort): the exit would otherwise hang, this rank in MPI_Finalize (which waits for
-    every other rank) and the others in their pending calls, which need this one. So is it
-    when the wait here is interrupted (Ctrl-C: KeyboardInterrupt) with calls still in
-    progress (pending, or a daemon thread's watched blocking call).
+    match); a call that cannot complete hangs here unless the watchdog is on. After an
+    uncaught exception, or when this wait is interrupted (KeyboardInterrupt), with calls
+    still in progress, the job is aborted (MPI_Abort): the other ranks may never reach
+    them, and this rank's MPI_Finalize would wait for theirs.
     """
     engines = _own_engines()
     for engine in engines:
@@ -633,11 +674,8 @@ def _abort(engines: list[Engine], calls: int, why: str) -> None:
     line on stderr with ``why`` and the state of the first engine that has calls."""
     if calls:
         e = next((x for x in engines if x.pending() or x._blocking), engines[0])
-        _stderr(
-            f"sparsecoll: rank {e.comm.rank} of {e.comm.size}: {why} ({e.state()}); "
-            f"aborting the job"
-        )
-        e._alarm.abort(1)
+        _stderr(f"sparsecoll: rank {e.rank} of {e.size}: {why} ({e.state()}); aborting the job")
+        e.abort(1)
 
 
 def stop(engines: list[Engine] | None = None) -> None:

@@ -24,8 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from ._agree import share_error, watch
 from ._array import cupy_or_none, is_device_array, nccl_or_none, wait_for_foreign
-from .comm import Communicator, _in_dtype
+from ._buffers import in_dtype
+from .comm import Communicator
 
 __all__ = ["NCCLCommunicator", "nccl_available"]
 
@@ -49,8 +51,6 @@ class NCCLCommunicator(Communicator):
 
     def __init__(self, comm: Any = None) -> None:
         super().__init__(comm)
-        from .api import watch  # (api imports comm, which this module imports)
-
         # watched as one call: NCCL's own setup waits for every rank too
         with watch(self, "NCCLCommunicator()"):
             self._setup()
@@ -111,8 +111,6 @@ class NCCLCommunicator(Communicator):
         With the watchdog on, it is watched as a blocking call (a rank that skipped it would leave
         the others in NCCL for ever), or as part of the watched call it runs inside.
         """
-        from .api import watch
-
         device = cupy_or_none().cuda.Device(self.device)
         with self.serial(), watch(self, f"NCCLCommunicator.{call}"), device:
             yield
@@ -147,7 +145,7 @@ class NCCLCommunicator(Communicator):
             error = exc
         if counts is None:  # the counts' exchange shares an error: a rank's -1
             counts = self.allgather_ints(-1 if error else int(sendbuf.shape[0]))
-            self._share_error(counts, error, "NCCLCommunicator.allgatherv")
+            share_error(self, counts, error, "NCCLCommunicator.allgatherv")
         elif error is not None:  # given counts: no exchange to share it in
             raise ValueError(f"{error} on rank {self.rank}") from error
         counts = [int(c) for c in counts]
@@ -228,6 +226,6 @@ class NCCLCommunicator(Communicator):
             self._count_allreduce(work.nbytes)
             if op == "mean":
                 dest /= self.size
-        total = _in_dtype(dest, orig, out)
+        total = in_dtype(dest, orig, out)
         wait_for_foreign(given, out)
         return given if given is not None else wrap(total)

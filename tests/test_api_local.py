@@ -69,7 +69,7 @@ def test_torch_cpu_tensors_round_trip(self_comm):
 def test_polling_wait_schedule(monkeypatch):
     """The polling wait: a short spin, then sleeps of a fraction of the time waited so far,
     within [POLL_MIN, POLL_MAX]; it returns the test's first true value (on a fake clock)."""
-    from sparsecoll import comm as C
+    from sparsecoll import _polling as C
 
     clock = {"t": 100.0}
     sleeps: list[tuple[float, float]] = []  # (waited before the sleep, its length)
@@ -82,7 +82,7 @@ def test_polling_wait_schedule(monkeypatch):
 
     monkeypatch.setattr(C.time, "sleep", sleep)
     done_at = 2.0  # seconds of fake time until the "request" completes
-    assert C._poll(lambda: clock["t"] - 100.0 >= done_at and "flag") == "flag"
+    assert C.poll(lambda: clock["t"] - 100.0 >= done_at and "flag") == "flag"
     waited = clock["t"] - 100.0
     assert done_at <= waited <= done_at * (1 + C.POLL_FRACTION) + C.POLL_MAX
     assert sleeps and sleeps[0][0] >= C.POLL_SPIN  # no sleep during the spin
@@ -91,7 +91,7 @@ def test_polling_wait_schedule(monkeypatch):
         assert s == C.POLL_MIN or s == C.POLL_MAX or s == pytest.approx(before * C.POLL_FRACTION)
     assert sleeps[-1][1] == C.POLL_MAX  # a long wait tests about once per POLL_MAX
     assert len(sleeps) < 2 * done_at / C.POLL_MAX + 200
-    assert C._poll(lambda: 7) == 7  # done at once: no sleep
+    assert C.poll(lambda: 7) == 7  # done at once: no sleep
 
 
 @pytest.mark.parametrize("version", ["3.1.6", "3.2.0.dev0", "4.0.0", "4.1.2", "10.0", "?"])
@@ -106,17 +106,17 @@ def test_large_counts_need_mpi4py_4_and_the_library(monkeypatch, version, librar
     import mpi4py
     from mpi4py import MPI  # noqa: F401  (loaded first: loading looks the library up with CDLL)
 
-    from sparsecoll import comm as C
+    from sparsecoll import _mpilib as C
 
     calls = {"MPI_Allgatherv_c": ctypes.pythonapi} if library else {}
     monkeypatch.setattr(mpi4py, "__version__", version)
     monkeypatch.setattr(C.ctypes, "CDLL", lambda *a, **k: types.SimpleNamespace(**calls))
-    C._large_counts.cache_clear()
+    C.large_counts.cache_clear()
     try:
-        got = C._large_counts()
+        got = C.large_counts()
     finally:
         monkeypatch.undo()
-        C._large_counts.cache_clear()  # (the real answer, for later tests)
+        C.large_counts.cache_clear()  # (the real answer, for later tests)
     assert got == (library and version[0].isdigit() and int(version.split(".")[0]) >= 4)
 
 

@@ -144,11 +144,11 @@ def test_the_poll_variable_takes_the_usual_spellings(monkeypatch, text, poll):
 def test_a_bad_flag_variable_is_an_error_naming_it(monkeypatch, name):
     from mpi4py import MPI
 
-    from sparsecoll.comm import _query_cuda_aware
+    from sparsecoll._mpilib import query_cuda_aware
 
     monkeypatch.setenv(name, "maybe")
     with pytest.raises(ValueError, match=f"{name} must be one of 1, true, .*got 'maybe'"):
-        Communicator(MPI.COMM_SELF) if name == "SPARSECOLL_POLL" else _query_cuda_aware()
+        Communicator(MPI.COMM_SELF) if name == "SPARSECOLL_POLL" else query_cuda_aware()
 
 
 def test_cli_version_and_an_unknown_suite(capsys):

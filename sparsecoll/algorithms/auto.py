@@ -25,9 +25,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import _state
+from .._agree import collective_check
 from .._array import index_dtype
 from .._options import read_only, real
-from ..api import collective_check
 from ..comm import Communicator
 from ..registry import algorithm_class, register_algorithm
 from ..sparse import SparseVector

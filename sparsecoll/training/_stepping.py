@@ -29,7 +29,7 @@ from .._array import (
     to_module,
     wait_for_foreign,
 )
-from ..api import algorithm_signature, collective_check, watch
+from .._agree import algorithm_signature, collective_check, watch
 from ..comm import CommStats
 from ..errors import NonFiniteError
 from ..sparse import VALUE_DTYPES

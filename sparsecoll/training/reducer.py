@@ -25,7 +25,7 @@ import numpy as np
 from .._array import to_host
 from .._options import canonical, check_density, choice, effective_options, flag, integer, read_only
 from ..algorithms.base import Algorithm
-from ..api import ALGORITHM_SIGNATURE_LEN, class_name, collective_check, watch
+from .._agree import ALGORITHM_SIGNATURE_LEN, class_name, collective_check, watch
 from ..comm import CommStats, Communicator
 from ..registry import (
     _accepts_any,

@@ -304,11 +304,11 @@ def test_the_duplicate_is_freed_with_the_communicator(comm):
     """The duplicate that carries a blocking call's messages is freed when the user frees
     the communicator (kept, a loop making, using and freeing sub-communicators ran out of
     MPICH's 2048 context ids after about 2000 rounds: "Too many communicators")."""
-    from sparsecoll import comm as comm_module
+    from sparsecoll import _keyvals
 
     sub = comm.mpi_comm.Split(0, comm.rank)
     result = sparsecoll.allreduce(sub, np.ones(2), [0, 1], n=4, algorithm="recursive_doubling")
-    dup = sub.Get_attr(comm_module._APART_KEYVAL)
+    dup = sub.Get_attr(_keyvals._APART_KEYVAL)
     made = dup is not None and dup != MPI.COMM_NULL
     sub.Free()
     freed = dup is not None and dup == MPI.COMM_NULL

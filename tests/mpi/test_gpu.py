@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import sparsecoll
 from sparsecoll import CollectiveInputError, CollectiveTypeError, Communicator
 from sparsecoll._array import cupy_or_none, index_dtype
-from sparsecoll.comm import _query_cuda_aware
+from sparsecoll._mpilib import query_cuda_aware
 from sparsecoll.registry import algorithm_class
 
 from .. import fakecupy
@@ -65,7 +65,7 @@ def _modes(xp, comm) -> list[bool]:
     """The CUDA-aware settings to try: both on the fake, only a safe one on a real GPU."""
     if xp is fakecupy.module:
         return [False, True]
-    return [_query_cuda_aware(comm.mpi_comm)]
+    return [query_cuda_aware(comm.mpi_comm)]
 
 
 def _host(a):
@@ -389,11 +389,11 @@ def test_device_input_error_raises_on_every_rank(comm, xp):
 
 def test_cuda_aware_detection(comm, monkeypatch):
     monkeypatch.setenv("SPARSECOLL_CUDA_AWARE", "1")
-    forced_on = _query_cuda_aware(comm.mpi_comm)
+    forced_on = query_cuda_aware(comm.mpi_comm)
     monkeypatch.setenv("SPARSECOLL_CUDA_AWARE", "0")
-    forced_off = _query_cuda_aware(comm.mpi_comm)
+    forced_off = query_cuda_aware(comm.mpi_comm)
     monkeypatch.delenv("SPARSECOLL_CUDA_AWARE")
-    found = _query_cuda_aware(comm.mpi_comm)
+    found = query_cuda_aware(comm.mpi_comm)
     everyone = comm.allgather_object(found)
     assert_all(comm, forced_on and not forced_off, "SPARSECOLL_CUDA_AWARE ignored")
     assert_all(comm, len(set(everyone)) == 1, f"ranks disagree: {everyone}")

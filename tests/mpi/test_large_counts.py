@@ -13,14 +13,15 @@ import pytest
 from mpi4py import MPI
 
 import sparsecoll
-import sparsecoll.comm as scomm
+import sparsecoll._mpilib as mpilib
 from sparsecoll import Communicator
+from sparsecoll._polling import Request
 
 from .. import fakecupy
 from .cases import assert_all
 
 # What sparsecoll's payload calls meet on a library without MPI-4's large counts (Open MPI
-# 5.0), at the lowered limit: a count or displacement past scomm.COUNT_MAX raises (there
+# 5.0), at the lowered limit: a count or displacement past mpilib.COUNT_MAX raises (there
 # MPI_ERR_ARG: the int cannot hold it; a collective raises on every rank), and
 # Status.Get_count past it gives MPI_UNDEFINED. Only payloads are checked: explicit counts
 # and raw byte views, on the host or the device (metadata is int64 and float64 arrays;
@@ -53,7 +54,7 @@ def _counts(arg) -> list[int]:
 
 class _IntCounts:
     """An mpi4py communicator (or message) whose payload calls reject counts past
-    scomm.COUNT_MAX (unless ``large``); ``calls`` logs (name, largest count) of each
+    mpilib.COUNT_MAX (unless ``large``); ``calls`` logs (name, largest count) of each
     payload call made."""
 
     def __init__(self, obj, calls: list, large: bool = False):
@@ -70,7 +71,7 @@ class _IntCounts:
             counts = [c for a in args for c in _counts(a)]
             if counts:
                 self.calls.append((name, max(counts)))
-            over = not self.large and max(counts, default=0) > scomm.COUNT_MAX
+            over = not self.large and max(counts, default=0) > mpilib.COUNT_MAX
             if name in COLLECTIVES:  # every rank raises, as a collective's argument check did
                 over = self._obj.allreduce(over, op=MPI.LOR)
             if over:
@@ -86,7 +87,7 @@ class _IntCounts:
 class _IntStatus(MPI.Status):
     def Get_count(self, datatype=MPI.BYTE):
         count = super().Get_count(datatype)
-        return MPI.UNDEFINED if count > scomm.COUNT_MAX else count
+        return MPI.UNDEFINED if count > mpilib.COUNT_MAX else count
 
 
 class _IntMPI:
@@ -105,10 +106,10 @@ def int_counts(monkeypatch):
     library with them, MPICH 4); its ``calls`` attribute logs the payload calls."""
 
     def make(comm, limit, poll=False, large=False):
-        monkeypatch.setattr(scomm, "COUNT_MAX", limit)
-        monkeypatch.setattr(scomm, "_large_counts", lambda: large)
+        monkeypatch.setattr(mpilib, "COUNT_MAX", limit)
+        monkeypatch.setattr(mpilib, "large_counts", lambda: large)
         if not large:
-            monkeypatch.setattr(scomm, "_mpi", _IntMPI)
+            monkeypatch.setattr(mpilib, "mpi", _IntMPI)
         c = Communicator(comm.mpi_comm, poll=poll)
         c.mpi_comm = _IntCounts(comm.mpi_comm, [], large)
         c.calls = c.mpi_comm.calls
@@ -239,7 +240,7 @@ def _point_to_point_problem(comm, capsys, c, xp) -> str | None:
     problem = done and f"sendrecv raised {done!r}"
     got2 = xp.zeros_like(got)
     reqs, started = _started(comm, [lambda: c.irecv(got2, src, 4), lambda: c.isend(mine, dest, 4)])
-    problem = problem or started or _problem(scomm.Request.waitall, reqs)
+    problem = problem or started or _problem(Request.waitall, reqs)
     if problem:
         return problem
     ok = all(

@@ -52,7 +52,7 @@ def test_iallreduce_without_mpi4_isendrecv(comm, monkeypatch):
     """Before MPI 4.0 (Open MPI 4.x, MPICH 3.x) there is no MPI_Isendrecv, and mpi4py
     raises NotImplementedError for it: the progress thread's polling waits then pair an
     Irecv with an Isend, with the same results and bytes."""
-    from sparsecoll import comm as comm_module
+    from sparsecoll import _mpilib
 
     asked = []
 
@@ -60,7 +60,7 @@ def test_iallreduce_without_mpi4_isendrecv(comm, monkeypatch):
         asked.append(1)
         return False
 
-    monkeypatch.setattr(comm_module, "_isendrecv_works", without)
+    monkeypatch.setattr(_mpilib, "isendrecv_works", without)
     inputs = [_input(comm.rank, seed) for seed in range(2)]
     for name in NAMES:
         reqs = [
@@ -915,3 +915,40 @@ def test_the_watchdog_on_some_ranks_only_is_named(comm, kind):
     finally:
         sparsecoll.set_timeout(before)
         mine.mpi_comm.Free()
+
+
+@pytest.mark.parametrize("watched", [False, True])
+def test_the_first_nonblocking_call_returns_at_once(comm, watched):
+    """The first iallreduce on a communicator starts its progress engine (a collective
+    start) without waiting for the other ranks: rank 0's calls return while the others are
+    still DELAY s away from theirs, and so do the calls after it; the results equal
+    allreduce's. (Each rank's limit is a quarter of the delay: timing on a loaded machine
+    is noisy, and the target, under 50 ms, is far below it.)"""
+    from mpi4py import MPI
+
+    delay = 2.0
+    inputs = [_input(comm.rank, seed) for seed in range(3)]
+    names = ("allgather", "oktopk", "allgather")
+    opts = [_opts(name) for name in names]
+    want = [
+        digest(sparsecoll.allreduce(comm, v, i, n=N, algorithm=name, **o))
+        for (v, i), name, o in zip(inputs, names, opts)
+    ]
+    before = sparsecoll.get_timeout()
+    mine = sparsecoll.Communicator(MPI.COMM_WORLD.Dup())  # (no engine yet)
+    try:
+        sparsecoll.set_timeout(600 if watched else None)
+        comm.barrier()
+        if comm.rank > 0:
+            time.sleep(delay)
+        took, reqs = [], []
+        for (v, i), name, o in zip(inputs, names, opts):
+            start = time.perf_counter()
+            reqs.append(sparsecoll.iallreduce(mine, v, i, n=N, algorithm=name, **o))
+            took.append(time.perf_counter() - start)
+        got = [digest(r.wait(timeout=120)) for r in reqs]
+    finally:
+        sparsecoll.set_timeout(before)
+    assert_all(comm, max(took) < delay / 4, f"iallreduce calls took {took} s")
+    assert_all(comm, got == want, "iallreduce differs from allreduce")
+    mine.mpi_comm.Free()

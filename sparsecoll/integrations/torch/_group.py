@@ -11,8 +11,9 @@ import zlib
 from typing import Any
 
 from ..._launch import torch_launcher_mismatch
-from ...api import watch
-from ...comm import Communicator, _mpi
+from ..._agree import watch
+from ..._mpilib import mpi as _mpi
+from ...comm import Communicator
 
 __all__ = ["group_comm", "group_mismatch", "init_process_group", "torch_module", "world_mismatch"]
 

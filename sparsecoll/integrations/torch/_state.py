@@ -11,7 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..._options import check_density, integer, read_only
-from ...api import collective_check, watch
+from ..._agree import collective_check, watch
 from ...comm import CommStats, Communicator
 from ...training import GradientReducer
 from ._group import group_comm, group_mismatch, world_mismatch
