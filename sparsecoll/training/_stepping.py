@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import select
+from .._agree import algorithm_signature, collective_check, watch
 from .._array import (
     as_array,
     device_scope,
@@ -29,7 +30,6 @@ from .._array import (
     to_module,
     wait_for_foreign,
 )
-from .._agree import algorithm_signature, collective_check, watch
 from ..comm import CommStats
 from ..errors import NonFiniteError
 from ..sparse import VALUE_DTYPES

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from .._agree import ALGORITHM_SIGNATURE_LEN, class_name, collective_check, watch
 from .._array import to_host
 from .._options import canonical, check_density, choice, effective_options, flag, integer, read_only
 from ..algorithms.base import Algorithm
-from .._agree import ALGORITHM_SIGNATURE_LEN, class_name, collective_check, watch
 from ..comm import CommStats, Communicator
 from ..registry import (
     _accepts_any,

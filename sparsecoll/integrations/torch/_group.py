@@ -10,8 +10,8 @@ import sys
 import zlib
 from typing import Any
 
-from ..._launch import torch_launcher_mismatch
 from ..._agree import watch
+from ..._launch import torch_launcher_mismatch
 from ..._mpilib import mpi as _mpi
 from ...comm import Communicator
 

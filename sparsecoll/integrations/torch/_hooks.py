@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..._array import as_array, device_scope, is_device_array, synchronize
 from ..._agree import collective_check, watch
+from ..._array import as_array, device_scope, is_device_array, synchronize
 from ...comm import widening_buffer
 from ...errors import NonFiniteError
 from ...sparse import VALUE_DTYPES

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from ..._options import check_density, integer, read_only
 from ..._agree import collective_check, watch
+from ..._options import check_density, integer, read_only
 from ...comm import CommStats, Communicator
 from ...training import GradientReducer
 from ._group import group_comm, group_mismatch, world_mismatch
