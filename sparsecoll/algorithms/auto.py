@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import _state
-from .._agree import collective_check
+from .._agree import agreement
 from .._array import index_dtype
 from .._options import read_only, real
 from ..comm import Communicator
@@ -218,9 +218,5 @@ def _preflight_agreed(comm: Communicator, algo: Algorithm, x: SparseVector) -> N
     The choice comes after the call's own agreement: without this, memory running out on one
     rank would leave the others waiting in the exchange.
     """
-    error = None
-    try:
+    with agreement(comm):  # (an error on one rank is raised on every rank)
         algo.preflight(x)
-    except Exception as exc:  # shared with every rank: none is left waiting
-        error = exc
-    collective_check(comm, error, None)

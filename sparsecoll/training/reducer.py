@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .._agree import ALGORITHM_SIGNATURE_LEN, class_name, collective_check, watch
+from .._agree import ALGORITHM_SIGNATURE_LEN, agreement, class_name, watch
 from .._array import to_host
 from .._options import canonical, check_density, choice, effective_options, flag, integer, read_only
 from ..algorithms.base import Algorithm
@@ -573,16 +573,15 @@ class GradientReducer(Stepping):
         step than the others', raises the same error on every rank, naming the rank, and
         no reducer changes."""
         self._wait_pending()
-        error, new = None, None
-        try:
-            new = self._read_state(state)  # (everything checked before anything changes)
-        except Exception as exc:  # (shared with every rank: none loads alone)
-            error = exc
         # (watched as a step is: a rank that skipped the call leaves the others waiting)
         label = f"load_state_dict({self.algorithm_name!r})"
-        with self.comm.serial(), watch(self.comm, label):
-            sig = None if new is None else [new["steps"]]
-            collective_check(self.comm, error, sig, ("saved step",), call=label)
+        with (
+            self.comm.serial(),
+            watch(self.comm, label),
+            agreement(self.comm, ("saved step",), call=label) as agree,
+        ):
+            new = self._read_state(state)  # (everything checked before anything changes)
+            agree.signature = [new["steps"]]
         self._load(new)
 
     def load_state_local(self, state: dict[str, Any]) -> None:

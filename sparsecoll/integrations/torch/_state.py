@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from ..._agree import collective_check, watch
+from ..._agree import agreement, collective_check, watch
 from ..._options import check_density, integer, read_only
 from ...comm import CommStats, Communicator
 from ...training import GradientReducer
@@ -391,8 +391,13 @@ class SparseHookState:
         the state it saved), or whose iteration differs between the ranks, raises the same
         error on every rank (a CollectiveInputError naming the rank), and this state is
         left as it was."""
-        error, sig = None, None
-        try:
+        label = "SparseHookState.load_state_dict()"  # (watched, as the buckets' steps are)
+        names = ("iteration", "saved buckets")
+        with (
+            self.comm.serial(),
+            watch(self.comm, label),
+            agreement(self.comm, names, call=label) as agree,
+        ):
             # (as saved: an int >= 0, not converted)
             iteration = integer("the saved iteration", state["iteration"], 0)
             layouts = state.get("layouts", {})
@@ -410,12 +415,7 @@ class SparseHookState:
                     raise ValueError(f"the saved state of bucket {index}: {exc}") from exc
             for index, layout in layouts.items():
                 _check_layout(index, layout, state["reducers"])
-            sig = [iteration, len(state["reducers"])]
-        except Exception as exc:  # (shared with every rank: none is left waiting)
-            error = exc
-        label = "SparseHookState.load_state_dict()"  # (watched, as the buckets' steps are)
-        with self.comm.serial(), watch(self.comm, label):
-            collective_check(self.comm, error, sig, ("iteration", "saved buckets"), call=label)
+            agree.signature = [iteration, len(state["reducers"])]
         self.iteration = iteration
         self.reducers.clear()
         self._layouts.clear()
