@@ -66,7 +66,7 @@ def _wrap(obj: Any, dev: int | None = None) -> Any:
 # cvt.ftz.f64.f32). The fake does the same there, so that code comparing magnitudes with
 # CuPy's operators fails here as on a GPU. (Its float32 sums and products flush too,
 # add.rn.ftz.f32: not modelled, as the library's dense sums on the device are allowed to:
-# docs/gpu.md.)
+# docs/guide/gpu.md.)
 _FTZ_UFUNCS = {
     np.absolute, np.fabs, np.maximum, np.minimum, np.fmax, np.fmin, np.greater,
     np.greater_equal, np.less, np.less_equal, np.equal, np.not_equal,

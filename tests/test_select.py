@@ -751,7 +751,7 @@ def test_reuse_threshold_after_fewer_than_k_nonzeros() -> None:
 
 
 def test_reuse_threshold_observe_refuses_what_it_misread() -> None:
-    """observe() is the API for a threshold computed elsewhere (docs/selection.md): a NaN or
+    """observe() is the API for a threshold computed elsewhere (docs/guide/selection.md): a NaN or
     negative exact threshold became the smallest positive one (the reuse calls then took
     every nonzero), exact=True 1.0; count="5" or k=None raised the comparison's TypeError
     after the step had counted. Each is refused now, and the state stays as it was."""

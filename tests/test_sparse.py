@@ -232,7 +232,7 @@ def test_dlpack_only_host_arrays_are_taken():
 def test_what_numpy_only_wraps_is_not_an_array(indices, values, text):
     """numpy wraps None, a str, a set in a 0-d object or string array: refused as "values
     must be 1-D, got shape ()", a ValueError for what is a wrong type (TypeError, as
-    docs/api.md's table says of non-float values)."""
+    docs/guide/api.md's table says of non-float values)."""
     with pytest.raises(TypeError, match=text):
         SparseVector.from_coo(indices, values, 3)
 

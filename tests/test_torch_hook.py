@@ -401,7 +401,7 @@ def _branch_unused_everywhere(torch, ddp_cls, comm) -> list[str]:
     gradient_as_bucket_view=True and zero_grad(set_to_none=False) the gradients are views
     of the bucket, so the hook's update for the unused branch (residual entries it sent)
     is applied, and error feedback loses nothing: Σ p.grad · P + residual == Σ gradients
-    (docs/training.md: otherwise DDP leaves such a gradient untouched, and what the hook
+    (docs/guide/pytorch.md: otherwise DDP leaves such a gradient untouched, and what the hook
     sent for it is lost)."""
     import numpy as np
 

@@ -216,7 +216,7 @@ def _print_header(
     )
     print(
         "# check: 'sum' = equals the exact dense sum; 'contract' = meets the selecting "
-        "algorithm's contract (about k entries: docs/selecting.md); auto (X): auto picked X"
+        "algorithm's contract (about k entries: docs/guide/algorithms.md); auto (X): auto picked X"
     )
     print(
         "# bytes/rank, msgs: payload bytes and messages sent per call by the busiest rank "

@@ -14,7 +14,7 @@ bytes, ``v`` = value bytes), a rank's time is modelled as
   rank receives; c0 and c1 are fitted per algorithm to shared-memory runs at P = 1 and 2
   (one rank per core, nothing oversubscribed). Metadata bytes (counts, thresholds: < 1% of
   the payload at P <= 8 here) are left out of S; oktopk's and exdyna's grow with P
-  (docs/selecting.md, "At large P"), so at large P and small k S understates them.
+  (docs/guide/algorithms.md, "At large P"), so at large P and small k S understates them.
 
 Formulas (per rank, max over ranks; lg = ⌈log2 P⌉, p = 2^⌊log2 P⌋, f = 1 when P ≠ p else 0,
 K(m) = expected size of the union of m ranks' index sets under the overlap pattern, e.g.
@@ -45,12 +45,12 @@ its own range, so it reduce-scatters nothing. Messages, max over ranks: a nonemp
 (if a range in it travels sparse and nonempty) and one of values, twice that where it wraps
 past P − 1; plus the counts' alltoall (P − 1) and the allgather of the owners' nnz (lg).
 Under ``disjoint`` these are exact; otherwise they are expectations, and the busiest rank
-sits above them by the spread of the draws (docs/benchmarks.md §3).
+sits above them by the spread of the draws (docs/reports/benchmarks.md §3).
 
 oktopk: k_out = k(P−1)/P entries outside a rank's own region and o = 1 when the ranks draw
 alike (the balanced regions hold an equal share of every rank's), k_out = o = 0 under
 ``disjoint``, where the regions fall on the ranks' slices (a few entries near a boundary
-still cross: measured within 3% in bytes and one message, docs/benchmarks.md §3).
+still cross: measured within 3% in bytes and one message, docs/reports/benchmarks.md §3).
 
 recursive_doubling's busiest rank is the power-of-two group's rank 0: entering round i it
 holds its 2^i lowest members' inputs, of which r_i = min(2^i, P−p) include a folded

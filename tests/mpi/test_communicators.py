@@ -206,7 +206,7 @@ def _selected(mpi_comm, algo, seed: int, n: int = N) -> str:
 
 def test_a_stateful_instance_moved_between_communicators(comm):
     """An oktopk instance (threshold, regions and step of its earlier calls) called on a
-    sub-communicator of another size starts afresh there (docs/selecting.md: a call with
+    sub-communicator of another size starts afresh there (docs/guide/algorithms.md: a call with
     another n or communicator size resets it), as it does for another n: exact top-k, step
     0. Back on the whole communicator, the states the two halves left differ, and every
     rank refuses them, naming a rank and the remedy (reset() on every rank, or one instance

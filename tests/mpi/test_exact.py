@@ -28,7 +28,7 @@ def test_equals_dense_sum(comm, name, case):
     why = mismatch(out, case, comm.size)
     assert_all(comm, why is None, str(why))
     assert_identical(comm, out)
-    # the result never shares memory with the input (docs/exact.md): P = 1 included
+    # the result never shares memory with the input (docs/guide/algorithms.md): P = 1 included
     shared = np.shares_memory(out.values, vals) or np.shares_memory(out.indices, idx)
     assert_all(comm, not shared, "the result shares memory with the input")
     # the input arrays are not modified

@@ -321,7 +321,7 @@ def test_rebalancing_follows_a_skewed_gradient(comm):
     p = comm.size
     if p == 1:
         return
-    if p > 8:  # the rule's known limit (docs/training.md, exdyna, step 3)
+    if p > 8:  # the rule's known limit (docs/guide/algorithms.md, exdyna)
         pytest.skip("40 calls even out this skew only up to P = 8")
     n, k = 40_000, 400
     alg = ExDyna(k=k, blocks=4 * p)

@@ -142,9 +142,9 @@ def test_float32_subnormals_on_device_as_on_host(comm, xp):
     comparisons, nonzero tests and abs read float32 subnormals as 0 (its -ftz=true; the
     fake does too): gtopk, oktopk and exdyna selected nothing on the device, and dense,
     rabenseifner, recursive_doubling and dsa dropped them from a dense result. On the fake
-    only: a GPU's float32 sums flush as well (docs/gpu.md), which the fake does not model."""
+    only: a GPU's float32 sums flush as well (docs/guide/gpu.md), which the fake does not model."""
     if xp is not fakecupy.module:
-        pytest.skip("CuPy's float32 sums flush subnormals on a GPU (docs/gpu.md)")
+        pytest.skip("CuPy's float32 sums flush subnormals on a GPU (docs/guide/gpu.md)")
     tiny = np.finfo(np.float32).smallest_subnormal
     n, k = 400, 20
     rng = np.random.default_rng([23, comm.rank])
@@ -171,7 +171,7 @@ def test_oktopk_window_calls_on_subnormals_as_on_host(comm, xp):
     from their least |value|, which CuPy's abs and min read as 0 on a GPU: every window
     call missed there and fell back to the exact select (info["recomputed"])."""
     if xp is not fakecupy.module:
-        pytest.skip("CuPy's float32 sums flush subnormals on a GPU (docs/gpu.md)")
+        pytest.skip("CuPy's float32 sums flush subnormals on a GPU (docs/guide/gpu.md)")
     from sparsecoll.algorithms.oktopk import OkTopk
 
     tiny = np.finfo(np.float32).smallest_subnormal
@@ -283,7 +283,7 @@ def test_communicator_on_another_device_than_the_current(comm, xp, aware):
 def test_allreduce_on_another_device_than_the_current(comm, xp):
     """Inputs on GPU 1 while GPU 0 is current (in this thread, and in iallreduce's progress
     thread, which starts on GPU 0 as every new CUDA host thread does) are checked, reduced
-    and returned on GPU 1 (docs/gpu.md), equal to the host run. Values and indices on two
+    and returned on GPU 1 (docs/guide/gpu.md), equal to the host run. Values and indices on two
     GPUs (on one rank) raise the same CollectiveTypeError on every rank."""
     if xp.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs two GPUs")

@@ -63,7 +63,7 @@ def test_oktopk_model_matches_the_counters(comm, overlap):
     model describes it. Under ``disjoint`` the balanced regions fall on the ranks' slices,
     so step 3 has almost nothing to send; a few entries near a region's edge still cross,
     one message. The rest (allgatherv padding, the busiest rank's excess) kept the measured
-    bytes 0.2-4.6% above the model at P = 2..8 (docs/benchmarks.md §3)."""
+    bytes 0.2-4.6% above the model at P = 2..8 (docs/reports/benchmarks.md §3)."""
     P, k = comm.size, round(0.01 * N)
     vals, idx = make_problem(N, 0.01, comm.rank, P, overlap)
     cls = algorithm_class("oktopk")

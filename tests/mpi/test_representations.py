@@ -78,7 +78,7 @@ def test_representations_equal_native_arrays(comm, name, case, layouts):
 @pytest.mark.parametrize("name", sparsecoll.available_algorithms())
 def test_results_own_their_arrays(comm, name):
     """Input already coalesced (sorted, unique, int32, contiguous, read-only) on every rank:
-    the result shares no memory with it and is writable (docs/api.md, Ownership)."""
+    the result shares no memory with it and is writable (docs/guide/api.md, Ownership)."""
     cls = algorithm_class(name)
     opts = {} if cls.exact else cls.default_options(100, 10)
     idx = np.arange(comm.rank, 100, 7, dtype=np.int32)
