@@ -24,8 +24,8 @@ suites of bench:
   (none)   every algorithm on one problem, in steady state (one instance reused, as in
            training); each result checked (exact: against the dense sum; selecting:
            against the algorithm's contract); times projected onto 1 and 10 Gbit/s links
-  osu      OSU-style latency/bytes sweep over sizes (--table: one table, a column pair
-           per algorithm)
+  osu      OSU-style latency/bytes sweep over sizes, instances reused per size (--no-reuse:
+           a fresh one per call; --table: one table, a column pair per algorithm)
 
 bench parses its arguments, then (when not already started by mpiexec) relaunches itself
 under `mpiexec -n P` (--np P, default 4). Sizes are element counts with binary suffixes

@@ -128,9 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("text", "csv", "json"), default="text")
     p.add_argument(
         "--reuse",
-        action="store_true",
-        help="one algorithm instance for all calls of a size (steady state of "
-        "stateful algorithms); default: a fresh instance per call",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one algorithm instance for all calls of a size, as training uses them: the "
+        "steady state of stateful algorithms (default); --no-reuse: a fresh instance per call",
     )
     p.add_argument(
         "--table",
