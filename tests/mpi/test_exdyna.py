@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 import sparsecoll
 from sparsecoll import CollectiveInputError, SparseVector
+from sparsecoll.algorithms._partitions import rebalance
 from sparsecoll.algorithms.base import reference_sum
-from sparsecoll.algorithms.exdyna import ExDyna, authors_rule, rebalance
+from sparsecoll.algorithms.exdyna import ExDyna, authors_rule
 
 from .cases import assert_all, digest
 
