@@ -66,3 +66,36 @@ def test_the_notice_shows_on_the_first_rank_outside_pytest(monkeypatch, env, lou
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     assert _jit._loud() is loud
+
+
+def test_processes_sharing_a_cache_compile_each_kernel_once(tmp_path):
+    """Two processes started together on an empty cache (as the ranks of a first run):
+    each kernel is compiled by one of them, the other waits and loads it."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    env.update(NUMBA_CACHE_DIR=str(tmp_path / "cache"), NUMBA_NUM_THREADS="2")
+    pipe = subprocess.PIPE
+    cmd = [sys.executable, "-c", CODE]
+    procs = [subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, env=env) for _ in "ab"]
+    counts = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        counts.append(int(out.split()[-1]))
+    kernels = len(list((tmp_path / "cache").rglob("*.nbi")))  # (one signature each)
+    assert kernels > 0
+    assert sum(counts) == kernels, (counts, kernels)
+
+
+def test_a_failed_compile_lets_go_of_the_lock():
+    """A kernel called with types it cannot take raises Numba's TypingError; the lock taken
+    for its compile is released (no save follows), so other processes do not wait on it."""
+    import numba
+    import numpy as np
+
+    from sparsecoll.select import _numba_edges
+
+    kernel = _numba_edges._count_at_edges
+    assert isinstance(kernel._cache, _jit._OneCompiler)
+    with pytest.raises(numba.core.errors.TypingError):
+        kernel(np.zeros(3, np.complex128), "edges", None)
+    assert kernel._cache._fd is None
