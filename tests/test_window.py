@@ -163,7 +163,7 @@ def test_derive_takes_the_largest_nonzero_magnitudes(seed, m, nonzero, dtype, ta
     """exdyna's re-derive input: the take largest nonzero |values| (as a sorted multiset,
     what a partition of |part| gives), on dense, mostly-zero and tied parts; a NaN (the
     largest key) is among them whenever one is taken (the derive reports it on every rank)."""
-    from sparsecoll.algorithms.exdyna import _top_magnitudes
+    from sparsecoll.algorithms._exdyna_threshold import _top_magnitudes
 
     rng = np.random.default_rng(seed)
     part = np.where(rng.random(m) < nonzero, rng.integers(-3, 4, m) * rng.random(m), 0)
