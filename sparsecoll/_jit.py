@@ -6,9 +6,10 @@ source (``__pycache__``), else (package directory not writable) in the user's ca
 directory (``~/.cache/numba``); ``NUMBA_CACHE_DIR`` overrides both. Processes that share a
 cache compile each kernel once: on a miss, one takes a lock file beside the cache entry,
 compiles and saves; the others (e.g. the other MPI ranks of a first run) wait on the lock,
-then load what it saved. A process that compiles one of the package's kernels prints one
-line on stderr, once, on the first MPI rank only (quiet under pytest, or with
-``SPARSECOLL_COMPILE_NOTICE=0``); one that loads every kernel from the cache prints nothing.
+then load what it saved. A process that compiles one of the package's kernels, or waits
+for another's compile, prints one line on stderr, once, on the first MPI rank only (quiet
+under pytest, or with ``SPARSECOLL_COMPILE_NOTICE=0``); one that loads every kernel from
+the cache prints nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RA
 LOCK_WAIT = 900.0  # seconds a process waits for another's compile of a kernel, at most
 
 _warned = False
+_noticed = False
 _listening = False
 _compiles = 0  # the package's kernels compiled by this process (cache hits excluded)
 
@@ -80,8 +82,7 @@ def _listen() -> None:
             if not getattr(fn, "__module__", "").startswith(f"{__package__}."):
                 return
             _compiles += 1
-            if _compiles == 1 and _loud():
-                print(NOTICE, file=sys.stderr, flush=True)
+            _notice()
 
         def on_end(self, ev: Any) -> None:
             # a failed compile added no overload, and no save follows it: let go of the lock
@@ -111,6 +112,7 @@ class _OneCompiler:
         got = self._cache.load_overload(sig, target_context)
         if got is not None or self._fd is not None:
             return got
+        _notice()  # (this process compiles it, or waits while another one does)
         try:
             import fcntl
 
@@ -137,6 +139,15 @@ class _OneCompiler:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+
+def _notice() -> None:
+    """Print :data:`NOTICE` once per process (where :func:`_loud`)."""
+    global _noticed
+    if not _noticed:
+        _noticed = True
+        if _loud():
+            print(NOTICE, file=sys.stderr, flush=True)
 
 
 def _wait_for(fcntl: Any, fd: int) -> bool:
