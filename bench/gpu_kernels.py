@@ -25,11 +25,12 @@ def main(argv: list[str] | None = None) -> None:
     from cupyx.profiler import benchmark
 
     from sparsecoll.select import _cupy as s
+    from sparsecoll.select import _cupy_kernels as ck
 
     x = cp.random.default_rng(0).standard_normal(n, dtype=cp.float32)
     bits, absmask, infkey = s._bits(x)
     ut = bits.dtype.type
-    tiles = -(-n // s._TILE)
+    tiles = -(-n // ck.TILE)
 
     def report(name, fn, *args):
         r = benchmark(fn, args, n_repeat=30, n_warmup=3)
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     counts = cp.empty(tiles, dtype=np.uint32)
     cand = cp.empty(n // 50, dtype=np.uint64)
     ncand = cp.zeros(1, dtype=np.uint64)
-    gather = s._kernel(cp, "sc_gather_packed", 4)
+    gather = ck.kernel(cp, "sc_gather_packed", 4)
     # the bin of |x| in [32, 34): no N(0, 1) entry falls there, so this times the pass's
     # reads and tile counts without candidates
     digit = 2048 + 16 * 4
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def gather_pass():
         ncand.fill(0)
-        gather((tiles,), (s._BLOCK,), args)
+        gather((tiles,), (ck.BLOCK,), args)
 
     report("gather_packed pass", gather_pass)
     print("candidates in that bin", int(ncand[0]))

@@ -1,30 +1,33 @@
 """The algorithm registry: names to Algorithm classes, plus third-party entry points.
 
-Third-party packages can register algorithms through the entry-point group
-``sparsecoll.algorithms`` (``name = "package.module:AlgorithmClass"``). One that fails to
-load (its module missing or raising on import, or no Algorithm subclass) is not available:
-asking for its name raises ImportError with the cause; the others load as usual. One named
-like an algorithm registered before it (a built-in, or an earlier plugin) is not loaded: the
-name stays the first one's. :func:`describe_algorithms` (``python -m sparsecoll algorithms``)
-lists both kinds, with why.
+A leaf module: it never imports the algorithms. The built-ins are named in ``BUILTINS``
+(``name: "module:Class"``) and imported on first lookup; each registers itself with
+:func:`register_algorithm`. Third-party packages register algorithms through the
+entry-point group ``sparsecoll.algorithms`` (``name = "package.module:AlgorithmClass"``).
+One that fails to load (its module missing or raising on import, or no Algorithm subclass)
+is not available: asking for its name raises ImportError with the cause; the others load as
+usual. One named like an algorithm registered before it (a built-in, or an earlier plugin)
+is not loaded: the name stays the first one's. :func:`describe_algorithms` (``python -m
+sparsecoll algorithms``) lists both kinds, with why.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
+import importlib
 import inspect
 import re
+import sys
 import textwrap
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import AlgorithmExistsError, UnknownAlgorithmError
 
-if TYPE_CHECKING:
-    from .algorithms.base import Algorithm
-
 __all__ = [
+    "BUILTINS",
+    "algorithm_class",
     "algorithm_options",
     "available_algorithms",
     "describe_algorithms",
@@ -32,7 +35,23 @@ __all__ = [
     "register_algorithm",
 ]
 
-_REGISTRY: dict[str, type[Algorithm]] = {}
+# The built-in algorithms: name -> "module:Class" (tests/test_registry.py checks it against
+# every Algorithm subclass in sparsecoll.algorithms).
+BUILTINS: dict[str, str] = {
+    "allgather": "sparsecoll.algorithms.allgather:Allgather",
+    "auto": "sparsecoll.algorithms.auto:Auto",
+    "dense": "sparsecoll.algorithms.dense:Dense",
+    "dsa": "sparsecoll.algorithms.dsa:DSA",
+    "exdyna": "sparsecoll.algorithms.exdyna:ExDyna",
+    "gtopk": "sparsecoll.algorithms.gtopk:GTopk",
+    "oktopk": "sparsecoll.algorithms.oktopk:OkTopk",
+    "rabenseifner": "sparsecoll.algorithms.rabenseifner:Rabenseifner",
+    "recursive_doubling": "sparsecoll.algorithms.recursive_doubling:RecursiveDoubling",
+}
+_BASE = "sparsecoll.algorithms.base"  # where the Algorithm class lives (never imported here)
+
+# name -> an Algorithm subclass (``type``: the class is not imported here)
+_REGISTRY: dict[str, type] = {}
 # entry points that failed to load: name -> why (what asking for the name raises)
 _BROKEN: dict[str, str] = {}
 # entry points left out because their name was taken: why, for the listing
@@ -40,52 +59,69 @@ _SHADOWED: list[str] = []
 _loaded = False
 
 
-def register_algorithm(cls: type[Algorithm], name: str | None = None) -> type[Algorithm]:
+def _is_algorithm(cls: Any) -> bool:
+    # an Algorithm subclass has imported its base module: no import needed to check
+    base = sys.modules.get(_BASE)
+    return base is not None and isinstance(cls, type) and issubclass(cls, base.Algorithm)
+
+
+def _spelled(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def register_algorithm(cls: type, name: str | None = None) -> type:
     """Register an Algorithm subclass under ``name`` (default ``cls.name``).
 
-    Usable as a class decorator. Registering a name twice raises AlgorithmExistsError.
+    Usable as a class decorator. Registering a name twice (a built-in's included) raises
+    AlgorithmExistsError.
     """
-    from .algorithms.base import Algorithm
-
-    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+    if not _is_algorithm(cls):
         raise TypeError(f"expecting an Algorithm subclass, got {cls!r}")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"algorithm name must be a str, got {type(name).__name__}")
     key = name or cls.name
     if not key or not isinstance(key, str):
         raise ValueError(f"algorithm {cls.__name__} has no name")
-    if key in _REGISTRY:
-        raise AlgorithmExistsError(
-            f"algorithm {key!r} is already registered (by {_REGISTRY[key].__qualname__})"
-        )
+    owner = _REGISTRY[key].__qualname__ if key in _REGISTRY else None
+    if owner is None and key in BUILTINS and BUILTINS[key] != _spelled(cls):
+        owner = BUILTINS[key].rsplit(":", 1)[1]
+    if owner is not None:
+        raise AlgorithmExistsError(f"algorithm {key!r} is already registered (by {owner})")
     _REGISTRY[key] = cls
-    get_algorithm.__doc__ = _GET_ALGORITHM_DOC + _options_doc()  # help() lists every one
     return cls
 
 
-def _load() -> None:
+def _builtin(name: str) -> type:
+    """The built-in ``name``, its module imported (which registers it) when not yet."""
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        importlib.import_module(BUILTINS[name].split(":", 1)[0])
+        cls = _REGISTRY[name]
+    assert _spelled(cls) == BUILTINS[name], (name, cls)
+    return cls
+
+
+def _load(builtins: bool = False) -> None:
+    """Load the entry points once (and, with ``builtins``, every built-in)."""
     global _loaded
+    if builtins:
+        for name in BUILTINS:
+            _builtin(name)
     if _loaded:
         return
     _loaded = True
-    from . import algorithms  # noqa: F401  (registers the built-in algorithms)
-
     seen: dict[str, str] = {}  # name -> the entry point tried for it first
     for ep in entry_points(group="sparsecoll.algorithms"):
         if seen.get(ep.name) == ep.value:
             continue  # (one plugin listed twice)
-        taken = _REGISTRY.get(ep.name)
-        if taken is not None and (ep.module, ep.attr) == (taken.__module__, taken.__qualname__):
+        taken = _taker(ep.name)
+        if taken == f"{ep.module}:{ep.attr}":
             continue  # (the plugin's class itself, registered already, by its own module)
         if taken is not None or ep.name in _BROKEN:
-            # (it was skipped without a word: the name gave the other class, and nothing
-            # said that the plugin was never loaded)
             _SHADOWED.append(_taken(ep.name, ep.value, seen.get(ep.name)))
             continue
         seen[ep.name] = ep.value
-        # (one plugin failing must not stop the others loading, nor fail the first call for
-        # every name and then leave its name unknown: the first lookup raised its error,
-        # and the plugins after it were never loaded)
+        # one plugin failing leaves the others loading and its name an ImportError
         try:
             register_algorithm(ep.load(), ep.name)
         except Exception as exc:
@@ -95,13 +131,19 @@ def _load() -> None:
             )
 
 
+def _taker(name: str) -> str | None:
+    """``"module:Class"`` of the algorithm holding ``name``, if any."""
+    if name in BUILTINS:
+        return BUILTINS[name]
+    return _spelled(_REGISTRY[name]) if name in _REGISTRY else None
+
+
 def _taken(name: str, value: str, first: str | None) -> str:
     """Why the entry point ``value`` was not loaded: ``name`` is taken (by a built-in or an
     algorithm registered before the plugins load; by the entry point ``first``)."""
-    if first is None and name in _REGISTRY:
-        cls = _REGISTRY[name]
-        kind = "built-in" if cls.__module__.startswith("sparsecoll.") else "registered"
-        owner = f"the {kind} algorithm {cls.__module__}.{cls.__qualname__}"
+    if first is None and _taker(name) is not None:
+        kind = "built-in" if name in BUILTINS else "registered"
+        owner = f"the {kind} algorithm {_taker(name).replace(':', '.')}"
     else:
         owner = f"the entry point {first!r}, listed before it"
     return (
@@ -113,19 +155,23 @@ def _taken(name: str, value: str, first: str | None) -> str:
 def available_algorithms() -> list[str]:
     """Names of every registered algorithm, sorted."""
     _load()
-    return sorted(_REGISTRY)
+    return sorted(set(_REGISTRY) | set(BUILTINS))
 
 
-def algorithm_class(name: str) -> type[Algorithm]:
-    _load()
+def algorithm_class(name: str) -> type:
+    """The class registered as ``name`` (a built-in's module is imported on first use)."""
     if not isinstance(name, str):
         raise TypeError(f"algorithm must be a name (str), got {type(name).__name__}")
+    if name in BUILTINS:
+        return _builtin(name)
+    _load()
     try:
         return _REGISTRY[name]
     except KeyError:
         if name in _BROKEN:
             raise ImportError(_BROKEN[name]) from None
-        raise UnknownAlgorithmError(unknown_name("algorithm", name, sorted(_REGISTRY))) from None
+        known = available_algorithms()
+        raise UnknownAlgorithmError(unknown_name("algorithm", name, known)) from None
 
 
 def unknown_name(what: str, name: str, known: list[str]) -> str:
@@ -156,21 +202,20 @@ def algorithm_options(name: str) -> dict[str, tuple[Any, str]]:
 
 def describe_algorithms() -> str:
     """Every registered algorithm, exact or selecting, with its options and their defaults."""
-    _load()
+    _load(builtins=True)
     left_out = [why for _, why in sorted(_BROKEN.items())] + _SHADOWED
     return textwrap.dedent(_options_doc()) + "".join(f"\n    {why}\n" for why in left_out)
 
 
-def _accepts_any(cls: type[Algorithm]) -> bool:
+def _accepts_any(cls: type) -> bool:
     return _takes(cls)[0]
 
 
 @functools.cache
-def _takes(cls: type[Algorithm]) -> tuple[bool, tuple[str, ...]]:
+def _takes(cls: type) -> tuple[bool, tuple[str, ...]]:
     """Whether ``cls``'s constructor takes any keyword (``**options``), and the options it
-    names. Read once per class: get_algorithm checks a named algorithm's options at every
-    call, and inspect.signature cost up to ~1 ms there (oktopk's, with _options' docstring
-    parse)."""
+    names (read once per class: get_algorithm checks a named algorithm's options on every
+    call)."""
     params = inspect.signature(cls).parameters.values()
     return (
         any(p.kind is p.VAR_KEYWORD for p in params),
@@ -178,7 +223,7 @@ def _takes(cls: type[Algorithm]) -> tuple[bool, tuple[str, ...]]:
     )
 
 
-def _options(cls: type[Algorithm]) -> dict[str, tuple[Any, str]]:
+def _options(cls: type) -> dict[str, tuple[Any, str]]:
     helps = _args_section(inspect.getdoc(cls) or "")
     need = getattr(cls, "required", ())
     return {
@@ -226,20 +271,20 @@ def _options_doc() -> str:
 
 
 _IND3, _IND4 = " " * 12, " " * 16
-_GET_ALGORITHM_DOC = """A new instance of the algorithm ``name``, built with ``options``.
 
-    Every registered algorithm's options, with their defaults, are listed below.
-    Stateful algorithms (oktopk, exdyna) keep their state in the instance: pass the same
-    instance to every call of :func:`sparsecoll.allreduce` to reuse it.
+
+def get_algorithm(name: str, **options: Any) -> Any:
+    """A new instance of the algorithm ``name``, built with ``options``.
+
+    :func:`describe_algorithms` (``python -m sparsecoll algorithms``) lists every
+    algorithm's options with their defaults. Stateful algorithms (oktopk, exdyna) keep their
+    state in the instance: pass the same instance to every call of
+    :func:`sparsecoll.allreduce` to reuse it.
 
     Raises:
         UnknownAlgorithmError: no algorithm is registered as ``name``.
         TypeError: an option the algorithm does not take.
-
-"""
-
-
-def get_algorithm(name: str, **options: Any) -> Algorithm:
+    """
     cls = algorithm_class(name)
     if options and not _accepts_any(cls):
         takes = list(_takes(cls)[1])
@@ -262,6 +307,3 @@ def refuse_unknown(
         hint = did_you_mean(unknown[0], [*takes, *also]) or hint
         listed = ", ".join(takes) or "no options"
         raise TypeError(f"{what} takes {listed}, got {', '.join(unknown)}{hint}")
-
-
-get_algorithm.__doc__ = _GET_ALGORITHM_DOC

@@ -418,7 +418,7 @@ def _segment_sum(v: np.ndarray, h: np.ndarray, e: np.ndarray, out: np.ndarray) -
 
 
 def _accumulate(*args: Any) -> None:
-    # the arguments of select._cupy._accumulate_kernel: g, [r], [u, m], cut, acc, [uo], sel, bad
+    # the arguments of _cupy_kernels.accumulate_kernel: g, [r], [u, m], cut, acc, [uo], sel, bad
     layouts = {5: (False, False), 6: (True, False), 8: (False, True), 9: (True, True)}
     has_r, has_u = layouts[len(args)]
     it = iter(args)
@@ -481,7 +481,7 @@ def _pick(key: np.ndarray, hi: Any, icut: Any) -> np.ndarray:
 
 
 def _tiles(hit: np.ndarray, counts: np.ndarray) -> None:
-    from sparsecoll.select._cupy import _TILE
+    from sparsecoll.select._cupy_kernels import TILE as _TILE
 
     padded = np.zeros(counts.shape[0] * _TILE, dtype=np.uint32)
     padded[: hit.shape[0]] = hit
@@ -494,7 +494,7 @@ def _check_ends(ends: np.ndarray, counts: np.ndarray, hits: int) -> None:
 
 
 def _sc_hist(bits, n, absmask, infkey, pmask, prefix, shift, hist) -> None:
-    from sparsecoll.select._cupy import _BINS
+    from sparsecoll.select._cupy_kernels import BINS as _BINS
 
     key = bits[: int(n)] & absmask
     hist[_BINS] += np.count_nonzero(key > infkey)
@@ -537,7 +537,7 @@ def _sc_gather_packed(bits, n, absmask, pmask, prefix, cand, ncand, counts) -> N
 
 
 def _sc_take_packed(sorted_, take, absmask, counts, cut) -> None:
-    from sparsecoll.select._cupy import _TILE
+    from sparsecoll.select._cupy_kernels import TILE as _TILE
 
     kept = sorted_[: int(take)]
     np.add.at(counts, (kept & np.uint64(0xFFFFFFFF)) // np.uint64(_TILE), 1)

@@ -116,7 +116,7 @@ def test_sparse_vector_protocols():
 
 @pytest.mark.parametrize("bad", ["x", "-1", "0", "2.5"])
 def test_a_bad_num_threads_variable_is_an_error_naming_it(monkeypatch, bad):
-    numba_kernels = pytest.importorskip("sparsecoll.select._numba")
+    numba_kernels = pytest.importorskip("sparsecoll.select._numba_core")
     monkeypatch.setattr(numba_kernels, "_threads", None)  # (read again)
     monkeypatch.setenv("SPARSECOLL_NUM_THREADS", bad)
     with pytest.raises(ValueError, match=f"SPARSECOLL_NUM_THREADS must be .*got '{bad}'"):

@@ -176,9 +176,9 @@ def test_topk_cuts_a_large_tie_without_gathering_it(xp, sel, monkeypatch, dtype)
     x[np.random.default_rng(5).integers(0, n, 40)] = 7.0
     monkeypatch.setattr(sel, "_CANDIDATES", 1000)
     launched = []
-    kernel = sel._kernel
+    kernel = sel.kernel
     monkeypatch.setattr(
-        sel, "_kernel", lambda cp, name, *a: launched.append(name) or kernel(cp, name, *a)
+        sel, "kernel", lambda cp, name, *a: launched.append(name) or kernel(cp, name, *a)
     )
     for k in (41, 4096, 4097, 9000, n - 1):
         idx, vals = sel.topk(xp.asarray(x), k)
@@ -522,7 +522,7 @@ def test_kernel_sources_compile_with_nvrtc():
     except Exception as exc:
         pytest.skip(f"NVRTC not loadable: {exc}")
     from sparsecoll import _array
-    from sparsecoll.select import _cupy
+    from sparsecoll.select import _cupy_kernels
 
     class Capture:
         def __init__(self):
@@ -536,10 +536,10 @@ def test_kernel_sources_compile_with_nvrtc():
     # the selection kernels (a RawModule per key and index width)
     for key_bytes in (2, 4, 8):
         for index_bytes in (4, 8):
-            source = _cupy.kernel_source(key_bytes, index_bytes)
+            source = _cupy_kernels.kernel_source(key_bytes, index_bytes)
             prog = nvrtc.createProgram(source, "select.cu", [], [])
             try:
-                nvrtc.compileProgram(prog, [*_cupy.KERNEL_OPTIONS, "-arch=compute_90"])
+                nvrtc.compileProgram(prog, [*_cupy_kernels.KERNEL_OPTIONS, "-arch=compute_90"])
             except Exception:
                 pytest.fail(
                     f"selection kernels ({key_bytes}, {index_bytes}):\n{nvrtc.getProgramLog(prog)}"
@@ -561,12 +561,12 @@ def test_kernel_sources_compile_with_nvrtc():
         for t in ("float", "double")
     ]
     jobs += [
-        (_cupy._accumulate_kernel.__wrapped__(cap, has_r, has_u), "unsigned int", t)
+        (_cupy_kernels.accumulate_kernel.__wrapped__(cap, has_r, has_u), "unsigned int", t)
         for has_r in (False, True)
         for has_u in (False, True)
         for t in ("float", "double")  # float16 takes CuPy's ufuncs, not this kernel
     ]
-    jobs.append((_cupy._widen_kernel.__wrapped__(cap), "unsigned int", "float"))
+    jobs.append((_cupy_kernels.widen_kernel.__wrapped__(cap), "unsigned int", "float"))
     for spec, utype, ttype in jobs:
         prog = nvrtc.createProgram(_kernel_source(spec, utype, ttype), "k.cu", [], [])
         try:
@@ -600,15 +600,15 @@ def _kernel_uses(cp):
     parameters passed as numpy scalars, one dtype map per placeholder type it is called
     with; parameters of a fixed type and those of placeholder type are filled in)."""
     from sparsecoll import _array
-    from sparsecoll.select import _cupy
+    from sparsecoll.select import _cupy_kernels
 
     floats = [{"T": np.dtype(t)} for t in (np.float32, np.float64)]  # (float16: CuPy ufuncs)
     uses = [(_array._segment_sum_kernel.__wrapped__(cp), set(), floats)]
     for has_r in (False, True):
         for has_u in (False, True):
-            kern = _cupy._accumulate_kernel.__wrapped__(cp, has_r, has_u)
+            kern = _cupy_kernels.accumulate_kernel.__wrapped__(cp, has_r, has_u)
             uses.append((kern, {"m", "cut"}, floats))
-    uses.append((_cupy._widen_kernel.__wrapped__(cp), {"s", "c"}, floats[:1]))
+    uses.append((_cupy_kernels.widen_kernel.__wrapped__(cp), {"s", "c"}, floats[:1]))
     return uses
 
 
@@ -776,7 +776,7 @@ def test_float32_subnormals_on_the_device_as_on_the_host(xp):
 
     import sparsecoll
     from sparsecoll import select
-    from sparsecoll.algorithms.exdyna import _top_magnitudes
+    from sparsecoll.algorithms._exdyna_threshold import _top_magnitudes
 
     tiny = np.finfo(np.float32).smallest_subnormal
     rng = np.random.default_rng(3)
@@ -959,12 +959,12 @@ def test_selection_kernels_run_on_cpu_threads(monkeypatch, dtype):
 
     if not cudaemu.available():
         pytest.skip("no g++")
-    from sparsecoll.select import _cupy
+    from sparsecoll.select import _cupy, _cupy_kernels
 
     rng = np.random.default_rng([7, np.dtype(dtype).itemsize])
     with fakecupy.installed() as fake:
         monkeypatch.setattr(fake, "RawModule", cudaemu.RawModule)
-        _cupy._module.cache_clear()
+        _cupy_kernels.module.cache_clear()
         try:
             for n in (33, 4097, 9000):
                 for kind in ("normal", "ties", "sub"):
@@ -994,4 +994,4 @@ def test_selection_kernels_run_on_cpu_threads(monkeypatch, dtype):
                 got = _cupy.flatnonzero_mask(fake.asarray(mask)[n // 3 :])
                 np.testing.assert_array_equal(got.get(), np.flatnonzero(mask[n // 3 :]))
         finally:
-            _cupy._module.cache_clear()
+            _cupy_kernels.module.cache_clear()

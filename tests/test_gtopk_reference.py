@@ -14,9 +14,9 @@ from hypothesis.extra import numpy as hnp
 
 from sparsecoll import SparseVector
 from sparsecoll._array import index_dtype
+from sparsecoll.algorithms._partitions import balanced_boundaries, index_samples, sample_segments
 from sparsecoll.algorithms.base import range_bounds
 from sparsecoll.algorithms.gtopk import gtopk_tree, merge_topk, topk_positions
-from sparsecoll.algorithms.oktopk import balanced_boundaries, index_samples, sample_segments
 from sparsecoll.sparse import coalesce
 
 DTYPES = st.sampled_from([np.float16, np.float32, np.float64])

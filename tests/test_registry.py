@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import subprocess
+import sys
 import textwrap
 import types
 from pathlib import Path
@@ -29,22 +31,58 @@ def _subclasses(cls):
         yield from _subclasses(sub)
 
 
-def test_every_algorithm_subclass_is_registered():
-    sparsecoll.available_algorithms()
-    registered = set(_REGISTRY.values())
-    for sub in _subclasses(Algorithm):
-        if sub.__module__.startswith("sparsecoll.algorithms"):
-            assert sub in registered, f"{sub.__qualname__} is not registered"
-            assert algorithm_class(sub.name) is sub
+def test_every_algorithm_subclass_is_registered_and_in_the_table():
+    """Every Algorithm subclass of sparsecoll.algorithms (each module imported) is registered
+    under its name, and the registry's table of built-ins names exactly those classes."""
+    import importlib
+    import pkgutil
+
+    from sparsecoll import algorithms
+    from sparsecoll.registry import BUILTINS
+
+    for info in pkgutil.iter_modules(algorithms.__path__):
+        importlib.import_module(f"{algorithms.__name__}.{info.name}")
+    builtin = {
+        sub.name: f"{sub.__module__}:{sub.__qualname__}"
+        for sub in _subclasses(Algorithm)
+        if sub.__module__.startswith("sparsecoll.algorithms")
+    }
+    assert builtin == BUILTINS
+    for name, spelled in BUILTINS.items():
+        cls = algorithm_class(name)
+        assert f"{cls.__module__}:{cls.__qualname__}" == spelled
+        assert _REGISTRY[name] is cls
+    assert set(BUILTINS) <= set(sparsecoll.available_algorithms())
 
 
-def test_duplicate_name_is_an_error():
+def test_the_registry_imports_no_algorithm():
+    """The registry is a leaf: importing it imports no algorithm module, and a lookup
+    imports only the algorithm asked for (a fresh interpreter)."""
+    code = (
+        "import sys\n"
+        "import sparsecoll.registry as r\n"
+        "loaded = lambda: sorted(m for m in sys.modules if m.startswith('sparsecoll.algorithms.')"
+        " and m.rsplit('.', 1)[1] in r.BUILTINS)\n"
+        "before = loaded()\n"
+        "r.get_algorithm('dense')\n"
+        "print(before, loaded())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = out.stdout.strip().split("] [")
+    assert "dense" in after and "oktopk" not in after and "exdyna" not in after, out.stdout
+    assert "dense" not in before, out.stdout
+
+
+@pytest.mark.parametrize("name", ["allgather", "exdyna"])
+def test_duplicate_name_is_an_error(name):
+    """A built-in's name is taken whether or not its module was imported yet."""
+
     class Again(Algorithm):
-        name = "allgather"
-
         def reduce(self, comm, x):
             return x
 
+    Again.name = name
     with pytest.raises(sparsecoll.AlgorithmExistsError, match="already registered"):
         register_algorithm(Again)
 
@@ -136,16 +174,16 @@ def test_registering_under_a_name_that_is_not_a_str_is_a_type_error():
 
 
 def test_every_option_and_default_is_documented():
-    """get_algorithm's docstring and describe_algorithms() list each algorithm's options,
-    read from the constructors, with their defaults."""
-    doc = sparsecoll.get_algorithm.__doc__
+    """describe_algorithms() lists each algorithm's options, read from the constructors,
+    with their defaults; get_algorithm's docstring points to it."""
+    assert "describe_algorithms" in sparsecoll.get_algorithm.__doc__
     listing = describe_algorithms()
     for name in sparsecoll.available_algorithms():
         cls = algorithm_class(name)
         params = [p for p in inspect.signature(cls).parameters.values()]
         assert list(algorithm_options(name)) == [p.name for p in params]
         kind = "exact" if cls.exact else "selecting"
-        for text in (doc, listing):
+        for text in (listing,):
             if not params:
                 assert f"{name} ({kind}): no options" in text
             for p in params:
@@ -248,7 +286,6 @@ def _fresh_registry(monkeypatch):
     monkeypatch.setattr(registry, "_BROKEN", {})
     monkeypatch.setattr(registry, "_SHADOWED", [], raising=False)
     monkeypatch.setattr(registry, "_loaded", False)
-    monkeypatch.setattr(registry.get_algorithm, "__doc__", registry.get_algorithm.__doc__)
 
 
 def test_a_plugin_named_like_a_registered_algorithm_is_listed_as_not_loaded(tmp_path, monkeypatch):

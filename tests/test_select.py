@@ -25,7 +25,7 @@ from hypothesis.extra.numpy import arrays
 from sparsecoll import SparseVector
 from sparsecoll import select as sel
 from sparsecoll._array import cupy_or_none, index_dtype
-from sparsecoll.select import _common, _numba, _numba_train, _numpy
+from sparsecoll.select import _common, _numba, _numba_core, _numba_select, _numba_train, _numpy
 
 DTYPES = (np.float16, np.float32, np.float64)
 BACKENDS = [
@@ -46,19 +46,22 @@ def backend(name: str) -> Iterator[None]:
         with sel.use_backend("numpy" if name == "numpy" else "numba"):
             yield
         return
-    saved = {
-        a: getattr(_numba, a)
-        for a in ("MIN_CHUNK", "PREFILTER_MIN_N", "SAMPLE_SIZE", "PARALLEL_MIN", "_threads")
+    small = {
+        (_numba_core, "MIN_CHUNK"): 5,
+        (_numba_select, "PREFILTER_MIN_N"): 12,
+        (_numba_select, "SAMPLE_SIZE"): 8,
+        (_numba_core, "PARALLEL_MIN"): 40,
+        (_numba_core, "_threads"): min(2, numba.config.NUMBA_NUM_THREADS),
     }
-    _numba.MIN_CHUNK, _numba.PREFILTER_MIN_N, _numba.SAMPLE_SIZE = 5, 12, 8
-    _numba.PARALLEL_MIN = 40
-    _numba._threads = min(2, numba.config.NUMBA_NUM_THREADS)
+    saved = {(mod, a): getattr(mod, a) for mod, a in small}
+    for (mod, a), v in small.items():
+        setattr(mod, a, v)
     try:
         with sel.use_backend("numba"):
             yield
     finally:
-        for a, v in saved.items():
-            setattr(_numba, a, v)
+        for (mod, a), v in saved.items():
+            setattr(mod, a, v)
 
 
 def dev(x: np.ndarray, name: str):
@@ -212,7 +215,7 @@ def test_topk_sample_misled(name: str) -> None:
     n = 200_000
     rng = np.random.default_rng(3)
     periodic = np.zeros(n, np.float32)
-    periodic[:: n // _numba.SAMPLE_SIZE] = 1.0  # the sample sees only these
+    periodic[:: n // _numba_select.SAMPLE_SIZE] = 1.0  # the sample sees only these
     sparse = np.zeros(n, np.float32)
     sparse[rng.integers(0, n, 50)] = rng.standard_normal(50)
     cases = [
@@ -246,15 +249,15 @@ def test_int64_index_path() -> None:
 def test_scatter_room_estimates(x: np.ndarray, frac: float, t: float) -> None:
     """However wrong the estimated hit fraction (0 forces the overflow rerun, 1 never
     overflows), the one-pass scatter returns exactly the hits, with or without a limit."""
-    saved = _numba.MIN_CHUNK
-    _numba.MIN_CHUNK = 64
+    saved = _numba_core.MIN_CHUNK
+    _numba_core.MIN_CHUNK = 64
     try:
-        b, info = _numba._keys(x)
+        b, info = _numba_core._keys(x)
         lo = _common.threshold_key(t, x.dtype)
-        idx, bits = _numba._gather_keys(b, info, lo, np.int32, frac)
-        limited = _numba._gather_keys(b, info, lo, np.int32, frac, limit=5)
+        idx, bits = _numba_select._gather_keys(b, info, lo, np.int32, frac)
+        limited = _numba_select._gather_keys(b, info, lo, np.int32, frac, limit=5)
     finally:
-        _numba.MIN_CHUNK = saved
+        _numba_core.MIN_CHUNK = saved
     expect = threshold_oracle(x, _common.round_threshold(t, x.dtype))
     np.testing.assert_array_equal(idx, expect)
     np.testing.assert_array_equal(bits, x[expect].view(info.utype))
@@ -983,13 +986,13 @@ def test_torch_tensors_come_back_as_torch() -> None:
     ],
 )
 def test_thread_count_follows_ranks_per_node(monkeypatch, env, cores, want) -> None:
-    for var in (*_numba.LOCAL_SIZE_VARS, "SPARSECOLL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    for var in (*_numba_core.LOCAL_SIZE_VARS, "SPARSECOLL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    monkeypatch.setattr(_numba, "_cores", lambda: cores)
+    monkeypatch.setattr(_numba_core, "_cores", lambda: cores)
     monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 8)
-    monkeypatch.setattr(_numba, "_threads", None)
+    monkeypatch.setattr(_numba_core, "_threads", None)
     assert _numba.get_num_threads() == want
     _numba.set_num_threads(1)
     assert sel.get_num_threads() == 1 or sel.backend() == "numpy"
@@ -1003,17 +1006,17 @@ def test_set_num_threads_takes_integers_on_either_backend(monkeypatch, name: str
     integer"); what is no integer is a TypeError (a ValueError before); on the numpy backend
     -1 and "2" were taken silently."""
     monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 8)
-    monkeypatch.setattr(_numba, "_threads", None)
+    monkeypatch.setattr(_numba_core, "_threads", None)
     with sel.use_backend(name):
         sel.set_num_threads(np.int64(2))
-        assert _numba._threads == (2 if name == "numba" else None)
+        assert _numba_core._threads == (2 if name == "numba" else None)
         for bad in ("2", 2.0, True, None):
             with pytest.raises(TypeError, match="threads must be an integer"):
                 sel.set_num_threads(bad)
         for bad in (0, -1):
             with pytest.raises(ValueError, match="threads must be an integer"):
                 sel.set_num_threads(bad)
-        assert _numba._threads == (2 if name == "numba" else None)
+        assert _numba_core._threads == (2 if name == "numba" else None)
 
 
 def test_small_arrays_never_start_the_thread_pool() -> None:
@@ -1200,13 +1203,13 @@ def test_accumulate_streaming_stores_at_any_alignment(dt, offsets, momentum) -> 
 def _small_chunks() -> Iterator[None]:
     """The Numba kernels' chunked parallel paths on small arrays (2 threads where Numba has
     them)."""
-    saved = _numba.MIN_CHUNK, _numba.PARALLEL_MIN, _numba._threads
-    _numba.MIN_CHUNK, _numba.PARALLEL_MIN = 333, 1
-    _numba._threads = min(2, numba.config.NUMBA_NUM_THREADS)
+    saved = _numba_core.MIN_CHUNK, _numba_core.PARALLEL_MIN, _numba_core._threads
+    _numba_core.MIN_CHUNK, _numba_core.PARALLEL_MIN = 333, 1
+    _numba_core._threads = min(2, numba.config.NUMBA_NUM_THREADS)
     try:
         yield
     finally:
-        _numba.MIN_CHUNK, _numba.PARALLEL_MIN, _numba._threads = saved
+        _numba_core.MIN_CHUNK, _numba_core.PARALLEL_MIN, _numba_core._threads = saved
 
 
 @given(

@@ -18,8 +18,8 @@ from sparsecoll.algorithms._window import (
     pick_edge,
     window_edges,
 )
-from sparsecoll.select import _numba
-from sparsecoll.select._numba import EDGE_BINS
+from sparsecoll.select import _numba_edges
+from sparsecoll.select._numba_edges import EDGE_BINS
 
 
 def test_edges_ascend_around_the_threshold():
@@ -72,14 +72,14 @@ def test_edge_totals_of_many_magnitudes(seed, t, dtype):
 @contextlib.contextmanager
 def one_binned_pass() -> Iterator[None]:
     """Inside: count_at_edges may not fall back to its pass per edge (the binned pass)."""
-    one_pass = _numba._count_at_edges
+    one_pass = _numba_edges._count_at_edges
 
     def per_edge(x, edges, out):  # (one distinct edge: one pass either way)
         assert edges.shape[0] == 1, f"a pass per edge, {edges.shape[0]} of them"
         one_pass(x, edges, out)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_numba, "_count_at_edges", per_edge)
+        mp.setattr(_numba_edges, "_count_at_edges", per_edge)
         yield
 
 
@@ -163,7 +163,7 @@ def test_derive_takes_the_largest_nonzero_magnitudes(seed, m, nonzero, dtype, ta
     """exdyna's re-derive input: the take largest nonzero |values| (as a sorted multiset,
     what a partition of |part| gives), on dense, mostly-zero and tied parts; a NaN (the
     largest key) is among them whenever one is taken (the derive reports it on every rank)."""
-    from sparsecoll.algorithms.exdyna import _top_magnitudes
+    from sparsecoll.algorithms._exdyna_threshold import _top_magnitudes
 
     rng = np.random.default_rng(seed)
     part = np.where(rng.random(m) < nonzero, rng.integers(-3, 4, m) * rng.random(m), 0)

@@ -1,14 +1,11 @@
-"""Built-in algorithms: every module in this package registers its own on import."""
+"""Built-in algorithms, one module each; the registry imports one on its first lookup.
+
+Each module registers its class with :func:`sparsecoll.registry.register_algorithm` and is
+named in :data:`sparsecoll.registry.BUILTINS`.
+"""
 
 from __future__ import annotations
-
-import importlib
-import pkgutil
 
 from .base import Algorithm
 
 __all__ = ["Algorithm"]
-
-for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-    if _info.name != "base" and not _info.name.startswith("_"):
-        importlib.import_module(f"{__name__}.{_info.name}")

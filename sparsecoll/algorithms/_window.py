@@ -47,7 +47,7 @@ def edge_counts(mags: Any, edges: np.ndarray) -> tuple[Any, np.ndarray]:
     """
     xp = get_array_module(mags)
     if xp is np and backend() == "numba":
-        from ..select._numba import bucketize
+        from ..select._numba_edges import bucketize
 
         h = bucketize(mags, edges)
     elif xp is not np and edges.dtype == mags.dtype:
@@ -64,7 +64,7 @@ def edge_counts(mags: Any, edges: np.ndarray) -> tuple[Any, np.ndarray]:
 def edge_totals(x: Any, edges: np.ndarray) -> np.ndarray:
     """Return ``ge[j]`` = #(|x| >= edges[j]) (host int64): :func:`edge_counts` without ``h``."""
     if isinstance(x, np.ndarray) and backend() == "numba":
-        from ..select._numba import count_at_edges
+        from ..select._numba_edges import count_at_edges
 
         return count_at_edges(x, edges)
     return edge_counts(magnitudes(x), edges)[1]

@@ -1,68 +1,26 @@
-"""exdyna: the ExDyna sparsifier (Yoon & Oh, 2024) with a per-step threshold window.
+"""exdyna: the ExDyna sparsifier (Yoon & Oh, 2024) with a per-call threshold window.
 
-ExDyna is a sparsifier over each rank's dense accumulated gradient (gradient + residual), not
-a reduction of arbitrary sparse inputs. One call, on every rank:
+A sparsifier over each rank's dense accumulated gradient, not a reduction of arbitrary
+sparse inputs. [0, n) is cut into fine-grained blocks grouped into P partitions; at call t
+rank r selects |a| >= threshold only in partition (t + r) mod P, so selections never
+overlap. The threshold: every rank counts its candidates at 65 edges around the current
+one and one allgather of those counts gives every rank the global count at each; all pick
+the edge nearest k (a tie bucket is cut in index order to keep exactly k). When k lies
+outside the window the threshold is re-derived exactly from the ranks' top magnitudes
+(O(k) in all). Then one allgatherv of the selected indices (counts known) and one dense
+allreduce of the K values give the exact sums; boundary blocks move between neighbouring
+partitions whose counts straddle the mean (``rebalance``). ``rule="authors"``: the
+authors' nudging rule instead, for comparison.
+Volume per rank: K(P−1)/P indices received, an allreduce of K values, 65 counts per rank;
+three collectives a call (two more per re-derive round). Walk-through: docs/training.md.
 
-1. ``[0, n)`` is cut into fine-grained blocks (``blocks`` of them, default ``max(1024, 32 P)``;
-   the block size is a multiple of 32 once n is large enough); contiguous runs of blocks form
-   P partitions. At call t, rank r owns partition ``(t + r) mod P`` and selects
-   ``|a| >= threshold`` only inside it, so selected sets of different ranks never overlap (no
-   gradient build-up).
-2. The threshold: every rank counts its candidates at E = 65 thresholds around the current one
-   (a geometric window ``threshold · e^{±0.22}``, finest in the middle) and one small allgather
-   of those counts (the counts exchange any allgatherv needs anyway, E integers instead of one)
-   tells every rank the global count at each of them; every rank picks the same one, whose
-   global count is closest to k, and that is the next call's window centre. The achieved K is
-   therefore k up to the window's resolution (about ±1% on Gaussian data) on *this* call's data,
-   after no warm-up. Where even the nearest edge misses k by more than 5% (magnitudes tied
-   in classes larger than that: quantised gradients), the tie is cut in index order as
-   oktopk's window calls cut theirs, so the call keeps exactly k (:meth:`ExDyna._bucket`).
-   When k lies outside the window (the first call, or a jump of the gradient scale) the
-   threshold is re-derived from the data: every rank sends the top ``ceil(2k·span/n) + 1``
-   nonzero magnitudes of its partition of length span (one allgatherv,
-   O(k) in all), and the k-th largest of those is the new centre. A rank whose partition holds
-   more than its share of the large values (all it sent lie at or above that centre) sends
-   twice as many in another round, until none does, so the centre is the exact global k-th
-   largest |value|. With fewer than k nonzeros in all partitions no threshold reaches k:
-   the call keeps every one, and for the next COOLDOWN calls each rank's nonzeros ride in
-   the counts exchange. A call whose partitions then hold at most k + 5% nonzeros keeps
-   every one without a re-derive (and counts on for COOLDOWN more calls); through such
-   calls the window stays where the last call that could reach k left it, since the
-   owners rotate and partitions that held fewer than k on one call may hold more on the
-   next. A miss high, or a miss low with more nonzeros, re-derives at once; one after a
-   miss low that reaches k ends the counting. The window's span bounds what it follows:
-   where the k-th largest moves by more than ×0.8–×1.25 from one call to the next (k of
-   a few tens, owners rotating over the same data; under error feedback the second call,
-   whose accumulated gradient holds two gradients: √2 times the first's on Gaussian
-   data), the call re-derives.
-   ``rule="authors"`` keeps the authors' rule instead (one count per rank; ×1.005 when
-   K > 1.1k, ×0.995 when K ≤ 0.909k, else ×1.00125: it settles ~8% under k), for comparison.
-3. One allgatherv of the selected indices with the counts already known (no padding), then
-   every rank takes its own accumulated values at all K indices and one dense allreduce of
-   those K values gives the exact sums.
-4. Rebalancing: for each pair of neighbouring partitions, when one's count exceeds the mean
-   by more than ``tolerance`` and the other's is below the mean by more than ``tolerance``,
-   the boundary block moves to the one below (a partition keeps at least one block).
-
-Volume per rank: the K selected indices (allgatherv, K(P−1)/P indices received) and the
-allreduce of K values (2K(P−1)/P values each way); metadata: E counts per rank.
-Latency: three collectives (counts, indices, values); five on a re-derive call (two more
-for each widening round).
-
-Contract (``reduce``, sparse input = this rank's candidate entries of its accumulated
-gradient; a dense gradient passed as all n entries works the same as ``reduce_dense``): the
-result holds the selected indices, sorted, the union of disjoint per-partition selections, and
-at each of them the exact sum of every rank's input value there (0 where a rank has no entry),
-identical on every rank. ``result.contributed`` marks this rank's input entries at selected
-indices (all of them reach the result: every rank's residual drops all K entries).
-``result.info`` has ``threshold`` (NaN at k = 0, which keeps nothing: no value, infinities
-included, is >= NaN), ``counts`` (per partition), ``selected`` (this rank's count),
-``rederived`` and ``bucket`` (``(lo, hi, start)`` when the call cut a tie: every
-|value| >= hi and, of those in ``[lo, hi)`` in index order, the run from position start,
-wrapping around, that completes k; ``(inf, nan, start)`` for a tie among more than k
-infinities: nothing is >= NaN, and the run is of the infinities; else None), ``owners``
-(the rank that selected each partition, partitions in index order) and ``ranges`` (each
-partition's index range ``(lo, hi)`` on this call).
+Contract: the result holds the selected indices, sorted, the union of disjoint
+per-partition selections, each with the exact sum of every rank's input there, identical
+on every rank; ``result.contributed`` marks this rank's entries at selected indices.
+``result.info``: ``threshold`` (NaN at k = 0), ``counts`` (per partition), ``selected``,
+``rederived``, ``bucket`` (``(lo, hi, start)`` when a tie was cut: every |value| >= hi and
+the run of [lo, hi) from ``start`` completing k), ``owners`` and ``ranges`` (each
+partition's selecting rank and index range on this call).
 """
 
 from __future__ import annotations
@@ -73,28 +31,37 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import _state, select
-from .._array import get_array_module, index_dtype, nonzero_count, to_host
+from .._array import get_array_module, index_dtype, to_host
 from .._options import choice, flag, integer, real
 from ..comm import Communicator
 from ..errors import CollectiveInputError
 from ..registry import register_algorithm
-from ..select._common import magnitude_ge, magnitude_keys, magnitudes, shifted_float64
 from ..sparse import SparseVector
-from ._merge import gather, keep_bucket, take_at_least
+from ._exdyna_threshold import (
+    _agree_no_nan,
+    _below_needed,
+    _Bucket,
+    _count_nonzeros,
+    _cut,
+    _edges,
+    _Found,
+    authors_rule,
+    derive_threshold,
+)
+from ._merge import gather
+from ._partitions import rebalance
 from ._window import (
     WINDOW_OFFSETS,
     bracket_edge,
     bucket_shares,
     bucket_start,
     edge_totals,
-    nudged_up,
     pick_edge,
-    window_edges,
 )
 from .base import Algorithm, allclose_sparse, range_bounds, region_cuts, state_crc
 from .gtopk import check_k
 
-__all__ = ["WINDOW_OFFSETS", "ExDyna", "authors_rule", "rebalance"]
+__all__ = ["ExDyna"]
 
 RULES = ("window", "authors")
 COOLDOWN = 16  # calls between re-derives while k stays outside the window
@@ -118,168 +85,6 @@ def _above(x: Any, t: float) -> _Found | None:
     except ValueError:
         return None
     return _Found(vals, pos)
-
-
-class _Found:
-    """Entries of the owned range from window edge ``low`` up: their ``values`` and
-    indices ``idx`` (position in the range + ``lo``; ``given``: the caller's global
-    indices, else positions in the range and lo = 0). From a caller's pass
-    (:meth:`ExDyna.reduce_dense`) with ``zc``, that pass left ``part`` 0 at those with
-    |value| >= zc (their values are here only), until :meth:`restore` gives them back or
-    :meth:`take` settles them."""
-
-    def __init__(self, values, idx, lo=0, low=0, part=None, zc=None, given=False) -> None:
-        self.values, self.idx, self.lo, self.low = values, idx, lo, low
-        self.part, self.zc, self.given = part, zc, given
-        self.taken = None  # the values at the positions :meth:`take` returned (with zc)
-
-    def restore(self) -> None:
-        """Make ``part`` whole again (before it is read: a re-derive or a recount)."""
-        if self.zc is not None:  # nothing is >= NaN: every zeroed candidate goes back
-            take_at_least(self.values, np.nan, self.idx, self.lo, self.part, self.zc)
-            self.zc = None
-
-    def take(self, t: Any, to_index: Any) -> Any:
-        """The global indices with |value| >= t (``to_index`` maps positions in the range
-        to them); with zc also their values (``taken``), and ``part`` then holds 0
-        exactly there among the candidates."""
-        part = None if self.zc is None else self.part
-        idx, vals = take_at_least(self.values, t, self.idx, self.lo, part, self.zc)
-        self.taken = None if part is None else vals
-        return idx if self.given else to_index(idx)
-
-    def take_bucket(self, cut: _Bucket, to_index: Any) -> Any:
-        """As :meth:`take` for a cut through a bucket: the entries with |value| >= cut.hi
-        and, of those in ``[cut.lo, cut.hi)`` in index order, the positions in ``cut.runs``."""
-        dt = self.values.dtype.type
-        idx, vals, chosen = keep_bucket(
-            self.idx, self.values, dt(cut.hi), dt(cut.lo), cut.runs, cut.count, mask=True
-        )
-        self.taken = None
-        if self.zc is not None:  # part holds 0 at |value| >= zc: make it 0 where kept
-            xp = get_array_module(self.values)
-            fix = chosen != magnitude_ge(self.values, self.zc)
-            back = xp.where(chosen[fix], 0, self.values[fix])
-            self.part[self.idx[fix] - self.lo] = back.astype(self.part.dtype)
-            self.taken = vals
-        return idx if self.given else to_index(idx)
-
-
-class _Bucket:
-    """A window call's cut through a bucket of tied (or close) magnitudes: this rank keeps
-    every |value| >= ``hi`` and, of its entries in ``[lo, hi)`` in index order, those at the
-    positions ``runs`` (``count`` kept in all)."""
-
-    __slots__ = ("count", "hi", "lo", "runs", "start")
-
-    def __init__(self, lo: float, hi: float, runs: Any, count: int, start: int) -> None:
-        self.lo, self.hi, self.runs, self.count, self.start = lo, hi, runs, count, start
-
-
-def _top_magnitudes(part: Any, take: int) -> Any:
-    """The ``take`` largest nonzero |values| of ``part`` (fewer if it has fewer), float64.
-
-    By the selection kernels: np.partition is slow on a part that is mostly zeros (many
-    ties; e.g. an embedding's gradient, docs/benchmarks.md). With a NaN in ``part`` the
-    kernels raise; then a partition of the keys keeps the NaN (its key is the largest), and
-    :meth:`ExDyna._derive` reports it on every rank once gathered (raising here would leave
-    the others hanging).
-    """
-    xp = get_array_module(part)
-    take = min(take, nonzero_count(part))
-    try:
-        _, vals = select.topk(part, take)
-    except ValueError:  # a NaN
-        # partitioned on keys, whose NaNs lie above inf's (CuPy's abs flushes float32
-        # subnormals to 0, and its float partition need not order NaN as numpy's)
-        keys = magnitude_keys(part)
-        m = int(keys.shape[0])
-        vals = (xp.partition(keys, m - take)[m - take :] if take else keys[:0]).view(part.dtype)
-    top = shifted_float64(magnitudes(vals))  # (CuPy's abs and cast flush float32 subnormals)
-    return top[~(top <= 0)]  # (a NaN kept)
-
-
-def _count_nonzeros(part: Any, found: _Found, counted: int | None = None) -> int:
-    """The nonzeros of ``part`` as it was before the caller's pass zeroed ``found``'s
-    candidates at or above ``found.zc`` (none when zc is None); -1 when it holds a NaN.
-    ``counted``: that count, made by the caller in its pass (then nothing is read)."""
-    if counted is not None:
-        return counted
-    try:
-        count = select.count_ge(part, float(np.finfo(part.dtype).smallest_subnormal))
-    except ValueError:  # (a NaN, in a part the caller's candidates stood for)
-        return -1
-    if found.zc is not None:
-        count += select.count_ge(found.values, found.zc)
-    return count
-
-
-def _agree_no_nan(table: np.ndarray) -> None:
-    """Raise on every rank when some rank flagged a NaN (a row of -1 counts)."""
-    bad = np.flatnonzero(table[:, 0] < 0)
-    if bad.shape[0]:
-        raise ValueError(f"the accumulated gradient holds a NaN on rank {int(bad[0])}")
-
-
-def _below_needed(total: np.ndarray, k: int, tol: float) -> bool:
-    """Whether ``pick_edge`` over a window could pick differently with the counts of edges
-    below the lowest one in ``total`` (counts there are >= total[0]): unless too many are
-    kept even at the top edge, when k lies at or below total[0] + tol, or the lowest edge
-    is among the nearest k (an edge below could tie with it)."""
-    if total[-1] > k + tol:
-        return False
-    miss = np.abs(total - k)
-    return bool(total[0] < k - tol or miss[0] == miss.min())
-
-
-def _cut(dtype: Any, t: float) -> float:
-    """``t`` as the data's dtype holds it (what ``|x| >= t`` compares against), and never 0:
-    zeros are never selected."""
-    return max(float(np.asarray(t).astype(dtype)), float(np.finfo(dtype).smallest_subnormal))
-
-
-def _edges(threshold: float, dtype: Any) -> np.ndarray:
-    """The window's edges in ``dtype`` (:func:`window_edges`), the top one at least the next
-    value above the middle one (the threshold). Among the subnormals the whole window
-    ×0.8–×1.25 can round onto the threshold itself (float16: below 4·2**-24): the top edge
-    then counted every entry tied at it, a miss above that no re-derive ends, and the
-    call kept every tied entry (32 of 64 subnormals for k = 1). With a count above the
-    threshold the tie is cut to k (:meth:`ExDyna._bucket`) as any other."""
-    edges = window_edges(threshold, dtype)
-    mid = edges[edges.shape[0] // 2]
-    if not edges[-1] > mid:
-        edges[-1] = np.nextafter(mid, mid.dtype.type(np.inf))
-    return edges
-
-
-def authors_rule(threshold: float, count: int, k: int) -> float:
-    """The authors' threshold update (kept for comparison; it settles below k)."""
-    if count > 1.1 * k:
-        return nudged_up(threshold, 1.005)
-    if count <= 0.909 * k:
-        return threshold * 0.995
-    return nudged_up(threshold, 1.00125)
-
-
-def rebalance(bounds: np.ndarray, counts: np.ndarray, tolerance: float) -> np.ndarray:
-    """Move one boundary block between neighbouring partitions whose counts straddle the mean.
-
-    ``bounds`` are P + 1 block boundaries, ``counts`` the selected counts per partition.
-    A partition above ``(1 + tolerance)·mean`` gives its edge block to a neighbour below
-    ``(1 − tolerance)·mean``; pairs are visited left to right, and no partition drops below
-    one block. Deterministic: every rank computes the same bounds from the same counts.
-    """
-    b = np.array(bounds, dtype=np.int64)
-    c = np.asarray(counts, dtype=np.float64)
-    p = c.shape[0]
-    mean = float(c.sum()) / p if p else 0.0
-    hi, lo = mean * (1 + tolerance), mean * (1 - tolerance)
-    for j in range(p - 1):
-        if c[j] > hi and c[j + 1] < lo and c[j] - mean >= 1 and b[j + 1] - b[j] > 1:
-            b[j + 1] -= 1
-        elif c[j + 1] > hi and c[j] < lo and c[j + 1] - mean >= 1 and b[j + 2] - b[j + 1] > 1:
-            b[j + 1] += 1
-    return b
 
 
 @register_algorithm
@@ -577,8 +382,7 @@ class ExDyna(Algorithm):
         if self.k == 0 or n == 0:
             self.step += 1
             out = SparseVector.empty(n, dtype, xp)
-            # (a threshold of NaN, which no value meets: inf, which it said, an infinite
-            # input meets, and by the info it should have been kept)
+            # (a threshold of NaN, which no value meets, infinities included)
             out.info.update(
                 threshold=math.nan, counts=[0] * p, selected=0, rederived=False, bucket=None
             )
@@ -698,10 +502,8 @@ class ExDyna(Algorithm):
         """After a call whose partitions held at most k + 5% nonzeros in all (it kept every
         one): count the nonzeros for the next COOLDOWN calls, and centre the next window
         where the last call that could reach k left it (``before``; the re-derived
-        smallest nonzero when there was none). No threshold is needed on such a call; one
-        at or under its smallest nonzeros centred the next window far below k once the
-        partitions held more (the owners rotating over the same data: a re-derive on
-        every call)."""
+        smallest nonzero when there was none): the owners rotate over the same data, so
+        partitions that held fewer than k may hold more on the next call."""
         self._cooldown, self._cooldown_side = COOLDOWN, -1
         if before is not None:
             self.threshold = before
@@ -745,9 +547,7 @@ class ExDyna(Algorithm):
         e, tol = cast.shape[0], 0.05 * self.k
         # while a cooldown after too few nonzeros holds (the same on every rank), the counts
         # carry each rank's nonzeros too: a call with at most k + 5% of them keeps every
-        # one, and a miss low with more re-derives (before, the cooldown followed the
-        # window down ×0.8 a call whatever the data: a stream 100× smaller after one call
-        # of too few kept nothing for 12 calls)
+        # one, and a miss low with more re-derives
         nonzeros = every or self._counting(self._cooldown)
         tiny = float(np.finfo(part.dtype).smallest_subnormal)
         while True:
@@ -796,7 +596,7 @@ class ExDyna(Algorithm):
         if side > 0 and math.isinf(float(cast[j])):
             # more than k infinities: no edge lies above them, and no re-derive can move the
             # window past them. Cut the tie to k in index order, as any other: nothing is
-            # >= NaN, so the bucket [inf, NaN) is every infinity (it kept them all)
+            # >= NaN, so the bucket [inf, NaN) is every infinity
             counts, cut = self._cut_run(comm.rank, table[:, j] * 0, table[:, j], math.nan, math.inf)
             return found, counts, math.inf, 0, cut, total_nonzeros
         return found, table[:, j].tolist(), float(cast[j]), side, None, total_nonzeros
@@ -836,55 +636,14 @@ class ExDyna(Algorithm):
         return counts, _Bucket(lo, hi, mine[rank], counts[rank], start)
 
     def _derive(self, comm: Communicator, n: int, part: Any) -> tuple[float | None, bool]:
-        """The global k-th largest nonzero |value| (collective; O(k) volume when the large
-        values are spread over the partitions), and whether fewer than k came (then every
-        rank sent every nonzero it has: all there are).
-
-        Every rank r sends its top ``take_r = min(k, ceil(2k·span_r/n) + 1)`` nonzero
-        magnitudes (span_r: the length of its partition; fewer if it has fewer), and the
-        k-th largest of the gathered ones is the estimate (the smallest when fewer than k
-        came; None when every partition is all zeros). The estimate can only be too low,
-        and only when some rank sent all ``take_r`` it was asked for and they all lie at or
-        above it: its partition holds more than its share of the large values (a layer of a
-        larger scale). Every rank sees that in the gathered data alike; those ranks send
-        twice as many (at most k) in another allgatherv, until no rank is in that state.
-        The estimate is then exact: every value at or above it has been gathered.
-        """
+        """The global k-th largest nonzero |value| (:func:`derive_threshold`; every rank
+        first sends its top ``min(k, ceil(2k·span/n) + 1)``, span: its partition's length),
+        and whether fewer than k came."""
         takes = []
         for r in range(comm.size):
             lo, hi = self.owned_range(r)  # the span, not m: sparse and dense input agree
             takes.append(min(self.k, -(-2 * self.k * (hi - lo) // max(n, 1)) + 1))
-        chunks: list[np.ndarray] = [np.zeros(0)] * comm.size
-        widen = list(range(comm.size))  # the ranks that send (all at first)
-        while True:
-            mine = comm.rank in widen
-            # (fewer than take_r when the partition has fewer nonzeros: never widened then)
-            top = _top_magnitudes(part, takes[comm.rank]) if mine else None
-            got, counts = comm.allgatherv(
-                top if mine else get_array_module(part).zeros(0, np.float64)
-            )
-            got = to_host(got)
-            offs = np.concatenate(([0], np.cumsum(counts)))
-            for r in widen:
-                chunks[r] = got[offs[r] : offs[r + 1]]
-            # a rank's NaN is among its top (the largest key), seen by every rank alike;
-            # dropped, it left no threshold when nothing else was sent (an empty result),
-            # and kept as the threshold, it refused every later call
-            _agree_no_nan(np.array([[-1 if np.isnan(c).any() else 0] for c in chunks]))
-            everything = np.concatenate(chunks)
-            if everything.shape[0] == 0:
-                return None, True
-            kk = min(self.k, everything.shape[0])
-            estimate = float(np.partition(everything, everything.shape[0] - kk)[-kk])
-            widen = [
-                r
-                for r, c in enumerate(chunks)
-                if c.shape[0] == takes[r] < self.k and c.min() >= estimate
-            ]
-            if not widen:
-                return estimate, everything.shape[0] < self.k
-            for r in widen:
-                takes[r] = min(self.k, 2 * takes[r])
+        return derive_threshold(comm, self.k, takes, part)
 
     # -- checks -----------------------------------------------------------------------------
     def verify(

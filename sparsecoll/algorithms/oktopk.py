@@ -1,85 +1,25 @@
 """oktopk: Ok-Topk sparse allreduce (Li & Hoefler, PPoPP'22): O(k) volume, state reused.
 
-The caller selects its local entries (by threshold, every rank about k of them); one call then
-does, on every rank:
+Each rank passes its locally selected entries (about k). One call, on every rank:
+(1) on the first call, every ``tau_prime`` calls, and after a call whose regions went out of
+balance (``imbalance``), [0, n) is cut into P regions balanced on every rank's index samples
+(one small allgather); (2) counts by alltoall, then P−1 rotated steps send each region's
+entries to its owner, who sums them; (3) the owner keeps its entries at or above the global
+threshold: every ``tau`` calls the exact global k-th largest |value| (a distributed radix
+select, one 256-bin allreduce per byte); in between the cut is re-placed on the call's data
+among 65 edges around the last one (``rule="window"``) or reused and nudged (``"paper"``);
+(4) the kept entries are rebalanced across ranks and allgathered (counts known).
+Volume per rank: ≈ k(P−1)/P pairs each way in (2), K(P−1)/P received in (4), below 6k(P−1)/P
+while regions are balanced; metadata: P counts (65 per rank on window calls). Latency ≈
+2P + 2 log P messages. The walk-through and measurements: docs/selecting.md.
 
-2. *balanced repartition* (every ``tau_prime`` calls, on the first, and on the call after one
-   whose regions went out of balance, below): each rank samples its
-   sorted indices at equal-count split points; the samples of every rank are gathered (a small
-   int64 allgather) and every rank computes, from the summed piecewise-linear index CDF, P
-   contiguous regions holding about equal numbers of incoming entries. (The paper averages the
-   split points; summing the CDFs also balances inputs whose ranks cover different ranges.)
-   Between repartitions the regions stay as they are; when the large entries move (another
-   layer's turn to dominate) every rank's selection falls into the one or two regions now
-   holding them. So each owner compares the pairs its region received in step 3 with
-   ``imbalance·k(P−1)/P`` (default 2: twice a balanced region's share, a third of the bound
-   below) and says whether it went over in the sign bit of the first count of the allgather
-   that step 4 makes anyway (every selection path makes exactly one such gather of per-rank
-   counts; the counts are never negative): every rank sees the same flags, at no extra
-   byte, and when one is set every rank repartitions on the next call. Not when the call
-   that went over had itself just repartitioned (its regions were built from its own
-   indices: the excess is a few indices that many ranks hold, which no region boundary can
-   split); then the early trigger rests until the next scheduled repartition.
-3. *split and reduce*: counts by alltoall, then P−1 rotated steps (send to r+s, receive from
-   r−s), the owner summing each chunk into its region while the next ones are in flight;
-4. *global selection*: the owner keeps the entries of its region with |value| ≥ the global
-   threshold. Every ``tau`` calls (and on the first, and after a threshold of 0) the threshold
-   is recomputed exactly: a distributed radix select (256-bin histograms, one small allreduce
-   per byte of the value type) finds the global k-th largest |value|, and ties at it are kept
-   in index order up to k. In between the threshold is reused, by one of two rules:
-
-   - ``rule="window"`` (default): the cut is re-placed on this call's reduced values, around
-     the last threshold. Each owner counts its region's |values| at E = 65 geometric edges
-     ``threshold·e^{±0.22}`` (finest, 0.3% apart, in the middle, 1.5% at the ends; one pass
-     over the region); the allgather of kept counts that step 5 needs anyway carries those E
-     counts instead of one, so every rank knows every rank's count at every edge. Every rank
-     finds the same two neighbouring edges ``lo < hi`` with at least k entries ≥ lo and
-     fewer than k ≥ hi, keeps its entries ≥ hi and, of those in ``[lo, hi)`` (the bucket),
-     as many as complete k: a run of the bucket in index order from position
-     ``info["bucket_start"]`` on, wrapping around (the ranks' regions are in index order,
-     so each rank knows its share). The start moves with the call (:func:`bucket_start`),
-     so no index range always loses the bucket. ``lo`` is the next call's window centre.
-     So a window call keeps exactly k entries, and differs from the exact top-k only
-     inside one bucket less than 1.5% wide in |value|, at no extra message. When k lies
-     outside the window (fewer than k nonzeros in all, a jump in scale) the call falls
-     back to the exact recompute above (``info["window_missed"]``). A single rank whose
-     region holds exactly k entries (P = 1 after the caller's local top-k) keeps them all
-     whatever the window gives, so it places the edges from its smallest |value| and skips
-     the counts and the keep;
-   - ``rule="paper"``: the threshold of the last call is used as is; after the call it is
-     multiplied by ``nudge`` when more than ``band[1]·k`` entries were kept, divided by it
-     when fewer than ``band[0]·k``. With ``adaptive=True`` the step doubles in the exponent
-     while the count stays out of the band on the same side (nudge, nudge², nudge⁴, … up
-     to nudge³²) and resets once it is back in the band or crosses to the other side;
-     ``adaptive=False`` is the paper's fixed step. Under error feedback the count swings
-     far out of the band (0.06k to 3.7k on a stationary stream, docs/selecting.md);
-5. *balance and allgatherv*: the kept entries move so every rank holds an equal share (in index
-   order: every rank knows every count, so no sizes travel), then one allgatherv of the packed
-   (indices, values) parts, counts known, every part 8-byte aligned.
-
-Volume per rank, with local inputs of at most k entries and K ≈ k kept: step 3 sends the
-entries outside the own region (≈ k(P−1)/P) and receives about as many; step 5 moves only the
-excess of each rank over K/P, then the allgatherv moves K(P−1)/P. With K ≤ k (recompute
-calls) each direction stays below 6k(P−1)/P pairs, plus the allgatherv parts' alignment
-padding (under 10 bytes per other rank: it matters only for a k of a few entries):
-unconditionally for P ≤ 4, and for larger P while the regions are balanced; window calls keep
-K = k as well. Metadata: counts (P ints,
-E per rank on window calls), samples on repartition calls, histograms on recompute calls.
-Latency: about 2P + 2 log P messages. A stream whose large entries move exceeds the bound on
-the call of the move (its owners receive up to (P−1)·k pairs) and is back within it from the
-next call on (the early repartition), while the entries stay where they moved to.
-
-Contract: on a recompute call (``info["recomputed"]``, scheduled or a window fallback) the
-kept indices are exactly the global top-k of the reduced vector, ties broken by the lower
-index, zeros excepted. On a window call (``info["window"] = (lo, hi)``) they are exactly k:
-every index whose reduced |value| is ≥ hi and, of those with lo ≤ |value| < hi in index
-order, the run from position ``info["bucket_start"]`` (wrapping around) that completes k
-(``info["threshold"]`` is lo). With ``rule="paper"`` a reuse call keeps every index whose
-reduced |value| is ≥ the threshold in force (``info["threshold"]``), zeros excepted. The
-values are the exact sums of every rank's contributions at those indices (each region is
-summed by one owner). The result is identical on every rank, sorted, without repeats.
-Error feedback: ``result.contributed`` marks this rank's entries whose index was kept (their
-value is in the result); the rest go back to the residual.
+Contract: a recompute call (``info["recomputed"]``) keeps exactly the global top-k of the
+reduced vector (ties to the lower index, zeros excepted); a window call (``info["window"] =
+(lo, hi)``) exactly k: every |value| >= hi and, of those in [lo, hi) in index order, the
+run from ``info["bucket_start"]`` (wrapping around) that completes k; a ``"paper"`` reuse
+call every |value| >= ``info["threshold"]``. Values are the exact sums; the result is
+identical on every rank, sorted, unique. ``result.contributed`` marks this rank's entries
+whose index was kept (the rest go back to the residual).
 """
 
 from __future__ import annotations
@@ -97,6 +37,7 @@ from ..registry import register_algorithm
 from ..select._common import key_info, key_value, magnitude_ge, magnitude_keys, threshold_key
 from ..sparse import SparseVector
 from ._merge import accumulate_dtype, isin_sorted, keep_bucket, merge_two
+from ._partitions import balanced_boundaries, index_samples, sample_segments
 from ._window import (
     bracket_edge,
     bucket_shares,
@@ -117,78 +58,11 @@ from .base import (
 )  # fmt: skip
 from .gtopk import check_k, topk_positions
 
-__all__ = ["OkTopk", "balanced_boundaries", "index_samples", "sample_segments"]
+__all__ = ["OkTopk"]
 
 TAG_SPLIT = 41
 TAG_BALANCE = 42
 RULES = ("window", "paper")
-
-
-def sample_segments(size: int) -> int:
-    """Split points each rank contributes to the region balancing: ``max(8·size, 64)``.
-
-    A boundary's count is off by at most ``total/segments + size`` from its target (one
-    segment per rank, plus rounding, the copies of one index on many ranks among it: no
-    boundary splits them), so a region is within ``2·size/segments + 2·size/k̄`` of the
-    mean in the worst case (k̄ = total/size, the mean entries per rank): at most 25% from
-    the segments, plus the rounding's share, small only while k̄ is large against size
-    (every rank's segment misjudged the same way at a cliff in the index density; far
-    closer on smooth densities). It costs ``size·(segments + 2)`` int64 per rank, once
-    every ``tau_prime`` calls.
-    """
-    return max(8 * size, 64)
-
-
-def index_samples(indices: np.ndarray, segments: int) -> np.ndarray:
-    """``[count, p_0, ..., p_segments]``: equal-count split points of sorted unique ``indices``.
-
-    ``p_0`` is the first index, ``p_segments`` one past the last, and exactly
-    ``floor(j·count/segments)`` indices lie below ``p_j`` (all zeros when count is 0).
-    """
-    c = int(indices.shape[0])
-    out = np.zeros(segments + 2, dtype=np.int64)
-    out[0] = c
-    if c:
-        j = np.arange(1, segments, dtype=np.int64)
-        out[1] = indices[0]
-        out[2:-1] = indices[(j * c) // segments]
-        out[-1] = int(indices[-1]) + 1
-    return out
-
-
-def balanced_boundaries(samples: np.ndarray, n: int, parts: int) -> np.ndarray:
-    """``parts + 1`` int64 region boundaries from every rank's :func:`index_samples` rows.
-
-    The summed CDF of the ranks' piecewise-linear index distributions is inverted at
-    ``j·total/parts``; equal-width regions when no rank has an entry. Deterministic, so every
-    rank computes the same boundaries from the same gathered samples.
-    """
-    samples = np.asarray(samples, dtype=np.int64)
-    counts = samples[:, 0]
-    total = int(counts.sum())
-    if total == 0 or parts == 1:
-        return range_bounds(n, parts)
-    segments = samples.shape[1] - 2
-    live = samples[counts > 0]
-    cum = [
-        np.concatenate(([0], (np.arange(1, segments, dtype=np.int64) * c) // segments, [c]))
-        for c in live[:, 0]
-    ]
-    # in float64 as offsets from the lowest sample (exact while the sampled span is below
-    # 2**53, however large the indices: near 2**63 absolute positions are 1024 apart and
-    # round to 2**63.0, which has no int64), back to integers in Python ints
-    base = int(live[:, 1].min())
-    offsets = [(row[1:] - base).astype(np.float64) for row in live]
-    xs = np.unique(np.concatenate(offsets))
-    cdf = np.zeros(xs.shape[0])
-    for off, cm in zip(offsets, cum):
-        cdf += np.interp(xs, off, cm.astype(np.float64), 0.0, float(cm[-1]))
-    targets = np.arange(1, parts, dtype=np.float64) * total / parts
-    inner = np.rint(np.interp(targets, cdf, xs))
-    bounds = np.empty(parts + 1, dtype=np.int64)
-    bounds[0], bounds[-1] = 0, n
-    bounds[1:-1] = [min(base + int(v), n) for v in inner.tolist()]
-    return np.maximum.accumulate(bounds)
 
 
 @register_algorithm
@@ -357,14 +231,13 @@ class OkTopk(Algorithm):
             self._regions_from_data = bool(np.any(rows[:, 0] > 0))
         bounds = self.boundaries
         region, own, incoming = self._split_reduce(comm, x, bounds)
-        # the flag this rank's counts gather (step 4) carries; _gather_counts ORs them all
+        # the flag this rank's counts gather (step 3) carries; _gather_counts ORs them all
         # (k = 0: the bound is 0, and no repartition brings the volume down to it)
         trigger = None if self.imbalance is None or not self.k else self.imbalance * self.k
         self._over = trigger is not None and incoming > trigger * (size - 1) / size
         self._any_over = False
-        # (a NaN threshold, from inf + -inf at the k-th place, is recomputed like 0; k = 0
-        # always is: its exact select keeps nothing at a threshold of NaN, which no value
-        # meets, where a reuse call reported inf, which an infinite value meets)
+        # a NaN threshold (inf + -inf at the k-th place) is recomputed like 0; k = 0 always
+        # is: its exact select keeps nothing, at a threshold of NaN that no value meets
         recompute = self.step % self.tau == 0 or not self.threshold > 0.0 or not self.k
         missed = False
         window = None
@@ -423,7 +296,7 @@ class OkTopk(Algorithm):
     def _split_reduce(
         self, comm: Communicator, x: SparseVector, bounds: np.ndarray
     ) -> tuple[Any, Any, int]:
-        """Step 3: send each region's entries to its owner; sum what arrives into own region.
+        """Step (2): send each region's entries to its owner; sum what arrives into own region.
 
         Returns the region's (indices, values), when no other rank sent into it (as at
         P = 1) the slice of x it is (else None), and how many pairs it received."""
@@ -466,7 +339,7 @@ class OkTopk(Algorithm):
 
     def _gather_counts(self, comm: Communicator, row: list[int] | np.ndarray) -> np.ndarray:
         """The (P, m) table of every rank's ``row`` of counts (ints >= 0): the one gather
-        of per-rank counts that step 4 makes on every path. It carries, at no extra byte,
+        of per-rank counts that step (3) makes on every path. It carries, at no extra byte,
         whether this rank's region received more than the imbalance trigger (``row[0]``
         sent as ``~row[0]``, negative), and records whether any rank's did."""
         row = np.array(row, dtype=np.int64)
@@ -481,7 +354,7 @@ class OkTopk(Algorithm):
     def _select_window(
         self, comm: Communicator, idx: Any, vals: Any
     ) -> tuple[Any, Any, Any, list[int], tuple[float, float], int] | None:
-        """Step 4 on a reuse call with ``rule="window"``: k entries, cut at the edges around
+        """Step (3) on a reuse call with ``rule="window"``: k entries, cut at the edges around
         the last threshold that bracket the global k-th largest |value| (one allgather of E
         counts per rank, no other message).
 
@@ -540,9 +413,8 @@ class OkTopk(Algorithm):
         |value| (every entry is >= it, the smallest is below the next), and the bucket
         [edges[j], edges[j + 1]) is taken whole, from where :func:`bucket_start` puts it."""
         xp = get_array_module(vals)
-        # the least |value| on keys (CuPy's abs and min flush float32 subnormals to 0, which
-        # missed every window of subnormal edges on a GPU); a NaN (never counted) reads as
-        # key 0, so it fails the test below as a zero does
+        # the least |value| on keys (CuPy's abs and min flush float32 subnormals to 0); a
+        # NaN (never counted) reads as key 0, so it fails the test below as a zero does
         info = key_info(vals.dtype)
         keys = magnitude_keys(vals)
         ut = info.utype.type
@@ -560,7 +432,7 @@ class OkTopk(Algorithm):
         return idx.copy(), vals.copy(), chosen, [self.k], (float(edges[j]), hi), start
 
     def _select_exact(self, comm: Communicator, vals: Any) -> tuple[Any, list[int], float]:
-        """Step 4 on a recompute call: the exact global top-k (ties by lower index).
+        """Step (3) on a recompute call: the exact global top-k (ties by lower index).
 
         Returns the kept positions in this rank's region, every rank's kept count and the
         threshold (the k-th largest |value|, or the smallest nonzero one when at most k
@@ -596,7 +468,7 @@ class OkTopk(Algorithm):
     def _balance_gather(
         self, comm: Communicator, idx: Any, vals: Any, counts: list[int]
     ) -> tuple[Any, Any]:
-        """Step 5: move kept entries so every rank holds an equal share, then allgatherv."""
+        """Step (4): move kept entries so every rank holds an equal share, then allgatherv."""
         size, r = comm.size, comm.rank
         xp = get_array_module(vals)
         if size == 1:

@@ -134,7 +134,7 @@ def shifted_float64(x: Any, shift: float = 0.0, scale: float = 1.0) -> Any:
     subnormals."""
     xp = get_array_module(x)
     if xp is not np and x.dtype == np.float32:
-        from ._cupy import shifted_float64 as on_device
+        from ._cupy_kernels import shifted_float64 as on_device
 
         return on_device(x, shift, scale)
     if scale == 1.0:

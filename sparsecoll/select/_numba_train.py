@@ -13,17 +13,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .._jit import cached_njit
-from ._numba import (
-    CHUNKS_PER_THREAD,
-    _bounds,
-    _ctz,
-    _kernels,
-    _keys,
-    _parallel,
-    _run,
-    _select_rank,
-    _u,
-)
+from ._numba_core import CHUNKS_PER_THREAD, _bounds, _ctz, _kernels, _keys, _parallel, _run, _u
+from ._numba_select import _select_rank
 
 __all__ = ["Buckets", "accumulate", "finish_step", "topk_hits", "write_dense"]
 

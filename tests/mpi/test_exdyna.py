@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 
 import sparsecoll
 from sparsecoll import CollectiveInputError, SparseVector
+from sparsecoll.algorithms._exdyna_threshold import authors_rule
+from sparsecoll.algorithms._partitions import rebalance
 from sparsecoll.algorithms.base import reference_sum
-from sparsecoll.algorithms.exdyna import ExDyna, authors_rule, rebalance
+from sparsecoll.algorithms.exdyna import ExDyna
 
 from .cases import assert_all, digest
 
