@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     # one emulated host per rank, but they share this machine's cores: Numba's idle OpenMP
-    # pool would spin on the cores the other ranks compute on (sparsecoll.select._numba)
+    # pool would spin on the cores the other ranks compute on (sparsecoll.select._numba_core)
     os.environ.setdefault("SPARSECOLL_NUM_THREADS", str(args.threads))
     comm = Communicator()
     # (rank 0 writes them, making the folder: checked now, not after the first method trained)

@@ -77,7 +77,7 @@ def _top_magnitudes(part: Any, take: int) -> Any:
     """The ``take`` largest nonzero |values| of ``part`` (fewer if it has fewer), float64.
 
     By the selection kernels: np.partition is slow on a part that is mostly zeros (many
-    ties; e.g. an embedding's gradient, docs/benchmarks.md). With a NaN in ``part`` the
+    ties; e.g. an embedding's gradient, docs/reports/benchmarks.md). With a NaN in ``part`` the
     kernels raise; then a partition of the keys keeps the NaN (its key is the largest), and
     :func:`derive_threshold` reports it on every rank once gathered (raising here alone
     would leave the others waiting).

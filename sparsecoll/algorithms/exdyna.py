@@ -12,7 +12,7 @@ allreduce of the K values give the exact sums; boundary blocks move between neig
 partitions whose counts straddle the mean (``rebalance``). ``rule="authors"``: the
 authors' nudging rule instead, for comparison.
 Volume per rank: K(P−1)/P indices received, an allreduce of K values, 65 counts per rank;
-three collectives a call (two more per re-derive round). Walk-through: docs/training.md.
+three collectives a call (two more per re-derive round). Walk-through: docs/guide/algorithms.md.
 
 Contract: the result holds the selected indices, sorted, the union of disjoint
 per-partition selections, each with the exact sum of every rank's input there, identical

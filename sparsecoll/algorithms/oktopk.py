@@ -11,7 +11,7 @@ among 65 edges around the last one (``rule="window"``) or reused and nudged (``"
 (4) the kept entries are rebalanced across ranks and allgathered (counts known).
 Volume per rank: ≈ k(P−1)/P pairs each way in (2), K(P−1)/P received in (4), below 6k(P−1)/P
 while regions are balanced; metadata: P counts (65 per rank on window calls). Latency ≈
-2P + 2 log P messages. The walk-through and measurements: docs/selecting.md.
+2P + 2 log P messages. The walk-through and measurements: docs/guide/algorithms.md.
 
 Contract: a recompute call (``info["recomputed"]``) keeps exactly the global top-k of the
 reduced vector (ties to the lower index, zeros excepted); a window call (``info["window"] =

@@ -346,11 +346,11 @@ def _scratch(
     """An empty array of ``size`` elements: ``workspace[name]`` (or its start) when that is
     large enough, else a new one, kept there. Reusing the last step's memory saves the page
     faults of fresh memory (one per 4 KiB written: over a thousand a step at k = 168K, 2-3 ms
-    of a 10 ms step in docs/benchmarks.md), which malloc may or may not avoid by itself.
+    of a 10 ms step in docs/reports/benchmarks.md), which malloc may or may not avoid by itself.
     With ``apart``, the array starts half a page from it (address mod PAGE): the pass
     writes both at the same running position, and two large arrays from malloc start at
     the same page offset, so those writes met in one L1 set. In some processes (chosen by
-    where the arrays landed) that cost the pass 1.4x its time (docs/benchmarks.md § 4)."""
+    where the arrays landed) that cost the pass 1.4x its time (docs/reports/benchmarks.md § 4)."""
     pad = PAGE // np.dtype(dtype).itemsize if apart is not None else 0
     a = workspace.get(name) if workspace is not None else None
     if a is None or a.dtype != dtype or a.shape[0] < size + pad:
@@ -435,7 +435,7 @@ def accumulate(
     found = None
     if buckets and 0 < cut < math.inf:
         # counted after the pass, over the hits it wrote: a counter per hit inside the
-        # pass slowed it more (bench/pass_hits.py, docs/benchmarks.md)
+        # pass slowed it more (docs/reports/benchmarks.md)
         hcut = float(dt(cut))  # the value the pass compared with
         hscale = (BUCKETS - 1) / hcut
         hist = np.zeros(BUCKETS, np.int64)
