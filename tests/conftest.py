@@ -1,4 +1,5 @@
-"""Shared test configuration: hypothesis profiles and the mpiexec-only test folder.
+"""Shared test configuration: hypothesis profiles, the mpiexec-only test folder, the quick
+tier (``pytest -m quick``) and a summary of the mpiexec launches' times.
 
 Profiles: ``dev`` (default, more examples, a fresh random draw each run, so local runs keep
 exploring) and ``ci`` (fewer, chosen when CI is set, derandomized: CI checks a fixed, known
@@ -45,9 +46,16 @@ def pytest_configure(config):
         config.option.hypothesis_seed = SEED
 
 
-@pytest.hookimpl(trylast=True)  # (after -k and -m have deselected)
+@pytest.hookimpl(hookwrapper=True)
 def pytest_collection_modifyitems(config, items):
-    """Which tests/mpi/ files each P runs: tests/test_mpi.py launches them in one mpiexec."""
+    """Mark the quick tier (``-m quick``) before -k and -m deselect: every in-process test
+    not marked ``mpi`` or ``slow`` (tests/test_mpi.py marks the collective contracts it
+    adds). Then note which tests/mpi/ files each P runs: tests/test_mpi.py launches them
+    in one mpiexec."""
+    for item in items:
+        if not any(item.iter_markers("mpi")) and not any(item.iter_markers("slow")):
+            item.add_marker(pytest.mark.quick)
+    yield
     from .mpirun import MPI_SELECTED
 
     chosen: dict[int, list] = {}
@@ -56,6 +64,23 @@ def pytest_collection_modifyitems(config, items):
         if getattr(item, "originalname", None) == "test_under_mpiexec" and spec is not None:
             chosen.setdefault(spec.params["nprocs"], []).append(spec.params["path"])
     config.stash[MPI_SELECTED] = chosen
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Each mpiexec launch's seconds: starting the ranks, then each file's."""
+    from .mpirun import LAUNCHES
+
+    launches = config.stash.get(LAUNCHES, {})
+    if not launches:
+        return
+    terminalreporter.section("mpiexec launches: seconds to start, then per file")
+    for (nprocs, _), result in sorted(launches.items(), key=lambda kv: kv[0][0]):
+        startup, seconds = result.seconds()
+        files = sorted(seconds.items(), key=lambda kv: -kv[1])
+        total = sum(seconds.values()) + (startup or 0.0)
+        start = "?" if startup is None else f"{startup:.0f}"
+        line = ", ".join(f"{name} {s:.1f}" for name, s in files)
+        terminalreporter.write_line(f"-n {nprocs}: {total:.0f} s; start {start}; {line}")
 
 
 def pytest_sessionstart(session):
