@@ -2,9 +2,9 @@
 tier (``pytest -m quick``) and a summary of the mpiexec launches' times.
 
 Profiles: ``dev`` (default, more examples, a fresh random draw each run, so local runs keep
-exploring) and ``ci`` (fewer, chosen when CI is set, derandomized: CI checks a fixed, known
-set of examples rather than a new draw each time); pick one explicitly with
-SPARSECOLL_HYPOTHESIS=dev|ci. Inside mpiexec every rank must draw the same examples, so the
+exploring) and ``ci`` (fewer, chosen when CI is set and by the quick tier, derandomized: CI
+checks a fixed, known set of examples rather than a new draw each time); pick one explicitly
+with SPARSECOLL_HYPOTHESIS=dev|ci. Inside mpiexec every rank must draw the same examples, so the
 profile is derandomized there too, without a database or deadline; there
 SPARSECOLL_HYPOTHESIS_SEED=S draws another fixed set instead (the same seed on every rank,
 as ``--hypothesis-seed=S`` would), so local runs can explore the collectives' inputs too.
@@ -41,9 +41,14 @@ collect_ignore = [] if IN_MPIEXEC else ["mpi"]
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
-    """SPARSECOLL_HYPOTHESIS_SEED: the seed hypothesis's own plugin then applies."""
+    """SPARSECOLL_HYPOTHESIS_SEED: the seed hypothesis's own plugin then applies. The quick
+    tier (``-m quick``) draws the ``ci`` profile's examples, unless SPARSECOLL_HYPOTHESIS
+    says otherwise (set here, so the mpiexec ranks it launches draw them too)."""
     if SEED is not None and config.getoption("hypothesis_seed", None) is None:
         config.option.hypothesis_seed = SEED
+    if config.getoption("markexpr", "") == "quick" and not os.environ.get("SPARSECOLL_HYPOTHESIS"):
+        os.environ["SPARSECOLL_HYPOTHESIS"] = "ci"
+        settings.load_profile("ci")
 
 
 @pytest.hookimpl(hookwrapper=True)
