@@ -295,3 +295,20 @@ def test_a_hung_launch_is_killed_and_said_so(harness_files):
     result = launch(2, (f["a"], f["d"]), idle=15)
     assert result.hung and result.problem(f["a"]) is None, result.output[-4000:]
     assert "a hang?" in (result.problem(f["d"]) or ""), result.output[-4000:]
+
+
+@pytest.mark.mpi
+def test_without_torch_every_rank_skips_alike(tmp_path):
+    """With torch absent, the tests that use it skip (or leave their torch case out) on every
+    rank alike: one rank skipping alone leaves the others waiting in the test's collective."""
+    (tmp_path / "torch.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'torch' (hidden)\", name='torch')\n"
+    )
+    names = ("test_errors.py", "test_nonblocking.py", "test_representations.py")
+    files = [str(Path(__file__).parent / "mpi" / name) for name in names]
+    keep = "unviewable or hook or representations or torch"
+    args = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", keep, *files]
+    path = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    proc, hung = run_mpi_watched(2, args, tmp_path, idle=120, env={"PYTHONPATH": path})
+    assert not hung and proc.returncode == 0, proc.stdout[-4000:]
+    assert "No module named 'torch' (hidden)" in proc.stdout, proc.stdout[-4000:]
