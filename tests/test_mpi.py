@@ -47,7 +47,9 @@ API_FILES = frozenset(
 )
 API_NPROCS = [2, 3]
 # The quick tier's collective contracts (pytest -m quick), at QUICK_NPROCS
-QUICK_FILES = frozenset({"test_exact.py", "test_selecting.py", "test_errors.py"})
+QUICK_FILES = frozenset(
+    {"test_bytes.py", "test_errors.py", "test_exact.py", "test_exdyna.py", "test_selecting.py"}
+)
 QUICK_NPROCS = [2, 3]
 
 
