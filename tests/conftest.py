@@ -1,9 +1,10 @@
-"""Shared test configuration: hypothesis profiles and the mpiexec-only test folder.
+"""Shared test configuration: hypothesis profiles, the mpiexec-only test folder, the quick
+tier (``pytest -m quick``) and a summary of the mpiexec launches' times.
 
 Profiles: ``dev`` (default, more examples, a fresh random draw each run, so local runs keep
-exploring) and ``ci`` (fewer, chosen when CI is set, derandomized: CI checks a fixed, known
-set of examples rather than a new draw each time); pick one explicitly with
-SPARSECOLL_HYPOTHESIS=dev|ci. Inside mpiexec every rank must draw the same examples, so the
+exploring) and ``ci`` (fewer, chosen when CI is set and by the quick tier, derandomized: CI
+checks a fixed, known set of examples rather than a new draw each time); pick one explicitly
+with SPARSECOLL_HYPOTHESIS=dev|ci. Inside mpiexec every rank must draw the same examples, so the
 profile is derandomized there too, without a database or deadline; there
 SPARSECOLL_HYPOTHESIS_SEED=S draws another fixed set instead (the same seed on every rank,
 as ``--hypothesis-seed=S`` would), so local runs can explore the collectives' inputs too.
@@ -40,14 +41,26 @@ collect_ignore = [] if IN_MPIEXEC else ["mpi"]
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
-    """SPARSECOLL_HYPOTHESIS_SEED: the seed hypothesis's own plugin then applies."""
+    """SPARSECOLL_HYPOTHESIS_SEED: the seed hypothesis's own plugin then applies. The quick
+    tier (``-m quick``) draws the ``ci`` profile's examples, unless SPARSECOLL_HYPOTHESIS
+    says otherwise (set here, so the mpiexec ranks it launches draw them too)."""
     if SEED is not None and config.getoption("hypothesis_seed", None) is None:
         config.option.hypothesis_seed = SEED
+    if config.getoption("markexpr", "") == "quick" and not os.environ.get("SPARSECOLL_HYPOTHESIS"):
+        os.environ["SPARSECOLL_HYPOTHESIS"] = "ci"
+        settings.load_profile("ci")
 
 
-@pytest.hookimpl(trylast=True)  # (after -k and -m have deselected)
+@pytest.hookimpl(hookwrapper=True)
 def pytest_collection_modifyitems(config, items):
-    """Which tests/mpi/ files each P runs: tests/test_mpi.py launches them in one mpiexec."""
+    """Mark the quick tier (``-m quick``) before -k and -m deselect: every in-process test
+    not marked ``mpi`` or ``slow`` (tests/test_mpi.py marks the collective contracts it
+    adds). Then note which tests/mpi/ files each P runs: tests/test_mpi.py launches them
+    in one mpiexec."""
+    for item in items:
+        if not any(item.iter_markers("mpi")) and not any(item.iter_markers("slow")):
+            item.add_marker(pytest.mark.quick)
+    yield
     from .mpirun import MPI_SELECTED
 
     chosen: dict[int, list] = {}
@@ -56,6 +69,23 @@ def pytest_collection_modifyitems(config, items):
         if getattr(item, "originalname", None) == "test_under_mpiexec" and spec is not None:
             chosen.setdefault(spec.params["nprocs"], []).append(spec.params["path"])
     config.stash[MPI_SELECTED] = chosen
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Each mpiexec launch's seconds: starting the ranks, then each file's."""
+    from .mpirun import LAUNCHES
+
+    launches = config.stash.get(LAUNCHES, {})
+    if not launches:
+        return
+    terminalreporter.section("mpiexec launches: seconds to start, then per file")
+    for (nprocs, _), result in sorted(launches.items(), key=lambda kv: kv[0][0]):
+        startup, seconds = result.seconds()
+        files = sorted(seconds.items(), key=lambda kv: -kv[1])
+        total = sum(seconds.values()) + (startup or 0.0)
+        start = "?" if startup is None else f"{startup:.0f}"
+        line = ", ".join(f"{name} {s:.1f}" for name, s in files)
+        terminalreporter.write_line(f"-n {nprocs}: {total:.0f} s; start {start}; {line}")
 
 
 def pytest_sessionstart(session):

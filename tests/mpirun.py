@@ -17,6 +17,8 @@ TIMEOUT = float(os.environ.get("SPARSECOLL_MPI_TIMEOUT", "600"))
 # the tests/mpi/ files each P runs in this session (tests/conftest.py fills it after the
 # selection: -k, -m, SPARSECOLL_NPROCS), which tests/test_mpi.py launches together
 MPI_SELECTED = pytest.StashKey[dict]()
+# tests/test_mpi.py's launches in this session, by (P, files): the summary lists their times
+LAUNCHES = pytest.StashKey[dict]()
 
 
 def run_mpi(nprocs: int, args: list[str], timeout: float = TIMEOUT, env: dict | None = None):

@@ -1,15 +1,17 @@
-"""Run every file of tests/mpi/ under mpiexec with P = 1, 2, 3, 4, 5 and 8 ranks.
+"""Run the files of tests/mpi/ under mpiexec: the algorithms' files with P = 1, 2, 3, 4, 5
+and 8 ranks, the error and API files (API_FILES) with P = 2 and 3.
 
-While developing, ``SPARSECOLL_NPROCS=4 pytest`` (or ``=2,3``) runs them at those P only;
-CI (``CI`` set) always runs every P.
+Tiers: ``pytest -m quick`` runs the in-process tests (less those marked ``mpi`` or ``slow``)
+and the collective contracts (QUICK_FILES) at P = 2 and 3; ``pytest`` runs everything.
+While developing, ``SPARSECOLL_NPROCS=4 pytest`` (or ``=2,3``) runs every file at those P
+only; CI (``CI`` set) ignores it.
 
 Each P is one launch: the first test at that P runs every file selected at that P (``-k``,
 ``-m`` and SPARSECOLL_NPROCS choose) in one ``mpiexec -n P pytest -x``, whose ranks record
-each test's outcome (tests/mpi/conftest.py); each file's test then reads its own from the
-records. Starting P Python processes that import numpy, Numba, mpi4py, Hypothesis and torch
-took 10 s at P = 8 on the 2-core machine, once per file before. A launch is killed when
-nothing moves for ``SPARSECOLL_MPI_TIMEOUT`` seconds (default 600): no output, no record.
-Under pytest-xdist each file still gets a launch of its own.
+each test's outcome and each file's end (tests/mpi/conftest.py); each file's test then
+reads its own from the records, and the session's summary lists each file's seconds.
+A launch is killed when nothing moves for ``SPARSECOLL_MPI_TIMEOUT`` seconds (default
+600): no output, no record. Under pytest-xdist each file still gets a launch of its own.
 """
 
 from __future__ import annotations
@@ -19,22 +21,43 @@ import json
 import os
 import re
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
-from .mpirun import MPI_SELECTED, ROOT, TIMEOUT, run_mpi_watched
+from .mpirun import LAUNCHES, MPI_SELECTED, ROOT, TIMEOUT, run_mpi_watched
 
 MPI_FILES = sorted((Path(__file__).parent / "mpi").glob("test_*.py"))
 NPROCS = [1, 2, 3, 4, 5, 8]
+# Error and API paths: one rank's bad input raising on every rank, the communicators and
+# input representations a user may pass, large-count fallbacks, the docs' examples, the
+# bench scripts' input checks. P = 2 (one other rank) and 3 (several) cover them; the
+# algorithms' files run at every P, since ranges, rounds and merge trees change with P.
+API_FILES = frozenset(
+    {
+        "test_bench_scripts.py",
+        "test_communicators.py",
+        "test_docs.py",
+        "test_errors.py",
+        "test_large_counts.py",
+        "test_representations.py",
+    }
+)
+API_NPROCS = [2, 3]
+# The quick tier's collective contracts (pytest -m quick), at QUICK_NPROCS
+QUICK_FILES = frozenset(
+    {"test_bytes.py", "test_errors.py", "test_exact.py", "test_exdyna.py", "test_selecting.py"}
+)
+QUICK_NPROCS = [2, 3]
 
 
-def select_nprocs(env: Mapping[str, str]) -> list[int]:
-    """The P values to run: every one, or those SPARSECOLL_NPROCS lists (ignored in CI)."""
+def select_nprocs(env: Mapping[str, str]) -> list[int] | None:
+    """The P values SPARSECOLL_NPROCS lists, or None (unset, or CI set): each file's own."""
     text = env.get("SPARSECOLL_NPROCS", "").strip()
     if not text or env.get("CI"):
-        return NPROCS
+        return None
     try:
         chosen = [int(t) for t in text.split(",")]
     except ValueError:
@@ -42,6 +65,26 @@ def select_nprocs(env: Mapping[str, str]) -> list[int]:
     if any(p < 1 for p in chosen):
         raise ValueError(f"SPARSECOLL_NPROCS: expecting P >= 1, got {text!r}")
     return chosen
+
+
+def file_nprocs(name: str, chosen: list[int] | None) -> list[int]:
+    """The P values a tests/mpi/ file runs at: those chosen, else its tier's."""
+    if chosen is not None:
+        return chosen
+    return API_NPROCS if name in API_FILES else NPROCS
+
+
+def mpi_cases(env: Mapping[str, str]) -> list:
+    """(path, P) for every file at each of its P, ordered by P (one launch per P)."""
+    chosen = select_nprocs(env)
+    cases = []
+    for p in sorted({p for f in MPI_FILES for p in file_nprocs(f.name, chosen)}):
+        for f in MPI_FILES:
+            if p in file_nprocs(f.name, chosen):
+                quick = p in QUICK_NPROCS and f.name in QUICK_FILES
+                marks = [pytest.mark.quick] if quick else []
+                cases.append(pytest.param(f, p, id=f"{f.stem}-{p}", marks=marks))
+    return cases
 
 
 @dataclasses.dataclass
@@ -53,7 +96,20 @@ class Launch:
     returncode: int
     output: str
     hung: bool  # killed after SPARSECOLL_MPI_TIMEOUT seconds without progress
-    ranks: list[dict | None]  # per rank: collected, failed, done, collect_errors
+    ranks: list[dict | None]  # per rank: collected, failed, done, collect_errors, ends
+    started: float  # time.time() at the launch
+
+    def seconds(self) -> tuple[float | None, dict[str, float]]:
+        """Rank 0's seconds from the launch to its collection done (starting P processes,
+        imports), and each file's seconds (the ranks wait for each other after a file)."""
+        rec = self.ranks[0] if self.ranks else None
+        if rec is None or rec["collected_at"] is None:
+            return None, {}
+        per_file, last = {}, rec["collected_at"]
+        for nodeid, t in rec["ends"]:
+            per_file[Path(nodeid).name] = t - last
+            last = t
+        return rec["collected_at"] - self.started, per_file
 
     def problem(self, path: Path) -> str | None:
         """Why ``path``'s tests did not pass at this P, or None if they did."""
@@ -101,10 +157,13 @@ def _read(path: Path) -> dict | None:
     if not path.exists():
         return None
     rec: dict = {"collected": [], "failed": set(), "done": set(), "collect_errors": []}
+    rec.update(collected_at=None, ends=[])
     for line in path.read_text().splitlines():
         entry = json.loads(line)
         if "collected" in entry:
-            rec["collected"] = entry["collected"]
+            rec["collected"], rec["collected_at"] = entry["collected"], entry.get("t")
+        elif "file_done" in entry:
+            rec["ends"].append((entry["file_done"], entry["t"]))
         elif "failed" in entry:
             rec["failed"].add(entry["failed"])
         elif "done" in entry:
@@ -118,40 +177,60 @@ def launch(nprocs: int, files: tuple[Path, ...], idle: float = TIMEOUT) -> Launc
     """The launch of ``files`` at ``nprocs`` ranks: run once, then looked up."""
     key = (nprocs, files)
     if key not in _launches:
+        started = time.time()
         with tempfile.TemporaryDirectory(prefix="sparsecoll-mpi-") as tmp:
             args = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *map(str, files)]
             proc, hung = run_mpi_watched(
                 nprocs, args, Path(tmp), idle, env={"SPARSECOLL_MPI_RECORD": tmp}
             )
             ranks = [_read(Path(tmp) / f"rank{r}.jsonl") for r in range(nprocs)]
-        _launches[key] = Launch(nprocs, files, proc.returncode, proc.stdout, hung, ranks)
+        _launches[key] = Launch(nprocs, files, proc.returncode, proc.stdout, hung, ranks, started)
     return _launches[key]
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("nprocs", select_nprocs(os.environ))
-@pytest.mark.parametrize("path", MPI_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize(("path", "nprocs"), mpi_cases(os.environ))
 def test_under_mpiexec(path: Path, nprocs: int, request: pytest.FixtureRequest) -> None:
     files = tuple(request.config.stash.get(MPI_SELECTED, {}).get(nprocs, ()))
     if path not in files or os.environ.get("PYTEST_XDIST_WORKER"):
         files = (path,)  # (pytest-xdist: every worker would launch every file)
     result = launch(nprocs, files)
+    request.config.stash.setdefault(LAUNCHES, {})[(nprocs, files)] = result
     problem = result.problem(path)
     assert problem is None, f"mpiexec -n {nprocs} {path.name}: {problem}\n{result.output[-8000:]}"
 
 
 def test_nprocs_knob() -> None:
-    assert select_nprocs({}) == NPROCS
+    assert select_nprocs({}) is None
     assert select_nprocs({"SPARSECOLL_NPROCS": "4"}) == [4]
     assert select_nprocs({"SPARSECOLL_NPROCS": "2,3"}) == [2, 3]
-    assert select_nprocs({"SPARSECOLL_NPROCS": "4", "CI": "true"}) == NPROCS
+    assert select_nprocs({"SPARSECOLL_NPROCS": "4", "CI": "true"}) is None
     for bad in ("x", "0", "2,,3"):
         with pytest.raises(ValueError, match="SPARSECOLL_NPROCS"):
             select_nprocs({"SPARSECOLL_NPROCS": bad})
 
 
-def test_readme_says_how_to_run_a_quick_subset() -> None:
+def test_tiers() -> None:
+    """Every file runs somewhere; the API files at P = 2, 3, the rest at every P; the
+    quick tier's contracts at P = 2, 3; SPARSECOLL_NPROCS runs every file at its P."""
+    names = {f.name for f in MPI_FILES}
+    assert names >= API_FILES | QUICK_FILES
+    cases = {(c.values[0].name, c.values[1]): c for c in mpi_cases({"CI": "true"})}
+    for name in names:
+        want = API_NPROCS if name in API_FILES else NPROCS
+        assert sorted(p for n, p in cases if n == name) == want, name
+    quick = {key for key, c in cases.items() if any(m.name == "quick" for m in c.marks)}
+    assert quick == {(n, p) for n in QUICK_FILES for p in QUICK_NPROCS}
+    chosen = mpi_cases({"SPARSECOLL_NPROCS": "4"})
+    assert sorted(c.values[0].name for c in chosen) == sorted(names)
+    assert {c.values[1] for c in chosen} == {4}
+    order = [c.values[1] for c in mpi_cases({})]
+    assert order == sorted(order)  # (one launch per P, each P's files together)
+
+
+def test_readme_says_how_to_run_each_tier() -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert "pytest -m quick" in readme
     assert 'pytest -m "not mpi"' in readme
     assert "SPARSECOLL_NPROCS=4 pytest" in readme
 
@@ -201,6 +280,9 @@ def test_one_launch_tells_each_file_its_outcome(harness_files):
     f = harness_files
     result = launch(2, (f["a"], f["b"], f["c"]))
     assert result.problem(f["a"]) is None, result.output[-4000:]
+    startup, seconds = result.seconds()
+    assert startup is not None and startup > 0, result.ranks[0]
+    assert seconds["test_a.py"] >= 2.0, seconds  # (rank 0 sleeps 2 s; rank 1 waits for it)
     assert "1 failed:" in (result.problem(f["b"]) or ""), result.output[-4000:]
     assert "test_fails_on_rank_1" in result.problem(f["b"])
     # (rank 1 stopped at its failure, -x; rank 0 may have run test_c before the abort)
@@ -215,3 +297,20 @@ def test_a_hung_launch_is_killed_and_said_so(harness_files):
     result = launch(2, (f["a"], f["d"]), idle=15)
     assert result.hung and result.problem(f["a"]) is None, result.output[-4000:]
     assert "a hang?" in (result.problem(f["d"]) or ""), result.output[-4000:]
+
+
+@pytest.mark.mpi
+def test_without_torch_every_rank_skips_alike(tmp_path):
+    """With torch absent, the tests that use it skip (or leave their torch case out) on every
+    rank alike: one rank skipping alone leaves the others waiting in the test's collective."""
+    (tmp_path / "torch.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'torch' (hidden)\", name='torch')\n"
+    )
+    names = ("test_errors.py", "test_nonblocking.py", "test_representations.py")
+    files = [str(Path(__file__).parent / "mpi" / name) for name in names]
+    keep = "unviewable or hook or representations or torch"
+    args = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", keep, *files]
+    path = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    proc, hung = run_mpi_watched(2, args, tmp_path, idle=120, env={"PYTHONPATH": path})
+    assert not hung and proc.returncode == 0, proc.stdout[-4000:]
+    assert "No module named 'torch' (hidden)" in proc.stdout, proc.stdout[-4000:]

@@ -4,13 +4,14 @@ With ``SPARSECOLL_MPI_RECORD=DIR`` (set by tests/test_mpi.py, which runs several
 launch) each rank also writes what it collected and each test's outcome to
 ``DIR/rank<r>.jsonl``, a line at a time, so that the launching test can tell which file
 failed, which completed, and where a launch that hung or aborted stopped; the ranks then
-wait for each other at the end of every file.
+wait for each other at the end of every file, and record the time it ended.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 from mpi4py import MPI
@@ -27,7 +28,7 @@ def _record(entry: dict) -> None:
 if RECORD:
 
     def pytest_collection_finish(session):
-        _record({"collected": [item.nodeid for item in session.items]})
+        _record({"collected": [item.nodeid for item in session.items], "t": time.time()})
 
     def pytest_collectreport(report):
         if report.failed:
@@ -47,6 +48,7 @@ if RECORD:
         yield
         if nextitem is None or nextitem.path != item.path:
             MPI.COMM_WORLD.Barrier()
+            _record({"file_done": item.nodeid.split("::")[0], "t": time.time()})
 
 
 _failed: list[int] = []  # the session's exit status, when it failed
