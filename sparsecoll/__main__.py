@@ -122,12 +122,10 @@ def _main(argv: list[str] | None) -> int:
 def relaunch(cmd: list[str]) -> int:
     """Run ``cmd`` (an mpiexec) to its end and return its exit status, as a shell reports it.
 
-    A signal that would end this process is passed on to mpiexec, which stops its ranks,
-    and mpiexec is waited for: SIGTERM and SIGHUP (``kill PID``, a closed terminal) used to
-    end this process alone, leaving mpiexec and every rank running the benchmark to its end,
-    and SIGINT (Ctrl-C, or ``kill -INT PID``) made ``subprocess.call`` SIGKILL mpiexec,
-    which then could not stop its ranks. A Ctrl-C typed in a terminal reaches mpiexec too;
-    the copy passed on counts as the second Ctrl-C that makes MPICH's mpiexec abort at once.
+    A signal that would end this process (SIGTERM, SIGHUP, SIGINT) is passed on to mpiexec,
+    which stops its ranks, and mpiexec is waited for: no rank outlives the command. A Ctrl-C
+    typed in a terminal reaches mpiexec too; the copy passed on counts as the second Ctrl-C
+    that makes MPICH's mpiexec abort at once.
     """
     started: list[subprocess.Popen[bytes]] = []
 

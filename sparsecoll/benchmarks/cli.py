@@ -151,7 +151,7 @@ def floats_arg(low: float, above: bool = False) -> Callable[[str], list[float]]:
 def readable(text: str, folder: bool = False) -> Path:
     """An argparse ``type`` for a file a script reads (``folder``: a folder it reads files
     from): a usage error naming the option and the path when it is missing, of the other
-    kind or unreadable (it used to be a traceback once the script had started)."""
+    kind or unreadable, before the script starts."""
     kind = "folder" if folder else "file"
     why = None
     if not os.path.exists(text):
@@ -170,8 +170,7 @@ def check_columns(
 ) -> None:
     """A usage error (exit 2) naming the file when a CSV of ``paths`` lacks one of
     ``columns`` in its header (``what``: the kind of CSV the script reads; ``rows``: or
-    has no row under it): a CSV of another kind used to be a KeyError traceback once the
-    script had started."""
+    has no row under it), before the script starts."""
     for path in paths:
         try:
             with open(path, newline="") as f:
@@ -260,10 +259,10 @@ def _writable_folder(path: str | os.PathLike, parents: bool) -> bool:
 def refuse_unwritable(comm: Any, paths: list[Any], folders: list[Any] = (), parents=False):
     """Exit 2 on every rank (rank 0 alone prints, as argparse would) when rank 0, the rank
     that writes them, cannot write one of ``paths`` (files) or into one of ``folders``
-    (``parents``: the script makes missing folders). Run it as soon as MPI has started:
-    an output that cannot be written used to fail once the whole run was done. (Rank 0
-    decides, the others follow: on another host the folder may not exist, and a rank
-    exiting before MPI starts leaves the others waiting in MPI_Init.)"""
+    (``parents``: the script makes missing folders). Run it as soon as MPI has started,
+    so that an unwritable output fails before the run, not after it. Rank 0 decides, the
+    others follow: on another host the folder may not exist, and a rank exiting before MPI
+    starts would leave the others waiting in MPI_Init."""
     bad: list[Any] = []
     if comm.rank == 0:
         bad = [f for f in paths if f is not None and not writable(f, parents)]
@@ -274,9 +273,8 @@ def refuse_unwritable(comm: Any, paths: list[Any], folders: list[Any] = (), pare
 def exit_on_any(comm: Any, error: str | None) -> None:
     """Exit 2 on every rank when one has an ``error`` (this rank's message, or None), rank
     0 alone printing the first such rank's message as argparse would (naming the rank when
-    it is another): a failure on one rank (a file it alone cannot read or write) used to be
-    that rank's traceback, the others going on to wait for it. One small allreduce when
-    none has an error."""
+    it is another), so that a failure on one rank (a file it alone cannot read or write)
+    never leaves the others waiting. One small allreduce when none has an error."""
     bad = int(comm.allreduce_ints([comm.size if error is None else comm.rank], "min")[0])
     if bad == comm.size:
         return
@@ -330,8 +328,7 @@ def local_ranks(nprocs: int) -> int:
 def check_memory(p: argparse.ArgumentParser, n: int, itemsize: int, ranks: int, what: str) -> None:
     """A usage error (exit 2) when ``ranks`` copies of ``n`` elements of ``itemsize`` bytes
     (``what``: the array every rank must hold, a lower bound of its memory) exceed this
-    host's memory: 2**40 elements used to end in a MemoryError traceback on every rank, or
-    an allocation that only the OOM killer stopped."""
+    host's memory, instead of a MemoryError on every rank or the OOM killer."""
     need = n * itemsize * ranks
     try:
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
