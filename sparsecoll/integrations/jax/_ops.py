@@ -4,9 +4,9 @@ Why an ordered I/O callback: a collective acts on other ranks, so it must run on
 and in program order on every rank. ``pure_callback`` promises neither (XLA may drop,
 duplicate or move it); an ordered ``io_callback`` threads an effect token through the
 program, so its calls run in program order, the same on every rank running the same program.
-On the host the callback gets numpy views of XLA's buffers and hands them to the library
-as they are; an XLA FFI custom call would save the host copies of a GPU array, but needs a
-compiled extension.
+The callback hands the library numpy views of its operands and returns numpy arrays, which
+XLA copies into its output buffers; an XLA FFI custom call would save these copies (and a GPU
+array's trip to the host), but needs a compiled extension.
 
 Errors: the library's agreement makes every rank raise the same error in the callback (a
 wrong dtype, sizes differing across ranks), so no rank is left waiting. JAX raises it as a
@@ -49,10 +49,13 @@ def step(reducer: Any, grad: Any) -> Any:
 
     grad = jnp.asarray(grad)
 
+    out: list[np.ndarray] = []  # one update buffer per traced call (no page faults)
+
     def run(g: np.ndarray) -> np.ndarray:
-        update = reducer.step(g)
-        # (its own buffer, rewritten later: XLA may keep a host array without a copy)
-        return update.copy() if reducer.reuse_update else update
+        # (XLA copies a callback's results into its own buffers: the next step may reuse it)
+        if not out or out[0].dtype != g.dtype:
+            out[:] = [np.empty(g.shape, g.dtype)]
+        return reducer.step(g, out=out[0])
 
     return _call(run, jax.ShapeDtypeStruct(grad.shape, grad.dtype), grad)
 
@@ -174,7 +177,8 @@ def _call(run: Callable[..., Any], shapes: Any, *args: Any) -> Any:
 
     def callback(*arrays: Any) -> Any:
         try:
-            return run(*arrays)
+            # (JAX hands the callback host jax.Arrays: their numpy views, without a copy)
+            return run(*(np.asarray(a) for a in arrays))
         except BaseException as exc:
             with _lock:
                 _raised[:] = [exc]
