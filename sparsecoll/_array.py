@@ -1,5 +1,9 @@
 """Array-module dispatch (numpy or CuPy) and host staging; the only module importing cupy.
 
+torch tensors and JAX arrays are viewed as numpy (host) or CuPy (GPU) arrays, and results go
+back to their kind (:func:`as_array`'s ``wrap``); torch and jax are imported only when such
+an array comes.
+
 Device support is optional: every CuPy object is reached through :func:`cupy_or_none`, so
 the package imports and runs without CuPy or a GPU. Caches that hold CuPy objects (kernels)
 are keyed by the module, so a test can swap the module (see ``tests/fakecupy.py``).
@@ -138,7 +142,11 @@ _NUMPY2 = int(np.__version__.split(".")[0]) >= 2
 def _as_array(x: Any, name: str, writable: bool) -> tuple[Any, Any]:
     mod_name = type(x).__module__.split(".")[0]
     wrap = identity
-    if mod_name == "torch":
+    if mod_name in ("jax", "jaxlib"):
+        wrap = _jax_wrapper(x, name)
+        if _dlpack_device_type(x) == _DL_CPU:
+            return np.asarray(x), wrap  # (a read-only view: JAX arrays are immutable)
+    elif mod_name == "torch":
         wrap = _torch_wrap
         x = x.detach()
         if x.device.type == "cpu":
@@ -217,6 +225,42 @@ def _torch_wrap(a: Any) -> Any:
     import torch
 
     return torch.from_dlpack(a)
+
+
+def _jax_wrapper(x: Any, name: str) -> Any:
+    """Return the function giving a result back as a ``jax.Array`` on ``x``'s device."""
+    import jax
+
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(
+            f"{name}: a traced JAX array (inside jax.jit, grad or vmap): the library needs "
+            "concrete values; inside jit, use sparsecoll.integrations.jax"
+        )
+    if not isinstance(x, jax.Array):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    devices = x.devices()
+    if len(devices) != 1:
+        raise TypeError(
+            f"{name}: a jax.Array on {len(devices)} devices; pass one device's array "
+            "(e.g. x.addressable_shards[0].data)"
+        )
+    return functools.partial(_jax_wrap, device=next(iter(devices)))
+
+
+def _jax_wrap(a: Any, device: Any) -> Any:
+    """Return ``a`` (numpy or CuPy) as a ``jax.Array`` on ``device``: without a copy through
+    DLPack where JAX allows it (a GPU array; a host array 64-byte aligned)."""
+    import jax
+
+    out = jax.dlpack.from_dlpack(a)
+    return out if out.devices() == {device} else jax.device_put(out, device)
+
+
+def fresh(wrap: Any, a: Any) -> Any:
+    """``wrap(a)`` of a buffer the library reuses: a JAX array gets a copy (it is immutable)."""
+    if isinstance(wrap, functools.partial) and wrap.func is _jax_wrap:
+        a = a.copy()
+    return wrap(a)
 
 
 def nonzero_mask(x: Any) -> Any:

@@ -63,7 +63,7 @@ def allreduce(
 
     Returns:
         A coalesced :class:`SparseVector`, identical on every rank, with arrays of the same
-        module as ``values`` and the same value dtype.
+        kind as ``values`` (numpy, CuPy, torch, JAX) and the same value dtype.
 
     Raises:
         CollectiveInputError (a ValueError) or CollectiveTypeError (a TypeError) on every

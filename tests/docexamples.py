@@ -8,6 +8,8 @@ changes that:
     <!-- example: torch -->           run in one ``mpiexec -n 2`` job with the other torch
                                       examples (each sets up a torch process group; skipped
                                       without torch)
+    <!-- example: jax -->             run under mpiexec at P = 2, 3 by tests/mpi/test_jax.py
+                                      (skipped without jax)
     <!-- example: skip (REASON) -->   not run, REASON says why (a GPU, a cluster)
 
 Every block compiles, skipped ones too. Tracebacks name the document and its line.
@@ -40,7 +42,7 @@ class Example:
     path: Path
     line: int  # of the first code line, 1-based
     code: str
-    mode: str  # "run", "torch" or "skip"
+    mode: str  # "run", "torch", "jax" or "skip"
     reason: str = ""
 
     @property
@@ -82,10 +84,10 @@ def parse(text: str, path: Path) -> list[Example]:
                 skip = _SKIP.fullmatch(mode)
                 if skip:
                     mode, reason = "skip", skip.group(1)
-                elif mode != "torch":
+                elif mode not in ("torch", "jax"):
                     raise ValueError(
                         f"{path.name}:{i}: unknown example marker {marker.group(0)!r}; "
-                        "expecting 'example: torch' or 'example: skip (REASON)'"
+                        "expecting 'example: torch', 'example: jax' or 'example: skip (REASON)'"
                     )
             code = "\n".join(lines[i + 1 : end]) + "\n"
             found.append(Example(path, i + 2, code, mode, reason))

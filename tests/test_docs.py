@@ -69,6 +69,7 @@ def test_the_examples_are_found():
     skipped ones are where the documents put them."""
     assert RUN and RUN[0].path.name == "README.md" and "sparsecoll.allreduce(" in RUN[0].code
     assert {ex.path.name for ex in TORCH} == {"README.md", "pytorch.md"}
+    assert {ex.path.name for ex in examples("jax")} == {"jax.md"}  # tests/mpi/test_jax.py
     assert [ex.id for ex in EVERY if ex.mode == "skip"] == [
         ex.id for ex in EVERY if ex.path.name == "gpu.md"
     ]

@@ -23,6 +23,7 @@ from .._agree import algorithm_signature, collective_check, watch
 from .._array import (
     as_array,
     device_scope,
+    fresh,
     get_array_module,
     identity,
     same_device,
@@ -123,7 +124,8 @@ class Stepping:
         if out is not None:
             wait_for_foreign(out, dest)
             return out
-        return wrap(update.reshape(arr.shape))  # (DLPack orders the caller's stream)
+        update = update.reshape(arr.shape)
+        return fresh(wrap, update) if reuse else wrap(update)  # (DLPack orders the stream)
 
     def _check_local(self, arr: Any) -> None:
         if int(arr.size) != self.n:

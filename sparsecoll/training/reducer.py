@@ -390,8 +390,8 @@ class GradientReducer(Stepping):
     def step(self, grad: Any, out: Any = None) -> Any:
         """Reduce this rank's gradient; return the dense update, the same on every rank.
 
-        ``grad`` is a numpy/CuPy array (or a torch tensor, returned as torch) of n elements
-        and float16/32/64 dtype; it is only read. The update has its shape and dtype; with
+        ``grad`` is a numpy/CuPy array (a torch tensor or JAX array: returned as one) of n
+        elements and float16/32/64 dtype; it is only read. The update has its shape and dtype; with
         ``out`` (an array or tensor of the same size, dtype and device; it may be ``grad``
         itself) it is written there and ``out`` is returned, saving an allocation of n.
 

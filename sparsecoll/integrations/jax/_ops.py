@@ -1,0 +1,190 @@
+"""The collectives for traced JAX code, each one ``jax.experimental.io_callback(ordered=True)``.
+
+Why an ordered I/O callback: a collective acts on other ranks, so it must run once per call
+and in program order on every rank. ``pure_callback`` promises neither (XLA may drop,
+duplicate or move it); an ordered ``io_callback`` threads an effect token through the
+program, so its calls run in program order, the same on every rank running the same program.
+The callback hands the library numpy views of its operands and returns numpy arrays, which
+XLA copies into its output buffers; an XLA FFI custom call would save these copies (and a GPU
+array's trip to the host), but needs a compiled extension.
+
+Errors: the library's agreement makes every rank raise the same error in the callback (a
+wrong dtype, sizes differing across ranks), so no rank is left waiting. JAX raises it as a
+``JaxRuntimeError`` whose message holds the library's; called outside ``jit`` these functions
+raise the library's own error, and :func:`original_errors` does so around a jitted call.
+JAX dispatches asynchronously: before calling the library outside ``jit`` on a communicator
+that pending jitted steps use, wait for them (``jax.effects_barrier()``), or ranks may
+interleave the two calls differently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from ..._array import INT32_LIMIT
+from ...api import allreduce as _allreduce
+from ...comm import Communicator
+
+__all__ = ["allreduce", "allreduce_dense", "original_errors", "step"]
+
+_lock = threading.Lock()
+_raised: list[BaseException] = []  # the last error a callback raised (guarded by _lock)
+
+
+def step(reducer: Any, grad: Any) -> Any:
+    """Return ``reducer.step(grad)`` (a :class:`sparsecoll.GradientReducer`), traceable.
+
+    ``grad`` is a JAX array of ``reducer.n`` elements; the update has its shape and dtype and
+    is the same on every rank. The reducer keeps its residual (error feedback) on the host.
+    Raises the reducer's errors on every rank (see :func:`original_errors`).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    grad = jnp.asarray(grad)
+
+    out: list[np.ndarray] = []  # one update buffer per traced call (no page faults)
+
+    def run(g: np.ndarray) -> np.ndarray:
+        # (XLA copies a callback's results into its own buffers: the next step may reuse it)
+        if not out or out[0].dtype != g.dtype:
+            out[:] = [np.empty(g.shape, g.dtype)]
+        return reducer.step(g, out=out[0])
+
+    return _call(run, jax.ShapeDtypeStruct(grad.shape, grad.dtype), grad)
+
+
+def allreduce(
+    values: Any,
+    indices: Any,
+    *,
+    n: int,
+    capacity: int,
+    count: Any = None,
+    comm: Any = None,
+    algorithm: Any = "allgather",
+    **options: Any,
+) -> tuple[Any, Any, Any]:
+    """Sum sparse vectors over every rank (:func:`sparsecoll.allreduce`), traceable.
+
+    Args:
+        values, indices: this rank's entries (1-D JAX arrays of one length m).
+        n: the dense length, the same on every rank.
+        capacity: the length of the result's arrays (static), at least the sum's nonzeros.
+        count: how many leading entries of ``values``/``indices`` are this rank's (an int
+            or a traced scalar; clipped to ``[0, m]``, as JAX clips slice bounds); None: m.
+        comm, algorithm, options: as :func:`sparsecoll.allreduce`'s.
+
+    Returns:
+        ``(indices, values, count)``, the same on every rank: the sum's first ``count``
+        entries in ascending index order, then index ``n`` and value 0 up to ``capacity``
+        (``x.at[indices].add(values, mode="drop")`` ignores them). Indices are int32.
+
+    Raises:
+        ValueError on every rank when the sum has more than ``capacity`` nonzeros; the
+        library's errors on every rank (see :func:`original_errors`).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    values, indices = jnp.asarray(values), jnp.asarray(indices)
+    capacity, n = operator.index(capacity), operator.index(n)
+    if capacity < 0:
+        raise ValueError(f"capacity must be non-negative, got {capacity}")
+    if n > INT32_LIMIT:
+        raise ValueError(f"n must be at most {INT32_LIMIT} (int32 indices), got {n}")
+    m = int(values.shape[0]) if values.ndim else 0
+    count = jnp.asarray(m if count is None else count, jnp.int32)
+    c = Communicator.wrap(comm)
+
+    def run(v: np.ndarray, i: np.ndarray, k: np.ndarray) -> tuple[Any, Any, Any]:
+        k = min(max(int(k), 0), m)
+        out = _allreduce(c, v[:k], i[:k], n=n, algorithm=algorithm, **options)
+        nnz = out.nnz
+        if nnz > capacity:  # (the sum is the same on every rank: each raises here)
+            raise ValueError(f"the sum has {nnz} nonzeros, over capacity={capacity}")
+        idx = np.full(capacity, n, np.int32)
+        idx[:nnz] = out.indices
+        val = np.zeros(capacity, v.dtype)
+        val[:nnz] = out.values
+        return idx, val, np.int32(nnz)
+
+    shapes = (
+        jax.ShapeDtypeStruct((capacity,), jnp.int32),
+        jax.ShapeDtypeStruct((capacity,), values.dtype),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    return _call(run, shapes, values, indices, count)
+
+
+def allreduce_dense(x: Any, *, comm: Any = None, algorithm: Any = "allgather", **options: Any):
+    """Return the sum over every rank of the dense JAX array ``x`` (its nonzeros reduced by
+    :func:`sparsecoll.allreduce`), of ``x``'s shape and dtype, the same on every rank.
+
+    A selecting ``algorithm`` (e.g. ``"gtopk", k=``) keeps about ``k`` entries of the sum;
+    without error feedback: for training use :func:`step`.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.asarray(x)
+    c = Communicator.wrap(comm)
+
+    def run(a: np.ndarray) -> np.ndarray:
+        flat = a.reshape(-1)
+        idx = np.flatnonzero(flat)  # (a wrong dtype is refused by every rank's allreduce)
+        out = _allreduce(c, flat[idx], idx, n=flat.size, algorithm=algorithm, **options)
+        dense = np.zeros(flat.size, a.dtype)
+        dense[out.indices] = out.values
+        return dense.reshape(a.shape)
+
+    return _call(run, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+@contextlib.contextmanager
+def original_errors() -> Iterator[None]:
+    """Raise the library's error in place of the ``JaxRuntimeError`` that carries it.
+
+    Around a jitted call that reduces with these functions (``with original_errors():
+    params = train_step(params, batch)``): a CollectiveInputError raised in a callback then
+    reaches the caller as itself, chained to JAX's error.
+    """
+    import jax
+
+    with _lock:
+        _raised.clear()
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as exc:
+        with _lock:
+            found = _raised.pop() if _raised else None
+        if found is None or str(found) not in str(exc):
+            raise
+        raise found from exc
+
+
+def _call(run: Callable[..., Any], shapes: Any, *args: Any) -> Any:
+    """``io_callback(run, shapes, *args, ordered=True)``; outside a trace, the error ``run``
+    raised is raised as itself."""
+    import jax
+    from jax.experimental import io_callback
+
+    def callback(*arrays: Any) -> Any:
+        try:
+            # (JAX hands the callback host jax.Arrays: their numpy views, without a copy)
+            return run(*(np.asarray(a) for a in arrays))
+        except BaseException as exc:
+            with _lock:
+                _raised[:] = [exc]
+            raise
+
+    if any(isinstance(a, jax.core.Tracer) for a in args):
+        return io_callback(callback, shapes, *args, ordered=True)
+    with original_errors():
+        return io_callback(callback, shapes, *args, ordered=True)

@@ -1,0 +1,131 @@
+"""JAX arrays through the library on one process (MPI.COMM_SELF): kind, device and bits kept,
+inside and outside ``jax.jit``; jax is imported only when such an array comes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import sparsecoll
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+sc_jax = pytest.importorskip("sparsecoll.integrations.jax")
+
+
+@pytest.fixture(scope="module")
+def comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_SELF
+
+
+def test_import_does_not_import_jax():
+    code = "import sys, sparsecoll, sparsecoll.integrations.jax; print('jax' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("algorithm", ["allgather", "dense", "gtopk"])
+def test_allreduce_jax_in_jax_out_bit_identical(comm, algorithm):
+    rng = np.random.default_rng(0)
+    vals = rng.standard_normal(300).astype(np.float32)
+    idx = rng.integers(0, 1000, 300).astype(np.int32)
+    opts = {"k": 40} if algorithm == "gtopk" else {}
+    ref = sparsecoll.allreduce(comm, vals, idx, n=1000, algorithm=algorithm, **opts)
+    out = sparsecoll.allreduce(
+        comm, jnp.asarray(vals), jnp.asarray(idx), n=1000, algorithm=algorithm, **opts
+    )
+    assert isinstance(out.values, jax.Array) and isinstance(out.indices, jax.Array)
+    assert out.values.devices() == jnp.asarray(vals).devices()
+    assert np.asarray(out.values).tobytes() == ref.values.tobytes()
+    assert np.array_equal(np.asarray(out.indices), ref.indices)
+    dense = out.to_dense()
+    assert isinstance(dense, jax.Array) and np.array_equal(np.asarray(dense), ref.to_dense())
+
+
+def test_iallreduce_returns_jax(comm):
+    vals, idx = jnp.array([1.0, 2.0, 3.0]), jnp.array([4, 1, 4])
+    out = sparsecoll.iallreduce(comm, vals, idx, n=5).wait()
+    assert isinstance(out.values, jax.Array)
+    assert np.asarray(out.values).tolist() == [2.0, 4.0]
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_reducer_step_jax_in_jax_out(comm, reuse):
+    a = sparsecoll.GradientReducer(comm, n=600, algorithm="oktopk", density=0.05)
+    b = sparsecoll.GradientReducer(comm, n=600, algorithm="oktopk", density=0.05)
+    a.reuse_update = reuse
+    kept = []
+    for s in range(4):
+        g = jax.random.normal(jax.random.key(s), (20, 30))
+        u = a.step(g)
+        assert isinstance(u, jax.Array) and u.shape == (20, 30) and u.dtype == g.dtype
+        ref = b.step(np.asarray(g))
+        assert np.asarray(u).tobytes() == ref.tobytes()
+        kept.append((u, ref.copy()))
+    # a JAX array is immutable: the reused buffer is copied, never lent
+    assert all(np.array_equal(np.asarray(u), r) for u, r in kept)
+
+
+def test_jax_out_is_refused(comm):
+    r = sparsecoll.GradientReducer(comm, n=10, algorithm="oktopk", density=0.5)
+    with pytest.raises(ValueError, match="read-only"):
+        r.step(jnp.ones(10), out=jnp.zeros(10))
+
+
+def test_traced_array_points_to_the_integration(comm):
+    f = jax.jit(lambda v: sparsecoll.allreduce(comm, v, jnp.arange(3), n=3).values)
+    with pytest.raises(TypeError, match=r"sparsecoll\.integrations\.jax"):
+        f(jnp.ones(3))
+
+
+def test_jit_step_bit_identical(comm):
+    a = sparsecoll.GradientReducer(comm, n=1000, algorithm="exdyna", density=0.02)
+    b = sparsecoll.GradientReducer(comm, n=1000, algorithm="exdyna", density=0.02)
+    f = jax.jit(lambda g: sc_jax.step(a, g))
+    for s in range(5):
+        g = jax.random.normal(jax.random.key(s), (1000,))
+        u = f(g)
+        assert isinstance(u, jax.Array)
+        assert np.asarray(u).tobytes() == b.step(np.asarray(g)).tobytes()
+
+
+def test_jit_allreduce_fixed_capacity(comm):
+    vals = jnp.array([1.0, 2.0, 3.0, 9.0], jnp.float32)
+    idx = jnp.array([4, 1, 4, 0])
+    f = jax.jit(lambda v, i, c: sc_jax.allreduce(v, i, n=6, capacity=5, count=c, comm=comm))
+    i, v, c = f(vals, idx, 3)
+    assert int(c) == 2 and i.dtype == jnp.int32
+    assert np.asarray(i).tolist() == [1, 4, 6, 6, 6]
+    assert np.asarray(v).tolist() == [2.0, 4.0, 0.0, 0.0, 0.0]
+    dense = jnp.zeros(6).at[i].add(v, mode="drop")
+    assert np.asarray(dense).tolist() == [0, 2, 0, 0, 4, 0]
+    with pytest.raises(ValueError, match="over capacity=1"):
+        sc_jax.allreduce(vals, idx, n=6, capacity=1, comm=comm)
+
+
+def test_jit_allreduce_dense(comm):
+    x = jnp.array([[0.0, 1.5], [0.0, -2.0]], jnp.float32)
+    y = jax.jit(lambda x: sc_jax.allreduce_dense(x, comm=comm))(x)
+    assert y.shape == (2, 2) and np.array_equal(np.asarray(y), np.asarray(x))
+
+
+def test_errors_inside_and_outside_jit(comm):
+    r = sparsecoll.GradientReducer(comm, n=8, algorithm="oktopk", density=0.5)
+    bad = jnp.zeros(8, jnp.int32)
+    with pytest.raises(sparsecoll.CollectiveTypeError, match="float16, float32 or float64"):
+        sc_jax.step(r, bad)  # outside jit: the library's own error
+    f = jax.jit(lambda g: sc_jax.step(r, g))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="CollectiveTypeError"):
+        f(bad).block_until_ready()
+    with (
+        pytest.raises(sparsecoll.CollectiveInputError, match="8 elements, got 9"),
+        sc_jax.original_errors(),
+    ):
+        f(jnp.zeros(9)).block_until_ready()
+    assert np.asarray(f(jnp.ones(8))).shape == (8,)  # the reducer steps on
