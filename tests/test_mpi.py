@@ -32,8 +32,8 @@ from .mpirun import LAUNCHES, MPI_SELECTED, ROOT, TIMEOUT, run_mpi_watched
 MPI_FILES = sorted((Path(__file__).parent / "mpi").glob("test_*.py"))
 NPROCS = [1, 2, 3, 4, 5, 8]
 # Error and API paths: one rank's bad input raising on every rank, the communicators and
-# input representations a user may pass, large-count fallbacks, the docs' examples, the
-# bench scripts' input checks. P = 2 (one other rank) and 3 (several) cover them; the
+# input representations a user may pass (JAX arrays too), large-count fallbacks, the docs'
+# examples, the bench scripts' input checks. P = 2 (one other rank) and 3 (several) cover them; the
 # algorithms' files run at every P, since ranges, rounds and merge trees change with P.
 API_FILES = frozenset(
     {
@@ -41,6 +41,7 @@ API_FILES = frozenset(
         "test_communicators.py",
         "test_docs.py",
         "test_errors.py",
+        "test_jax.py",
         "test_large_counts.py",
         "test_representations.py",
     }

@@ -17,9 +17,6 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 sc_jax = pytest.importorskip("sparsecoll.integrations.jax")
 
-if MPI.COMM_WORLD.Get_size() not in (2, 3):  # (the same on every rank)
-    pytest.skip("the JAX tests run at P = 2 and 3", allow_module_level=True)
-
 RANK = MPI.COMM_WORLD.Get_rank()
 EXAMPLES = examples("jax")
 
