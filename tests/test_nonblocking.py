@@ -140,31 +140,39 @@ def test_thread_level_is_checked(level):
     assert out.count("RuntimeWarning: the watchdog (SPARSECOLL_TIMEOUT) needs") == 2, out
 
 
+FORK_WHILE_LOCKED = """
+import os, signal, sys, time
+from sparsecoll import _progress
+
+with _progress._registry_lock:  # (as another thread creating an engine holds it)
+    pid = os.fork()
+    if pid == 0:  # the child
+        _progress.shutdown()
+        os._exit(0)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(0.05)
+os.kill(pid, signal.SIGKILL)
+os.waitpid(pid, 0)
+sys.exit("the forked child's exit handler hung on the registry lock")
+"""
+
+
 def test_a_child_forked_while_the_engine_registry_is_locked_exits():
-    """A fork while another thread holds the engine registry's lock (making an engine):
-    the child's exit handler took that lock, copied locked into a child with no thread to
-    release it, and hung for ever. The child gets a new lock."""
-    import os
-    import signal
+    """A fork while another thread holds the engine registry's lock (making an engine): the
+    child gets a new lock, so its exit handler does not wait for ever on a lock copied
+    locked into a child with no thread to release it. (In a fresh interpreter: this one
+    may hold other libraries' threads, which a fork does not mix with.)"""
+    import subprocess
+    import sys
 
-    from sparsecoll import _progress
-
-    with _progress._registry_lock:  # (as another thread creating an engine holds it)
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover (the child)
-            _progress.shutdown()
-            os._exit(0)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child's exit handler hung on the registry lock")
-    assert os.waitstatus_to_exitcode(status) == 0
+    proc = subprocess.run(
+        [sys.executable, "-c", FORK_WHILE_LOCKED], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 @pytest.mark.mpi
