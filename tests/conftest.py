@@ -13,6 +13,9 @@ as ``--hypothesis-seed=S`` would), so local runs can explore the collectives' in
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -88,10 +91,29 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(f"-n {nprocs}: {total:.0f} s; start {start}; {line}")
 
 
-def pytest_sessionstart(session):
-    """Compile the Numba kernels once here, so mpiexec ranks load them from the cache
-    instead of all compiling the same kernels at once."""
-    if not IN_MPIEXEC:
-        from sparsecoll.select import warmup
+_warming: list[subprocess.Popen] = []
 
-        warmup()
+
+def pytest_sessionstart(session):
+    """Compile the Numba kernels on another core while the first tests run (tests/_warm.py),
+    so that the tests and the mpiexec ranks load them from the cache instead of each
+    compiling them; SPARSECOLL_WARM=0 turns it off. Not inside mpiexec."""
+    if IN_MPIEXEC or os.environ.get("SPARSECOLL_WARM", "1") == "0":
+        return
+    script = Path(__file__).with_name("_warm.py")
+    _warming.append(
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "SPARSECOLL_COMPILE_NOTICE": "0"},
+        )
+    )
+
+
+def pytest_sessionfinish(session):
+    """The warm-up is only ahead of the tests: stop it if the session ended first."""
+    for proc in _warming:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
