@@ -139,6 +139,7 @@ def starting(comm: Any, call: str | None) -> Iterator[None]:
             f"call there; some rank has not made it; timeout "
             f"{timeout:g} s expired (SPARSECOLL_TIMEOUT); aborting the job"
         )
+        time.sleep(GRACE)  # (so that mpiexec forwards the line before the abort ends the job)
         comm.abort(1)
 
     timer = threading.Timer(timeout, fire)
