@@ -34,8 +34,10 @@ from .sparse import VALUE_DTYPES
 __all__ = [
     "ALGORITHM_SIGNATURE_LEN",
     "ENGINE_START",
+    "ROW_WIDTH_AT",
     "SIGNATURE_LEN",
     "STATE_REMEDY",
+    "ValuesShape",
     "Vote",
     "agreement",
     "algorithm_signature",
@@ -44,6 +46,7 @@ __all__ = [
     "collective_check",
     "share_error",
     "start_vote",
+    "values_shape_detail",
     "watch",
 ]
 
@@ -52,6 +55,7 @@ Detail = tuple[tuple[tuple[int, ...], dict[str, Any]], ...] | None
 
 SIGNATURE_LEN = 9  # (a GradientReducer's 4 values and an algorithm's 5)
 ALGORITHM_SIGNATURE_LEN = 5
+ROW_WIDTH_AT = 3 + ALGORITHM_SIGNATURE_LEN  # an allreduce's row width, after its algorithm's
 # what to do when an algorithm instance's signature (options and state) differs
 STATE_REMEDY = (
     "build the instance with the same options on every rank; one used for other calls "
@@ -92,10 +96,28 @@ def _unwatched() -> None:
 
 
 def call_signature(algo: Any, vals: Any, n: Any) -> list[int]:
-    """The signature of an allreduce: n, the values' dtype, the algorithm and its own."""
+    """The signature of an allreduce: n, the values' dtype, the algorithm and its own, and
+    last (at ``ROW_WIDTH_AT``) the values' row width (0: 1-D values)."""
     dtype_code = VALUE_DTYPES.index(vals.dtype)
     crc = zlib.crc32(class_name(type(algo)).encode())
-    return [int(n), dtype_code, crc, *algorithm_signature(algo)]
+    sig = [int(n), dtype_code, crc, *algorithm_signature(algo)]
+    sig += [0] * (ROW_WIDTH_AT - len(sig))
+    return [*sig, int(vals.shape[1]) if vals.ndim == 2 else 0]
+
+
+class ValuesShape(str):
+    """The shape of a call's values, as a mismatch names it: ``(nnz,)`` or ``(nnz, D)``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def values_shape_detail(vals: Any) -> tuple[tuple[int, ...], dict[str, Any]]:
+    """The detail (:class:`Vote`) behind the row width of :func:`call_signature`."""
+    shape = "(nnz,)" if vals.ndim == 1 else f"(nnz, {int(vals.shape[1])})"
+    return ((ROW_WIDTH_AT,), {"values shape": ValuesShape(shape)})
 
 
 @functools.cache  # (read at every call's agreement; a class's answer never changes)

@@ -271,15 +271,23 @@ def nonzero_mask(x: Any) -> Any:
 
 
 def nonzero_positions(x: Any) -> Any:
-    """Return ``flatnonzero(x)`` of a 1-D array, float32 subnormals counted on a GPU too."""
+    """Return ``flatnonzero(x)`` of a 1-D array, float32 subnormals counted on a GPU too;
+    of a 2-D array, the rows holding a nonzero."""
     xp = get_array_module(x)
-    return xp.flatnonzero(x if xp is np or x.dtype != np.float32 else nonzero_mask(x))
+    return xp.flatnonzero(_nonzero_rows(x, xp))
 
 
 def nonzero_count(x: Any) -> int:
-    """Return ``count_nonzero(x)``, float32 subnormals counted on a GPU too."""
+    """Return ``count_nonzero(x)``, float32 subnormals counted on a GPU too; of a 2-D array,
+    how many rows hold a nonzero."""
     xp = get_array_module(x)
-    return int(xp.count_nonzero(x if xp is np or x.dtype != np.float32 else nonzero_mask(x)))
+    return int(xp.count_nonzero(_nonzero_rows(x, xp)))
+
+
+def _nonzero_rows(x: Any, xp: Any) -> Any:
+    """``x`` (1-D) or which of its rows hold a nonzero (2-D), as flatnonzero can read it."""
+    nz = x if xp is np or x.dtype != np.float32 else nonzero_mask(x)
+    return nz.any(axis=1) if x.ndim == 2 else nz
 
 
 def get_array_module(x: Any) -> Any:
@@ -435,14 +443,21 @@ def segment_sum(vals: Any, heads: Any) -> Any:
 
     ``heads`` is strictly ascending from 0 (so -0.0 + -0.0 is -0.0). Each segment is summed
     in order, without atomics, so every rank summing the same data gets the same bits.
+    Rows (2-D ``vals``) are summed elementwise, each column in that order.
     """
     if isinstance(vals, np.ndarray):
-        return np.add.reduceat(vals, heads)
+        return np.add.reduceat(vals, heads, axis=0)
     cp = cupy_or_none()
     heads = heads.astype(np.int64, copy=False)
     ends = cp.empty_like(heads)
     ends[:-1] = heads[1:]
     ends[-1] = vals.shape[0]
+    if vals.ndim == 2:
+        width = vals.shape[1]
+        out = cp.empty((heads.shape[0], width), dtype=vals.dtype)
+        kernel = _segment_sum_rows_kernel(cp)
+        kernel(cp.ascontiguousarray(vals), heads[:, None], ends[:, None], width, out)
+        return out
     out = cp.empty(heads.shape[0], dtype=vals.dtype)
     _segment_sum_kernel(cp)(vals, heads, ends, out)
     return out
@@ -486,5 +501,18 @@ def _segment_sum_kernel(cp: Any) -> Any:
         "T out",
         "T acc = v[h]; for (long long j = h + 1; j < e; ++j) acc = sc_add(acc, v[j]); out = acc;",
         "sparsecoll_segment_sum",
+        preamble=IEEE_ARITHMETIC,
+    )
+
+
+@functools.cache
+def _segment_sum_rows_kernel(cp: Any) -> Any:
+    # one thread per segment and column of C-contiguous rows of width d, as above
+    return cp.ElementwiseKernel(
+        "raw T v, int64 h, int64 e, int64 d",
+        "T out",
+        "long long c = i % d; T acc = v[h * d + c];"
+        " for (long long j = h + 1; j < e; ++j) acc = sc_add(acc, v[j * d + c]); out = acc;",
+        "sparsecoll_segment_sum_rows",
         preamble=IEEE_ARITHMETIC,
     )

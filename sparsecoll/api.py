@@ -14,6 +14,7 @@ from ._agree import (
     agreement,
     call_signature,
     class_name,
+    values_shape_detail,
     watch,
 )
 from ._array import as_array, device_scope, get_array_module, identity
@@ -48,10 +49,12 @@ def allreduce(
         comm: an mpi4py Intracomm (``MPI.COMM_WORLD``, or any sub-communicator; None:
             COMM_WORLD) or a :class:`sparsecoll.Communicator` (which also counts bytes).
         values: 1-D float16/32/64 array of this rank's nonzeros (numpy, CuPy, or anything
-            numpy takes without a copy: buffer protocol, ``__array__``, DLPack).
+            numpy takes without a copy: buffer protocol, ``__array__``, DLPack); or 2-D,
+            shape ``(nnz, D)``: rows of D values, one index per row (D the same on every
+            rank; exact algorithms only).
         indices: 1-D integer array of the same length, each in ``[0, n)``; unsorted input
-            and repeated indices are allowed (repeats are summed).
-        n: the dense length, the same on every rank.
+            and repeated indices are allowed (repeats are summed, rows elementwise).
+        n: the dense length (in rows, for row values), the same on every rank.
         algorithm: a registered name (a new instance is built with ``options`` for every
             call, so the call depends on its arguments alone) or an Algorithm instance
             (stateful algorithms keep their state in it). A stateful selecting algorithm
@@ -63,7 +66,7 @@ def allreduce(
 
     Returns:
         A coalesced :class:`SparseVector`, identical on every rank, with arrays of the same
-        kind as ``values`` (numpy, CuPy, torch, JAX) and the same value dtype.
+        kind as ``values`` (numpy, CuPy, torch, JAX), the same value dtype and row width.
 
     Raises:
         CollectiveInputError (a ValueError) or CollectiveTypeError (a TypeError) on every
@@ -127,13 +130,13 @@ def _allreduce(
                 raise TypeError("options go to get_algorithm() when passing an instance")
             algo = algorithm
             # (an instance's options are its own: only which algorithm it is is named)
-            agree.detail = functools.partial(_options_detail, algo, None)
+            named: dict[str, Any] | None = None
         elif isinstance(algorithm, str):
             algo = get_algorithm(algorithm, **options)
             note_named_call(algo, options, n)  # (warns when a stateful one repeats)
             # (a fresh instance: its signature differs across ranks by its options alone,
             # which a mismatch's message then names, with both ranks' values)
-            agree.detail = functools.partial(_options_detail, algo, options)
+            named = options
         else:
             got = type(algorithm).__name__
             if isinstance(algorithm, type):
@@ -147,7 +150,14 @@ def _allreduce(
         # one, such as the progress thread, is on GPU 0)
         with device_scope(vals), np.errstate(over="ignore", invalid="ignore"):
             check_local(idx, vals, n)
+            if vals.ndim == 2 and not algo.takes_rows:
+                raise ValueError(
+                    f"algorithm {_name(algorithm)!r} takes 1-D values only, got rows (values "
+                    f"of shape {tuple(vals.shape)}): reduce rows with an exact algorithm "
+                    f"(allgather, dsa, recursive_doubling, dense, rabenseifner or auto)"
+                )
             sig = call_signature(algo, vals, n)
+            agree.detail = functools.partial(_options_detail, algo, named, vals)
             # the local work that can fail on this rank alone (its allocations), before the
             # agreement: coalescing, and what the algorithm prepares (a dense buffer)
             x = coalesce(idx, vals, int(n))
@@ -214,17 +224,19 @@ def iallreduce(
     return c.engine(label).submit(call, label, owner=c)
 
 
-def _options_detail(algo: Any, options: dict[str, Any] | None) -> Detail:
+def _options_detail(algo: Any, options: dict[str, Any] | None, vals: Any) -> Detail:
     """The detail (:class:`~._agree.Vote`) of the algorithm (its name, behind the class's
-    CRC) and of a named algorithm's ``options`` (None: an instance, whose options are not
-    known: behind no signature value, so that none is named against another rank's)."""
+    CRC), of a named algorithm's ``options`` (None: an instance, whose options are not
+    known: behind no signature value, so that none is named against another rank's) and
+    of the values' shape."""
     cls = type(algo)
     # (the class too: two of one name, a user's class over a built-in's, are named by it)
     named = ((2,), {"algorithm": cls.name or cls.__qualname__, "algorithm class": class_name(cls)})
+    shape = values_shape_detail(vals)
     if options is None:
-        return (named, ((), {}))
+        return (named, ((), {}), shape)
     where = tuple(range(3, 3 + ALGORITHM_SIGNATURE_LEN))
-    return (named, (where, canonical(effective_options(cls, options))))
+    return (named, (where, canonical(effective_options(cls, options))), shape)
 
 
 def _name(algorithm: Any) -> str:

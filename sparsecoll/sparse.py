@@ -4,6 +4,10 @@ Contract of a *coalesced* vector: ``indices`` strictly ascending (sorted, unique
 index in ``[0, n)``, ``indices.dtype`` is int32 when ``n <= 2**31`` and int64 otherwise,
 ``values`` has the same length and a float dtype (float16/32/64). Explicit zeros may be
 present: they are structural entries, not dropped.
+
+Values may be rows: shape ``(nnz, D)``, one index per row of D values (a hybrid COO tensor
+with one sparse and one dense dimension, as torch calls it); the dense form is ``(n, D)``
+and a repeated index sums its rows elementwise. Row values are C-contiguous.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ class SparseVector:
 
     Attributes:
         indices: sorted unique indices (int32 for n <= 2**31, else int64).
-        values: the values at those indices.
-        n: the dense length.
+        values: the values at those indices: shape ``(nnz,)``, or ``(nnz, D)`` for rows.
+        n: the dense length (in rows, for row values).
         contributed: for results of selecting algorithms, a boolean mask aligned with this
             rank's coalesced input telling which of its entries reached the result
             (None for exact algorithms, where every entry does).
@@ -82,7 +86,8 @@ class SparseVector:
         """Validate COO input on this rank and return the coalesced vector.
 
         ``indices`` and ``values`` may be anything :func:`sparsecoll.allreduce` takes
-        (numpy/CuPy arrays, torch tensors, lists, buffers); torch in, torch out.
+        (numpy/CuPy arrays, torch tensors, lists, buffers); torch in, torch out. Values of
+        shape ``(nnz, D)`` are rows.
         """
         vals, wrap = as_array(values, "values")
         idx = as_indices(indices)
@@ -100,10 +105,13 @@ class SparseVector:
 
     @classmethod
     def from_dense(cls, x: Any) -> SparseVector:
-        """Return the nonzeros of a dense 1-D float16/32/64 array (torch in, torch out)."""
+        """Return the nonzeros of a dense float16/32/64 array (torch in, torch out): of a
+        1-D array its nonzero entries, of a 2-D ``(n, D)`` one the rows holding a nonzero."""
         arr, wrap = as_array(x, "x")
-        if getattr(arr, "ndim", None) != 1:
-            raise ValueError(f"x must be a 1-D array, got shape {getattr(arr, 'shape', None)}")
+        if getattr(arr, "ndim", None) not in (1, 2):
+            raise ValueError(
+                f"x must be a 1-D or 2-D array, got shape {getattr(arr, 'shape', None)}"
+            )
         if arr.dtype not in VALUE_DTYPES:
             raise TypeError(f"x must be float16, float32 or float64, got {arr.dtype}")
         n = int(arr.shape[0])
@@ -112,8 +120,12 @@ class SparseVector:
             return _wrapped(cls(idx, arr[idx], n), wrap)
 
     @classmethod
-    def empty(cls, n: int, dtype: Any = np.float32, xp: Any = np) -> SparseVector:
-        return cls(xp.zeros(0, index_dtype(n)), xp.zeros(0, dtype), n)
+    def empty(
+        cls, n: int, dtype: Any = np.float32, xp: Any = np, width: int | None = None
+    ) -> SparseVector:
+        """Return a vector of length ``n`` without entries (``width``: rows of that many)."""
+        shape = (0,) if width is None else (0, int(width))
+        return cls(xp.zeros(0, index_dtype(n)), xp.zeros(shape, dtype), n)
 
     # -- views --------------------------------------------------------------------------
     @property
@@ -121,9 +133,20 @@ class SparseVector:
         return len(self.indices)  # the plain constructor may hold lists
 
     @property
-    def shape(self) -> tuple[int]:
-        """``(n,)``, the dense shape, as numpy's."""
-        return (self.n,)
+    def shape(self) -> tuple[int, ...]:
+        """``(n,)``, the dense shape, as numpy's: ``(n, D)`` for rows."""
+        return (self.n, *self.row_shape)
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """What one index holds: ``()`` for 1-D values, ``(D,)`` for rows."""
+        return tuple(int(d) for d in getattr(self.values, "shape", (0,))[1:])
+
+    @property
+    def width(self) -> int | None:
+        """D, the values per index of row values; None for 1-D values."""
+        row = self.row_shape
+        return row[0] if row else None
 
     @property
     def dtype(self) -> np.dtype:
@@ -134,11 +157,12 @@ class SparseVector:
         return get_array_module(self.values)
 
     def to_dense(self, out: Any = None) -> Any:
-        """Return a dense array of length ``n``, of the kind and dtype of ``values``.
+        """Return a dense array of shape ``(n,)`` (rows: ``(n, D)``), of the kind and dtype of
+        ``values``.
 
         Args:
             out: an array to fill and return instead of a new one (as scipy's
-                ``toarray(out=)``): shape ``(n,)``, the values' dtype, on their device
+                ``toarray(out=)``): the dense shape, the values' dtype, on their device
                 (numpy or a torch CPU tensor for host values, CuPy on their GPU), writable,
                 strided or not.
         """
@@ -147,10 +171,10 @@ class SparseVector:
         xp = get_array_module(vals)
         if out is None:
             with device_scope(vals):
-                dense = xp.zeros(self.n, dtype=vals.dtype)
+                dense = xp.zeros((self.n, *vals.shape[1:]), dtype=vals.dtype)
                 dense[idx] = vals
             return wrap(dense)
-        buf = _dense_out(out, vals, self.n)
+        buf = _dense_out(out, vals, (self.n, *vals.shape[1:]))
         with device_scope(vals):
             # an out that holds the vector's own arrays: zeroing it would lose them
             if xp.may_share_memory(buf, vals):
@@ -180,7 +204,8 @@ class SparseVector:
 
     def __repr__(self) -> str:
         dtype = getattr(self.values, "dtype", type(self.values).__name__)
-        return f"SparseVector(n={self.n}, nnz={self.nnz}, dtype={dtype})"
+        rows = "" if self.width is None else f", width={self.width}"
+        return f"SparseVector(n={self.n}, nnz={self.nnz}, dtype={dtype}{rows})"
 
 
 def _length(n: Any) -> int:
@@ -192,22 +217,23 @@ def _length(n: Any) -> int:
     return int(n)
 
 
-def _dense_out(out: Any, vals: Any, n: int) -> Any:
+def _dense_out(out: Any, vals: Any, shape: tuple[int, ...]) -> Any:
     """Return ``out`` (:meth:`SparseVector.to_dense`'s) as a checked array to write into."""
     buf, _ = as_array(out, "out", writable=True)
     if not same_device(buf, vals):
         where = "on their GPU" if is_device_array(vals) else "on the host"
         raise TypeError(f"out must live where the values do ({where})")
-    if tuple(buf.shape) != (n,):
-        raise ValueError(f"out must have shape ({n},), got {tuple(buf.shape)}")
-    step = buf.strides[0]
-    if n > 1 and abs(step) < buf.dtype.itemsize:
-        # a broadcast or expanded view (torch's expand()): every write lands on the same
-        # memory; torch refuses such an in-place write too
-        raise ValueError(
-            f"out's elements share memory (a stride of {step} bytes for {buf.dtype.itemsize}"
-            f"-byte elements: a broadcast or expanded view): pass an array of {n} elements"
-        )
+    if tuple(buf.shape) != shape:
+        raise ValueError(f"out must have shape {shape}, got {tuple(buf.shape)}")
+    for size, step in zip(shape, buf.strides):
+        if size > 1 and abs(step) < buf.dtype.itemsize:
+            # a broadcast or expanded view (torch's expand()): every write lands on the
+            # same memory; torch refuses such an in-place write too
+            raise ValueError(
+                f"out's elements share memory (a stride of {step} bytes for "
+                f"{buf.dtype.itemsize}-byte elements: a broadcast or expanded view): pass an "
+                f"array of shape {shape}"
+            )
     if buf.dtype.newbyteorder("=") != vals.dtype.newbyteorder("="):
         raise TypeError(f"out must be {vals.dtype} (the values' dtype), got {buf.dtype}")
     if isinstance(buf, np.ndarray) and not buf.flags.writeable:
@@ -266,8 +292,12 @@ def check_local(indices: Any, values: Any, n: Any) -> None:
     _length(n)
     if n > _INT64_MAX:
         raise ValueError(f"n must be below 2**63 (indices are int64 at most), got {n}")
-    if getattr(values, "ndim", None) != 1:
-        raise ValueError(f"values must be 1-D, got shape {getattr(values, 'shape', None)}")
+    if getattr(values, "ndim", None) not in (1, 2):
+        raise ValueError(
+            f"values must be 1-D, or 2-D rows (nnz, D), got shape {getattr(values, 'shape', None)}"
+        )
+    if values.ndim == 2 and values.shape[1] < 1:
+        raise ValueError(f"row values need at least one value a row, got shape {values.shape}")
     if getattr(indices, "ndim", None) != 1:
         raise ValueError(f"indices must be 1-D, got shape {getattr(indices, 'shape', None)}")
     if values.dtype not in VALUE_DTYPES:
@@ -292,12 +322,13 @@ def check_local(indices: Any, values: Any, n: Any) -> None:
 
 
 def coalesce(indices: Any, values: Any, n: int) -> SparseVector:
-    """Sort by index and sum repeated indices (COO semantics). Inputs are not modified."""
+    """Sort by index and sum repeated indices (COO semantics; rows elementwise). Inputs are
+    not modified."""
     xp = get_array_module(values)
     itype = index_dtype(n)
     m = indices.shape[0]
     if m == 0:
-        return SparseVector(xp.zeros(0, itype), xp.zeros(0, values.dtype), n)
+        return SparseVector(xp.zeros(0, itype), xp.zeros(values.shape, values.dtype), n)
     idx = indices.astype(itype, copy=False)
     if m == 1 or bool((idx[1:] > idx[:-1]).all()):
         # strided input (x[::2]) is copied: buffers go to MPI as contiguous bytes

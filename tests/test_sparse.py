@@ -87,8 +87,8 @@ def test_from_dense_round_trip():
     assert v.indices.tolist() == [1, 3]
     assert np.array_equal(v.to_dense(), x)
     assert v.nnz == 2 and len(v) == 5
-    with pytest.raises(ValueError, match="1-D"):
-        SparseVector.from_dense(np.ones((2, 3), np.float32))  # (rows would come back)
+    with pytest.raises(ValueError, match="1-D or 2-D"):
+        SparseVector.from_dense(np.ones((2, 3, 4), np.float32))
     with pytest.raises(TypeError, match="float16, float32 or float64"):
         SparseVector.from_dense(np.arange(4))
 
@@ -101,7 +101,8 @@ def test_from_dense_round_trip():
         (np.array([0.0]), np.ones(1, np.float32), 10, TypeError, "integers"),
         (np.array([0]), np.ones(1, np.int64), 10, TypeError, "float16, float32 or float64"),
         (np.array([0, 1]), np.ones(1, np.float32), 10, ValueError, "differ in length"),
-        (np.array([0]), np.ones((1, 1), np.float32), 10, ValueError, "1-D"),
+        (np.array([0]), np.ones((1, 1, 1), np.float32), 10, ValueError, "1-D"),
+        (np.array([0]), np.ones((1, 0), np.float32), 10, ValueError, "at least one value"),
         (np.array([0]), np.ones(1, np.float32), 2.5, TypeError, "n must be an integer"),
         (np.array([0]), np.ones(1, np.float32), -3, ValueError, "non-negative"),
     ],

@@ -3,7 +3,8 @@
 :func:`merge_two` takes two coalesced runs (sorted, unique indices) and returns one, in one
 linear pass instead of a sort of the concatenation. Equal indices are summed as ``a + b``;
 IEEE addition is commutative, so two ranks merging the same pair of runs in either order
-get the same bits. The other kernels here (gather, take_at_least, keep_bucket, isin_sorted)
+get the same bits. Rows (values of shape ``(m, D)``) merge the same way, equal indices
+summed elementwise. The other kernels here (gather, take_at_least, keep_bucket, isin_sorted)
 are the selecting algorithms' host loops, each with a CuPy fallback.
 """
 
@@ -71,6 +72,52 @@ def _kernel() -> Any:
         return idx[:o], val[:o]
 
     return merge
+
+
+@functools.cache
+def _row_kernel() -> Any:
+    @cached_njit(nogil=True)
+    def merge_rows(i1, v1, i2, v2):  # pragma: no cover - compiled
+        # as merge, a row of D values per index; equal indices add v1's row to v2's
+        m1 = i1.shape[0]
+        m2 = i2.shape[0]
+        d = v1.shape[1]
+        idx = np.empty(m1 + m2, i1.dtype)
+        val = np.empty((m1 + m2, d), v1.dtype)
+        a = 0
+        b = 0
+        o = 0
+        while a < m1 and b < m2:
+            x = i1[a]
+            y = i2[b]
+            if x < y:
+                idx[o] = x
+                val[o, :] = v1[a, :]
+                a += 1
+            elif y < x:
+                idx[o] = y
+                val[o, :] = v2[b, :]
+                b += 1
+            else:
+                idx[o] = x
+                for c in range(d):
+                    val[o, c] = v1[a, c] + v2[b, c]
+                a += 1
+                b += 1
+            o += 1
+        while a < m1:
+            idx[o] = i1[a]
+            val[o, :] = v1[a, :]
+            a += 1
+            o += 1
+        while b < m2:
+            idx[o] = i2[b]
+            val[o, :] = v2[b, :]
+            b += 1
+            o += 1
+        return idx[:o], val[:o]
+
+    return merge_rows
 
 
 @functools.cache
@@ -258,7 +305,7 @@ def isin_sorted(a: Any, b: Any) -> Any:
 
 
 def merge_two(i1: Any, v1: Any, i2: Any, v2: Any, n: int) -> tuple[Any, Any]:
-    """Merge two coalesced runs (same index and value dtypes) into new arrays.
+    """Merge two coalesced runs (same index and value dtypes, same row width) into new arrays.
 
     float16 values are summed in float64 and rounded once, as ``coalesce`` does.
     """
@@ -271,7 +318,8 @@ def merge_two(i1: Any, v1: Any, i2: Any, v2: Any, n: int) -> tuple[Any, Any]:
         out = coalesce(xp.concatenate([i1, i2]), xp.concatenate([v1, v2]), n)
         return out.indices, out.values
     acc = accumulate_dtype(v1.dtype)
-    idx, val = _kernel()(
+    kernel = _row_kernel() if v1.ndim == 2 else _kernel()
+    idx, val = kernel(
         np.ascontiguousarray(i1), _aligned(v1, acc), np.ascontiguousarray(i2), _aligned(v2, acc)
     )
     return idx, val.astype(v1.dtype, copy=False)

@@ -3,7 +3,7 @@
 Rounds: one exchange of counts, then one allgatherv of every rank's packed pairs (index
 bytes, then value bytes). Volume per rank: receives Σ_{s≠r} k_s pairs, O(kP): the baseline.
 Exact: every rank merges the same runs in the same order, so the result is bit-identical
-on every rank.
+on every rank. Rows (``x.width``) travel as an index and D values a pair.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ __all__ = ["Allgather"]
 @register_algorithm
 class Allgather(Algorithm):
     name = "allgather"
+    takes_rows = True
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
         # indices and values packed together: one allgatherv, one exchange of counts
@@ -29,10 +30,11 @@ class Allgather(Algorithm):
         runs, start = [], 0
         for size in sizes:
             if size:
-                runs.append(unpack_pairs(buf[start : start + size], x.indices.dtype, x.dtype))
+                run = buf[start : start + size]
+                runs.append(unpack_pairs(run, x.indices.dtype, x.dtype, x.width))
             start += size
         if not runs:
-            return SparseVector.empty(x.n, x.dtype, x.xp)
+            return SparseVector.empty(x.n, x.dtype, x.xp, x.width)
         return SparseVector(*merge_runs(runs, x.n), x.n)
 
 

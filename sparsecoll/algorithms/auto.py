@@ -10,7 +10,8 @@ part of the signature, so use one instance per tensor on every rank.
 
 When the pick may allocate O(n) (dense; recursive_doubling past its switch point), its
 preflight runs and the ranks agree on it first: memory running out on one rank is a
-CollectiveRuntimeError on every rank. The default constants describe a cluster node pair
+CollectiveRuntimeError on every rank. Rows of D values count D values an index (``width``).
+The default constants describe a cluster node pair
 (5 µs, 10 GB/s); pass your own (``Auto(alpha=…, beta=…)``) to fit another machine. The
 choice is in ``result.info["auto_choice"]``.
 """
@@ -78,10 +79,13 @@ def predict(
     vtype: Any,
     theta: float | None = None,
     model: CostModel | None = None,
+    width: int | None = None,
 ) -> dict[str, float]:
-    """Return the predicted seconds of each candidate (formulas: docs/guide/algorithms.md)."""
+    """Return the predicted seconds of each candidate (formulas: docs/guide/algorithms.md);
+    ``width``: rows of that many values an index (a dense pass covers n·D values)."""
     m = model or CostModel()
-    isz, vsz = np.dtype(itype).itemsize, np.dtype(vtype).itemsize
+    d = width or 1
+    isz, vsz = np.dtype(itype).itemsize, np.dtype(vtype).itemsize * d
     pair = isz + vsz
     N = float(nnz_total)
     kbar = N / P
@@ -101,7 +105,7 @@ def predict(
         + m.beta * (P - 1) * sp(kbar / P, n / P)
         + m.beta * (P - 1) / P * sp(K, n)
         + m.gamma_merge * kbar * max(1.0, log2p)
-        + (m.delta * n if K * pair >= n * vsz else 0.0)
+        + (m.delta * n * d if K * pair >= n * vsz else 0.0)
     )
     p = 1 << (P.bit_length() - 1)
     rd = (2 * (p.bit_length() - 1) + 3 * int(p != P)) * m.alpha
@@ -111,10 +115,10 @@ def predict(
         rd += m.gamma_merge * union_size(2 * group, n, kbar, theta)
         group *= 2
     if K * pair >= n * vsz:
-        rd += m.delta * n
+        rd += m.delta * n * d
     out["recursive_doubling"] = rd
     if n <= 4 * N:
-        out["dense"] = 2 * lg * m.alpha + m.beta * 2 * (P - 1) / P * n * vsz + 3 * m.delta * n
+        out["dense"] = 2 * lg * m.alpha + m.beta * 2 * (P - 1) / P * n * vsz + 3 * m.delta * n * d
     return out
 
 
@@ -126,11 +130,12 @@ def choose(
     vtype: Any,
     theta: float | None = None,
     model: CostModel | None = None,
+    width: int | None = None,
 ) -> str:
     """Return the candidate with the smallest prediction (ties: earlier in ``CANDIDATES``)."""
     if P <= 1:
         return "allgather"
-    cost = predict(P, n, nnz_total, itype, vtype, theta, model)
+    cost = predict(P, n, nnz_total, itype, vtype, theta, model, width)
     return min((c for c in CANDIDATES if c in cost), key=lambda c: cost[c])
 
 
@@ -147,6 +152,7 @@ class Auto(Algorithm):
     """
 
     name = "auto"
+    takes_rows = True
     state_kinds: ClassVar[dict[str, _state.Kind] | None] = {"theta": _state.optional(_state.number)}
     fixed_options: ClassVar[tuple[str, ...]] = (
         "model", "alpha", "beta", "gamma_sort", "gamma_merge", "delta",
@@ -187,7 +193,7 @@ class Auto(Algorithm):
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
         P = comm.size
         total = int(comm.allreduce_ints([x.nnz])[0]) if P > 1 else x.nnz
-        name = choose(P, x.n, total, x.indices.dtype, x.dtype, self.theta, self.model)
+        name = choose(P, x.n, total, x.indices.dtype, x.dtype, self.theta, self.model, x.width)
         inner = algorithm_class(name)()
         if P > 1 and _preflight_may_allocate(inner, x, total):
             _preflight_agreed(comm, inner, x)
@@ -208,7 +214,7 @@ def _preflight_may_allocate(algo: Algorithm, x: SparseVector, total: int) -> boo
     if type(algo).preflight is Algorithm.preflight:
         return False
     if algo.name == "recursive_doubling":
-        return not sparse_is_cheaper(total, x.n, index_dtype(x.n), x.dtype)
+        return not sparse_is_cheaper(total, x.n, index_dtype(x.n), x.dtype, x.width)
     return True
 
 

@@ -5,7 +5,8 @@ Contract of ``Algorithm.reduce(comm, x)``: called on every rank of ``comm`` with
 validated collectively); returns a coalesced SparseVector identical on every rank. Exact
 algorithms return the sum of every rank's input; selecting algorithms document their own
 contract and set ``result.contributed`` (a mask over ``x``'s entries that reached the result)
-and ``result.local = x``.
+and ``result.local = x``. Row values (``x.width`` not None: an index per row of D values)
+reach only algorithms with ``takes_rows``; the result has rows of the same width.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class Algorithm(ABC):
     Class attributes:
         name: the registry name.
         exact: True when the result is the exact sum of every rank's input.
+        takes_rows: True when ``reduce`` takes row values (shape ``(nnz, D)``); the others
+            are refused rows, on every rank, before the call.
         densifies: True when the algorithm needs O(n) memory per rank.
         required: options without which the constructor fails (a selecting algorithm's
             k), listed as required though their default is None.
@@ -64,6 +67,7 @@ class Algorithm(ABC):
 
     name: ClassVar[str] = ""
     exact: ClassVar[bool] = True
+    takes_rows: ClassVar[bool] = False
     densifies: ClassVar[bool] = False
     required: ClassVar[tuple[str, ...]] = ()
     state_kinds: ClassVar[dict[str, Kind] | None] = None
@@ -161,7 +165,7 @@ def dense_of(x: SparseVector) -> Any:
 
 def _dense_on(union: np.ndarray, indices: Any, values: Any) -> np.ndarray:
     """Place ``values`` (float64) at ``indices`` among the ascending ``union``, 0 elsewhere."""
-    out = np.zeros(union.shape[0])
+    out = np.zeros((union.shape[0], *values.shape[1:]))
     out[np.searchsorted(union, np.asarray(to_host(indices)).astype(np.int64))] = np.asarray(
         to_host(values), dtype=np.float64
     )
@@ -170,7 +174,7 @@ def _dense_on(union: np.ndarray, indices: Any, values: Any) -> np.ndarray:
 
 def input_mass(inputs: list[SparseVector], at: np.ndarray) -> np.ndarray:
     """Return Σ_r |x_r[i]| (float64) at each index of ``at``: it bounds the rounding of a sum."""
-    mass = np.zeros(at.shape[0])
+    mass = np.zeros((at.shape[0], *inputs[0].row_shape) if inputs else at.shape[0])
     for x in inputs:
         xi = np.asarray(to_host(x.indices)).astype(np.int64)
         pos = np.minimum(np.searchsorted(at, xi), max(at.shape[0] - 1, 0))
@@ -188,7 +192,8 @@ def reference_sum(inputs: list[SparseVector]) -> SparseVector:
     idx = [np.asarray(to_host(x.indices)).astype(np.int64) for x in inputs]
     union, inverse = np.unique(np.concatenate(idx), return_inverse=True)
     vals = np.concatenate([np.asarray(to_host(x.values), np.float64) for x in inputs])
-    sums = np.bincount(inverse, weights=vals, minlength=union.shape[0])
+    sums = np.zeros((union.shape[0], *vals.shape[1:]))
+    np.add.at(sums, inverse.reshape(-1), vals)
     return SparseVector(union.astype(index_dtype(n)), sums.astype(dtype), n)
 
 
@@ -277,41 +282,57 @@ def region_cuts(indices: Any, bounds: np.ndarray) -> list[int]:
     return cuts
 
 
-def sparse_is_cheaper(nnz: int, length: int, itype: Any, vtype: Any) -> bool:
-    """Apply the break-even rule: sparse while nnz·(index+value bytes) < length·value bytes."""
+def sparse_is_cheaper(
+    nnz: int, length: int, itype: Any, vtype: Any, width: int | None = None
+) -> bool:
+    """Apply the break-even rule: sparse while nnz·(index + D·value bytes) < length·D·value
+    bytes, D the values per index (``width``; None: 1-D values, D = 1)."""
     isz = np.dtype(itype).itemsize
-    vsz = np.dtype(vtype).itemsize
+    vsz = np.dtype(vtype).itemsize * (width or 1)
     return nnz * (isz + vsz) < length * vsz
 
 
 def pack_pairs(indices: Any, values: Any) -> Any:
-    """Pack the indices then the values into one byte buffer (no float-packed ints)."""
+    """Pack the indices then the values (rows: row after row) into one byte buffer (no
+    float-packed ints)."""
     xp = get_array_module(values)
     out = xp.empty(indices.nbytes + values.nbytes, dtype=np.uint8)
     out[: indices.nbytes] = indices.view(np.uint8)
-    out[indices.nbytes :] = values.view(np.uint8)
+    out[indices.nbytes :] = xp.ascontiguousarray(values).reshape(-1).view(np.uint8)
     return out
 
 
-def unpack_pairs(buf: Any, itype: Any, vtype: Any) -> tuple[Any, Any]:
-    """Split a :func:`pack_pairs` buffer into (indices, values) views, copying a misaligned part."""
+def unpack_pairs(buf: Any, itype: Any, vtype: Any, width: int | None = None) -> tuple[Any, Any]:
+    """Split a :func:`pack_pairs` buffer into (indices, values) views, copying a misaligned
+    part; ``width``: the values are rows of that many (None: 1-D)."""
     isz = np.dtype(itype).itemsize
-    vsz = np.dtype(vtype).itemsize
+    vsz = np.dtype(vtype).itemsize * (width or 1)
     m = buf.shape[0] // (isz + vsz)
-    return aligned_view(buf[: m * isz], itype), aligned_view(buf[m * isz :], vtype)
+    vals = aligned_view(buf[m * isz :], vtype)
+    return aligned_view(buf[: m * isz], itype), vals if width is None else vals.reshape(m, width)
 
 
-def recv_pairs(comm: Communicator, source: int, tag: int, n: int, vtype: Any, xp: Any = np):
+def recv_pairs(
+    comm: Communicator,
+    source: int,
+    tag: int,
+    n: int,
+    vtype: Any,
+    xp: Any = np,
+    width: int | None = None,
+):
     """Receive a pair buffer of unknown length from ``source`` into an array of ``xp``."""
     buf = comm.recv_bytes(source, tag, xp)
-    return unpack_pairs(buf, index_dtype(n), vtype)
+    return unpack_pairs(buf, index_dtype(n), vtype, width)
 
 
-def merge(parts: list[tuple[Any, Any]], n: int, dtype: Any, xp: Any = np) -> SparseVector:
+def merge(
+    parts: list[tuple[Any, Any]], n: int, dtype: Any, xp: Any = np, width: int | None = None
+) -> SparseVector:
     """Coalesce several (indices, values) pieces into one vector (sums repeats, in order)."""
     parts = [p for p in parts if p[0].shape[0]]
     if not parts:
-        return SparseVector.empty(n, dtype, xp)
+        return SparseVector.empty(n, dtype, xp, width)
     if len(parts) == 1:
         return coalesce(parts[0][0], parts[0][1], n)
     return coalesce(xp.concatenate([p[0] for p in parts]), xp.concatenate([p[1] for p in parts]), n)

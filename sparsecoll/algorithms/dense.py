@@ -1,7 +1,8 @@
 """dense: densify, MPI_Allreduce, sparsify. The correctness reference.
 
 Volume per rank: 2·(P−1)/P·n values (counted as a bandwidth-optimal allreduce moves them).
-Result: the nonzeros of the dense sum (entries that cancel to exactly 0 are dropped).
+Result: the nonzeros of the dense sum (entries that cancel to exactly 0 are dropped; rows:
+those holding a nonzero).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = ["Dense"]
 @register_algorithm
 class Dense(Algorithm):
     name = "dense"
+    takes_rows = True
     densifies = True
 
     def preflight(self, x: SparseVector) -> None:

@@ -11,7 +11,8 @@ Volume sent per rank: ≈ k(P−1)/P pairs in the reduce-scatter (spread-out ind
 (P−1)/P of the reduced vector: from k(P−1)/P pairs (identical indices) to
 min(kP·pair, n·v)·(P−1)/P bytes (disjoint). ``result.info["phases"]`` holds each phase's
 CommStats. Exact: every rank gets the same bits, and repeated runs too (fixed summation
-order); ranges sent dense drop entries that sum to exactly zero.
+order); ranges sent dense drop entries that sum to exactly zero. Rows (``x.width`` = D) travel
+as an index and D values a pair, a dense range as its rows: the rule counts D values an index.
 """
 
 from __future__ import annotations
@@ -34,16 +35,19 @@ TAG_VAL = 22
 TAG_AG = 23
 
 
-def chunk_bytes(nnz: int, length: int, itype: Any, vtype: Any) -> int:
-    """Bytes a chunk of ``nnz`` pairs in a range of ``length`` costs: sparse or dense."""
-    if sparse_is_cheaper(nnz, length, itype, vtype):
-        return nnz * (np.dtype(itype).itemsize + np.dtype(vtype).itemsize)
-    return length * np.dtype(vtype).itemsize
+def chunk_bytes(nnz: int, length: int, itype: Any, vtype: Any, width: int | None = None) -> int:
+    """Bytes a chunk of ``nnz`` pairs in a range of ``length`` costs: sparse or dense
+    (``width``: rows of that many values)."""
+    vsz = np.dtype(vtype).itemsize * (width or 1)
+    if sparse_is_cheaper(nnz, length, itype, vtype, width):
+        return nnz * (np.dtype(itype).itemsize + vsz)
+    return length * vsz
 
 
 @register_algorithm
 class DSA(Algorithm):
     name = "dsa"
+    takes_rows = True
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
         if comm.size == 1:
@@ -63,7 +67,7 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
     """Return this rank's reduced range as ("sparse", idx, vals) or ("dense", vals)."""
     P, r, n = comm.size, comm.rank, x.n
     xp = x.xp
-    itype, vtype = index_dtype(n), x.dtype
+    itype, vtype, row = index_dtype(n), x.dtype, x.row_shape
     acc_t = accumulate_dtype(vtype)
     cut = region_cuts(x.indices, bounds)
     sendcounts = np.diff(cut)
@@ -72,7 +76,7 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
     lo, length = int(bounds[r]), int(lengths[r])
 
     def is_dense(count: int, ln: int) -> bool:
-        return not sparse_is_cheaper(count, ln, itype, vtype)
+        return not sparse_is_cheaper(count, ln, itype, vtype, x.width)
 
     # every receive posted first, in rotated order (from r-1, r-2, ...)
     order: list[int] = []
@@ -85,10 +89,10 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
             continue
         if is_dense(c, length):
             any_dense = True
-            buf = xp.empty(length, vtype)
+            buf = xp.empty((length, *row), vtype)
             chunks[src] = ([buf], [comm.irecv(buf, src, TAG_VAL)])
         else:
-            ib, vb = xp.empty(c, itype), xp.empty(c, vtype)
+            ib, vb = xp.empty(c, itype), xp.empty((c, *row), vtype)
             chunks[src] = ([ib, vb], [comm.irecv(ib, src, TAG_IDX), comm.irecv(vb, src, TAG_VAL)])
         order.append(src)
     # then every send, rotated (to r+1, r+2, ...): no rank is everyone's first target
@@ -99,7 +103,7 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
         if a == b:
             continue
         if is_dense(b - a, int(lengths[dst])):
-            dense = xp.zeros(int(lengths[dst]), vtype)
+            dense = xp.zeros((int(lengths[dst]), *row), vtype)
             dense[x.indices[a:b] - int(bounds[dst])] = x.values[a:b]
             sends.append(comm.isend(dense, dst, TAG_VAL))
         else:
@@ -108,10 +112,10 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
 
     mine = (x.indices[cut[r] : cut[r + 1]], x.values[cut[r] : cut[r + 1]])
     if any_dense:
-        acc = xp.zeros(length, acc_t)
+        acc = xp.zeros((length, *row), acc_t)
         _add_sparse(acc, mine[0], mine[1], lo)
     else:
-        stack = _RunStack(n, xp, acc_t)
+        stack = _RunStack(n, xp, acc_t, row)
         stack.push(mine[0], mine[1].astype(acc_t, copy=False))
     # Chunks are summed in the order the senders send them, while later ones are in flight:
     # a fixed order makes the sum reproducible. Each request is waited on in turn rather
@@ -137,7 +141,7 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
     idx, vals = stack.result()
     vals = vals.astype(vtype, copy=False)
     if is_dense(int(idx.shape[0]), length):
-        dense = xp.zeros(length, vtype)
+        dense = xp.zeros((length, *row), vtype)
         dense[idx - lo] = vals
         return ("dense", dense)
     return ("sparse", idx, vals)
@@ -155,8 +159,8 @@ class _RunStack:
     A run merges with the top of the stack while the top is at most twice its size.
     """
 
-    def __init__(self, n: int, xp: Any, dtype: Any) -> None:
-        self.n, self.xp, self.dtype = n, xp, dtype
+    def __init__(self, n: int, xp: Any, dtype: Any, row: tuple[int, ...] = ()) -> None:
+        self.n, self.xp, self.dtype, self.row = n, xp, dtype, row
         self.runs: list[tuple[Any, Any]] = []
 
     def push(self, idx: Any, vals: Any) -> None:
@@ -170,7 +174,7 @@ class _RunStack:
 
     def result(self) -> tuple[Any, Any]:
         if not self.runs:
-            return self.xp.zeros(0, index_dtype(self.n)), self.xp.zeros(0, self.dtype)
+            return self.xp.zeros(0, index_dtype(self.n)), self.xp.zeros((0, *self.row), self.dtype)
         run = self.runs.pop()
         while self.runs:
             top = self.runs.pop()
@@ -198,13 +202,13 @@ def _allgather(comm: Communicator, owned, x: SparseVector, bounds: np.ndarray) -
     itype, vtype = index_dtype(n), x.dtype
     lengths = [int(v) for v in np.diff(bounds)]
     nnz = comm.allgather_ints(lengths[r] if owned[0] == "dense" else int(owned[1].shape[0]))
-    dense = [not sparse_is_cheaper(c, ln, itype, vtype) for c, ln in zip(nnz, lengths)]
+    dense = [not sparse_is_cheaper(c, ln, itype, vtype, x.width) for c, ln in zip(nnz, lengths)]
     icount = [0 if d else c for d, c in zip(dense, nnz)]
     vcount = [ln if d else c for d, ln, c in zip(dense, lengths, nnz)]
     ioff = np.concatenate(([0], np.cumsum(icount))).astype(np.int64)
     voff = np.concatenate(([0], np.cumsum(vcount))).astype(np.int64)
     out_i = xp.empty(int(ioff[-1]), itype)
-    out_v = xp.empty(int(voff[-1]), vtype)
+    out_v = xp.empty((int(voff[-1]), *x.row_shape), vtype)
     if owned[0] == "dense":
         out_v[voff[r] : voff[r + 1]] = owned[1]
     else:

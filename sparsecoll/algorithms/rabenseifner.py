@@ -5,7 +5,8 @@ Any P: with r = P − 2^⌊log2 P⌋, the first 2r ranks fold in pairs before (e
 vector to odd) and unfold after, as MPICH does (:class:`~.base.Fold`).
 Volume per rank (p = 2^⌊log2 P⌋): 2·(p−1)/p·n values in the power-of-two group (+ n for
 a rank returning the result to its folded partner); n for a folded rank.
-Result: the nonzeros of the dense sum.
+Result: the nonzeros of the dense sum (rows: an ``(n, D)`` array, split by rows; the rows
+holding a nonzero).
 
 Memory: the dense vector and a scratch of n values, both made in ``preflight`` (before the
 ranks agree, so that memory running out on one rank is an error on every rank): 2n values
@@ -28,6 +29,7 @@ TAG = 11
 @register_algorithm
 class Rabenseifner(Algorithm):
     name = "rabenseifner"
+    takes_rows = True
     densifies = True
 
     def preflight(self, x: SparseVector) -> None:

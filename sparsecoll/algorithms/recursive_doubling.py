@@ -12,7 +12,7 @@ k·log2 p pairs; disjoint: ≈ k(p−1), capped at n values a round). Latency: l
 (+2 when folding): best for small messages.
 
 Exact and bit-identical on every rank; an entry of a sum that went dense is returned only
-where it is nonzero.
+where it is nonzero. Rows (``x.width`` = D): an index and D values a pair, n rows dense.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ TAG = 31
 @register_algorithm
 class RecursiveDoubling(Algorithm):
     name = "recursive_doubling"
+    takes_rows = True
 
     def preflight(self, x: SparseVector) -> None:
         # an input past the switch point starts dense: made before the ranks agree, so
         # memory running out here is an error on every rank
-        if not sparse_is_cheaper(x.nnz, x.n, index_dtype(x.n), x.dtype):
+        if not sparse_is_cheaper(x.nnz, x.n, index_dtype(x.n), x.dtype, x.width):
             x.info["dense"] = x.to_dense()
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
@@ -98,10 +99,11 @@ class _Vector:
     @classmethod
     def sparse(cls, indices: Any, values: Any, n: int) -> _Vector:
         """A sparse vector, switched to dense when that is the cheaper message."""
-        if sparse_is_cheaper(indices.shape[0], n, index_dtype(n), values.dtype):
+        width = values.shape[1] if values.ndim == 2 else None
+        if sparse_is_cheaper(indices.shape[0], n, index_dtype(n), values.dtype, width):
             return cls(indices, values, n, False)
         xp = get_array_module(values)
-        out = xp.zeros(n, values.dtype)
+        out = xp.zeros((n, *values.shape[1:]), values.dtype)
         out[indices] = values
         return cls(None, out, n, True)
 
@@ -110,11 +112,11 @@ class _Vector:
 
     @classmethod
     def decode(cls, buf: Any, like: SparseVector) -> _Vector:
-        """A received message: n·v bytes is dense, anything shorter is pairs."""
-        n, vtype = like.n, like.dtype
-        if buf.shape[0] == n * vtype.itemsize:
-            return cls(None, buf.view(vtype), n, True)
-        idx, vals = unpack_pairs(buf, index_dtype(n), vtype)
+        """A received message: n·D·v bytes is dense, anything shorter is pairs."""
+        n, vtype, row = like.n, like.dtype, like.row_shape
+        if buf.shape[0] == n * vtype.itemsize * (like.width or 1):
+            return cls(None, buf.view(vtype).reshape(n, *row), n, True)
+        idx, vals = unpack_pairs(buf, index_dtype(n), vtype, like.width)
         return cls(idx, vals, n, False)
 
     def merge(self, other: _Vector) -> _Vector:

@@ -41,7 +41,7 @@ def _spoil(what: str, vals, idx, n):
     elif what == "int_values":
         vals = vals.astype(np.int32)
     elif what == "two_d":
-        vals = vals.reshape(4, 5)
+        vals = vals.reshape(2, 2, 5)  # (2-D values are rows)
     elif what == "n_beyond_int64":
         n = 2**63
     elif what == "not_an_array":
