@@ -152,7 +152,8 @@ def _allreduce(
             check_local(idx, vals, n)
             if vals.ndim == 2 and not algo.takes_rows:
                 raise ValueError(
-                    f"algorithm {_name(algorithm)!r} takes 1-D values only, got rows (values "
+                    f"algorithm {type(algo).name or _name(algorithm)!r} takes 1-D values only, "
+                    f"got rows (values "
                     f"of shape {tuple(vals.shape)}): reduce rows with an exact algorithm "
                     f"(allgather, dsa, recursive_doubling, dense, rabenseifner or auto)"
                 )

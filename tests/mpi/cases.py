@@ -3,6 +3,7 @@
 A drawn ``Case`` is the same on every rank (derandomized hypothesis); each rank derives its
 own data from ``(seed, rank)``, and every rank can rebuild every other rank's input, so the
 oracle (the exact sum, in float64, kept sparse so that huge n works) needs no communication.
+A case with a ``width`` has row values: shape ``(nnz, width)``, one index per row.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ KINDS = (
 )
 DTYPES = ("float16", "float32", "float64")
 HUGE_N = 2**22  # above this, algorithms that densify are skipped
+WIDTHS = (1, 3, 16)  # row widths drawn by cases(rows=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,14 +41,16 @@ class Case:
     seed: int
     density: float
     wide_indices: bool  # pass int64 indices even when int32 would do
+    width: int | None = None  # row values of this many (None: 1-D values)
 
     @property
     def huge(self) -> bool:
-        return self.n > HUGE_N
+        return self.n * (self.width or 1) > HUGE_N
 
 
 @st.composite
-def cases(draw, kinds=KINDS, max_n: int = 2**40, dtypes=DTYPES) -> Case:
+def cases(draw, kinds=KINDS, max_n: int = 2**40, dtypes=DTYPES, rows: bool = False) -> Case:
+    """A Case; with ``rows``, one with row values of a width drawn from ``WIDTHS``."""
     n = draw(
         st.one_of(
             st.integers(1, 64),
@@ -62,6 +66,7 @@ def cases(draw, kinds=KINDS, max_n: int = 2**40, dtypes=DTYPES) -> Case:
         seed=draw(st.integers(0, 2**32 - 1)),
         density=draw(st.sampled_from([0.0, 0.001, 0.01, 0.1, 0.3, 0.9, 1.0])),
         wide_indices=draw(st.booleans()),
+        width=draw(st.sampled_from(WIDTHS)) if rows else None,
     )
 
 
@@ -97,10 +102,11 @@ def local_input(case: Case, rank: int, size: int) -> tuple[np.ndarray, np.ndarra
     else:
         idx = rng.integers(0, n, size=k)
     idx = rng.permutation(np.asarray(idx, dtype=np.int64))
-    vals = rng.standard_normal(idx.shape[0]).astype(case.dtype)
+    shape = idx.shape if case.width is None else (idx.shape[0], case.width)
+    vals = rng.standard_normal(shape).astype(case.dtype)
     if kind == "cancel":  # small integers (exact in every dtype) cancel to 0; zeros of both signs
-        sign = rng.choice([-1.0, 1.0], size=idx.shape[0])
-        vals = (rng.integers(-2, 3, size=idx.shape[0]) * sign).astype(case.dtype)
+        sign = rng.choice([-1.0, 1.0], size=shape)
+        vals = (rng.integers(-2, 3, size=shape) * sign).astype(case.dtype)
     itype = np.int64 if case.wide_indices else index_dtype(n)
     return vals, idx.astype(itype)
 
@@ -111,11 +117,11 @@ def oracle(case: Case, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     idx = np.concatenate([p[1].astype(np.int64) for p in parts])
     vals = np.concatenate([p[0].astype(np.float64) for p in parts])
     uniq, inv = np.unique(idx, return_inverse=True)
-    return (
-        uniq,
-        np.bincount(inv, vals, uniq.shape[0]),
-        np.bincount(inv, np.abs(vals), uniq.shape[0]),
-    )
+    sums = np.zeros((uniq.shape[0], *vals.shape[1:]))
+    mass = np.zeros_like(sums)
+    np.add.at(sums, inv.reshape(-1), vals)
+    np.add.at(mass, inv.reshape(-1), np.abs(vals))
+    return uniq, sums, mass
 
 
 def mismatch(result: SparseVector, case: Case, size: int) -> str | None:
@@ -126,6 +132,9 @@ def mismatch(result: SparseVector, case: Case, size: int) -> str | None:
         return f"n {result.n} != {case.n}"
     if str(result.values.dtype) != case.dtype:
         return f"dtype {result.values.dtype} != {case.dtype}"
+    row = () if case.width is None else (case.width,)
+    if tuple(result.values.shape) != (ridx.shape[0], *row):
+        return f"values shape {tuple(result.values.shape)} for {ridx.shape[0]} indices, rows {row}"
     if ridx.shape[0] and (np.any(np.diff(ridx) <= 0) or ridx[0] < 0 or ridx[-1] >= case.n):
         return "indices not sorted, unique and in range"
     if result.indices.dtype != index_dtype(case.n):
@@ -135,9 +144,9 @@ def mismatch(result: SparseVector, case: Case, size: int) -> str | None:
     if stray.shape[0]:
         return f"index {stray[0]} is in no rank's input"
     union = np.union1d(ridx, oi)
-    got = np.zeros(union.shape[0])
-    want = np.zeros(union.shape[0])
-    scale = np.zeros(union.shape[0])
+    got = np.zeros((union.shape[0], *row))
+    want = np.zeros_like(got)
+    scale = np.zeros_like(got)
     got[np.searchsorted(union, ridx)] = rval
     pos = np.searchsorted(union, oi)
     want[pos] = ov
@@ -145,7 +154,8 @@ def mismatch(result: SparseVector, case: Case, size: int) -> str | None:
     eps = float(np.finfo(case.dtype).eps)
     # rounding of the inputs is shared; each partial sum adds at most one rounding
     tol = 4 * eps * (size + 2) * (scale + np.abs(want)) + 1e-30
-    bad = np.flatnonzero(np.abs(got - want) > tol)
+    off = np.abs(got - want) > tol
+    bad = np.flatnonzero(off.any(axis=1) if off.ndim == 2 else off)
     if bad.shape[0]:
         j = bad[0]
         return f"at index {union[j]}: got {got[j]!r}, want {want[j]!r} ({bad.shape[0]} differ)"

@@ -125,6 +125,62 @@ def test_mismatched_algorithm(comm, instance):
         sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=given, **options)
 
 
+def _rows(rank: int, width: int | None):
+    vals, idx = _good(rank)
+    if width is None:
+        return vals, idx
+    return np.repeat(vals[:, None], width, axis=1) * np.arange(1, width + 1, dtype=vals.dtype), idx
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(("mine", "theirs"), [(3, 2), (None, 3), (4, None)])
+def test_mismatched_row_width(comm, name, mine, theirs):
+    """Row values of another width (or 1-D against rows) on the last rank: the same error on
+    every rank, naming both ranks' values shape; the communicator stays usable."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    bad = comm.size - 1
+    cls = algorithm_class(name)
+    # (an instance: a selecting one by name warns that its state starts anew at every call)
+    algo = sparsecoll.get_algorithm(name, **cls.default_options(N, 20))
+    vals, idx = _rows(comm.rank, theirs if comm.rank == bad else mine)
+    if not cls.takes_rows and (mine or theirs):
+        want = "takes 1-D values only"  # (refused before the shapes are compared)
+    else:
+        shape = {None: "(nnz,)", 2: "(nnz, 2)", 3: "(nnz, 3)", 4: "(nnz, 4)"}
+        want = (
+            f"values shape must be the same on every rank: rank {bad} has {shape[theirs]}, "
+            f"rank 0 has {shape[mine]}"
+        )
+    try:
+        sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=algo)
+        got = None
+    except sparsecoll.CollectiveInputError as exc:
+        got = str(exc)
+    assert_all(comm, got is not None and want in got, f"message: {got!r}")
+    msgs = comm.allgather_object(got)
+    assert_all(comm, len(set(msgs)) == 1, f"messages differ: {msgs}")
+    vals, idx = _rows(comm.rank, 3)
+    out = sparsecoll.allreduce(comm, vals, idx, n=N, algorithm="allgather")
+    assert_all(comm, out.width == 3 and out.n == N)
+
+
+@pytest.mark.parametrize("name", [a for a in NAMES if not algorithm_class(a).takes_rows])
+def test_selecting_algorithms_refuse_rows(comm, name):
+    """Selecting algorithms (and any other without ``takes_rows``) keep 1-D values: rows on
+    one rank raise there, and on every rank."""
+    bad = comm.size - 1
+    vals, idx = _rows(comm.rank, 3 if comm.rank == bad else None)
+    if comm.size == 1:
+        vals, idx = _rows(0, 3)
+    algo = sparsecoll.get_algorithm(name, **algorithm_class(name).default_options(N, 20))
+    with pytest.raises(sparsecoll.CollectiveInputError) as info:
+        sparsecoll.allreduce(comm, vals, idx, n=N, algorithm=algo)
+    text = str(info.value)
+    assert_all(comm, f"algorithm {name!r} takes 1-D values only" in text, text)
+    assert_all(comm, f"rank {bad}" in text or comm.size == 1, text)
+
+
 # user algorithms of one __qualname__ ("Mine"), each on some rank: a class of this module;
 # another defined in another module; one defined over the first under its name
 _ALLGATHER = algorithm_class("allgather")

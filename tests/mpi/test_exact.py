@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 
 import sparsecoll
 from sparsecoll.algorithms.base import reference_sum
@@ -34,6 +34,31 @@ def test_equals_dense_sum(comm, name, case):
     # the input arrays are not modified
     vals2, idx2 = local_input(case, comm.rank, comm.size)
     assert_all(comm, (vals2 == vals).all() and (idx2 == idx).all(), "input modified")
+
+
+ROW_EXACT = [a for a in EXACT if algorithm_class(a).takes_rows]
+
+
+@pytest.mark.parametrize("name", ROW_EXACT)
+@settings(max_examples=max(4, settings().max_examples // 3))
+@given(case=cases(kinds=(*KINDS, "cancel"), rows=True))
+def test_rows_equal_dense_sum(comm, name, case):
+    """Row values (an index per row of D values, D in 1, 3, 16): the dense ``(n, D)`` sum,
+    rows in the result's width, identical on every rank, the input untouched."""
+    if algorithm_class(name).densifies and case.huge:
+        return
+    vals, idx = local_input(case, comm.rank, comm.size)
+    out = sparsecoll.allreduce(comm.mpi_comm, vals, idx, n=case.n, algorithm=name)
+    why = mismatch(out, case, comm.size)
+    assert_all(comm, why is None, f"{why} ({case})")
+    assert_all(comm, out.width == case.width, f"width {out.width} != {case.width}")
+    assert_identical(comm, out)
+    vals2, idx2 = local_input(case, comm.rank, comm.size)
+    assert_all(comm, (vals2 == vals).all() and (idx2 == idx).all(), "input modified")
+    # what the benchmarks check passes too, rows and all
+    inputs = [coalesce(*local_input(case, r, comm.size)[::-1], case.n) for r in range(comm.size)]
+    ok = algorithm_class(name)().verify(out, reference_sum(inputs), inputs)
+    assert_all(comm, ok, f"{name}: verify refused an exact result ({case})")
 
 
 def spread_input(case, rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
