@@ -417,6 +417,16 @@ def _segment_sum(v: np.ndarray, h: np.ndarray, e: np.ndarray, out: np.ndarray) -
         out[i] = acc
 
 
+def _segment_sum_rows(v: np.ndarray, h: np.ndarray, e: np.ndarray, d: int, out: np.ndarray) -> None:
+    # v: C-contiguous rows of width d; h and e: (segments, 1), broadcast over the columns
+    rows = v.reshape(-1, int(d))
+    for i in range(h.shape[0]):
+        acc = rows[int(h[i, 0])].copy()
+        for j in range(int(h[i, 0]) + 1, int(e[i, 0])):
+            acc = (acc + rows[j]).astype(v.dtype)
+        out[i] = acc
+
+
 def _accumulate(*args: Any) -> None:
     # the arguments of _cupy_kernels.accumulate_kernel: g, [r], [u, m], cut, acc, [uo], sel, bad
     layouts = {5: (False, False), 6: (True, False), 8: (False, True), 9: (True, True)}
@@ -447,6 +457,7 @@ def _widen(x: np.ndarray, s: Any, c: Any, d: np.ndarray) -> None:
 KERNELS = {
     "sparsecoll_accumulate": _accumulate,
     "sparsecoll_segment_sum": _segment_sum,
+    "sparsecoll_segment_sum_rows": _segment_sum_rows,
     "sparsecoll_widen": _widen,
 }
 

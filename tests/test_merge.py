@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sparsecoll.algorithms._merge import gather, keep_bucket, merge_two, take_at_least
+from sparsecoll.algorithms.base import pack_pairs, sparse_is_cheaper, unpack_pairs
 from sparsecoll.sparse import coalesce
 
 
@@ -170,3 +172,37 @@ def test_keep_bucket_is_the_mask(x, dtype, cuts, share):
         np.testing.assert_array_equal(got[0], idx[chosen])
         np.testing.assert_array_equal(got[1], xs[chosen])
         np.testing.assert_array_equal(got[2], chosen)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("width", [1, 3, 16])
+def test_merge_two_rows(dtype, width):
+    """Rows merge as scalars do, equal indices summed elementwise, the same bits either way
+    round and equal to a coalesce of the concatenation."""
+    rng = np.random.default_rng(width)
+    n = 50
+    i1 = np.unique(rng.integers(0, n, 30)).astype(np.int32)
+    i2 = np.unique(rng.integers(0, n, 20)).astype(np.int32)
+    v1 = rng.standard_normal((i1.shape[0], width)).astype(dtype)
+    v2 = rng.standard_normal((i2.shape[0], width)).astype(dtype)
+    idx, vals = merge_two(i1, v1, i2, v2, n)
+    idx2, vals2 = merge_two(i2, v2, i1, v1, n)
+    want = coalesce(np.concatenate([i1, i2]), np.concatenate([v1, v2]), n)
+    assert vals.dtype == dtype and vals.shape == (idx.shape[0], width)
+    assert np.array_equal(idx, want.indices) and np.array_equal(idx, idx2)
+    assert vals.tobytes() == vals2.tobytes() == want.values.tobytes()
+
+
+@pytest.mark.parametrize("width", [None, 1, 5])
+def test_pack_pairs_rows(width):
+    idx = np.array([3, 9, 11], np.int64)
+    shape = (3,) if width is None else (3, width)
+    vals = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    buf = pack_pairs(idx, vals)
+    assert buf.nbytes == idx.nbytes + vals.nbytes
+    i2, v2 = unpack_pairs(buf, np.int64, np.float32, width)
+    assert np.array_equal(i2, idx) and np.array_equal(v2, vals) and v2.shape == shape
+    # the break-even rule counts one index a row: 3 rows of 5 are cheaper sparse among 5
+    if width == 5:
+        assert sparse_is_cheaper(3, 5, np.int64, np.float32, width)
+        assert not sparse_is_cheaper(3, 5, np.int64, np.float32)

@@ -328,3 +328,65 @@ def test_to_dense_fills_out():
     assert one.to_dense(out=np.lib.stride_tricks.as_strided(np.zeros(1), (1,), (0,))).tolist() == [
         3.0
     ]
+
+
+# -- row values: an index per row of D values ---------------------------------------------
+
+
+@given(
+    n=st.integers(1, 60),
+    width=st.sampled_from([1, 3, 16]),
+    data=st.data(),
+    dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+)
+def test_coalesce_sums_repeated_rows(n, width, data, dtype):
+    m = data.draw(st.integers(0, 100))
+    idx = data.draw(hnp.arrays(np.int64, m, elements=st.integers(0, n - 1)))
+    vals = data.draw(hnp.arrays(dtype, (m, width), elements=st.integers(-50, 50).map(float)))
+    v = SparseVector.from_coo(idx, vals, n)
+    assert v.width == width and v.row_shape == (width,) and v.shape == (n, width)
+    assert v.values.shape == (v.nnz, width) and v.values.flags.c_contiguous
+    assert np.all(np.diff(v.indices.astype(np.int64)) > 0)
+    want = np.zeros((n, width))
+    np.add.at(want, idx, vals.astype(np.float64))  # small integers: every sum is exact
+    assert v.to_dense().shape == (n, width)
+    assert np.array_equal(v.to_dense().astype(np.float64), want)
+    assert v.indices.tolist() == np.unique(idx).tolist()  # a row summing to 0 stays
+
+
+def test_rows_to_dense_from_dense_and_out():
+    vals = np.arange(6, dtype=np.float32).reshape(3, 2)
+    v = SparseVector.from_coo([4, 1, 4], vals, n=6)
+    assert v.indices.tolist() == [1, 4]
+    assert v.values.tolist() == [[2.0, 3.0], [4.0, 6.0]]
+    dense = v.to_dense()
+    assert dense.shape == (6, 2) and dense[4].tolist() == [4.0, 6.0] and dense[0].tolist() == [0, 0]
+    out = np.full((6, 2), 7.0, np.float32)
+    assert v.to_dense(out=out) is out and np.array_equal(out, dense)
+    with pytest.raises(ValueError, match=r"shape \(6, 2\)"):
+        v.to_dense(out=np.zeros(6, np.float32))
+    with pytest.raises(ValueError, match="share memory"):
+        v.to_dense(out=np.broadcast_to(np.zeros(2, np.float32), (6, 2)))
+    # a dense (n, D) array: the rows holding a nonzero (-0.0 and 0 alone are no nonzero)
+    back = SparseVector.from_dense(np.array([[0, 0], [0, -2.5], [-0.0, 0], [1, 0]], np.float64))
+    assert back.indices.tolist() == [1, 3] and back.values.tolist() == [[0, -2.5], [1, 0]]
+    assert repr(back) == "SparseVector(n=4, nnz=2, dtype=float64, width=2)"
+    assert np.asarray(back).shape == (4, 2)
+
+
+def test_empty_rows_and_scalar_width():
+    e = SparseVector.empty(10, np.float16, width=4)
+    assert e.values.shape == (0, 4) and e.width == 4 and e.to_dense().shape == (10, 4)
+    s = SparseVector.empty(10)
+    assert s.width is None and s.row_shape == () and s.shape == (10,)
+    assert coalesce(np.zeros(0, np.int64), np.zeros((0, 3), np.float32), 5).values.shape == (0, 3)
+
+
+def test_rows_through_torch_and_dlpack():
+    torch = pytest.importorskip("torch")
+    vals = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    v = SparseVector.from_coo(torch.tensor([2, 0, 2]), vals, 3)
+    assert isinstance(v.values, torch.Tensor) and tuple(v.values.shape) == (2, 2)
+    assert v.to_dense().tolist() == [[3.0, 4.0], [0.0, 0.0], [6.0, 8.0]]
+    d = SparseVector.from_coo(DLPackOnly(np.array([1, 1])), DLPackOnly(vals.numpy()[:2]), 3)
+    assert d.values.tolist() == [[4.0, 6.0]]

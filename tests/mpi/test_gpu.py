@@ -93,6 +93,23 @@ def _differs(dev, host, exact_case=None, size=None) -> str | None:
     return None
 
 
+ROW_ALGORITHMS = [a for a in ALGORITHMS if algorithm_class(a).takes_rows]
+
+
+@given(name=st.sampled_from(ROW_ALGORITHMS), case=cases(max_n=5000, rows=True))
+def test_rows_on_device(comm, xp, name, case):
+    """Row values on the device (repeats coalesced there, merged, sent dense or sparse): the
+    oracle's (n, D) sum, device out, identical on every rank."""
+    vals, idx = local_input(case, comm.rank, comm.size)
+    dev = sparsecoll.allreduce(comm, xp.asarray(vals), xp.asarray(idx), n=case.n, algorithm=name)
+    if not isinstance(dev.values, xp.ndarray):
+        why = f"result left the device: {type(dev.values)}"
+    else:
+        why = _differs(dev, None, case, comm.size)
+    assert_all(comm, why is None, f"{name} rows: {why}")
+    assert_identical(comm, sparsecoll.SparseVector(_host(dev.indices), _host(dev.values), dev.n))
+
+
 @given(name=st.sampled_from(ALGORITHMS), case=cases(max_n=5000), aware=st.booleans())
 def test_algorithm_on_device(comm, xp, name, case, aware):
     """Device in, device out; exact algorithms equal the oracle, selecting ones their host run.
