@@ -151,11 +151,11 @@ def _allreduce(
         with device_scope(vals), np.errstate(over="ignore", invalid="ignore"):
             check_local(idx, vals, n)
             if vals.ndim == 2 and not algo.takes_rows:
+                name = type(algo).name or _name(algorithm)
                 raise ValueError(
-                    f"algorithm {type(algo).name or _name(algorithm)!r} takes 1-D values only, "
-                    f"got rows (values "
-                    f"of shape {tuple(vals.shape)}): reduce rows with an exact algorithm "
-                    f"(allgather, dsa, recursive_doubling, dense, rabenseifner or auto)"
+                    f"algorithm {name!r} takes 1-D values only, got rows (values of shape "
+                    f"{tuple(vals.shape)}): reduce rows with one that takes them (allgather, "
+                    f"dsa, recursive_doubling, dense, rabenseifner, auto)"
                 )
             sig = call_signature(algo, vals, n)
             agree.detail = functools.partial(_options_detail, algo, named, vals)

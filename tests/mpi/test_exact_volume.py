@@ -46,7 +46,7 @@ def inputs(kind: str, P: int, n: int, dtype) -> list[tuple[np.ndarray, np.ndarra
     return [problem(kind, r, P, n, dtype) for r in range(P)]
 
 
-def dsa_expected(every, P: int, r: int, n: int, dtype) -> dict[str, int]:
+def dsa_expected(every, P: int, r: int, n: int, dtype, width=None) -> dict[str, int]:
     itype = index_dtype(n)
     bounds = range_bounds(n, P)
     lengths = np.diff(bounds)
@@ -54,7 +54,7 @@ def dsa_expected(every, P: int, r: int, n: int, dtype) -> dict[str, int]:
     c = np.array([np.diff(cut) for cut in cuts])  # c[s, j]: rank s's nonzeros in range j
 
     def cb(nnz, j):
-        return chunk_bytes(int(nnz), int(lengths[j]), itype, dtype)
+        return chunk_bytes(int(nnz), int(lengths[j]), itype, dtype, width)
 
     rs_sent = sum(cb(c[r, j], j) for j in range(P) if j != r)
     rs_recv = sum(cb(c[s, r], r) for s in range(P) if s != r)
@@ -66,12 +66,12 @@ def dsa_expected(every, P: int, r: int, n: int, dtype) -> dict[str, int]:
         ag_sent += sum(block[(r + b) % P] for b in range(cnt))
     ag_recv = sum(block) - block[r]
     dense_chunks = sum(
-        not sparse_is_cheaper(int(c[r, j]), int(lengths[j]), itype, dtype)
+        not sparse_is_cheaper(int(c[r, j]), int(lengths[j]), itype, dtype, width)
         for j in range(P)
         if j != r and c[r, j]
     )
     dense_ranges = sum(
-        not sparse_is_cheaper(int(K[j]), int(lengths[j]), itype, dtype) for j in range(P)
+        not sparse_is_cheaper(int(K[j]), int(lengths[j]), itype, dtype, width) for j in range(P)
     )
     return dict(
         rs_sent=rs_sent,
@@ -155,13 +155,13 @@ def test_dsa_sends_less_than_allgather_with_overlap(comm, kind):
         assert_all(comm, abs(pairs - 2 * k * (P - 1) / P) <= 0.1 * k, f"{pairs} pairs")
 
 
-def rd_expected_sent(every, P: int, r: int, n: int, dtype) -> int:
+def rd_expected_sent(every, P: int, r: int, n: int, dtype, width=None) -> int:
     """Bytes rank r sends in recursive doubling: its whole vector every round."""
     itype = index_dtype(n)
 
     def cost(ranks) -> int:
         union = np.unique(np.concatenate([every[s][0] for s in ranks]))
-        return chunk_bytes(int(union.shape[0]), n, itype, dtype)
+        return chunk_bytes(int(union.shape[0]), n, itype, dtype, width)
 
     fold = Fold.plan(r, P)
     if P == 1:
@@ -212,6 +212,40 @@ def test_recursive_doubling_bytes_match_formula(comm, kind, n, dtype):
         pair = index_dtype(n).itemsize + np.dtype(dtype).itemsize
         assert_all(comm, got == k * pair * int(math.log2(P)))
     assert_identical(comm, out)
+
+
+def as_rows(every, width: int):
+    """Each input's values as rows of ``width`` (a nonzero row for every nonzero value)."""
+    return [(idx, vals[:, None] * np.arange(1, width + 1, dtype=vals.dtype)) for idx, vals in every]
+
+
+@pytest.mark.parametrize("width", [3, 16])
+@pytest.mark.parametrize(
+    ("kind", "n"), [("random", 100_003), ("same", 4099), ("dense", 20_000), ("one_dense", 4099)]
+)
+def test_rows_bytes_match_formula(comm, kind, n, width):
+    """Rows: the formulas of dsa and recursive_doubling with an index and D values a pair, and
+    a dense range of length·D values; auto's choice the rule's with D."""
+    P, r, dtype = comm.size, comm.rank, np.float32
+    every = as_rows(inputs(kind, P, n, dtype), width)
+    out = _run(comm, "dsa", *every[r], n)
+    if P > 1:
+        want = dsa_expected(every, P, r, n, dtype, width)
+        rs, ag = out.info["phases"]["reduce_scatter"], out.info["phases"]["allgather"]
+        got = dict(rs_sent=rs.bytes_sent, rs_recv=rs.bytes_recv, ag_sent=ag.bytes_sent)
+        got["ag_recv"] = ag.bytes_recv
+        for key, value in got.items():
+            assert_all(comm, value == want[key], f"dsa {kind} {key}: {value} != {want[key]}")
+    assert_identical(comm, out)
+    out = _run(comm, "recursive_doubling", *every[r], n)
+    want_rd = rd_expected_sent(every, P, r, n, dtype, width)
+    got_rd = out.info["stats"].bytes_sent
+    assert_all(comm, got_rd == want_rd, f"rd {kind}: sent {got_rd}, expected {want_rd}")
+    total = sum(idx.shape[0] for idx, _ in every)
+    auto = Auto()
+    out = sparsecoll.allreduce(comm, every[r][1], every[r][0], n=n, algorithm=auto)
+    rule = choose(P, n, total, np.int32, dtype, None, auto.model, width)
+    assert_all(comm, out.info["auto_choice"] == rule, f"auto chose {out.info['auto_choice']}")
 
 
 @pytest.mark.parametrize("kind", ["same", "disjoint", "random"])
