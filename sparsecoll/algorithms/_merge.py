@@ -92,11 +92,13 @@ def _row_kernel() -> Any:
             y = i2[b]
             if x < y:
                 idx[o] = x
-                val[o, :] = v1[a, :]
+                for c in range(d):
+                    val[o, c] = v1[a, c]
                 a += 1
             elif y < x:
                 idx[o] = y
-                val[o, :] = v2[b, :]
+                for c in range(d):
+                    val[o, c] = v2[b, c]
                 b += 1
             else:
                 idx[o] = x
@@ -105,16 +107,13 @@ def _row_kernel() -> Any:
                 a += 1
                 b += 1
             o += 1
-        while a < m1:
-            idx[o] = i1[a]
-            val[o, :] = v1[a, :]
-            a += 1
-            o += 1
-        while b < m2:
-            idx[o] = i2[b]
-            val[o, :] = v2[b, :]
-            b += 1
-            o += 1
+        # the rest of one run (the other is spent), copied whole
+        idx[o : o + m1 - a] = i1[a:]
+        val[o : o + m1 - a] = v1[a:]
+        o += m1 - a
+        idx[o : o + m2 - b] = i2[b:]
+        val[o : o + m2 - b] = v2[b:]
+        o += m2 - b
         return idx[:o], val[:o]
 
     return merge_rows
