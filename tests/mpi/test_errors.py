@@ -976,7 +976,7 @@ def test_memory_running_out_on_one_rank_for_recursive_doublings_dense_start(comm
     zeros = np.zeros
 
     def runs_out(shape, *args, **kwargs):
-        if shape == n:
+        if np.prod(shape) == n:  # (n or (n,))
             raise MemoryError("out of memory")
         return zeros(shape, *args, **kwargs)
 
