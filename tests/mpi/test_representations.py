@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sparsecoll
@@ -108,3 +108,26 @@ def test_ranges_as_indices_with_an_empty_one(comm, name):
     idx = np.arange(lo, n, dtype=np.int64)
     want = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=name, **opts)
     assert_all(comm, digest(got) == digest(want), f"{name}: {got!r} vs {want!r}")
+
+
+ROW_ALGORITHMS = [a for a in sparsecoll.available_algorithms() if algorithm_class(a).takes_rows]
+
+
+@pytest.mark.parametrize("name", ROW_ALGORITHMS)
+@settings(max_examples=max(4, settings().max_examples // 3))
+@given(case=cases(max_n=100_000, rows=True), layouts=st.lists(st.sampled_from(LAYOUTS), min_size=8))
+def test_row_representations_equal_native_arrays(comm, name, case, layouts):
+    """Row values (nnz, D) in each representation (a Fortran-order array for the column
+    layout, a torch tensor, DLPack alone): the native call's result, bit for bit."""
+    vals, idx = local_input(case, comm.rank, comm.size)
+    layout = layouts[comm.rank % len(layouts)]
+    if layout == "fortran_column":
+        v, i = np.asfortranarray(vals), idx
+    else:
+        v, i = represent(layout, vals, idx, case.n)
+    want = sparsecoll.allreduce(comm, vals, idx, n=case.n, algorithm=name)
+    got = sparsecoll.allreduce(comm, v, i, n=case.n, algorithm=name)
+    same = digest(got) == digest(want) and got.width == case.width
+    if layout == "torch":
+        same = same and type(got.values).__name__ == "Tensor"
+    assert_all(comm, same, f"{name} {layout}: {got!r} vs {want!r}")
