@@ -58,25 +58,29 @@ def _token_counts() -> np.ndarray:
     return np.repeat([int(c) for c, _, _ in runs], [int(m or 1) for _, _, m in runs])
 
 
+def weights(overlap: str, n: int, at: np.ndarray) -> np.ndarray:
+    """Relative popularity of the indices ``at`` of [0, n) under zipf or tokens (float64)."""
+    at = np.asarray(at, dtype=np.int64)
+    if overlap == "zipf":
+        return (at + 1.0) ** -ZIPF_EXPONENT
+    if overlap == "tokens":
+        counts = _token_counts()
+        return counts[at * counts.shape[0] // n].astype(np.float64)
+    raise ValueError(f"{overlap!r} is not a weighted pattern")
+
+
 @functools.lru_cache(maxsize=2)
 def _inverse_weights(overlap: str, n: int) -> np.ndarray:
-    """1 / weight of each index of [0, n) (float32, read-only; cached: the ranks of a
-    process share it)."""
-    if overlap == "zipf":
-        inv = np.arange(1, n + 1, dtype=np.float64) ** ZIPF_EXPONENT
-    elif overlap == "tokens":
-        counts = _token_counts()
-        inv = 1.0 / counts[np.arange(n, dtype=np.int64) * counts.shape[0] // n]
+    """1 / weight of each index of [0, n) (float32, read-only; cached: a process's calls
+    share it)."""
+    if overlap == "zipf":  # (float32 throughout: a fifth of float64's time)
+        out = np.arange(1, n + 1, dtype=np.float32)
+        out **= np.float32(ZIPF_EXPONENT)
     else:
-        raise ValueError(f"{overlap!r} is not a weighted pattern")
-    out = inv.astype(np.float32)
+        counts = _token_counts()
+        out = (1.0 / counts.astype(np.float32))[np.arange(n) * counts.shape[0] // n]
     out.flags.writeable = False
     return out
-
-
-def weights(overlap: str, n: int) -> np.ndarray:
-    """Relative popularity of each index of [0, n) under a weighted pattern (zipf, tokens)."""
-    return 1.0 / _inverse_weights(overlap, n).astype(np.float64)
 
 
 def _weighted(rng: np.random.Generator, overlap: str, n: int, k: int) -> np.ndarray:
