@@ -10,6 +10,7 @@ on the Python that runs the benchmark.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import textwrap
 from collections import Counter
@@ -20,7 +21,8 @@ from train_cluster import stdlib_words
 OUT = Path(__file__).resolve().parents[1] / "sparsecoll" / "benchmarks" / "_tokens.py"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__).parse_args(argv)
     words = stdlib_words()
     counts = sorted(Counter(words).values(), reverse=True)
     runs = Counter(counts)

@@ -106,3 +106,18 @@ def test_every_entry_point_with_overlap_accepts_the_new_patterns():
     q.add_argument("--overlap", choices=OVERLAPS, help=OVERLAP_HELP)
     assert q.parse_args(["--overlap", "tokens"]).overlap == "tokens"
     q.format_help()
+
+
+def test_the_token_counts_are_the_corpus_profile():
+    """_tokens holds the counts its docstring describes, most frequent first."""
+    import re
+
+    from sparsecoll.benchmarks import _tokens
+    from sparsecoll.benchmarks.problems import _token_counts
+
+    counts = _token_counts()
+    tokens, distinct = map(
+        int, re.search(r"(\d+) tokens, (\d+) distinct", _tokens.__doc__).groups()
+    )
+    assert counts.sum() == tokens and counts.size == distinct
+    assert (np.diff(counts) <= 0).all() and counts[-1] >= 1
