@@ -59,6 +59,7 @@ def problem_of(rows: list[dict], n: int) -> Problem:
         index_bytes=4 if n <= 2**31 else 8,
         value_bytes=VALUE_BYTES[r["dtype"]],
         overlap=r["overlap"],
+        ranks=int(r["P"]),
     )
 
 

@@ -1,26 +1,35 @@
 """Sweep the exact sparse allreduce algorithms: latency and bytes per rank.
 
 Grid: P × n × density × overlap pattern (``sparsecoll.benchmarks.problems``), every
-algorithm on the same inputs, each result checked against ``dense``.
+exact algorithm in the registry (and auto) on the same inputs, each result checked against
+``dense``.
 
     python bench/sweep_exact.py --np 2,4,8            # relaunches itself per P
     mpiexec -n 4 python bench/sweep_exact.py          # one P
+    python bench/sweep_exact.py --np 2,4 -n 64K --density 0.01 --summary cases.csv
 
 Columns: median/min/max latency over iterations (each the slowest rank's time), bytes sent
 per rank per call (the most any rank sent; payload only, counts and other metadata apart),
-that figure relative to dense, the result's nnz, and whether it matched dense.
+that figure relative to dense, the result's nnz, and whether it matched dense. After each
+case a ``# case`` line names the fastest exact algorithm (by median; auto apart), auto's
+pick and auto's median over the fastest's; ``--summary`` writes those lines as CSV
+(appended to by each P of ``--np``), and the run ends with how many cases auto was within
+10% of the fastest.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import subprocess
 import sys
 
 import numpy as np
 
-ALGORITHMS = ("dense", "allgather", "dsa", "recursive_doubling", "auto")
+SWEPT = ("random", "same", "disjoint", "skewed", "hot", "zipf")  # default --overlap
+SUMMARY = ("P", "n", "density", "overlap", "fastest", "fastest_ms", "auto_choice", "auto_ms")
+SUMMARY += ("auto_ratio",)
 COLUMNS = (
     "P",
     "n",
@@ -46,6 +55,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         densities_arg,
         int_arg,
         ints_arg,
+        out_arg,
         parse_algorithms,
         sizes_arg,
     )
@@ -61,18 +71,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--overlap",
         type=choices_arg(OVERLAPS, "overlap"),
-        default="random,same,disjoint",
-        help="comma-separated patterns",
+        default=",".join(SWEPT),
+        help="comma-separated patterns (default: %(default)s)",
     )
     p.add_argument(
         "--algorithms",
-        default=",".join(ALGORITHMS),
-        help="comma-separated exact algorithms ('all': every exact one)",
+        default="all",
+        help="comma-separated exact algorithms ('all', the default: every exact one)",
     )
     p.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"))
     p.add_argument("-i", "--iterations", type=int_arg(1), default=5)
     p.add_argument("-x", "--warmup", type=int_arg(0), default=1)
     p.add_argument("--format", choices=("table", "csv"), default="table")
+    p.add_argument("--summary", type=out_arg(), default=None, help="per-case CSV (appended)")
     p.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:  # (an unknown name failed on every rank in its first call, with a traceback)
@@ -155,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         run_algorithm(comm, name, tiny_vals, tiny_idx, 4096, 41, 1, 0)
     ok_all = True
+    cases = []
     for n in args.n:
         for density in args.density:
             for overlap in args.overlap:
@@ -162,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 k = round(density * n)
                 reference = None
                 dense_bytes = None
+                medians, choice = {}, ""
                 for name in ["dense", *[a for a in names if a != "dense"]]:
                     res, times, sent = run_algorithm(
                         comm, name, vals, idx, n, k, args.iterations, args.warmup
@@ -174,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                     ok_all &= good
                     if name not in names:
                         continue
+                    medians[name] = float(np.median(times))
                     note = res.info.get("auto_choice", "")
+                    choice = note or choice
                     row = (
                         P,
                         n,
@@ -202,7 +217,65 @@ def main(argv: list[str] | None = None) -> int:
                             )
                         out.flush()
                 del vals, idx, reference
+                case = summarize(P, n, density, overlap, medians, choice)
+                if case:
+                    cases.append(case)
+                    if out:
+                        print(f"# case {describe(case)}", file=out, flush=True)
+    if out and cases:
+        report(cases, args, out)
     return 0 if ok_all else 1
+
+
+def summarize(P, n, density, overlap, medians: dict, choice: str) -> dict | None:
+    """The fastest exact algorithm of a case (auto apart) and auto's ratio to it."""
+    fixed = {a: t for a, t in medians.items() if a != "auto"}
+    if not fixed:
+        return None
+    best = min(fixed, key=fixed.get)
+    auto = medians.get("auto")
+    return {
+        "P": P,
+        "n": n,
+        "density": density,
+        "overlap": overlap,
+        "fastest": best,
+        "fastest_ms": fixed[best] * 1e3,
+        "auto_choice": choice,
+        "auto_ms": "" if auto is None else auto * 1e3,
+        "auto_ratio": "" if auto is None or not fixed[best] else auto / fixed[best],
+    }
+
+
+def describe(c: dict) -> str:
+    text = (
+        f"P={c['P']} n={c['n']} density={c['density']:.3%} {c['overlap']}: fastest "
+        f"{c['fastest']} {c['fastest_ms']:.3f} ms"
+    )
+    if c["auto_choice"]:
+        text += f"; auto picked {c['auto_choice']}, {c['auto_ratio']:.2f}x the fastest"
+    return text
+
+
+def report(cases: list[dict], args: argparse.Namespace, out) -> None:
+    """The per-case CSV (--summary) and how often auto was within 10% of the fastest."""
+    if args.summary:
+        with open(args.summary, "a" if args.no_header else "w", newline="") as f:
+            w = csv.DictWriter(f, SUMMARY)
+            if not args.no_header:
+                w.writeheader()
+            w.writerows({k: _fmt(v) for k, v in c.items()} for c in cases)
+    timed = [c for c in cases if c["auto_ratio"] != ""]
+    if timed:
+        near = sum(c["auto_ratio"] <= 1.1 for c in timed)
+        picked = sum(c["auto_choice"] == c["fastest"] for c in timed)
+        worst = max(timed, key=lambda c: c["auto_ratio"])
+        print(
+            f"# auto within 10% of the fastest in {near} of {len(timed)} cases, picked the "
+            f"fastest in {picked}; worst {describe(worst)}",
+            file=out,
+            flush=True,
+        )
 
 
 def matches(result, reference) -> bool:

@@ -80,14 +80,19 @@ SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "lib2to3"}
 
 
 # -- data -------------------------------------------------------------------------------------
-def build_corpus(vocab: int) -> tuple[np.ndarray, list[str]]:
-    """Token ids of the stdlib sources (sorted file order) and the vocabulary (0 = <unk>)."""
+def stdlib_words() -> list[str]:
+    """The token stream of the stdlib sources (sorted file order)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     texts = []
     for p in sorted(root.rglob("*.py")):
         if SKIP_DIRS.isdisjoint(p.relative_to(root).parts):
             texts.append(p.read_text(encoding="utf-8", errors="replace"))
-    words = [w if w[0] != "\n" else "\n" for w in TOKEN.findall("\n".join(texts))]
+    return [w if w[0] != "\n" else "\n" for w in TOKEN.findall("\n".join(texts))]
+
+
+def build_corpus(vocab: int) -> tuple[np.ndarray, list[str]]:
+    """Token ids of the stdlib sources (sorted file order) and the vocabulary (0 = <unk>)."""
+    words = stdlib_words()
     top = [w for w, _ in Counter(words).most_common(vocab - 1)]
     lut = {w: i + 1 for i, w in enumerate(top)}
     ids = np.fromiter((lut.get(w, 0) for w in words), dtype=np.int32, count=len(words))

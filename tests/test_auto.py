@@ -149,3 +149,110 @@ def test_signature_tracks_constants_and_learned_state():
     b.theta = 0.25
     assert a.signature() != b.signature()
     assert Auto(alpha=1e-6).signature() != a.signature()
+
+
+# -- the loads of the P ranges (skew) ----------------------------------------------------------
+def _hot_loads(P: int, N: int, share: float) -> list[float]:
+    """``share`` of the N nonzeros in range 0, the rest spread evenly."""
+    return [share * N] + [(1 - share) * N / (P - 1)] * (P - 1)
+
+
+def test_even_loads_predict_as_no_loads():
+    for P in (2, 3, 8):
+        N = P * 2**24 // 100
+        even = predict(P, 2**24, N, I32, F32, loads=[N / P] * P)
+        assert even == pytest.approx(predict(P, 2**24, N, I32, F32))
+
+
+def test_loads_must_be_one_per_range():
+    with pytest.raises(ValueError, match="expecting 4 loads, got 3"):
+        predict(4, 1000, 40, I32, F32, loads=[10, 10, 20])
+
+
+def test_skewed_loads_move_auto_off_dsa():
+    """1% per rank of 16M: dsa on even loads; with 80% of the nonzeros in one owner's range
+    dsa's busiest owner dominates and the choice leaves it."""
+    for P in (4, 8):
+        N = P * 2**24 // 100
+        assert choose(P, 2**24, N, I32, F32, loads=[N / P] * P) == "dsa"
+        skewed = _hot_loads(P, N, 0.8)
+        assert choose(P, 2**24, N, I32, F32, loads=skewed) != "dsa"
+        c, even = (predict(P, 2**24, N, I32, F32, loads=lo) for lo in (skewed, None))
+        assert c["dsa"] > 2 * even["dsa"]
+        for name in ("allgather", "recursive_doubling"):  # no range split: no change
+            assert c[name] == even[name]
+
+
+def test_dsa_charges_the_busiest_owner():
+    """β only: the reduce-scatter's busiest owner receives max-load/P from each other rank,
+    and the allgather sends the busiest range once per Bruck round."""
+    m = CostModel(alpha=0.0, beta=1.0, gamma_sort=0.0, gamma_merge=0.0, delta=0.0)
+    P, n, N = 4, 10**7, 4000  # (sparse everywhere)
+    loads = [2500, 500, 500, 500]
+    K = union_size(P, n, N / P, None)
+    K_hot = union_size(P, n / P, 2500 / P, None)
+    want = (P - 1) * 2500 / P * 8 + (P - 1) / P * K * 8 + 2 * (K_hot - K / P) * 8
+    assert predict(P, n, N, I32, F32, model=m, loads=loads)["dsa"] == pytest.approx(want)
+
+
+def test_hashed_and_ring_only_when_registered(monkeypatch):
+    from sparsecoll.algorithms import auto
+
+    known = set(sparsecoll.available_algorithms())
+    c = predict(8, 2**24, 8 * 2**24 // 100, I32, F32)
+    assert ("hashed" in c) == ("hashed" in known) and ("ring" in c) == ("ring" in known)
+    monkeypatch.setattr(auto, "_registered", lambda name: True)
+    assert {"hashed", "ring"} <= set(predict(8, 2**24, 8 * 2**24 // 100, I32, F32))
+    assert set(predict(1, 2**24, 2**24 // 100, I32, F32)).isdisjoint({"hashed", "ring"})
+    monkeypatch.setattr(auto, "_registered", lambda name: False)
+    assert set(predict(8, 2**24, 8 * 2**24 // 100, I32, F32)).isdisjoint({"hashed", "ring"})
+
+
+def test_hashed_is_balanced_and_ring_suffers_the_skew(monkeypatch):
+    from sparsecoll.algorithms import auto
+
+    monkeypatch.setattr(auto, "_registered", lambda name: True)
+    P, n = 8, 2**24
+    N = P * n // 100
+    even = predict(P, n, N, I32, F32)
+    for share in (0.5, 0.8, 0.95):
+        c = predict(P, n, N, I32, F32, loads=_hot_loads(P, N, share))
+        assert c["hashed"] == even["hashed"]
+        assert c["ring"] > even["ring"] and c["dsa"] > even["dsa"]
+    c = predict(P, n, N, I32, F32, loads=_hot_loads(P, N, 0.95))
+    assert c["hashed"] < c["dsa"] and c["hashed"] < c["ring"]
+    # the pull returns each owner's part as a bitmap over its n/P indices where that is smaller
+    m = CostModel(alpha=0.0, beta=1.0, gamma_sort=0.0, gamma_merge=0.0, delta=0.0)
+    dense_ish = predict(P, 8000, P * 4000, I32, F32, theta=1.0, model=m)["hashed"]
+    part = min(8000 / P / 8 + 8000 / P * 4, 8000 / P * 4)
+    assert dense_ish == pytest.approx((P - 1) * (min(500 * 8, 1000 * 4) + part))
+
+
+def test_range_loads_counts_each_range():
+    from sparsecoll.algorithms.auto import range_loads
+    from sparsecoll.algorithms.base import range_bounds
+    from sparsecoll.sparse import SparseVector
+
+    rng = np.random.default_rng(0)
+    idx = np.unique(rng.integers(0, 1001, 300))
+    x = SparseVector.from_coo(idx, np.ones(idx.size, F32), 1001)
+    for P in (1, 2, 3, 7):
+        loads = range_loads(x, P)
+        want = np.histogram(idx, bins=range_bounds(1001, P))[0]
+        assert loads == want.tolist() and sum(loads) == idx.size
+
+
+@given(
+    P=st.integers(2, 64),
+    log_n=st.integers(4, 34),
+    density=st.floats(0, 1),
+    share=st.floats(0, 1),
+)
+def test_choice_with_loads_is_the_cheapest_candidate(P, log_n, density, share):
+    n = 2**log_n
+    N = int(P * density * n)
+    loads = [share * N] + [(1 - share) * N / (P - 1)] * (P - 1)
+    itype = np.int32 if n <= 2**31 else np.int64
+    cost = predict(P, n, N, itype, F32, None, None, loads)
+    assert all(math.isfinite(v) and v >= 0 for v in cost.values())
+    assert cost[choose(P, n, N, itype, F32, None, None, loads)] == min(cost.values())

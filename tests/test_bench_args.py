@@ -278,3 +278,29 @@ def test_call_overhead_times_every_algorithm() -> None:
     }
     assert expected <= rows.keys(), proc.stdout
     assert all(wall > 0 and cpu >= 0 for wall, cpu in rows.values())
+
+
+def test_sweep_exact_summarizes_each_case(tmp_path, capsys) -> None:
+    """The fastest exact algorithm (auto apart), auto's pick and its ratio; the CSV of
+    cases, appended to by the later P of --np; the count of cases within 10%."""
+    import argparse
+    import io
+
+    mod = _main("sweep_exact.py").__globals__
+    case = mod["summarize"](2, 1024, 0.01, "zipf", {"dsa": 0.002, "auto": 0.0021}, "dsa")
+    assert case["fastest"] == "dsa" and case["auto_ratio"] == pytest.approx(1.05)
+    slow = mod["summarize"](3, 1024, 0.01, "hot", {"dsa": 0.004, "auto": 0.001, "dense": 0.001}, "")
+    assert slow["fastest"] == "dense" and slow["auto_ratio"] == 1.0
+    assert mod["summarize"](2, 1, 0.5, "same", {"auto": 1.0}, "dsa") is None
+    path = tmp_path / "cases.csv"
+    for first, cases in ((True, [case]), (False, [slow])):
+        mod["report"](cases, argparse.Namespace(summary=str(path), no_header=not first), None)
+    lines = path.read_text().splitlines()
+    assert lines[0].startswith("P,n,density,overlap,fastest") and len(lines) == 3
+    assert lines[1].startswith("2,1024,0.01,zipf,dsa,2,dsa,2.1,1.05")
+
+    out = io.StringIO()
+    mod["report"]([case, slow], argparse.Namespace(summary=None, no_header=False), out)
+    assert (
+        "auto within 10% of the fastest in 2 of 2 cases, picked the fastest in 1" in out.getvalue()
+    )

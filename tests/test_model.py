@@ -82,6 +82,30 @@ def test_range_nnz_follows_the_overlap_pattern() -> None:
     assert c[0, 0] > 0.9 * k and union[0] > union_size(n // 10, 900, 4)
 
 
+@pytest.mark.parametrize("overlap", ["hot", "zipf", "tokens"])
+def test_range_nnz_of_the_skewed_patterns(overlap) -> None:
+    """As above for hot (80% in the first 1/P), zipf and tokens (inclusion probabilities
+    of the weighted draw): the model's union matches make_problem's within 2%, and range 0
+    carries the most."""
+    from sparsecoll.benchmarks.problems import make_problem
+
+    n, k = 1 << 18, 3000
+    for P in (2, 3, 8):
+        x = Problem(n=n, k=k, overlap=overlap, ranks=P)
+        c, union = range_nnz(x, P)
+        lengths = np.diff(range_bounds(n, P))
+        assert c.sum(axis=1) == pytest.approx(np.full(P, k), rel=1e-6), (overlap, P)
+        assert (union <= lengths + 1e-9).all() and (union >= c.max(axis=0) - 1e-9).all()
+        assert union.sum() == pytest.approx(union_size(n, k, P, overlap, P))
+        assert c[0, 0] == c[0].max() and union[0] == union.max()
+        drawn = [make_problem(n, k / n, r, P, overlap)[1] for r in range(P)]
+        got = np.unique(np.concatenate(drawn)).size
+        assert union.sum() == pytest.approx(got, rel=0.02), (overlap, P)
+    assert range_nnz(Problem(n=n, k=k, overlap="hot", ranks=4), 4)[0][0, 0] == 2400
+    with pytest.raises(ValueError, match="'hot' needs the ranks"):
+        Problem(n=n, k=k, overlap="hot")
+
+
 def test_dsa_owner_of_the_hot_range_sends_it_every_round() -> None:
     """Skewed inputs: rank 0 owns the hot range and sends it in each of Bruck's lg rounds;
     disjoint inputs: nothing to reduce-scatter, each rank's k pairs sent P − 1 times."""

@@ -230,3 +230,16 @@ def test_readme_headline_says_what_it_measures() -> None:
     around = text[at - 300 : at + 800]
     for needed in ("collective alone", "already sparse", "--reuse", "not a training-step"):
         assert needed in around, needed
+
+
+@pytest.mark.mpi
+def test_skewed_patterns_run_and_validate() -> None:
+    """hot, zipf and tokens inputs through the suite (auto too: it reads their skew)."""
+    for overlap in ("hot", "zipf", "tokens"):
+        args = [*OSU, "-m", "4K", "-i", "1", "-x", "0", "-c", "-q", "--format", "json"]
+        args += ["--overlap", overlap, "--algorithm", "dsa,auto"]
+        proc = run_mpi(2, args, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-6000:]
+        doc = json.loads(proc.stdout)
+        assert doc["header"]["overlap"] == overlap
+        assert [r["valid"] for r in doc["results"]] == ["yes", "yes"], overlap

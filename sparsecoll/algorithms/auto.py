@@ -1,19 +1,23 @@
-"""auto: pick the exact algorithm (allgather, dsa, recursive_doubling, dense) per call.
+"""auto: pick the exact algorithm (allgather, dsa, recursive_doubling, dense, …) per call.
 
-One small allreduce gives the global nnz N; with P, n and the index/value sizes it feeds a
-latency–bandwidth–compute model (:func:`predict`, formulas in docs/guide/algorithms.md) and
-the cheapest prediction runs (:func:`choose`; ties go to the earlier of ``CANDIDATES``;
-P = 1 always gives allgather). The first call assumes independent uniform indices; each
-later one uses the overlap exponent θ learned from the previous result (K(m) = k̄·m^θ).
-N and the result are the same on every rank, so every rank makes the same choice; θ is
-part of the signature, so use one instance per tensor on every rank.
+One small allreduce of P + 1 ints gives the global nnz N and the loads: the nonzeros of all
+ranks in each of the P equal ranges of [0, n) that dsa (and ring) split by. With P, n and
+the index/value sizes they feed a latency–bandwidth–compute model (:func:`predict`,
+formulas in docs/guide/algorithms.md; a range split is charged its busiest range) and the
+cheapest prediction runs (:func:`choose`; ties go to the earlier of ``CANDIDATES``, of
+which hashed and ring only when registered; P = 1 always gives allgather). The first call
+assumes independent indices; each later one uses the overlap exponent θ learned from the
+previous result (K(m) = k̄·m^θ). N, the loads and the result are the same on every rank, so
+every rank makes the same choice; θ is part of the signature, so use one instance per
+tensor on every rank.
 
 When the pick may allocate O(n) (dense; recursive_doubling past its switch point), its
 preflight runs and the ranks agree on it first: memory running out on one rank is a
 CollectiveRuntimeError on every rank. Rows of D values count D values an index (``width``).
 The default constants describe a cluster node pair
 (5 µs, 10 GB/s); pass your own (``Auto(alpha=…, beta=…)``) to fit another machine. The
-choice is in ``result.info["auto_choice"]``.
+choice is in ``result.info["auto_choice"]``, the statistics and predictions behind it in
+``result.info["auto"]``.
 """
 
 from __future__ import annotations
@@ -27,17 +31,17 @@ import numpy as np
 
 from .. import _state
 from .._agree import agreement
-from .._array import index_dtype
+from .._array import get_array_module, index_dtype, to_host, to_module
 from .._options import read_only, real
 from ..comm import Communicator
-from ..registry import algorithm_class, register_algorithm
+from ..registry import algorithm_class, available_algorithms, register_algorithm
 from ..sparse import SparseVector
-from .base import Algorithm, sparse_is_cheaper
+from .base import Algorithm, range_bounds, sparse_is_cheaper
 from .dsa import bruck_counts
 
-__all__ = ["CANDIDATES", "Auto", "CostModel", "choose", "predict", "union_size"]
+__all__ = ["CANDIDATES", "Auto", "CostModel", "choose", "predict", "range_loads", "union_size"]
 
-CANDIDATES = ("allgather", "dsa", "recursive_doubling", "dense")
+CANDIDATES = ("allgather", "dsa", "recursive_doubling", "dense", "hashed", "ring")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,19 @@ def dsa_messages(P: int) -> int:
     return 3 * (P - 1) + len(rounds) + sum(4 if cnt > 1 else 2 for cnt in rounds)
 
 
+def range_loads(x: SparseVector, P: int) -> list[int]:
+    """Return this rank's nonzeros in each of the P ranges of ``range_bounds(n, P)``."""
+    xp = get_array_module(x.indices)
+    bounds = to_module(range_bounds(x.n, P), xp)
+    at = to_host(xp.searchsorted(x.indices, bounds)).astype(np.int64)  # (indices sorted)
+    return np.diff(at).tolist()
+
+
+def imbalance(loads: Any, nnz_total: int) -> float:
+    """Return max/mean of the loads (1.0 with no nonzeros)."""
+    return float(max(loads)) * len(loads) / nnz_total if nnz_total > 0 else 1.0
+
+
 def predict(
     P: int,
     n: int,
@@ -79,10 +96,15 @@ def predict(
     vtype: Any,
     theta: float | None = None,
     model: CostModel | None = None,
+    loads: Any = None,
     width: int | None = None,
 ) -> dict[str, float]:
-    """Return the predicted seconds of each candidate (formulas: docs/guide/algorithms.md);
-    ``width``: rows of that many values an index (a dense pass covers n·D values)."""
+    """Return the predicted seconds of each candidate (formulas: docs/guide/algorithms.md).
+
+    ``loads``: all ranks' nonzeros in each of the P ranges of [0, n) (:func:`range_loads`
+    summed); None: N/P each. ``width``: rows of that many values an index (a dense pass
+    covers n·D values).
+    """
     m = model or CostModel()
     d = width or 1
     isz, vsz = np.dtype(itype).itemsize, np.dtype(vtype).itemsize * d
@@ -91,21 +113,28 @@ def predict(
     kbar = N / P
     lg = math.ceil(math.log2(P)) if P > 1 else 0
     log2p = math.log2(P) if P > 1 else 0.0
+    if loads is not None and len(loads) != P:
+        raise ValueError(f"expecting {P} loads, got {len(loads)}")
+    L = n / P  # a range's length
+    hot = float(max(loads)) if loads is not None and N > 0 else kbar  # busiest range's load
 
     def sp(nnz: float, length: float) -> float:
         return min(nnz * pair, length * vsz)
 
     K = union_size(P, n, kbar, theta)
+    K_hot = union_size(P, L, hot / P, theta)  # the busiest range's share of the result
+    goes_dense = K * pair >= n * vsz
     out = {}
     out["allgather"] = (
         2 * lg * m.alpha + m.beta * (P - 1) / P * N * pair + m.gamma_sort * N * max(1.0, log2p)
     )
+    # the busiest owner receives its range from P − 1 ranks, then sends it in every Bruck round
     out["dsa"] = (
         dsa_messages(P) * m.alpha
-        + m.beta * (P - 1) * sp(kbar / P, n / P)
-        + m.beta * (P - 1) / P * sp(K, n)
-        + m.gamma_merge * kbar * max(1.0, log2p)
-        + (m.delta * n * d if K * pair >= n * vsz else 0.0)
+        + m.beta * (P - 1) * sp(hot / P, L)
+        + m.beta * ((P - 1) / P * sp(K, n) + lg * max(0.0, sp(K_hot, L) - sp(K / P, L)))
+        + m.gamma_merge * hot * max(1.0, log2p)
+        + (m.delta * n * d if goes_dense else 0.0)
     )
     p = 1 << (P.bit_length() - 1)
     rd = (2 * (p.bit_length() - 1) + 3 * int(p != P)) * m.alpha
@@ -114,12 +143,38 @@ def predict(
         rd += m.beta * sp(union_size(group, n, kbar, theta), n)
         rd += m.gamma_merge * union_size(2 * group, n, kbar, theta)
         group *= 2
-    if K * pair >= n * vsz:
+    if goes_dense:
         rd += m.delta * n * d
     out["recursive_doubling"] = rd
     if n <= 4 * N:
         out["dense"] = 2 * lg * m.alpha + m.beta * 2 * (P - 1) / P * n * vsz + 3 * m.delta * n * d
+    if P > 1 and _registered("hashed"):
+        # owners by hash: balanced whatever the skew; each owner's reduced part returns as
+        # COO, or as a bitmap over its n/P indices plus values, or dense, whichever is smaller
+        # (linear passes: bucketing by owner, the owners' merge, placing the parts in order;
+        # decoding the bitmaps reads n bits)
+        part = min(K / P * pair, L / 8 + K / P * vsz, L * vsz)
+        out["hashed"] = (
+            (2 * (P - 1) + 3 * lg) * m.alpha
+            + m.beta * (P - 1) * (sp(kbar / P, L) + part)
+            + m.gamma_merge * (kbar * max(1.0, log2p) + kbar + K)
+            + (m.delta * n / 8 * d if part < K / P * pair else 0.0)
+        )
+    if P > 1 and _registered("ring"):
+        # lock-step neighbour steps: each step waits for the busiest range's segment, which
+        # holds the union of s chunks in reduce-scatter step s and the whole range after
+        steps = [union_size(s, L, hot / P, theta) for s in range(1, P)]
+        out["ring"] = (
+            2 * (P - 1) * m.alpha
+            + m.beta * (sum(sp(u, L) for u in steps) + (P - 1) * sp(K_hot, L))
+            + m.gamma_merge * (sum(steps) + (P - 1) * hot / P)
+            + (m.delta * n * d if goes_dense else 0.0)
+        )
     return out
+
+
+def _registered(name: str) -> bool:
+    return name in available_algorithms()
 
 
 def choose(
@@ -130,18 +185,24 @@ def choose(
     vtype: Any,
     theta: float | None = None,
     model: CostModel | None = None,
+    loads: Any = None,
     width: int | None = None,
 ) -> str:
     """Return the candidate with the smallest prediction (ties: earlier in ``CANDIDATES``)."""
     if P <= 1:
         return "allgather"
-    cost = predict(P, n, nnz_total, itype, vtype, theta, model, width)
+    return cheapest(predict(P, n, nnz_total, itype, vtype, theta, model, loads, width))
+
+
+def cheapest(cost: dict[str, float]) -> str:
+    """Return the candidate of ``cost`` with the smallest prediction (ties: earlier in
+    ``CANDIDATES``)."""
     return min((c for c in CANDIDATES if c in cost), key=lambda c: cost[c])
 
 
 @register_algorithm
 class Auto(Algorithm):
-    """Exact: picks allgather, dsa, recursive_doubling or dense per call by a cost model.
+    """Exact: picks allgather, dsa, recursive_doubling, dense (hashed, ring) per call by a model.
 
     Args:
         alpha: seconds per message (the default: a cluster node pair).
@@ -192,14 +253,28 @@ class Auto(Algorithm):
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
         P = comm.size
-        total = int(comm.allreduce_ints([x.nnz])[0]) if P > 1 else x.nnz
-        name = choose(P, x.n, total, x.indices.dtype, x.dtype, self.theta, self.model, x.width)
+        if P > 1:  # one collective: N, then the loads of the P ranges
+            counts = comm.allreduce_ints([x.nnz, *range_loads(x, P)])
+            total, loads = int(counts[0]), [int(c) for c in counts[1:]]
+        else:
+            total, loads = x.nnz, [x.nnz]
+        args = (P, x.n, total, x.indices.dtype, x.dtype, self.theta, self.model, loads, x.width)
+        cost = predict(*args) if P > 1 else {}
+        name = cheapest(cost) if P > 1 else "allgather"
         inner = algorithm_class(name)()
         if P > 1 and _preflight_may_allocate(inner, x, total):
             _preflight_agreed(comm, inner, x)
         out = inner.reduce(comm, x)
         out.info["auto_choice"] = name
         out.info["auto_nnz_total"] = total
+        out.info["auto"] = {
+            "choice": name,
+            "predicted": cost,
+            "nnz": total,
+            "loads": loads,
+            "imbalance": imbalance(loads, total),
+            "theta": self.theta,
+        }
         if P > 1 and total > 0 and out.nnz > 0:
             kbar = total / P
             self.theta = min(1.0, max(0.0, math.log(out.nnz / kbar) / math.log(P)))

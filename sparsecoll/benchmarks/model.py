@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -80,6 +81,7 @@ import numpy as np
 
 from ..algorithms.base import range_bounds
 from ..algorithms.dsa import bruck_counts
+from .problems import HOT_SHARE, weights
 
 __all__ = [
     "FORMULAS",
@@ -120,13 +122,19 @@ LINKS = {
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """The shape of one call: dense length, nonzeros per rank, byte sizes, overlap."""
+    """The shape of one call: dense length, nonzeros per rank, byte sizes, overlap, and the
+    ranks the inputs were drawn for (``hot`` needs it: its hot range is the first 1/ranks)."""
 
     n: int
     k: int
     index_bytes: int = 4
     value_bytes: int = 4
     overlap: str = "random"
+    ranks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.overlap == "hot" and self.ranks < 1:
+            raise ValueError("overlap 'hot' needs the ranks its inputs were drawn for (ranks=P)")
 
     @property
     def pair(self) -> int:
@@ -137,13 +145,56 @@ class Problem:
         return min(m * self.pair, length * self.value_bytes)
 
     def union(self, m: float) -> float:
-        return union_size(self.n, self.k, m, self.overlap)
+        return union_size(self.n, self.k, m, self.overlap, self.ranks)
 
 
-def union_size(n: int, k: int, m: float, overlap: str = "random") -> float:
-    """Expected number of distinct indices in the union of m ranks' inputs (make_problem)."""
+def _hot_segments(n: int, k: int, ranks: int) -> list[tuple[int, int, int]]:
+    """(start, end, count) of make_problem's ``hot`` draws."""
+    hot = max(1, n // ranks)
+    k_rest = min(k - min(round(HOT_SHARE * k), hot), n - hot)
+    return [(0, hot, min(k - k_rest, hot)), (hot, n, k_rest)]
+
+
+@functools.lru_cache(maxsize=8)
+def _inclusion(overlap: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sample positions of [0, n), how many indices each stands for, and the probability
+    π = 1 − exp(−t·w) that a rank holds one (Σ = k) under zipf or tokens.
+
+    make_problem keeps the k smallest keys E/w (E exponential): for large n the k-th is a
+    near-fixed cut t, and an index is kept when E < t·w. The first 2^16 indices are exact,
+    the rest sampled at about 2^18 evenly spaced points (the weights vary slowly there).
+    """
+    head = min(n, 1 << 16)
+    stride = max(1, -(-(n - head) // (1 << 18)))
+    pos = np.concatenate([np.arange(head), np.arange(head, n, stride)])
+    mult = np.diff(np.append(pos, n)).astype(np.float64)
+    w = weights(overlap, n, pos)
+    if k >= n:
+        return pos, mult, np.ones_like(w)
+
+    # Newton on the concave held(t) = Σ mult·(1 − e^−tw) from below stays below the root
+    t = k / float(mult @ w)  # held(t) <= k, as 1 − e^−x <= x
+    for _ in range(100):
+        e = np.exp(-t * w)
+        step = (k - float(mult @ -np.expm1(-t * w))) / float(mult @ (w * e))
+        t += step
+        if step <= 1e-12 * t:
+            break
+    return pos, mult, -np.expm1(-t * w)
+
+
+def union_size(n: int, k: int, m: float, overlap: str = "random", ranks: int = 0) -> float:
+    """Expected number of distinct indices in the union of m ranks' inputs (make_problem;
+    ``ranks``: the P they were drawn for, which ``hot`` needs)."""
     if m <= 0 or k <= 0:
         return 0.0
+    if overlap == "hot":
+        if ranks < 1:
+            raise ValueError("overlap 'hot' needs the ranks its inputs were drawn for")
+        return sum(union_size(b - a, c, m) for a, b, c in _hot_segments(n, k, ranks) if b > a)
+    if overlap in ("zipf", "tokens"):
+        _, mult, pi = _inclusion(overlap, n, k)
+        return float(mult @ -np.expm1(m * np.log1p(-np.minimum(pi, 1.0 - 1e-16))))
     if overlap == "same":
         return float(min(k, n))
     if overlap == "disjoint":
@@ -202,8 +253,10 @@ def range_nnz(x: Problem, P: int) -> tuple[np.ndarray, np.ndarray]:
     of [0, n): ``random`` k of [0, n); ``same`` the same k for every rank; ``skewed`` 90% of
     k in the first 10% of n and the rest in the other 90%, independently per rank;
     ``disjoint`` k of rank s's own slice, which is dsa's range s (both split [0, n) as
-    ``i·n // P``). Within a segment a position is drawn with probability q = count/length,
-    independently per rank, so the union holds it with probability 1 − (1 − q)^P.
+    ``i·n // P``); ``hot`` 80% of k in the first 1/ranks of n. Within a segment a position
+    is drawn with probability q = count/length, independently per rank, so the union holds
+    it with probability 1 − (1 − q)^P; under ``zipf`` and ``tokens`` q is each index's
+    inclusion probability π (:func:`_inclusion`).
     """
     bounds = range_bounds(x.n, P)
     lo, hi = bounds[:-1].astype(float), bounds[1:].astype(float)
@@ -211,11 +264,19 @@ def range_nnz(x: Problem, P: int) -> tuple[np.ndarray, np.ndarray]:
         # slice s is range s: rank s's min(k, L_s) indices all fall in its own range
         K = np.minimum(float(x.k), hi - lo)
         return np.diag(K), K
+    if x.overlap in ("zipf", "tokens"):  # the same π for every rank
+        pos, mult, pi = _inclusion(x.overlap, x.n, x.k)
+        j = np.searchsorted(bounds, pos, side="right") - 1
+        c = np.bincount(j, mult * pi, P)
+        union = mult * -np.expm1(P * np.log1p(-np.minimum(pi, 1.0 - 1e-16)))
+        return np.broadcast_to(c, (P, P)), np.bincount(j, union, P)
     if x.overlap in ("random", "same"):
         segments = [(0, x.n, min(x.k, x.n))]
     elif x.overlap == "skewed":
         hot, k_hot = max(1, x.n // 10), int(0.9 * x.k)
         segments = [(0, hot, min(k_hot, hot)), (hot, x.n, min(x.k - k_hot, x.n - hot))]
+    elif x.overlap == "hot":
+        segments = _hot_segments(x.n, x.k, x.ranks)
     else:
         raise ValueError(f"unknown overlap {x.overlap!r}")
     c = np.zeros(P)

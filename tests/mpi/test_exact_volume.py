@@ -253,15 +253,22 @@ def test_auto_choice_follows_rule_and_learns_overlap(comm, kind):
     P, n = comm.size, 100_003
     idx, vals = problem(kind, comm.rank, P, n, np.float32)
     auto = Auto()
-    total = sum(problem(kind, s, P, n, np.float32)[0].shape[0] for s in range(P))
+    every = [problem(kind, s, P, n, np.float32)[0] for s in range(P)]
+    total = sum(i.shape[0] for i in every)
+    bounds = range_bounds(n, P)
+    loads = sum(np.diff(np.searchsorted(i, bounds)) for i in every).tolist()
     for call in range(2):
-        want = choose(P, n, total, np.int32, np.float32, auto.theta, auto.model)
+        want = choose(P, n, total, np.int32, np.float32, auto.theta, auto.model, loads)
         out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=auto)
         got = out.info["auto_choice"]
         choices = comm.allgather_object(got)
         assert_all(comm, all(c == got for c in choices), f"choices differ: {choices}")
         assert_all(comm, got == want, f"call {call}: chose {got}, rule says {want}")
         assert_all(comm, out.info["auto_nnz_total"] == total)
+        if P > 1:
+            why = out.info["auto"]
+            assert_all(comm, why["choice"] == got and why["nnz"] == total and why["loads"] == loads)
+            assert_all(comm, min(why["predicted"], key=why["predicted"].get) == got)
         assert_identical(comm, out)
     if P > 1:
         kbar = total / P
