@@ -184,6 +184,26 @@ def test_nonblocking_is_not_supported(comm):
     assert out.values.tolist() == [comm.size]
 
 
+def test_the_watchdog_is_refused_without_loading_mpi(comm):
+    sparsecoll.set_timeout(30)
+    try:
+        with pytest.raises(NotImplementedError, match="watchdog"):
+            sparsecoll.allreduce(comm, np.ones(1, np.float32), np.zeros(1, np.int64), n=4)
+    finally:
+        sparsecoll.set_timeout(None)
+
+
+def test_gradient_reducer(comm):
+    n = 1000
+    red = sparsecoll.GradientReducer(comm, n=n, algorithm="oktopk", density=0.05)
+    rng = np.random.default_rng(comm.rank)
+    for _ in range(3):
+        update = red.step(rng.standard_normal(n).astype(np.float32))
+        digests = comm.allgather_object(update.tobytes())
+        assert_all(comm, all(d == digests[0] for d in digests), "updates differ")
+    assert red.stats()["bytes_sent"] > 0 or comm.size == 1
+
+
 def test_torch_tensors_in_and_out(comm):
     import torch
 

@@ -43,6 +43,7 @@ import numpy as np
 from ..._array import get_array_module
 from ..._buffers import recv_view, send_view
 from ..._polling import Request
+from ..._progress import get_timeout
 from ..._routing import routed
 from ...comm import CommStats, Communicator
 from ._group import torch_module
@@ -142,6 +143,13 @@ class TorchCommunicator(Communicator):
 
     def _attached_engine(self) -> Any:
         return None
+
+    def on_progress_thread(self) -> bool:
+        """Never (there is no progress thread). A watched call (the watchdog on) asks this
+        first: it is refused here, before anything would load MPI."""
+        if get_timeout():
+            self.engine()  # (raises NotImplementedError)
+        return False
 
     def _own_lock(self) -> Any:
         if self._lock is None:
