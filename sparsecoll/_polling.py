@@ -100,7 +100,10 @@ class Request:
     @staticmethod
     def waitall(requests: Sequence[Request]) -> None:
         pending = [r for r in requests if not r._done]
-        if pending:
+        if any(type(r) is not Request for r in pending):  # another transport's: one by one
+            for r in pending:
+                r.wait()
+        elif pending:
             reqs = [r._req for r in pending]
             if any(r._poll for r in pending):
                 poll(lambda: _mpilib.mpi().Request.Testall(reqs))

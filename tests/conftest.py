@@ -4,8 +4,8 @@ tier (``pytest -m quick``) and a summary of the mpiexec launches' times.
 Profiles: ``dev`` (default, more examples, a fresh random draw each run, so local runs keep
 exploring) and ``ci`` (fewer, chosen when CI is set and by the quick tier, derandomized: CI
 checks a fixed, known set of examples rather than a new draw each time); pick one explicitly
-with SPARSECOLL_HYPOTHESIS=dev|ci. Inside mpiexec every rank must draw the same examples, so the
-profile is derandomized there too, without a database or deadline; there
+with SPARSECOLL_HYPOTHESIS=dev|ci. Inside mpiexec (or torchrun) every rank must draw the same
+examples, so the profile is derandomized there too, without a database or deadline; there
 SPARSECOLL_HYPOTHESIS_SEED=S draws another fixed set instead (the same seed on every rank,
 as ``--hypothesis-seed=S`` would), so local runs can explore the collectives' inputs too.
 """
@@ -21,14 +21,16 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 IN_MPIEXEC = os.environ.get("SPARSECOLL_IN_MPIEXEC") == "1"
+IN_TORCHRUN = os.environ.get("SPARSECOLL_IN_TORCHRUN") == "1"
+IN_LAUNCHER = IN_MPIEXEC or IN_TORCHRUN  # one of several ranks: every rank draws alike
 SEED = os.environ.get("SPARSECOLL_HYPOTHESIS_SEED", "").strip() or None
 
 _common = dict(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    derandomize=IN_MPIEXEC and SEED is None,
-    database=None if IN_MPIEXEC else settings.default.database,
-    print_blob=not IN_MPIEXEC,
+    derandomize=IN_LAUNCHER and SEED is None,
+    database=None if IN_LAUNCHER else settings.default.database,
+    print_blob=not IN_LAUNCHER,
 )
 settings.register_profile("dev", max_examples=60, **_common)
 settings.register_profile(
@@ -38,8 +40,9 @@ settings.load_profile(
     os.environ.get("SPARSECOLL_HYPOTHESIS", "ci" if os.environ.get("CI") else "dev")
 )
 
-# tests/mpi/ runs only inside mpiexec, launched by tests/test_mpi.py.
-collect_ignore = [] if IN_MPIEXEC else ["mpi"]
+# tests/mpi/ runs only inside mpiexec, launched by tests/test_mpi.py; tests/torchrun/ only
+# inside torchrun, launched by tests/test_torchrun.py.
+collect_ignore = [d for d, inside in (("mpi", IN_MPIEXEC), ("torchrun", IN_TORCHRUN)) if not inside]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -97,8 +100,8 @@ _warming: list[subprocess.Popen] = []
 def pytest_sessionstart(session):
     """Compile the Numba kernels on another core while the first tests run (tests/_warm.py),
     so that the tests and the mpiexec ranks load them from the cache instead of each
-    compiling them; SPARSECOLL_WARM=0 turns it off. Not inside mpiexec."""
-    if IN_MPIEXEC or os.environ.get("SPARSECOLL_WARM", "1") == "0":
+    compiling them; SPARSECOLL_WARM=0 turns it off. Not inside mpiexec or torchrun."""
+    if IN_LAUNCHER or os.environ.get("SPARSECOLL_WARM", "1") == "0":
         return
     script = Path(__file__).with_name("_warm.py")
     _warming.append(

@@ -10,6 +10,8 @@ changes that:
                                       without torch)
     <!-- example: jax -->             run under mpiexec at P = 2, 3 by tests/mpi/test_jax.py
                                       (skipped without jax)
+    <!-- example: torchrun -->        run under torchrun (no MPI) by tests/torchrun/test_docs.py
+                                      (each makes and ends its own process group)
     <!-- example: skip (REASON) -->   not run, REASON says why (a GPU, a cluster)
 
 Every block compiles, skipped ones too. Tracebacks name the document and its line.
@@ -42,7 +44,7 @@ class Example:
     path: Path
     line: int  # of the first code line, 1-based
     code: str
-    mode: str  # "run", "torch", "jax" or "skip"
+    mode: str  # "run", "torch", "jax", "torchrun" or "skip"
     reason: str = ""
 
     @property
@@ -84,10 +86,11 @@ def parse(text: str, path: Path) -> list[Example]:
                 skip = _SKIP.fullmatch(mode)
                 if skip:
                     mode, reason = "skip", skip.group(1)
-                elif mode not in ("torch", "jax"):
+                elif mode not in ("torch", "jax", "torchrun"):
                     raise ValueError(
                         f"{path.name}:{i}: unknown example marker {marker.group(0)!r}; "
-                        "expecting 'example: torch', 'example: jax' or 'example: skip (REASON)'"
+                        "expecting 'example: torch', 'example: jax', 'example: torchrun' or "
+                        "'example: skip (REASON)'"
                     )
             code = "\n".join(lines[i + 1 : end]) + "\n"
             found.append(Example(path, i + 2, code, mode, reason))

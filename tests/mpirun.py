@@ -64,15 +64,23 @@ def run_mpi_watched(
     """Run ``python ARGS`` on ``nprocs`` ranks, killed (the whole process group) once
     nothing has moved for ``idle`` seconds: no new output, no file under ``watch`` written.
     Returns the CompletedProcess (output merged) and whether it was killed so."""
+    cmd, full_env = _command(nprocs, args, env)
+    return run_watched(cmd, full_env, watch, idle)
+
+
+def run_watched(
+    cmd: list[str], env: dict, watch: Path, idle: float = TIMEOUT
+) -> tuple[subprocess.CompletedProcess, bool]:
+    """Run ``cmd`` (a launcher's command line) in ROOT with ``env``, killed as
+    :func:`run_mpi_watched` says; returns what it returns."""
     import tempfile
     import time
 
-    cmd, full_env = _command(nprocs, args, env)
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(
             cmd,
             cwd=ROOT,
-            env=full_env,
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,

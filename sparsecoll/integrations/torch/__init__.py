@@ -13,16 +13,21 @@ DDP needs a torch process group even when the hook does all the gradient traffic
 broadcasts the initial parameters through it): gloo is enough. The hook reduces densely for
 ``warmup`` iterations (at least one: DDP rebuilds its buckets after the first) before each
 bucket gets its own reducer. Torch is imported only when these functions are used.
+
+Under ``torchrun`` (no MPI), :class:`TorchCommunicator` runs every sparsecoll algorithm over
+a torch process group: ``sparsecoll.allreduce(TorchCommunicator(), values, indices, n=n)``.
 """
 
 from __future__ import annotations
 
+from ._comm import TorchCommunicator
 from ._group import init_process_group
 from ._hooks import async_sparse_allreduce_hook, sparse_allreduce_hook
 from ._state import SparseHookState
 
 __all__ = [
     "SparseHookState",
+    "TorchCommunicator",
     "async_sparse_allreduce_hook",
     "init_process_group",
     "sparse_allreduce_hook",
