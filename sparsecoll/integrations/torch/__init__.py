@@ -19,11 +19,15 @@ from __future__ import annotations
 
 from ._group import init_process_group
 from ._hooks import async_sparse_allreduce_hook, sparse_allreduce_hook
+from ._register import register_backend
 from ._state import SparseHookState
+
+register_backend()
 
 __all__ = [
     "SparseHookState",
     "async_sparse_allreduce_hook",
     "init_process_group",
+    "register_backend",
     "sparse_allreduce_hook",
 ]
