@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from ..._agree import agreement
@@ -32,7 +31,7 @@ from ...comm import Communicator
 from ...registry import get_algorithm
 from ._coo import from_coo, to_coo
 
-__all__ = ["ENV_ALGORITHM", "ENV_TRANSPORT", "SparseProcessGroup", "register"]
+__all__ = ["ENV_ALGORITHM", "ENV_TRANSPORT", "FutureWork", "SparseProcessGroup", "register"]
 
 NAME = "sparsecoll"
 ENV_ALGORITHM = "SPARSECOLL_TORCH_ALGORITHM"
@@ -51,6 +50,28 @@ def _op_name(op: Any) -> str:
     return str(getattr(op, "op", op)).rsplit(".", 1)[-1]
 
 
+class FutureWork(dist._Work):
+    """A Work done when ``future`` is: ``wait()`` raises the future's error (the Work that
+    ``_create_work_from_future`` makes returns True), ``result()`` is its value."""
+
+    def __init__(self, future: Any) -> None:
+        super().__init__()
+        self.future = future
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self.future.done())
+
+    def get_future(self) -> Any:
+        return self.future
+
+    def result(self) -> Any:
+        return self.future.value()
+
+
 class SparseProcessGroup(dist.ProcessGroup):
     """A process group of ``size`` ranks: sparse all-reduce by sparsecoll, the rest by the
     dense groups (``{"cpu": gloo, "cuda": nccl}``) it delegates to."""
@@ -59,12 +80,13 @@ class SparseProcessGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._dense, self.comm = dense, comm
         options = dict(options)
-        self.algorithm = str(options.pop("algorithm", None) or os.environ.get(ENV_ALGORITHM) or "auto")
+        chosen = options.pop("algorithm", None) or os.environ.get(ENV_ALGORITHM)
+        self.algorithm = str(chosen or "auto")
         self.algorithm_options = options
         self._algorithms: dict[tuple, Any] = {}  # one instance per (shape, dtype): auto's state
         self._threaded: bool | None = None
 
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+    def getBackendName(self) -> str:
         return NAME
 
     def __repr__(self) -> str:
@@ -96,7 +118,7 @@ class SparseProcessGroup(dist.ProcessGroup):
                     t.div_(size)
                 return fut.value()
 
-            return _create_work_from_future(work.get_future().then(divide))
+            return FutureWork(work.get_future().then(divide))
         return self._group(tensors).allreduce(tensors, opts)
 
     def _sparse_allreduce(self, t: Any, op: Any) -> Any:
@@ -125,13 +147,19 @@ class SparseProcessGroup(dist.ProcessGroup):
             self.comm.engine(label).submit(run, label, owner=self.comm)
         else:
             run()
-        return _create_work_from_future(fut)
+        return FutureWork(fut)
 
     def _reduce(self, t: Any, op: Any, label: str) -> Any:
         """The reduced tensor of ``t``'s layout, after the ranks agree on its shape, dtype,
         op and the algorithm (each rank's local error raised on every rank)."""
         shape, name = tuple(t.shape), _op_name(op)
-        detail = (((0, 1, 2, 3, 4), {"shape": shape, "dtype": str(t.dtype), "op": name}),)
+        values_of = {
+            "sparse dims": t.sparse_dim(),
+            "sparse tensor shape": shape,
+            "sparse tensor dtype": str(t.dtype),
+            "op": name,
+        }
+        detail = (((0, 1, 2, 3, 4), values_of),)
         with agreement(self.comm, _NAMES, detail, call=label) as agree:
             if name not in ("SUM", "AVG"):
                 raise ValueError(f"sparse all_reduce takes SUM or AVG, got {name}")
@@ -211,7 +239,7 @@ for _name, _backend_name in _DELEGATED.items():
 
 
 def _transport(store: Any, rank: int, size: int, ranks: list[int], forced: str | None) -> str:
-    """"mpi" or "torch", the same on every rank (each posts its own verdict on the store and
+    """ "mpi" or "torch", the same on every rank (each posts its own verdict on the store and
     reads the others'). MPI only when every rank was started by mpiexec in one MPI job
     whose world ranks are torch's global ranks."""
     if forced is not None and forced not in TRANSPORTS:
