@@ -5,12 +5,14 @@ for CUDA tensors, where torch has it).
 :func:`register` makes ``dist.init_process_group("sparsecoll")`` build a
 :class:`SparseProcessGroup` (the creator gets the group's store, rank, size and timeout).
 The sparse transport is MPI when every rank was started by mpiexec as one MPI job whose
-ranks are torch's, else a :class:`~._comm.TorchCommunicator` over a gloo group of its own
-(``pg_options={"transport": ...}`` or ``SPARSECOLL_TORCH_TRANSPORT`` forces one). Sparse
-all-reduces run on the communicator's progress thread, one after the other in call order,
-apart from the dense traffic, whose gloo group is another. The algorithm: ``pg_options``'
-``"algorithm"``, else ``SPARSECOLL_TORCH_ALGORITHM``, else ``auto``; the other keys of
-``pg_options`` are its options. Every rank raises the same error for bad sparse input.
+ranks are torch's, else a :class:`~._comm.TorchCommunicator` over this group itself
+(``pg_options={"transport": ...}`` or ``SPARSECOLL_TORCH_TRANSPORT`` forces one). Over MPI,
+sparse all-reduces run on the communicator's progress thread, one after the other in call
+order; over torch, in the calling thread, their messages on the dense group in program
+order with the dense calls (so every rank issues gloo's calls in the same order). The
+algorithm: ``pg_options``' ``"algorithm"``, else ``SPARSECOLL_TORCH_ALGORITHM``, else
+``auto``; the other keys of ``pg_options`` are its options. Every rank raises the same
+error for bad sparse input.
 """
 
 from __future__ import annotations
@@ -78,13 +80,23 @@ class SparseProcessGroup(dist.ProcessGroup):
 
     def __init__(self, rank: int, size: int, dense: dict[str, Any], comm: Any, options: dict):
         super().__init__(rank, size)
-        self._dense, self.comm = dense, comm
+        self._dense, self._comm = dense, comm
         options = dict(options)
         chosen = options.pop("algorithm", None) or os.environ.get(ENV_ALGORITHM)
         self.algorithm = str(chosen or "auto")
         self.algorithm_options = options
         self._algorithms: dict[tuple, Any] = {}  # one instance per (shape, dtype): auto's state
         self._threaded: bool | None = None
+
+    @property
+    def comm(self) -> Any:
+        """The sparse transport: an MPI Communicator, or a TorchCommunicator of this group
+        (made at the first sparse call: torch registers the group after its creator)."""
+        if self._comm is None:
+            from ._comm import TorchCommunicator
+
+            self._comm = TorchCommunicator(self)
+        return self._comm
 
     def getBackendName(self) -> str:
         return NAME
@@ -302,10 +314,7 @@ def _create(backend_opts: Any, options: Any) -> SparseProcessGroup:
     if _transport(store, rank, size, ranks, forced) == "mpi":
         comm = Communicator(_mpi_comm(ranks))
     else:
-        from ._comm import TorchCommunicator
-
-        sparse = dist.ProcessGroupGloo(dist.PrefixStore("sparse/", store), rank, size, timeout)
-        comm = TorchCommunicator(sparse)
+        comm = None  # (a TorchCommunicator of the group, once torch has registered it)
     return SparseProcessGroup(rank, size, dense, comm, options)
 
 
