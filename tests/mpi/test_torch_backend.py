@@ -44,12 +44,20 @@ _groups: dict = {}
 
 @pytest.fixture(params=TRANSPORTS)
 def group(request, world):
-    """A sparsecoll group of every rank over each transport (built once, in one order)."""
+    """A sparsecoll group of every rank over each transport: the default group (MPI's),
+    a new group over torch (built once)."""
     transport = request.param
+    if transport == "mpi":
+        return world
     if transport not in _groups:
         options = {"transport": transport}
         _groups[transport] = dist.new_group(backend="sparsecoll", pg_options=options)
     return _groups[transport]
+
+
+def _like(group) -> dict:
+    """pg_options for a new group over ``group``'s transport."""
+    return {"transport": "torch"} if type(group.comm).__name__ == "TorchCommunicator" else {}
 
 
 def _digest(t) -> str:
@@ -66,57 +74,58 @@ def test_init_process_group(world, comm):
     assert_all(comm, (dist.get_rank(), dist.get_world_size()) == (comm.rank, comm.size))
 
 
-def test_dense_collectives(world, comm):
+def test_dense_collectives(group, comm):
     """Every dense collective DDP and scripts use works through the gloo group it holds."""
+    g = {"group": group}
     r, p = comm.rank, comm.size
     problems = []
     x = torch.full((4,), float(r + 1))
-    dist.all_reduce(x)
+    dist.all_reduce(x, **g)
     if not torch.equal(x, torch.full((4,), p * (p + 1) / 2)):
         problems.append(f"all_reduce {x}")
     x = torch.full((3,), float(r))
-    dist.all_reduce(x, op=dist.ReduceOp.AVG)
+    dist.all_reduce(x, op=dist.ReduceOp.AVG, **g)
     if not torch.allclose(x, torch.full((3,), (p - 1) / 2)):
         problems.append(f"all_reduce AVG {x}")
     x = torch.full((2,), float(r))
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, **g)
     if not torch.equal(x, torch.full((2,), p - 1.0)):
         problems.append(f"all_reduce MAX {x}")
     b = torch.arange(5.0) if r == p - 1 else torch.zeros(5)
-    dist.broadcast(b, p - 1)
+    dist.broadcast(b, p - 1, **g)
     if not torch.equal(b, torch.arange(5.0)):
         problems.append(f"broadcast {b}")
     out = [torch.empty(2) for _ in range(p)]
-    dist.all_gather(out, torch.full((2,), float(r)))
+    dist.all_gather(out, torch.full((2,), float(r)), **g)
     if not all(torch.equal(o, torch.full((2,), float(i))) for i, o in enumerate(out)):
         problems.append(f"all_gather {out}")
     flat = torch.empty(2 * p)
-    dist.all_gather_into_tensor(flat, torch.full((2,), float(r)))
+    dist.all_gather_into_tensor(flat, torch.full((2,), float(r)), **g)
     if not torch.equal(flat, torch.arange(p).float().repeat_interleave(2)):
         problems.append(f"all_gather_into_tensor {flat}")
     part = torch.empty(2)
-    dist.reduce_scatter_tensor(part, torch.arange(2.0 * p) + r)
+    dist.reduce_scatter_tensor(part, torch.arange(2.0 * p) + r, **g)
     want = (torch.arange(2.0 * p) * p + p * (p - 1) / 2)[2 * r : 2 * r + 2]
     if not torch.equal(part, want):
         problems.append(f"reduce_scatter_tensor {part}")
     one = torch.empty(1)
-    dist.reduce_scatter(one, [torch.full((1,), float(i)) for i in range(p)])
+    dist.reduce_scatter(one, [torch.full((1,), float(i)) for i in range(p)], **g)
     if one.item() != p * r:
         problems.append(f"reduce_scatter {one}")
     a2a = torch.empty(p)
-    dist.all_to_all_single(a2a, torch.arange(p).float() + 10 * r)
+    dist.all_to_all_single(a2a, torch.arange(p).float() + 10 * r, **g)
     if not torch.equal(a2a, torch.arange(p).float() * 10 + r):
         problems.append(f"all_to_all_single {a2a}")
     outs = [torch.empty(1) for _ in range(p)]
-    dist.all_to_all(outs, [torch.full((1,), 10.0 * r + i) for i in range(p)])
+    dist.all_to_all(outs, [torch.full((1,), 10.0 * r + i) for i in range(p)], **g)
     if not all(o.item() == 10 * i + r for i, o in enumerate(outs)):
         problems.append(f"all_to_all {outs}")
-    dist.barrier()
+    dist.barrier(**g)
     got = torch.zeros(3)
     if r % 2 == 0 and r + 1 < p:
-        dist.send(torch.full((3,), float(r)), r + 1)
+        dist.send(torch.full((3,), float(r)), group_dst=r + 1, **g)
     elif r % 2 == 1:
-        dist.recv(got, r - 1)
+        dist.recv(got, group_src=r - 1, **g)
         if not torch.equal(got, torch.full((3,), r - 1.0)):
             problems.append(f"recv {got}")
     assert_all(comm, not problems, "; ".join(problems))
@@ -182,9 +191,10 @@ def test_sparse_all_reduce_avg(group, comm):
 
 
 @pytest.mark.parametrize("algorithm", ["allgather", "dsa", "recursive_doubling", "dense"])
-def test_algorithm_by_option_and_environment(world, comm, algorithm):
+def test_algorithm_by_option_and_environment(group, comm, algorithm):
     """pg_options' "algorithm" chooses the algorithm, else SPARSECOLL_TORCH_ALGORITHM."""
-    by_option = dist.new_group(backend="sparsecoll", pg_options={"algorithm": algorithm})
+    options = {"algorithm": algorithm, **_like(group)}
+    by_option = dist.new_group(backend="sparsecoll", pg_options=options)
     os.environ["SPARSECOLL_TORCH_ALGORITHM"] = algorithm
     try:
         by_env = dist.new_group(backend="sparsecoll")
@@ -289,13 +299,15 @@ def test_bad_input_raises_on_every_rank(group, comm):
     assert_all(comm, torch.allclose(t.to_dense(), want, atol=1e-5), "after the errors")
 
 
-def test_selecting_or_unknown_algorithm_raises_on_every_rank(world, comm):
+def test_selecting_or_unknown_algorithm_raises_on_every_rank(group, comm):
     """A selecting algorithm (not the sum) or an unknown name: raised at the first sparse
     all_reduce, on every rank."""
     t = _tensor(comm.rank, 1, (8, 3), 1, torch.float32, 3)
-    g = dist.new_group(backend="sparsecoll", pg_options={"algorithm": "gtopk", "k": 2})
+    g = dist.new_group(
+        backend="sparsecoll", pg_options={"algorithm": "gtopk", "k": 2, **_like(group)}
+    )
     _raises_alike(comm, lambda: dist.all_reduce(t, group=g), "needs an exact algorithm")
-    g = dist.new_group(backend="sparsecoll", pg_options={"algorithm": "no-such"})
+    g = dist.new_group(backend="sparsecoll", pg_options={"algorithm": "no-such", **_like(group)})
     _raises_alike(comm, lambda: dist.all_reduce(t, group=g), "no-such")
 
 
