@@ -352,3 +352,24 @@ def test_ddp_sparse_embedding_matches_gloo(group, comm):
     digest = hashlib.sha256(b"".join(p.numpy().tobytes() for p in ours)).hexdigest()
     every = comm.allgather_object(digest)
     assert_all(comm, len(set(every)) == 1, "parameters differ across ranks")
+
+
+def test_comm_hook_on_a_sparsecoll_group(world, comm):
+    """The DDP communication hook (dense gradients sparsified over MPI) runs on a model whose
+    process group is the sparsecoll backend's: the parameters stay identical across ranks."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(torch.nn.Linear(40, 3), process_group=world)
+    state = sc_torch.SparseHookState(algorithm="oktopk", density=0.2)
+    ddp.register_comm_hook(state, sc_torch.sparse_allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(4):
+        gen = torch.Generator().manual_seed(100 * step + comm.rank)
+        opt.zero_grad()
+        ddp(torch.randn(8, 40, generator=gen)).square().mean().backward()
+        opt.step()
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in ddp.parameters()))
+    every = comm.allgather_object(digest.hexdigest())
+    assert_all(comm, len(set(every)) == 1, "parameters differ across ranks")
+    assert_all(comm, state.stats()["bytes_sent_total"] > 0, "the hook sent nothing")

@@ -6,13 +6,17 @@ embedding equal to gloo's). The default group is the conftest's (gloo)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 
+if os.environ.get("SPARSECOLL_IN_TORCHRUN") != "1":  # (tests/test_torchrun.py launches it)
+    pytest.skip("runs under torchrun only", allow_module_level=True)
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
+from ..mpi.test_torch_backend import pytestmark as pytestmark  # noqa: E402
 from ..mpi.test_torch_backend import (  # noqa: E402
     test_algorithm_by_option_and_environment,
     test_async,
@@ -23,7 +27,6 @@ from ..mpi.test_torch_backend import (  # noqa: E402
     test_sparse_all_reduce_avg,
     test_sparse_all_reduce_is_the_dense_sum,
 )
-from ..mpi.test_torch_backend import pytestmark as pytestmark  # noqa: E402
 
 __all__ = [
     "test_algorithm_by_option_and_environment",
