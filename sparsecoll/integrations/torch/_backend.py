@@ -98,6 +98,16 @@ class SparseProcessGroup(dist.ProcessGroup):
             self._comm = TorchCommunicator(self)
         return self._comm
 
+    def shutdown(self) -> None:
+        """Free this group's MPI communicator (its progress thread ends after the calls
+        queued there) and shut its dense groups down; ``destroy_process_group`` calls it."""
+        mpi_comm = getattr(self._comm, "mpi_comm", None)
+        if mpi_comm is not None:
+            self._comm = None
+            mpi_comm.Free()
+        for backend in self._dense.values():
+            backend.shutdown()
+
     def getBackendName(self) -> str:
         return NAME
 
