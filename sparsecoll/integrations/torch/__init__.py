@@ -12,7 +12,12 @@ Three lines in a training script (after the model is built)::
 DDP needs a torch process group even when the hook does all the gradient traffic (it
 broadcasts the initial parameters through it): gloo is enough. The hook reduces densely for
 ``warmup`` iterations (at least one: DDP rebuilds its buckets after the first) before each
-bucket gets its own reducer. Torch is imported only when these functions are used.
+bucket gets its own reducer.
+
+Importing this package also registers the ``"sparsecoll"`` torch.distributed backend
+(:mod:`._backend`; it imports torch.distributed, where torch is installed):
+``dist.init_process_group("sparsecoll")`` under torchrun or mpiexec, whose sparse
+``all_reduce`` runs a sparsecoll exact algorithm (docs/guide/torch-backend.md).
 """
 
 from __future__ import annotations
