@@ -154,7 +154,7 @@ class SparseProcessGroup(dist.ProcessGroup):
                 out = self._reduce(t, op, label)
                 with torch.no_grad():
                     t.copy_(out)
-            except BaseException as exc:  # (agreed: every rank's future fails alike)
+            except BaseException as exc:  # (the reduction's errors are agreed: every rank's)
                 fut.set_exception(exc)
             else:
                 fut.set_result([t])
