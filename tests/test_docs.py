@@ -68,10 +68,13 @@ def test_the_examples_are_found():
     """The extraction cannot go quietly empty: the README's first block and the torch and
     skipped ones are where the documents put them."""
     assert RUN and RUN[0].path.name == "README.md" and "sparsecoll.allreduce(" in RUN[0].code
-    assert {ex.path.name for ex in TORCH} == {"README.md", "pytorch.md"}
+    assert {ex.path.name for ex in TORCH} == {"README.md", "pytorch.md", "torch-backend.md"}
     assert {ex.path.name for ex in examples("jax")} == {"jax.md"}  # tests/mpi/test_jax.py
     assert [ex.id for ex in EVERY if ex.mode == "skip"] == [
-        ex.id for ex in EVERY if ex.path.name == "gpu.md"
+        ex.id
+        for ex in EVERY
+        # (every gpu.md example; torch-backend.md's fragments need a launcher, or GPUs)
+        if ex.path.name == "gpu.md" or (ex.path.name == "torch-backend.md" and ex.mode == "skip")
     ]
     assert {ex.path.parent.name for ex in EVERY} == {ROOT.name, "guide"}
     assert {ex.path for ex in EVERY} <= set(DOCS)

@@ -44,6 +44,7 @@ API_FILES = frozenset(
         "test_jax.py",
         "test_large_counts.py",
         "test_representations.py",
+        "test_torch_backend.py",
     }
 )
 API_NPROCS = [2, 3]

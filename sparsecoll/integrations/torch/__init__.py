@@ -12,10 +12,15 @@ Three lines in a training script (after the model is built)::
 DDP needs a torch process group even when the hook does all the gradient traffic (it
 broadcasts the initial parameters through it): gloo is enough. The hook reduces densely for
 ``warmup`` iterations (at least one: DDP rebuilds its buckets after the first) before each
-bucket gets its own reducer. Torch is imported only when these functions are used.
+bucket gets its own reducer.
 
 Under ``torchrun`` (no MPI), :class:`TorchCommunicator` runs every sparsecoll algorithm over
 a torch process group: ``sparsecoll.allreduce(TorchCommunicator(), values, indices, n=n)``.
+
+Importing this package also registers the ``"sparsecoll"`` torch.distributed backend
+(:mod:`._backend`; it imports torch.distributed, where torch is installed):
+``dist.init_process_group("sparsecoll")`` under torchrun or mpiexec, whose sparse
+``all_reduce`` runs a sparsecoll exact algorithm (docs/guide/torch-backend.md).
 """
 
 from __future__ import annotations
@@ -23,12 +28,16 @@ from __future__ import annotations
 from ._comm import TorchCommunicator
 from ._group import init_process_group
 from ._hooks import async_sparse_allreduce_hook, sparse_allreduce_hook
+from ._register import register_backend
 from ._state import SparseHookState
+
+register_backend()
 
 __all__ = [
     "SparseHookState",
     "TorchCommunicator",
     "async_sparse_allreduce_hook",
     "init_process_group",
+    "register_backend",
     "sparse_allreduce_hook",
 ]

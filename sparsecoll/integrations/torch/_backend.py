@@ -1,0 +1,336 @@
+"""The "sparsecoll" torch.distributed backend: a Python ``ProcessGroup`` whose sparse COO
+all-reduces run a sparsecoll exact algorithm and whose dense collectives are gloo's (NCCL's
+for CUDA tensors, where torch has it).
+
+:func:`register` makes ``dist.init_process_group("sparsecoll")`` build a
+:class:`SparseProcessGroup` (the creator gets the group's store, rank, size and timeout).
+The sparse transport is MPI when every rank was started by mpiexec as one MPI job whose
+ranks are torch's, else a :class:`~._comm.TorchCommunicator` over this group itself
+(``pg_options={"transport": ...}`` or ``SPARSECOLL_TORCH_TRANSPORT`` forces one). Over MPI,
+sparse all-reduces run on the communicator's progress thread, one after the other in call
+order; over torch, in the calling thread, their messages on the dense group in program
+order with the dense calls (so every rank issues gloo's calls in the same order). The
+algorithm: ``pg_options``' ``"algorithm"``, else ``SPARSECOLL_TORCH_ALGORITHM``, else
+``auto``; the other keys of ``pg_options`` are its options. Every rank raises the same
+error for bad sparse input.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from ..._agree import agreement
+from ..._launch import under_mpi
+from ...api import allreduce
+from ...comm import Communicator
+from ...registry import get_algorithm
+from ._coo import from_coo, to_coo
+
+__all__ = ["ENV_ALGORITHM", "ENV_TRANSPORT", "FutureWork", "SparseProcessGroup", "register"]
+
+NAME = "sparsecoll"
+ENV_ALGORITHM = "SPARSECOLL_TORCH_ALGORITHM"
+ENV_TRANSPORT = "SPARSECOLL_TORCH_TRANSPORT"
+TRANSPORTS = ("mpi", "torch")
+_DTYPES = (torch.float16, torch.float32, torch.float64, torch.bfloat16)
+_OPS = {dist.ReduceOp.SUM: "SUM", dist.ReduceOp.AVG: "AVG"}
+# what the ranks agree on before a sparse all-reduce (the shape as a CRC of its repr)
+_NAMES = ("sparse dims", "dense dims", "shape", "element type", "op")
+
+
+def _op_name(op: Any) -> str:
+    for known, name in _OPS.items():
+        if op == known:
+            return name
+    return str(getattr(op, "op", op)).rsplit(".", 1)[-1]
+
+
+class FutureWork(dist._Work):
+    """A Work done when ``future`` is: ``wait()`` raises the future's error (the Work that
+    ``_create_work_from_future`` makes returns True), ``result()`` is its value."""
+
+    def __init__(self, future: Any) -> None:
+        super().__init__()
+        self.future = future
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self.future.done())
+
+    def get_future(self) -> Any:
+        return self.future
+
+    def result(self) -> Any:
+        return self.future.value()
+
+
+class SparseProcessGroup(dist.ProcessGroup):
+    """A process group of ``size`` ranks: sparse all-reduce by sparsecoll, the rest by the
+    dense groups (``{"cpu": gloo, "cuda": nccl}``) it delegates to."""
+
+    def __init__(self, rank: int, size: int, dense: dict[str, Any], comm: Any, options: dict):
+        super().__init__(rank, size)
+        self._dense, self._comm = dense, comm
+        options = dict(options)
+        chosen = options.pop("algorithm", None) or os.environ.get(ENV_ALGORITHM)
+        self.algorithm = str(chosen or "auto")
+        self.algorithm_options = options
+        self._algorithms: dict[tuple, Any] = {}  # one instance per (shape, dtype): auto's state
+        self._threaded: bool | None = None
+
+    @property
+    def comm(self) -> Any:
+        """The sparse transport: an MPI Communicator, or a TorchCommunicator of this group
+        (made at the first sparse call: torch registers the group after its creator)."""
+        if self._comm is None:
+            from ._comm import TorchCommunicator
+
+            self._comm = TorchCommunicator(self)
+        return self._comm
+
+    def shutdown(self) -> None:
+        """Free this group's MPI communicator (its progress thread ends after the calls
+        queued there) and shut its dense groups down; ``destroy_process_group`` calls it."""
+        mpi_comm = getattr(self._comm, "mpi_comm", None)
+        if mpi_comm is not None:
+            self._comm = None
+            mpi_comm.Free()
+        for backend in self._dense.values():
+            backend.shutdown()
+
+    def getBackendName(self) -> str:
+        return NAME
+
+    def __repr__(self) -> str:
+        return f"SparseProcessGroup(rank={self.rank()}, size={self.size()}, {self.algorithm!r})"
+
+    def _group(self, tensors: Any) -> Any:
+        """The dense group of the first tensor's device in ``tensors`` (nested lists)."""
+        while isinstance(tensors, (list, tuple)) and tensors:
+            tensors = tensors[0]
+        kind = tensors.device.type if isinstance(tensors, torch.Tensor) else "cpu"
+        try:
+            return self._dense[kind]
+        except KeyError:
+            raise ValueError(f"the sparsecoll backend has no {kind} transport") from None
+
+    def allreduce(self, tensors: list[Any], opts: Any) -> Any:
+        if any(t.layout == torch.sparse_coo for t in tensors):
+            if len(tensors) != 1:
+                raise ValueError(f"expecting one sparse tensor, got {len(tensors)}")
+            return self._sparse_allreduce(tensors[0], opts.reduceOp)
+        if opts.reduceOp == dist.ReduceOp.AVG:  # (gloo has none: a sum, then divided)
+            total = dist.AllreduceOptions()
+            total.reduceOp, total.timeout = dist.ReduceOp.SUM, opts.timeout
+            work = self._group(tensors).allreduce(tensors, total)
+            size = self.size()
+
+            def divide(fut: Any) -> Any:
+                for t in fut.value():
+                    t.div_(size)
+                return fut.value()
+
+            return FutureWork(work.get_future().then(divide))
+        return self._group(tensors).allreduce(tensors, opts)
+
+    def _sparse_allreduce(self, t: Any, op: Any) -> Any:
+        """Reduce ``t`` over the ranks on the progress thread; a Work whose result is
+        ``[t]``, overwritten with the coalesced sum (mean for AVG), as gloo's."""
+        fut: Any = Future()
+        label = f"all_reduce(sparse tensor of shape {tuple(t.shape)})"
+
+        def run() -> None:
+            try:
+                out = self._reduce(t, op, label)
+                with torch.no_grad():
+                    t.copy_(out)
+            except BaseException as exc:  # (the reduction's errors are agreed: every rank's)
+                fut.set_exception(exc)
+            else:
+                fut.set_result([t])
+
+        if self._threaded is None:
+            try:  # (below MPI_THREAD_MULTIPLE every rank's raises alike: each runs inline)
+                self.comm.engine(label)
+                self._threaded = True
+            except (RuntimeError, NotImplementedError):
+                self._threaded = False
+        if self._threaded:
+            self.comm.engine(label).submit(run, label, owner=self.comm)
+        else:
+            run()
+        return FutureWork(fut)
+
+    def _reduce(self, t: Any, op: Any, label: str) -> Any:
+        """The reduced tensor of ``t``'s layout, after the ranks agree on its shape, dtype,
+        op and the algorithm (each rank's local error raised on every rank)."""
+        shape, name = tuple(t.shape), _op_name(op)
+        values_of = {
+            "sparse dims": t.sparse_dim(),
+            "sparse tensor shape": shape,
+            "sparse tensor dtype": str(t.dtype),
+            "op": name,
+        }
+        detail = (((0, 1, 2, 3, 4), values_of),)
+        with agreement(self.comm, _NAMES, detail, call=label) as agree:
+            if name not in ("SUM", "AVG"):
+                raise ValueError(f"sparse all_reduce takes SUM or AVG, got {name}")
+            if t.dtype not in _DTYPES:
+                raise TypeError(f"sparse all_reduce takes float tensors, got {t.dtype}")
+            if t.device.type != "cpu":
+                raise ValueError(f"sparse all_reduce takes CPU tensors, got one on {t.device}")
+            values, indices, n = to_coo(t)
+            algo = self._algorithm(shape, t.dtype)
+            agree.signature = [
+                t.sparse_dim(),
+                t.dense_dim(),
+                zlib.crc32(repr(shape).encode()),
+                _DTYPES.index(t.dtype),
+                list(_OPS.values()).index(name),
+            ]
+        out = allreduce(self.comm, values, indices, n=n, algorithm=algo)
+        if name == "AVG":
+            out.values /= self.size()
+        return from_coo(out.values, out.indices, t)
+
+    def _algorithm(self, shape: tuple, dtype: Any) -> Any:
+        key = (shape, dtype)
+        if key not in self._algorithms:
+            algo = get_algorithm(self.algorithm, **self.algorithm_options)
+            if not algo.exact:
+                raise ValueError(
+                    f"the sparsecoll backend needs an exact algorithm (all_reduce returns the "
+                    f"sum), got {self.algorithm!r}"
+                )
+            self._algorithms[key] = algo
+        return self._algorithms[key]
+
+
+def _delegate(name: str, backend_name: str) -> Any:
+    def method(self: SparseProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._group(args[:2]), backend_name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"``{backend_name}`` of the dense group of the tensors' device."
+    return method
+
+
+# torch's ProcessGroup names (what torch.distributed calls) -> its Backend's (gloo's, NCCL's)
+_DELEGATED = {
+    name: name
+    for name in (
+        "_allgather_base",
+        "_reduce_scatter_base",
+        "allgather",
+        "allgather_coalesced",
+        "allgather_into_tensor_coalesced",
+        "allreduce_coalesced",
+        "alltoall",
+        "alltoall_base",
+        "barrier",
+        "broadcast",
+        "gather",
+        "monitored_barrier",
+        "recv",
+        "recv_anysource",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor_coalesced",
+        "scatter",
+        "send",
+    )
+} | {
+    "all_gather_single": "_allgather_base",
+    "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+    "all_to_all_single": "alltoall_base",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+}
+for _name, _backend_name in _DELEGATED.items():
+    setattr(SparseProcessGroup, _name, _delegate(_name, _backend_name))
+
+
+def _transport(store: Any, rank: int, size: int, ranks: list[int], forced: str | None) -> str:
+    """ "mpi" or "torch", the same on every rank (each posts its own verdict on the store and
+    reads the others'). MPI only when every rank was started by mpiexec in one MPI job
+    whose world ranks are torch's global ranks."""
+    if forced is not None and forced not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {forced!r}")
+    mine = "torch"
+    if forced != "torch" and under_mpi():
+        from ..._mpilib import mpi
+
+        world = mpi().COMM_WORLD
+        me = ranks[rank] if ranks else rank
+        total = dist.get_world_size() if ranks else size
+        if (world.Get_size(), world.Get_rank()) == (total, me):
+            mine = "mpi"
+    store.set(f"sparsecoll/transport/{rank}", mine)
+    every = [store.get(f"sparsecoll/transport/{r}").decode() for r in range(size)]
+    if forced == "mpi" and any(v != "mpi" for v in every):
+        bad = [r for r, v in enumerate(every) if v != "mpi"]
+        raise RuntimeError(
+            f"transport 'mpi' asked for, but ranks {bad} were not started by mpiexec as one "
+            f"MPI job whose ranks are torch's (launch with mpiexec, or use transport 'torch')"
+        )
+    return "mpi" if all(v == "mpi" for v in every) else "torch"
+
+
+def _mpi_comm(ranks: list[int]) -> Any:
+    """A communicator of the group's processes in its order, apart from the user's."""
+    from ..._mpilib import mpi
+
+    world = mpi().COMM_WORLD
+    if not ranks:
+        return world.Dup()
+    whole = world.Get_group()
+    part = whole.Incl(ranks)
+    try:
+        return world.Create_group(part)
+    finally:
+        part.Free()
+        whole.Free()
+
+
+def _create(backend_opts: Any, options: Any) -> SparseProcessGroup:
+    """torch's creator (extended API): ``options`` is ``init_process_group``'s
+    ``pg_options``, None or a mapping."""
+    if options is None:
+        options = {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"pg_options must be a dict for sparsecoll, got {type(options).__name__}")
+    options = dict(options)
+    forced = options.pop("transport", None) or os.environ.get(ENV_TRANSPORT) or None
+    store, rank, size = backend_opts.store, backend_opts.group_rank, backend_opts.group_size
+    timeout = backend_opts.timeout
+    ranks = list(backend_opts.global_ranks_in_group)
+    dense: dict[str, Any] = {
+        "cpu": dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+    }
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        nccl = dist.ProcessGroupNCCL.Options()
+        nccl._timeout = timeout
+        dense["cuda"] = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, nccl)
+    if _transport(store, rank, size, ranks, forced) == "mpi":
+        comm = Communicator(_mpi_comm(ranks))
+    else:
+        comm = None  # (a TorchCommunicator of the group, once torch has registered it)
+    return SparseProcessGroup(rank, size, dense, comm, options)
+
+
+def register() -> None:
+    """Register the "sparsecoll" backend with torch.distributed (once; later calls do
+    nothing)."""
+    if NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
