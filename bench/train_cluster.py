@@ -16,8 +16,17 @@ from the start of backward), rank 0's. Methods:
   dense          DDP's gloo allreduce (torch's ``allreduce_hook``, what DDP runs without a hook)
   ALGO           sparsecoll's synchronous ``sparse_allreduce_hook`` (e.g. oktopk, exdyna)
   ALGO-async     sparsecoll's ``async_sparse_allreduce_hook`` (same state, a pending future)
+  embed-gloo     ``nn.Embedding(sparse=True)``, no hook, DDP on the gloo group: the
+                 embedding's sparse gradient goes through torch's own sparse allreduce
+  embed-sparsecoll  the same model, DDP on a ``new_group(backend="sparsecoll")`` process
+                 group: the sparse gradient is reduced by sparsecoll (algorithm from
+                 ``SPARSECOLL_TORCH_ALGORITHM``, default auto), dense buckets by gloo
 
-``dense`` runs ``--steps`` steps; its final held-out loss is the target. Every later method
+The embed methods train with SparseAdam on the embedding and Adam on the rest (SGD with
+``--optimizer sgd``).
+
+``dense`` (or ``embed-gloo`` when ``dense`` is not run) runs ``--steps`` steps; its final
+held-out loss is the target. Every later method
 stops at its first evaluation at or below the target, or when it has used ``--time-factor``
 times dense's wall-clock (default 1: then it is no faster), or after ``--max-steps``.
 
@@ -154,14 +163,14 @@ class Batches:
         return w[:, :-1], w[:, 1:]
 
 
-def make_model(torch, args):
+def make_model(torch, args, sparse: bool = False):
     nn = torch.nn
 
     class TinyLM(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             d = args.d_model
-            self.embed = nn.Embedding(args.vocab, d)
+            self.embed = nn.Embedding(args.vocab, d, sparse=sparse)
             self.pos = nn.Parameter(torch.randn(args.context, d) * 0.02)
             layer = nn.TransformerEncoderLayer(
                 d, args.heads, 4 * d, dropout=0.0, activation="gelu", batch_first=True,
@@ -249,6 +258,8 @@ def method_hook(method: str, comm: Communicator, args):
 
     if method == "compute":
         return local_hook, None, None
+    if method in EMBED:
+        return None, None, None
     if method == "dense":
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -267,6 +278,37 @@ def method_hook(method: str, comm: Communicator, args):
     return hook, state, state
 
 
+EMBED = ("embed-gloo", "embed-sparsecoll")
+_GROUPS: dict = {}
+
+
+def embed_group(method: str):
+    """The DDP process group of a method: a sparsecoll group for embed-sparsecoll (made once)."""
+    if method != "embed-sparsecoll":
+        return None
+    if method not in _GROUPS:
+        import torch.distributed as dist
+
+        import sparsecoll.integrations.torch  # noqa: F401  (registers the backend)
+
+        _GROUPS[method] = dist.new_group(backend="sparsecoll")
+    return _GROUPS[method]
+
+
+def make_optimizer(torch, args, model, sparse: bool):
+    """[Adam (fused) or SGD]; with a sparse embedding, plus SparseAdam (or SGD) on its weight."""
+    params = [p for n, p in model.named_parameters() if not (sparse and n == "embed.weight")]
+    if args.optimizer == "adam":  # fused: one pass per parameter (the foreach one is 8x slower)
+        opts = [torch.optim.Adam(params, lr=args.lr, fused=True)]
+        if sparse:
+            opts.append(torch.optim.SparseAdam([model.embed.weight], lr=args.lr))
+    else:
+        opts = [torch.optim.SGD(params, lr=args.lr, momentum=0.9, fused=True)]
+        if sparse:
+            opts.append(torch.optim.SGD([model.embed.weight], lr=args.lr))
+    return opts
+
+
 def _has_async_hook() -> bool:
     from sparsecoll.integrations import torch as sc_torch
 
@@ -276,11 +318,14 @@ def _has_async_hook() -> bool:
 def check_methods(methods: list[str]) -> None:
     """Fail before any training on a method this sparsecoll cannot run (same on every rank)."""
     if not methods:
-        raise ValueError("expecting method names: compute, dense, ALGO or ALGO-async")
+        raise ValueError(
+            "expecting method names: compute, dense, embed-gloo, embed-sparsecoll, ALGO or "
+            "ALGO-async"
+        )
     known = set(sparsecoll.available_algorithms())
     for m in methods:
         base = m[:-6] if m.endswith("-async") else m
-        if m in ("compute", "dense"):
+        if m in ("compute", "dense", *EMBED):
             continue
         if base not in known:
             raise ValueError(f"unknown method {m!r}: expecting compute, dense, ALGO or ALGO-async")
@@ -297,35 +342,42 @@ def train(args, torch, comm: Communicator, ids, method: str, target: float | Non
 
     data = Batches(torch, ids, args.context, args.batch, args.seed, comm)
     torch.manual_seed(args.seed)
-    model = make_model(torch, args)
+    model = make_model(torch, args, sparse=method in EMBED)
     ddp = DistributedDataParallel(
-        model, bucket_cap_mb=args.bucket_mb, find_unused_parameters=True
-    )  # the adaptive softmax's tail clusters are unused when no target falls in them
+        model,
+        bucket_cap_mb=args.bucket_mb,
+        # the adaptive softmax's tail clusters are unused when no target falls in them
+        find_unused_parameters=True,
+        process_group=embed_group(method),
+    )
     hook, state, sparse = method_hook(method, comm, args)
     timed = Timed(hook, state)
-    ddp.register_comm_hook(timed, timed_hook)
-    if args.optimizer == "adam":  # fused: one pass per parameter (the foreach one is 8x slower)
-        opt = torch.optim.Adam(ddp.parameters(), lr=args.lr, fused=True)
-    else:
-        opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9, fused=True)
+    if hook is not None:
+        ddp.register_comm_hook(timed, timed_hook)
+    opts = make_optimizer(torch, args, model, method in EMBED)
     warm = max(1, args.lr_warmup)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    scheds = [
+        torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / warm)) for o in opts
+    ]
     steps = args.compute_steps if method == "compute" else args.max_steps
-    if method == "dense":
+    if method == args.reference:
         steps = args.steps
     rows, wall, losses = [], 0.0, []
+    hook_used = hook is not None and method != "compute"
     comm.barrier()
     for step in range(1, steps + 1):
         timed.reset()
         x, y = data.next()
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=False)
+        for o in opts:
+            o.zero_grad(set_to_none=method in EMBED)  # (a zeroed sparse grad keeps its rows)
         loss = ddp(x, y)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        opt.step()
-        sched.step()
+        for o, sched in zip(opts, scheds):
+            o.step()
+            sched.step()
         t3 = time.perf_counter()
         wall += t3 - t0
         losses.append(loss.item())
@@ -336,13 +388,13 @@ def train(args, torch, comm: Communicator, ids, method: str, target: float | Non
             "backward_s": t2 - t1,
             "optimizer_s": t3 - t2,
             "step_s": t3 - t0,
-            "comm_s": timed.comm_s() if method != "compute" else 0.0,
-            "hook_s": timed.hook_s,
-            "wait_s": timed.wait_s(t2) if method != "compute" else 0.0,
+            "comm_s": timed.comm_s() if hook_used else "",
+            "hook_s": timed.hook_s if hook_used else "",
+            "wait_s": timed.wait_s(t2) if hook_used else "",
             "wall_s": wall,
             "train_loss": "",
             "eval_loss": "",
-            "lr": sched.get_last_lr()[0],
+            "lr": scheds[0].get_last_lr()[0],
             "bytes_sent": sparse.stats()["bytes_sent_last"] if sparse else "",
             # each bucket: its hook's call - its future's completion, from backward's start
             "buckets_ms": " ".join(
@@ -374,7 +426,8 @@ def summarize(rows: list[dict], target: float | None, compute_s: float | None) -
     skip = min(5, len(rows) // 4)  # the first steps carry one-time costs (bucket rebuild)
     body = rows[skip:]
     keys = ("step_s", "comm_s", "wait_s", "backward_s")
-    med = {k: float(np.median([r[k] for r in body])) for k in keys}
+    # (a method without a hook has no comm_s or wait_s: "" in its rows, None here)
+    med = {k: float(np.median([r[k] for r in body])) if body[0][k] != "" else None for k in keys}
     evals = [r for r in rows if r["eval_loss"] != ""]
     reach = next((r for r in evals if target is not None and r["eval_loss"] <= target), None)
     return {
@@ -492,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"expecting --d-model a multiple of --heads {args.heads}, got {args.d_model}")
     args.max_steps = args.max_steps or 3 * args.steps
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.reference = "embed-gloo" if "embed-gloo" in methods and "dense" not in methods else "dense"
     try:  # (a method none can run used to be refused once MPI had started; none ran nothing)
         check_methods(methods)
     except (ValueError, RuntimeError) as exc:
@@ -531,10 +585,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
     target, limit, compute_s, summary = args.target, None, None, {}
     for method in methods:
-        rows = train(args, torch, comm, ids, method, target if method != "dense" else None, limit)
+        rows = train(
+            args, torch, comm, ids, method, target if method != args.reference else None, limit
+        )
         if method == "compute":
             compute_s = float(np.median([r["step_s"] for r in rows[min(5, len(rows) // 4) :]]))
-        if method == "dense":
+        if method == args.reference:
             target = target if target is not None else rows[-1]["eval_loss"]
             limit = rows[-1]["wall_s"] * args.time_factor
         summary[method] = summarize(rows, target, compute_s)
@@ -557,7 +613,7 @@ def print_summary(summary: dict, target: float | None) -> None:
         f"{'waited':>8}"
         f"{'final loss':>12}{'reach step':>12}{'reach s':>9}{'vs dense':>10}"
     )
-    dense = summary.get("dense", {}).get("reach_wall")
+    dense = summary.get("dense", summary.get("embed-gloo", {})).get("reach_wall")
     for m, s in summary.items():
         ms = lambda v: f"{v * 1e3:.0f}" if v is not None else "-"  # noqa: E731
         reach = s["reach_wall"]

@@ -189,8 +189,8 @@ class SparseProcessGroup(dist.ProcessGroup):
                 raise TypeError(f"sparse all_reduce takes float tensors, got {t.dtype}")
             if t.device.type != "cpu":
                 raise ValueError(f"sparse all_reduce takes CPU tensors, got one on {t.device}")
-            values, indices, n = to_coo(t)
             algo = self._algorithm(shape, t.dtype)
+            values, indices, n = to_coo(t, as_rows=type(algo).takes_rows)
             agree.signature = [
                 t.sparse_dim(),
                 t.dense_dim(),

@@ -1,11 +1,12 @@
-"""Torch sparse COO tensors as sparsecoll's scalar COO and back.
+"""Torch sparse COO tensors as sparsecoll's COO and back.
 
-:func:`to_coo` flattens a tensor of any sparse and dense dimensions into one entry per
-scalar: a hybrid tensor's row ``r`` of ``D`` values (sparse_dim=1, dense_dim=1: an
-embedding's gradient) becomes the indices ``r·D .. r·D + D - 1``. :func:`from_coo` builds
-the tensor of the same layout from a reduced (sorted, unique) scalar COO: coalesced, every
-row that holds an entry filled out with zeros. The two are inverse on coalesced input up to
-those zeros; this is the only module that knows the layout.
+A hybrid tensor (dense dimensions after the sparse ones: an embedding's gradient has one of
+each) becomes row values: one index per row (its sparse dimensions raveled), a row of ``D``
+values (its dense dimensions raveled), so the index travels once per row. For an algorithm
+that takes 1-D values only (``as_rows=False``) the row ``r`` becomes the scalar indices
+``r·D .. r·D + D - 1``, and :func:`from_coo` fills out each row that holds an entry with
+zeros. :func:`from_coo` builds the coalesced tensor of the same layout from a reduced (sorted,
+unique) COO. This is the only module that knows the layout.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ def _dense_width(t: Any) -> int:
     return math.prod(t.shape[t.sparse_dim() :])
 
 
-def to_coo(t: Any) -> tuple[np.ndarray, np.ndarray, int]:
-    """``t``'s (values, indices, n) as scalar COO on the host: values in ``t``'s dtype
-    (bfloat16 widened to float32), indices int64 in ``[0, n)``, n = ``t.numel()``.
+def to_coo(t: Any, as_rows: bool = True) -> tuple[np.ndarray, np.ndarray, int]:
+    """``t``'s (values, indices, n) on the host: values in ``t``'s dtype (bfloat16 widened to
+    float32), indices int64 in ``[0, n)``. A hybrid tensor gives rows (values of shape
+    (nnz, D), n the number of rows) or, with ``as_rows=False``, scalar COO (n = ``t.numel()``).
     Repeated indices stay repeated (the reduction sums them). Raises ValueError for a
     tensor with no sparse dimension or more than 2**63 - 1 entries."""
     torch = torch_module()
@@ -44,6 +46,9 @@ def to_coo(t: Any) -> tuple[np.ndarray, np.ndarray, int]:
     vals = t._values()
     if vals.dtype == torch.bfloat16:
         vals = vals.float()
+    if width > 1 and as_rows:
+        values = np.ascontiguousarray(vals.numpy().reshape(-1, width))
+        return values, rows.astype(np.int64, copy=False), n // width
     values = np.ascontiguousarray(vals.numpy().reshape(-1))
     if width == 1:
         return values, rows.astype(np.int64, copy=False), n
@@ -53,13 +58,14 @@ def to_coo(t: Any) -> tuple[np.ndarray, np.ndarray, int]:
 
 def from_coo(values: Any, indices: Any, like: Any) -> Any:
     """The coalesced sparse tensor of ``like``'s shape, dtype and sparse/dense dimensions
-    holding the scalar COO (``indices`` sorted and unique, as a reduction returns them)."""
+    holding the COO, rows or scalar (``indices`` sorted and unique, as a reduction returns
+    them)."""
     torch = torch_module()
     values, indices = np.asarray(values), np.asarray(indices, dtype=np.int64)
     sd = like.sparse_dim()
     sparse_shape, dense_shape = tuple(like.shape[:sd]), tuple(like.shape[sd:])
     width = _dense_width(like)
-    if width == 1:
+    if width == 1 or values.ndim == 2:
         rows, block = indices, values
     else:
         flat_rows, cols = np.divmod(indices, width)
