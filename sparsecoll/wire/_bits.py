@@ -93,6 +93,29 @@ def gap_stats(idx, lo, hi):
 
 
 @cached_njit(nogil=True)
+def rice_parameter(counts, sums, wbits):
+    """The k (0 .. 58) whose Rice stream is estimated shortest from :func:`gap_stats`'s
+    histogram, and that estimate in bits: at most one bit per gap over the exact length
+    (the quotients' floors), never under it."""
+    best_k, best = 0, np.inf
+    for k in range(64 - 5):
+        bits = 0.0
+        for b in range(65):
+            c = counts[b]
+            if c == 0:
+                continue
+            if b - 1 - k >= 5:  # (ESC = 32 = 2**5): every quotient of this width escapes
+                bits += c * (ESC + wbits)
+            elif b > k:
+                bits += c * (k + 1) + sums[b] / 2.0**k
+            else:
+                bits += c * (k + 1)
+        if bits < best:
+            best_k, best = k, bits
+    return best_k, best
+
+
+@cached_njit(nogil=True)
 def rice_encode(idx, lo, k, wbits, words):
     """Rice-code ``idx``'s gaps into ``words``; return the stream's length in bits."""
     acc, fill, wi = np.uint64(0), np.uint64(0), 0

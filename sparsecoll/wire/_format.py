@@ -82,17 +82,6 @@ def _width(span: int) -> int:
     return max(1, int(span).bit_length())
 
 
-def _rice_bits(counts: np.ndarray, sums: np.ndarray, wbits: int) -> np.ndarray:
-    """Rice stream bits for each k in [0, 59), from the gap-width histogram: at most m bits
-    over the exact length (the quotients' floors)."""
-    k = np.arange(64 - 5)[:, None]
-    b = np.arange(65)[None, :]
-    esc = b - 1 - k >= 5  # (ESC = 32 = 2**5): these widths' quotients all escape
-    q = np.where(b > k, sums / np.exp2(k), 0.0)
-    per = np.where(esc, counts * float(_bits.ESC + wbits), counts * (k + 1.0) + q)
-    return per.sum(axis=1)
-
-
 def _index_section(idx: np.ndarray, lo: int, hi: int) -> tuple[int, bytes, Any]:
     """The smallest index format: (format, header parameters, section bytes)."""
     m = idx.shape[0]
@@ -102,9 +91,7 @@ def _index_section(idx: np.ndarray, lo: int, hi: int) -> tuple[int, bytes, Any]:
     wbits = _width(hi - 1 - lo)
     first, span = int(idx[0]), int(idx[-1]) - int(idx[0]) + 1
     sizes = {I_RAW: m * idx.itemsize, I_PACKED: (m * wbits + 7) // 8, I_BITMAP: (span + 7) // 8}
-    bits = _rice_bits(counts, sums, wbits)
-    k = int(np.argmin(bits))
-    est = float(bits[k])
+    k, est = _bits.rice_parameter(counts, sums, wbits)
     if (est - m) / 8 < min(sizes.values()):  # (the estimate is within m bits)
         words = _words(int(est) + m + 64)
         nbits = _bits.rice_encode(idx, lo, k, wbits, words)
