@@ -108,6 +108,11 @@ def test_every_gap_size_in_one_message():
     idx = np.cumsum(np.random.default_rng(1).permutation(gaps) + 1).astype(np.int64) + 10**6
     vals = np.random.default_rng(2).standard_normal(idx.shape[0])
     roundtrip(idx, vals, 10**6, int(idx[-1]) + 5)
+    # gaps about 2**40: a Rice parameter past 31 (codes wider than one 64-bit read)
+    gaps = np.random.default_rng(3).integers(2**39, 2**41, size=500)
+    idx = np.cumsum(gaps).astype(np.int64)
+    buf = roundtrip(idx, np.ones(500, np.float32), 0, 2**62)
+    assert buf[0] & 15 == I_RICE and buf[3] > 31  # (tag, m in 2 bytes, then k)
 
 
 @pytest.mark.parametrize(

@@ -153,23 +153,52 @@ def rice_encode(idx, lo, k, wbits, words):
 @cached_njit(nogil=True)
 def rice_decode(words, nbits, lo, k, wbits, out):
     """Decode ``out.shape[0]`` Rice-coded gaps into ``out``; False if the stream is short."""
+    if k > 64 - ESC - 1:
+        return _rice_decode_wide(words, nbits, lo, k, wbits, out)
+    kk = np.uint64(k)
+    mask = (ONE << kk) - ONE
+    need = ESC + 1 + k  # (a code that does not escape fits in this many bits)
+    prev = lo - 1
+    pos = np.int64(0)
+    buf, avail = np.uint64(0), 0  # the stream's bits [pos, pos + avail), low bits first
+    for j in range(out.shape[0]):
+        if avail < need:
+            i = pos >> 6
+            buf, avail = _peek(words[i], words[i + 1], pos & 63, 64), 64
+        q = np.int64(_ctz(buf))
+        if q < ESC:
+            g = (np.uint64(q) << kk) | ((buf >> np.uint64(q + 1)) & mask)
+            used = q + 1 + k
+            buf >>= np.uint64(used)
+            avail -= used
+            pos += used
+        else:
+            p = pos + ESC
+            i = p >> 6
+            g = _peek(words[i], words[i + 1], p & 63, wbits)
+            pos = p + wbits
+            avail = 0
+        if pos > nbits:
+            return False
+        prev = prev + np.int64(g) + 1
+        out[j] = prev
+    return True
+
+
+@cached_njit(nogil=True)
+def _rice_decode_wide(words, nbits, lo, k, wbits, out):
+    """:func:`rice_decode` for k > 31 (a code may not fit one 64-bit read)."""
     pos = np.int64(0)
     prev = lo - 1
     kk = np.uint64(k)
-    mask = (ONE << kk) - ONE
-    small = k <= 64 - ESC
     for j in range(out.shape[0]):
         i = pos >> 6
-        win = _peek(words[i], words[i + 1], pos & 63, 64)
-        q = np.int64(_ctz(win))
+        q = np.int64(_ctz(_peek(words[i], words[i + 1], pos & 63, 64)))
         if q >= ESC:
             p = pos + ESC
             i = p >> 6
             g = _peek(words[i], words[i + 1], p & 63, wbits)
             pos = p + wbits
-        elif small:
-            g = (np.uint64(q) << kk) | ((win >> np.uint64(q + 1)) & mask)
-            pos += q + 1 + k
         else:
             p = pos + q + 1
             i = p >> 6
