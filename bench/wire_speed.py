@@ -9,8 +9,13 @@ after one untimed run (Numba's compile or cache load stays out), in this process
 (``--clock cpu``, the default: what a core of its own would take, on a shared machine too)
 or wall time (``--clock wall``). One thread: the kernels are serial.
 
+With ``--collective`` (under mpiexec) it measures instead the payload bytes each rank sends
+in allgather and dsa with ``wire="raw"`` and ``"compact"`` (CommStats, "random" overlap),
+and the bytes per pair that makes: raw pair bytes times the compact/raw ratio.
+
     PYTHONPATH=$PWD python bench/wire_speed.py                 # n = 16M, 4 densities
     PYTHONPATH=$PWD python bench/wire_speed.py -n 2M --densities 0.01 --format csv
+    PYTHONPATH=$PWD mpiexec -n 3 python bench/wire_speed.py --collective --densities 0.01
 """
 
 from __future__ import annotations
@@ -81,6 +86,37 @@ def row(n: int, density: float, dtype: str, values: str, repeat: int, clock) -> 
     }
 
 
+def collective(n: int, densities: list[float], dtypes: list[str]) -> int:
+    """Bytes each rank sends with wire="raw" and "compact" (run under mpiexec)."""
+    from mpi4py import MPI
+
+    from sparsecoll.benchmarks.problems import make_problem
+
+    comm = sparsecoll.Communicator(MPI.COMM_WORLD)
+    if comm.rank == 0:
+        print(f"# bytes sent per rank, sparsecoll {sparsecoll.__version__}, P = {comm.size}")
+        print(f"# n = {n}, 'random' overlap; pair: raw pair bytes x compact/raw")
+        print("".join(f"{c:>12}" for c in ("algorithm", "dtype", "density", "raw B", "compact B",
+                                            "ratio", "B/pair")))  # fmt: skip
+    for dtype in dtypes:
+        for density in densities:
+            vals, idx = make_problem(n, density, comm.rank, comm.size, "random", dtype, seed=3)
+            pair = idx.dtype.itemsize + vals.dtype.itemsize
+            for name in ("allgather", "dsa"):
+                sent = {}
+                for wire in ("raw", "compact"):
+                    algo = sparsecoll.get_algorithm(name, wire=wire)
+                    with comm.measure() as stats:
+                        sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=algo)
+                    sent[wire] = sum(comm.allgather_object(stats.bytes_sent)) / comm.size
+                ratio = sent["compact"] / sent["raw"] if sent["raw"] else float("nan")
+                if comm.rank == 0:
+                    cells = (name, dtype, density, round(sent["raw"]), round(sent["compact"]),
+                             round(ratio, 3), round(pair * ratio, 2))  # fmt: skip
+                    print("".join(f"{c!s:>12}" for c in cells))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-n", type=size_arg, default=16 * 2**20, help="range length (default 16M)")
@@ -89,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--values", default="normal,topk", help="comma list: normal, topk")
     p.add_argument("--repeat", type=int_arg(1), default=7, help="timed runs per row")
     p.add_argument("--clock", choices=tuple(CLOCKS), default="cpu", help="cpu or wall time")
+    p.add_argument("--collective", action="store_true", help="bytes sent (under mpiexec)")
     p.add_argument("--format", choices=("table", "csv", "json"), default="table")
     args = p.parse_args(argv)
     dtypes = args.dtypes.split(",")
@@ -99,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     for v in kinds:
         if v not in ("normal", "topk"):
             p.error(f"argument --values: expecting normal or topk, got {v!r}")
+    if args.collective:
+        return collective(args.n, args.densities, dtypes)
     clock = CLOCKS[args.clock]
     rows = [
         row(args.n, d, dt, v, args.repeat, clock)
