@@ -119,7 +119,7 @@ def test_algorithms_command_lists_options() -> None:
         assert f"{name} (" in proc.stdout
     assert "oktopk (selecting):" in proc.stdout
     assert "tau=32" in proc.stdout
-    assert "allgather (exact): no options" in proc.stdout
+    assert "dense (exact): no options" in proc.stdout
 
 
 def test_algorithms_and_version_refuse_arguments_they_do_not_take() -> None:

@@ -1,7 +1,8 @@
 """allgather (TopkA): gather every rank's pairs, then merge the P runs locally.
 
 Rounds: one exchange of counts, then one allgatherv of every rank's packed pairs (index
-bytes, then value bytes). Volume per rank: receives Σ_{s≠r} k_s pairs, O(kP): the baseline.
+bytes, then value bytes; with ``wire="compact"`` one :mod:`sparsecoll.wire` message).
+Volume per rank: receives Σ_{s≠r} k_s pairs, O(kP): the baseline.
 Exact: every rank merges the same runs in the same order, so the result is bit-identical
 on every rank. Rows (``x.width``) travel as an index and D values a pair.
 """
@@ -14,24 +15,33 @@ from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import accumulate_dtype, merge_two
+from ._wire import WireOption, decode_pairs, encode_pairs, width
 from .base import Algorithm, pack_pairs, unpack_pairs
 
 __all__ = ["Allgather"]
 
 
 @register_algorithm
-class Allgather(Algorithm):
+class Allgather(WireOption, Algorithm):
     name = "allgather"
     takes_rows = True
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
         # indices and values packed together: one allgatherv, one exchange of counts
-        buf, sizes = comm.allgatherv(pack_pairs(x.indices, x.values))
+        compact = self.compact(x)
+        if compact:
+            buf, sizes = comm.allgatherv(encode_pairs(x.indices, x.values, 0, x.n))
+        else:
+            buf, sizes = comm.allgatherv(pack_pairs(x.indices, x.values))
         runs, start = [], 0
         for size in sizes:
-            if size:
-                run = buf[start : start + size]
-                runs.append(unpack_pairs(run, x.indices.dtype, x.dtype, x.width))
+            part = buf[start : start + size]
+            if compact:
+                run = decode_pairs(part, x.indices.dtype, x.dtype, 0, x.n, width(x.values))
+                if run[0].shape[0]:
+                    runs.append(run)
+            elif size:
+                runs.append(unpack_pairs(part, x.indices.dtype, x.dtype, x.width))
             start += size
         if not runs:
             return SparseVector.empty(x.n, x.dtype, x.xp, x.width)

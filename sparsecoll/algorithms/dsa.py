@@ -26,6 +26,7 @@ from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import accumulate_dtype, merge_two
+from ._wire import WireOption, decode_pairs, encode_pairs, width
 from .base import Algorithm, range_bounds, region_cuts, sparse_is_cheaper
 
 __all__ = ["DSA", "bruck_counts", "chunk_bytes"]
@@ -45,7 +46,7 @@ def chunk_bytes(nnz: int, length: int, itype: Any, vtype: Any, width: int | None
 
 
 @register_algorithm
-class DSA(Algorithm):
+class DSA(WireOption, Algorithm):
     name = "dsa"
     takes_rows = True
 
@@ -56,15 +57,18 @@ class DSA(Algorithm):
             return out
         bounds = range_bounds(x.n, comm.size)
         with comm.measure() as rs_stats:
-            owned = _reduce_scatter(comm, x, bounds)
+            owned = _reduce_scatter(comm, x, bounds, self.compact(x))
         with comm.measure() as ag_stats:
-            out = _allgather(comm, owned, x, bounds)
+            out = _allgather(comm, owned, x, bounds, self.compact(x))
         out.info["phases"] = {"reduce_scatter": rs_stats, "allgather": ag_stats}
         return out
 
 
-def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
-    """Return this rank's reduced range as ("sparse", idx, vals) or ("dense", vals)."""
+def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray, compact: bool):
+    """Return this rank's reduced range as ("sparse", idx, vals) or ("dense", vals).
+
+    ``compact``: sparse chunks travel as one wire message each (received in order).
+    """
     P, r, n = comm.size, comm.rank, x.n
     xp = x.xp
     itype, vtype, row = index_dtype(n), x.dtype, x.row_shape
@@ -91,6 +95,8 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
             any_dense = True
             buf = xp.empty((length, *row), vtype)
             chunks[src] = ([buf], [comm.irecv(buf, src, TAG_VAL)])
+        elif compact:
+            chunks[src] = ([], [])  # (received when its turn comes: its length is unknown)
         else:
             ib, vb = xp.empty(c, itype), xp.empty((c, *row), vtype)
             chunks[src] = ([ib, vb], [comm.irecv(ib, src, TAG_IDX), comm.irecv(vb, src, TAG_VAL)])
@@ -106,6 +112,9 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
             dense = xp.zeros((int(lengths[dst]), *row), vtype)
             dense[x.indices[a:b] - int(bounds[dst])] = x.values[a:b]
             sends.append(comm.isend(dense, dst, TAG_VAL))
+        elif compact:
+            msg = encode_pairs(x.indices[a:b], x.values[a:b], bounds[dst], bounds[dst + 1])
+            sends.append(comm.isend(msg, dst, TAG_IDX))
         else:
             sends.append(comm.isend(x.indices[a:b], dst, TAG_IDX))
             sends.append(comm.isend(x.values[a:b], dst, TAG_VAL))
@@ -123,6 +132,10 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
     for src in order:
         parts, reqs = chunks.pop(src)
         Request.waitall(reqs)
+        if not parts:
+            hi = lo + length
+            msg = comm.recv_bytes(src, TAG_IDX)
+            parts = list(decode_pairs(msg, itype, vtype, lo, hi, width(x.values)))
         if any_dense:
             if len(parts) == 1:
                 acc += parts[0]
@@ -191,27 +204,42 @@ def bruck_counts(size: int) -> list[int]:
     return out
 
 
-def _allgather(comm: Communicator, owned, x: SparseVector, bounds: np.ndarray) -> SparseVector:
+def _allgather(
+    comm: Communicator, owned, x: SparseVector, bounds: np.ndarray, compact: bool
+) -> SparseVector:
     """Bruck-allgather the reduced ranges straight into the result's arrays.
 
     The owners' nnz go first, so every rank knows each range's form and place. Round i
     (dist = 2^i) sends ranges r, r+1, … (min(dist, P − dist) of them) to r − dist, indices
-    and values as separate messages into their final places.
+    and values as separate messages into their final places. ``compact``: a sparse range
+    travels as its owner's wire message (its length gathered with the nnz), forwarded as is.
     """
     P, r, n, xp = comm.size, comm.rank, x.n, x.xp
     itype, vtype = index_dtype(n), x.dtype
     lengths = [int(v) for v in np.diff(bounds)]
-    nnz = comm.allgather_ints(lengths[r] if owned[0] == "dense" else int(owned[1].shape[0]))
+    count = lengths[r] if owned[0] == "dense" else int(owned[1].shape[0])
+    mine = None
+    if compact and owned[0] == "sparse":
+        mine = encode_pairs(owned[1], owned[2], bounds[r], bounds[r + 1])
+    if compact:
+        got = comm.allgather_ints([count, 0 if mine is None else mine.shape[0]])
+        nnz, msg_bytes = got[:, 0].tolist(), got[:, 1].tolist()
+    else:
+        nnz, msg_bytes = comm.allgather_ints(count), [0] * P
     dense = [not sparse_is_cheaper(c, ln, itype, vtype, x.width) for c, ln in zip(nnz, lengths)]
-    icount = [0 if d else c for d, c in zip(dense, nnz)]
-    vcount = [ln if d else c for d, ln, c in zip(dense, lengths, nnz)]
+    icount = [0 if d or compact else c for d, c in zip(dense, nnz)]
+    vcount = [ln if d else 0 if compact else c for d, ln, c in zip(dense, lengths, nnz)]
     ioff = np.concatenate(([0], np.cumsum(icount))).astype(np.int64)
     voff = np.concatenate(([0], np.cumsum(vcount))).astype(np.int64)
+    boff = np.concatenate(([0], np.cumsum(msg_bytes))).astype(np.int64)
     out_i = xp.empty(int(ioff[-1]), itype)
     out_v = xp.empty((int(voff[-1]), *x.row_shape), vtype)
+    out_b = np.empty(int(boff[-1]), np.uint8)
     if owned[0] == "dense":
         out_v[voff[r] : voff[r + 1]] = owned[1]
-    else:
+    elif mine is not None:
+        out_b[boff[r] : boff[r + 1]] = mine
+    elif not compact:
         out_i[ioff[r] : ioff[r + 1]] = owned[1]
         out_v[voff[r] : voff[r + 1]] = owned[2]
 
@@ -220,7 +248,7 @@ def _allgather(comm: Communicator, owned, x: SparseVector, bounds: np.ndarray) -
         spans = [(first, min(first + count, P))]
         if first + count > P:
             spans.append((0, first + count - P))
-        for arr, off in ((out_i, ioff), (out_v, voff)):
+        for arr, off in ((out_i, ioff), (out_v, voff), (out_b, boff)):
             for a, b in spans:
                 if off[b] > off[a]:
                     yield arr, int(off[a]), int(off[b])
@@ -232,7 +260,7 @@ def _allgather(comm: Communicator, owned, x: SparseVector, bounds: np.ndarray) -
         reqs += [comm.isend(arr[a:b], dst, TAG_AG) for arr, a, b in pieces(r, cnt)]
         Request.waitall(reqs)
         dist <<= 1
-    if not any(dense):
+    if not any(dense) and not compact:
         return SparseVector(out_i, out_v, n)
     pieces_i, pieces_v = [], []
     for j in range(P):
@@ -241,6 +269,11 @@ def _allgather(comm: Communicator, owned, x: SparseVector, bounds: np.ndarray) -
             nz = nonzero_positions(seg_v)
             pieces_i.append((nz + int(bounds[j])).astype(itype))
             pieces_v.append(seg_v[nz])
+        elif compact:
+            msg = out_b[boff[j] : boff[j + 1]]
+            i, v = decode_pairs(msg, itype, vtype, bounds[j], bounds[j + 1], width(x.values))
+            pieces_i.append(i)
+            pieces_v.append(v)
         else:
             pieces_i.append(out_i[ioff[j] : ioff[j + 1]])
             pieces_v.append(seg_v)

@@ -1,0 +1,64 @@
+"""wire="compact": allgather and dsa give the bits of wire="raw", the exact sum, and send
+fewer bytes where the pairs are sparse."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+
+import sparsecoll
+from sparsecoll.benchmarks.problems import make_problem
+
+from .cases import KINDS, assert_all, assert_identical, cases, digest, local_input, mismatch
+
+WIRED = ("allgather", "dsa")
+
+
+@pytest.mark.parametrize("name", WIRED)
+@given(case=cases(kinds=(*KINDS, "cancel")))
+def test_compact_is_raw_bit_for_bit(comm, name, case):
+    vals, idx = local_input(case, comm.rank, comm.size)
+    raw = sparsecoll.allreduce(comm, vals, idx, n=case.n, algorithm=name)
+    algo = sparsecoll.get_algorithm(name, wire="compact")
+    got = sparsecoll.allreduce(comm, vals, idx, n=case.n, algorithm=algo)
+    why = mismatch(got, case, comm.size)
+    assert_all(comm, why is None, str(why))
+    assert_all(comm, digest(got) == digest(raw), f"{name}: compact differs from raw ({case})")
+    assert_identical(comm, got)
+
+
+@pytest.mark.parametrize("name", WIRED)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_compact_sends_fewer_bytes_at_one_percent(comm, name, dtype):
+    n = 2_000_000
+    vals, idx = make_problem(n, 0.01, comm.rank, comm.size, "random", dtype, seed=9)
+    sent = {}
+    for wire in ("raw", "compact"):
+        algo = sparsecoll.get_algorithm(name, wire=wire)
+        with comm.measure() as stats:
+            out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=algo)
+        sent[wire] = stats.bytes_sent
+        assert_identical(comm, out)
+    if comm.size == 1:
+        return
+    pair = 8 if dtype == "float32" else 12
+    ratio = sent["compact"] / sent["raw"]
+    bound = 5.0 / pair if dtype == "float32" else 8.6 / pair
+    assert_all(comm, ratio <= bound, f"{name}: compact/raw bytes {ratio:.3f} > {bound:.3f}")
+
+
+def test_option_is_checked_and_agreed(comm):
+    with pytest.raises(ValueError, match="wire must be one of raw, compact"):
+        sparsecoll.get_algorithm("dsa", wire="zip")
+    algo = sparsecoll.get_algorithm("allgather", wire="compact")
+    with pytest.raises(AttributeError, match="fixed at construction"):
+        algo.wire = "raw"
+    if comm.size == 1:
+        return
+    # ranks that disagree on the wire fail together, rather than misread each other's bytes
+    wire = "compact" if comm.rank == 0 else "raw"
+    vals = np.ones(3, np.float32)
+    idx = np.arange(3, dtype=np.int32)
+    with pytest.raises(sparsecoll.errors.SparseCollError):
+        sparsecoll.allreduce(comm, vals, idx, n=10, algorithm="dsa", wire=wire)

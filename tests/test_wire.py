@@ -1,0 +1,205 @@
+"""sparsecoll.wire: every message decodes to the same bits, and the sizes meet their bounds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sparsecoll.wire import decode_pairs, encode_pairs, encoded_size
+from sparsecoll.wire._format import I_BITMAP, I_PACKED, I_RAW, I_RICE, V_RAW, V_SPLIT
+
+FLOATS = ("float16", "float32", "float64")
+# bit patterns every dtype must carry: ±0, ±inf, NaNs with payloads, subnormals, extremes
+SPECIAL = {
+    "float16": [0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E01, 0xFD55, 0x0001, 0x83FF, 0x7BFF],
+    "float32": [0, 1 << 31, 0x7F800000, 0xFF800000, 0x7FC12345, 0xFF800001, 1, 0x807FFFFF],
+    "float64": [0, 1 << 63, 0x7FF0 << 48, 0xFFF0 << 48, 0x7FF8DEADBEEF0001, 1, (1 << 52) - 1],
+}
+UTYPES = {"float16": np.uint16, "float32": np.uint32, "float64": np.uint64}
+
+
+def roundtrip(idx, vals, lo, hi):
+    buf = encode_pairs(idx, vals, lo, hi)
+    width = vals.shape[1] if vals.ndim == 2 else None
+    got_i, got_v = decode_pairs(buf, idx.dtype, vals.dtype, lo, hi, width)
+    assert got_i.dtype == idx.dtype
+    assert got_v.dtype == vals.dtype
+    assert got_v.shape == vals.shape
+    np.testing.assert_array_equal(got_i, idx)
+    assert got_v.tobytes() == vals.tobytes()  # bit for bit: NaN payloads, -0.0
+    return buf
+
+
+@st.composite
+def messages(draw):
+    """(indices, values, lo, hi): gaps of every size, runs, huge ranges, any dtype and width."""
+    itype = draw(st.sampled_from(["int32", "int64"]))
+    top = 2**31 - 1 if itype == "int32" else 2**62
+    lo = draw(st.one_of(st.just(0), st.integers(0, 1000), st.integers(0, top - 1)))
+    gaps = draw(
+        st.lists(
+            st.one_of(
+                st.just(0),  # consecutive runs
+                st.integers(0, 300),
+                st.integers(0, 2**16),
+                st.integers(0, 2**40),  # huge gaps (escapes)
+                st.sampled_from([31, 32, 33, 63, 64, 65, 2**31 - 2]),
+            ),
+            max_size=200,
+        )
+    )
+    idx, pos = [], lo - 1
+    for g in gaps:
+        if pos + g + 1 >= top:
+            break
+        pos += g + 1
+        idx.append(pos)
+    hi = draw(st.integers(idx[-1] + 1 if idx else lo, top))
+    dtype = draw(st.sampled_from(FLOATS))
+    width = draw(st.sampled_from([None, 1, 3]))
+    m = len(idx)
+    count = m * (width or 1)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    style = draw(st.sampled_from(["normal", "bits", "special", "topk", "zeros"]))
+    if style == "normal":
+        vals = rng.standard_normal(count).astype(dtype)
+    elif style == "topk":
+        x = rng.standard_normal(count)
+        vals = (np.sign(x) * (2.0 + np.abs(x))).astype(dtype)
+    elif style == "zeros":
+        vals = np.zeros(count, dtype)
+    else:
+        ut = UTYPES[dtype]
+        pool = np.array(SPECIAL[dtype], dtype=ut) if style == "special" else None
+        if pool is None:
+            bits = rng.integers(0, np.iinfo(ut).max, size=count, dtype=ut, endpoint=True)
+        else:
+            bits = pool[rng.integers(0, pool.shape[0], size=count)]
+        vals = bits.view(dtype)
+    if width is not None:
+        vals = vals.reshape(m, width)
+    return np.array(idx, dtype=itype), vals, lo, hi
+
+
+@given(messages())
+def test_roundtrip_bit_for_bit(msg):
+    idx, vals, lo, hi = msg
+    roundtrip(idx, vals, lo, hi)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("itype", ["int32", "int64"])
+def test_empty_and_one(dtype, itype):
+    for lo, hi in ((0, 0), (0, 1), (5, 9), (2**31 - 2, 2**31 - 1)):
+        buf = roundtrip(np.zeros(0, itype), np.zeros(0, dtype), lo, hi)
+        assert buf.shape[0] <= 2
+    for lo, hi, i in ((0, 1, 0), (7, 100, 99), (0, 2**31 - 1, 2**31 - 2)):
+        roundtrip(np.array([i], itype), np.array([-0.0], dtype), lo, hi)
+    if itype == "int64":
+        roundtrip(np.array([2**40 + 3], itype), np.array([np.nan], dtype), 2**40, 2**41)
+        roundtrip(np.array([0, 2**62], itype), np.array([1, 2], dtype), 0, 2**62 + 1)
+
+
+def test_every_gap_size_in_one_message():
+    """Gaps 0 .. 2**20 and powers of two to 2**40 around each Rice parameter's escape."""
+    gaps = np.concatenate([np.arange(300), 2 ** np.arange(41), 2 ** np.arange(1, 41) - 1])
+    idx = np.cumsum(np.random.default_rng(1).permutation(gaps) + 1).astype(np.int64) + 10**6
+    vals = np.random.default_rng(2).standard_normal(idx.shape[0])
+    roundtrip(idx, vals, 10**6, int(idx[-1]) + 5)
+    # gaps about 2**40: a Rice parameter past 31 (codes wider than one 64-bit read)
+    gaps = np.random.default_rng(3).integers(2**39, 2**41, size=500)
+    idx = np.cumsum(gaps).astype(np.int64)
+    buf = roundtrip(idx, np.ones(500, np.float32), 0, 2**62)
+    assert buf[0] & 15 == I_RICE and buf[3] > 31  # (tag, m in 2 bytes, then k)
+
+
+@pytest.mark.parametrize(
+    ("density", "fmt"), [(0.9, I_BITMAP), (0.01, I_RICE), (1.0, I_BITMAP), (0.3, I_RICE)]
+)
+def test_index_format_choice(density, fmt):
+    n = 100_000
+    rng = np.random.default_rng(3)
+    idx = np.sort(rng.choice(n, int(n * density), replace=False)).astype(np.int32)
+    buf = roundtrip(idx, rng.standard_normal(idx.shape[0]).astype(np.float32), 0, n)
+    assert buf[0] & 15 == fmt
+
+
+def test_packed_and_raw_fallbacks():
+    # two far-apart clusters: Rice escapes on the one big gap only; values spanning every
+    # exponent fall back to raw
+    idx = np.array([1, 2**30, 2**31 - 2], np.int32)
+    vals = np.array([1e-38, 1e38, 0.0], np.float32)
+    buf = roundtrip(idx, vals, 0, 2**31 - 1)
+    assert buf[0] & 15 in (I_PACKED, I_RAW)
+    assert buf[0] >> 4 == V_RAW
+
+
+def test_split_values_for_normal_data():
+    vals = np.random.default_rng(4).standard_normal(1000).astype(np.float32)
+    buf = roundtrip(np.arange(1000, dtype=np.int32), vals, 0, 1000)
+    assert buf[0] >> 4 == V_SPLIT
+
+
+def test_bad_input_raises():
+    with pytest.raises(ValueError, match="ascending"):
+        encode_pairs(np.array([3, 3], np.int32), np.ones(2, np.float32), 0, 10)
+    with pytest.raises(ValueError, match="ascending"):
+        encode_pairs(np.array([3, 10], np.int32), np.ones(2, np.float32), 0, 10)
+    with pytest.raises(ValueError, match="ascending"):
+        encode_pairs(np.array([3], np.int32), np.ones(1, np.float32), 4, 10)
+    with pytest.raises(TypeError):
+        encode_pairs(np.array([3], np.int16), np.ones(1, np.float32), 0, 10)
+    with pytest.raises(TypeError):
+        encode_pairs(np.array([3], np.int32), np.ones(1, np.int32), 0, 10)
+    with pytest.raises(ValueError, match="expecting 1 values"):
+        encode_pairs(np.array([3], np.int32), np.ones(2, np.float32), 0, 10)
+    buf = encode_pairs(np.arange(5, dtype=np.int32), np.ones(5, np.float32), 0, 10)
+    for cut in (buf[:-1], buf[:1], np.concatenate([buf, buf[:1]])):
+        with pytest.raises(ValueError, match="wire message"):
+            decode_pairs(cut, np.int32, np.float32, 0, 10)
+
+
+def bytes_per_pair(n, density, dtype, values="normal", seed=0):
+    rng = np.random.default_rng(seed)
+    idx = np.sort(rng.choice(n, int(n * density), replace=False)).astype(np.int32)
+    x = rng.standard_normal(idx.shape[0])
+    if values == "topk":  # |x| above a threshold: the 1% largest of a normal vector
+        x = np.sign(x) * (2.576 + np.abs(rng.standard_normal(idx.shape[0])) * 0.3)
+    vals = x.astype(dtype)
+    roundtrip(idx, vals, 0, n)
+    return encoded_size(idx, vals, 0, n) / idx.shape[0]
+
+
+def test_size_one_percent_float32():
+    """The target: <= 5.0 bytes per pair at 1% uniform density over 2M, standard normal."""
+    assert bytes_per_pair(2_000_000, 0.01, np.float32) <= 5.0
+    assert bytes_per_pair(2_000_000, 0.01, np.float32, "topk") <= 5.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(3))
+def test_size_bounds_large(seed):
+    """Gaps at 1% uniform cost <= 8.6 bits each; float64 and dense ranges save too."""
+    n = 16_000_000
+    rng = np.random.default_rng(seed)
+    idx = np.sort(rng.choice(n, n // 100, replace=False)).astype(np.int32)
+    raw_vals = np.zeros(idx.shape[0], np.float32)  # all one exponent: w = 0
+    index_bits = (encoded_size(idx, raw_vals, 0, n) - 3 * idx.shape[0]) * 8 / idx.shape[0]
+    assert index_bits <= 8.6
+    assert bytes_per_pair(n, 0.01, np.float32, seed=seed) <= 5.0
+    assert bytes_per_pair(n, 0.01, np.float64, seed=seed) <= 8.5
+    assert bytes_per_pair(n, 0.5, np.float32, seed=seed) <= 4.1
+
+
+@pytest.mark.slow
+def test_beyond_int32():
+    """n near and past 2**31: int64 indices around 2**31 and 2**40."""
+    rng = np.random.default_rng(5)
+    for lo in (2**31 - 10**6, 2**40):
+        idx = np.unique(rng.integers(lo, lo + 2 * 10**6, size=20_000)).astype(np.int64)
+        vals = rng.standard_normal(idx.shape[0]).astype(np.float32)
+        buf = roundtrip(idx, vals, lo, lo + 2 * 10**6)
+        assert buf[0] & 15 == I_RICE
+        roundtrip(idx, vals, 0, 2**41)
