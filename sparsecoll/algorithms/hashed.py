@@ -1,0 +1,201 @@
+"""hashed: balanced hash-partitioned exact sparse allreduce (ZEN's balanced parallelism).
+
+Wang et al., "Zen: Empowering Distributed Training with Sparsity-driven Data
+Synchronization", OSDI'25. An affine permutation π of [0, n), the same on every rank
+(:mod:`._hashperm`), spreads any contiguous hot region evenly; rank j owns the indices
+whose π-value lies in the j-th of P near-equal ranges. Push: an alltoall of counts, then
+each rank sends each owner its entries (rotated point to point), as π-offsets within the
+owner's range; owners merge the runs as they arrive. Pull: an allgather of the owners'
+counts, then a Bruck allgather of their reduced runs. A run travels as COO offsets or as a
+bitmap over the range plus values, whichever is smaller (:mod:`._hashwire`); every rank
+then maps π-values back and sorts once. Volume sent by rank r: push Σ_{j≠r} bytes(c_rj,
+L_j); pull Σ_i Σ_{b<cnt_i} bytes(K_{r+b}, L_{r+b}), bytes(m, L) = min(m·(o+v), ⌈L/8⌉ + m·v),
+o the offsets' size (int32 while n/P < 2**31). ``result.info["phases"]`` holds each
+phase's CommStats. Exact: every rank gets the same bits, and repeated runs too (fixed
+summation order); an owner whose incoming entries pass L/8 sums them densely and drops
+entries that sum to exactly zero.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .. import _state
+from .._array import index_dtype, nonzero_positions, stable_argsort
+from .._options import integer
+from ..comm import Communicator, Request
+from ..registry import register_algorithm
+from ..sparse import SparseVector
+from ._hashperm import AffinePermutation
+from ._hashwire import decode_run, encode_run, run_bytes
+from ._merge import RunStack, accumulate_dtype
+from .base import Algorithm, range_bounds, region_cuts
+from .dsa import bruck_counts
+
+__all__ = ["Hashed", "permutation"]
+
+TAG_PUSH = 41
+TAG_PULL = 42
+DENSE_SUM = 8  # an owner sums densely when its incoming entries reach L / DENSE_SUM
+
+
+@functools.lru_cache(maxsize=64)
+def permutation(n: int, seed: int) -> tuple[AffinePermutation, AffinePermutation]:
+    """The permutation of [0, n) for ``seed`` and its inverse (what every rank computes)."""
+    perm = AffinePermutation.from_seed(n, seed)
+    return perm, perm.inverse()
+
+
+@register_algorithm
+class Hashed(Algorithm):
+    """Exact sparse allreduce over owners chosen by a permutation of the index space.
+
+    Args:
+        seed: picks the permutation (int >= 0, default 0); the same on every rank.
+    """
+
+    name = "hashed"
+    state_kinds: ClassVar[dict[str, _state.Kind] | None] = {}  # (seed is the constructor's)
+    fixed_options: ClassVar[tuple[str, ...]] = ("seed",)
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = integer("seed", seed, 0, int64=True)
+
+    def signature(self) -> list[int]:
+        return [self.seed]
+
+    def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
+        if comm.size == 1:
+            out = SparseVector(x.indices.copy(), x.values.copy(), x.n)
+            out.info["phases"] = {}
+            return out
+        perm, inverse = permutation(x.n, self.seed)
+        plan = _Plan(x.n, comm.size, x.dtype)
+        with comm.measure() as push_stats:
+            owned = _push(comm, x, perm, plan)
+        with comm.measure() as pull_stats:
+            out = _pull(comm, owned, x, inverse, plan)
+        out.info["phases"] = {"push": push_stats, "pull": pull_stats}
+        return out
+
+
+class _Plan:
+    """The owners' ranges of π-values and the offset and value types of their runs."""
+
+    __slots__ = ("bounds", "lengths", "otype", "vtype")
+
+    def __init__(self, n: int, size: int, vtype: Any) -> None:
+        self.bounds = range_bounds(n, size)
+        self.lengths = [int(v) for v in np.diff(self.bounds)]
+        self.otype = index_dtype(max(self.lengths))
+        self.vtype = np.dtype(vtype)
+
+    def run_bytes(self, m: int, owner: int) -> int:
+        return run_bytes(m, self.lengths[owner], self.otype, self.vtype)
+
+
+def _push(comm: Communicator, x: SparseVector, perm: AffinePermutation, plan: _Plan):
+    """Send every entry to its owner; return this rank's reduced run (offsets, values)."""
+    P, r, xp = comm.size, comm.rank, x.xp
+    pi = perm.apply(x.indices)
+    order = stable_argsort(pi, x.n)
+    pi, vals = pi[order], x.values[order]
+    cut = region_cuts(pi, plan.bounds)
+    sendcounts = np.diff(cut)
+    recvcounts = comm.alltoall_ints(sendcounts)
+    lo, length = int(plan.bounds[r]), plan.lengths[r]
+
+    # every receive posted first, in rotated order (from r-1, r-2, ...), into one buffer
+    order_in = [(r - s) % P for s in range(1, P) if recvcounts[(r - s) % P]]
+    sizes_in = [plan.run_bytes(int(recvcounts[src]), r) for src in order_in]
+    starts_in = np.concatenate(([0], np.cumsum(sizes_in, dtype=np.int64))).tolist()
+    inbuf = xp.empty(int(starts_in[-1]), np.uint8)
+    reqs = [
+        comm.irecv(inbuf[starts_in[q] : starts_in[q + 1]], src, TAG_PUSH)
+        for q, src in enumerate(order_in)
+    ]
+    # then every send, rotated (to r+1, r+2, ...), each run encoded just before it goes
+    dests = [(r + s) % P for s in range(1, P) if sendcounts[(r + s) % P]]
+    sizes_out = [plan.run_bytes(int(sendcounts[dst]), dst) for dst in dests]
+    starts_out = np.concatenate(([0], np.cumsum(sizes_out, dtype=np.int64))).tolist()
+    outbuf = xp.empty(int(starts_out[-1]), np.uint8)
+    sends: list[Request] = []
+    for q, dst in enumerate(dests):
+        a, b = int(cut[dst]), int(cut[dst + 1])
+        piece = outbuf[starts_out[q] : starts_out[q + 1]]
+        offsets = (pi[a:b] - int(plan.bounds[dst])).astype(plan.otype)
+        encode_run(offsets, vals[a:b], plan.lengths[dst], piece)
+        sends.append(comm.isend(piece, dst, TAG_PUSH))
+
+    acc_t = accumulate_dtype(plan.vtype)
+    mine = ((pi[cut[r] : cut[r + 1]] - lo).astype(plan.otype), vals[cut[r] : cut[r + 1]])
+    dense = sum(int(c) for c in recvcounts) * DENSE_SUM >= length
+    if dense:
+        acc = xp.zeros(length, acc_t)
+        acc[mine[0]] += mine[1]  # (offsets in a run are unique: each added once)
+    else:
+        stack = RunStack(length, xp, acc_t)
+        stack.push(mine[0], mine[1].astype(acc_t, copy=False))
+    # runs are summed in the senders' rotated order while later ones are in flight: a
+    # fixed order makes the sum reproducible
+    for q, src in enumerate(order_in):
+        reqs[q].wait()
+        piece = inbuf[starts_in[q] : starts_in[q + 1]]
+        offsets, values = decode_run(piece, int(recvcounts[src]), length, plan.otype, plan.vtype)
+        if dense:
+            acc[offsets] += values
+        else:
+            stack.push(offsets, values.astype(acc_t, copy=False))
+    Request.waitall(sends)
+
+    if dense:
+        nz = nonzero_positions(acc)
+        return nz.astype(plan.otype), acc[nz].astype(plan.vtype)
+    if not stack.runs:
+        return xp.zeros(0, plan.otype), xp.zeros(0, plan.vtype)
+    offsets, values = stack.result()
+    return offsets, values.astype(plan.vtype, copy=False)
+
+
+def _pull(comm: Communicator, owned, x: SparseVector, inverse: AffinePermutation, plan: _Plan):
+    """Bruck-allgather the owners' runs into one byte buffer, then decode every run.
+
+    Every rank, the owner included, decodes the same bytes and sorts them the same way.
+    """
+    P, r, n, xp = comm.size, comm.rank, x.n, x.xp
+    counts = [int(c) for c in comm.allgather_ints(int(owned[0].shape[0]))]
+    sizes = [plan.run_bytes(counts[j], j) for j in range(P)]
+    starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))).tolist()
+    buf = xp.empty(int(starts[-1]), np.uint8)
+    encode_run(owned[0], owned[1], plan.lengths[r], buf[starts[r] : starts[r + 1]])
+
+    def pieces(first: int, count: int):
+        """(lo, hi) byte intervals of runs first .. first+count-1 (mod P)."""
+        spans = [(first, min(first + count, P))]
+        if first + count > P:
+            spans.append((0, first + count - P))
+        return [(starts[a], starts[b]) for a, b in spans if starts[b] > starts[a]]
+
+    dist = 1
+    for cnt in bruck_counts(P):
+        dst, src = (r - dist) % P, (r + dist) % P
+        reqs = [comm.irecv(buf[a:b], src, TAG_PULL) for a, b in pieces(src, cnt)]
+        reqs += [comm.isend(buf[a:b], dst, TAG_PULL) for a, b in pieces(r, cnt)]
+        Request.waitall(reqs)
+        dist <<= 1
+
+    if not sum(counts):
+        return SparseVector.empty(n, plan.vtype, xp)
+    ys, vs = [], []
+    for j in range(P):
+        if counts[j]:
+            piece = buf[starts[j] : starts[j + 1]]
+            off, vals = decode_run(piece, counts[j], plan.lengths[j], plan.otype, plan.vtype)
+            ys.append(off.astype(np.int64) + int(plan.bounds[j]))
+            vs.append(vals)
+    idx = inverse.apply(xp.concatenate(ys))
+    order = stable_argsort(idx, n)
+    return SparseVector(idx[order].astype(index_dtype(n)), xp.concatenate(vs)[order], n)
