@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import sparsecoll
+from sparsecoll.algorithms._blocksort import relabel
 from sparsecoll.algorithms._hashperm import AffinePermutation
 from sparsecoll.algorithms._hashwire import decode_run, encode_run, run_bytes, uses_bitmap
 from sparsecoll.algorithms.base import range_bounds
@@ -107,3 +108,45 @@ def test_seed_option():
             sparsecoll.get_algorithm("hashed", seed=bad)
     with pytest.raises(ValueError, match="seed must be below 2\\*\\*63"):
         sparsecoll.get_algorithm("hashed", seed=2**63)
+
+
+@pytest.mark.parametrize("shift", [0, 3, 6])
+@pytest.mark.parametrize(("n", "m"), [(1, 1), (100, 0), (100, 37), (5000, 4000), (2**20, 300)])
+def test_relabel_sorts_blocks_by_their_new_labels(shift, n, m):
+    """Both ways of ordering the segments (bitmap rank for dense labels, argsort for sparse
+    ones) give the relabelled coordinates in ascending order and where each came from."""
+    rng = np.random.default_rng([n, m, shift])
+    coords = np.sort(rng.choice(n, m, replace=False)).astype(np.int32)
+    perm = AffinePermutation.from_seed(-(-n >> shift), seed=3)
+    c = coords.astype(np.int64)
+    want = perm.apply(c >> shift) << shift | (c & ((1 << shift) - 1))
+    new, order = relabel(coords, perm, shift)
+    assert np.array_equal(new, np.sort(want))
+    assert np.array_equal(want[order], new)
+    assert np.array_equal(
+        perm.inverse().apply(new >> shift) << shift | (new & ((1 << shift) - 1)), c[order]
+    )
+
+
+def test_relabel_and_runs_on_a_device_as_on_the_host():
+    """The device forms (an argsort of the entries' labels; packbits) give the host's."""
+    from sparsecoll._array import to_host
+
+    from . import fakecupy
+
+    rng = np.random.default_rng(9)
+    coords = np.sort(rng.choice(50_000, 3000, replace=False))
+    perm = AffinePermutation.from_seed(-(-50_000 >> 6))
+    off = np.sort(rng.choice(1000, 400, replace=False)).astype(np.int32)
+    vals = rng.standard_normal(400).astype(np.float32)
+    buf = np.empty(run_bytes(400, 1000, np.int32, np.float32), np.uint8)
+    encode_run(off, vals, 1000, buf)
+    with fakecupy.installed() as xp:
+        new, order = relabel(xp.asarray(coords), perm, 6)
+        dbuf = xp.empty(buf.shape[0], np.uint8)
+        encode_run(xp.asarray(off), xp.asarray(vals), 1000, dbuf)
+        got = decode_run(dbuf, 400, 1000, np.int32, np.float32)
+        assert np.array_equal(to_host(dbuf), buf)
+        assert all(np.array_equal(to_host(a), b) for a, b in zip(got, (off, vals)))
+    want = relabel(coords, perm, 6)
+    assert np.array_equal(to_host(new), want[0]) and np.array_equal(to_host(order), want[1])

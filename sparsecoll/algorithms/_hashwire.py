@@ -93,20 +93,21 @@ def _set_bits() -> Any:
 
 @functools.cache
 def _get_bits() -> Any:
+    low_bit = np.array([(v & -v).bit_length() - 1 for v in range(256)], dtype=np.int64)
+
     @cached_njit(nogil=True)
-    def get_bits(bits, out):  # pragma: no cover - compiled
-        # the positions of the set bits, ascending; at most out.shape[0] are written
+    def get_bits(bits, out, low_bit):  # pragma: no cover - compiled
+        # the positions of the set bits, ascending, lowest set bit first within a byte; at
+        # most out.shape[0] are written
         m = out.shape[0]
         k = 0
         for b in range(bits.shape[0]):
-            byte = bits[b]
-            if byte == 0:
-                continue
-            for j in range(8):
-                if (byte >> j) & 1:
-                    if k < m:
-                        out[k] = b * 8 + j
-                    k += 1
+            byte = np.int64(bits[b])
+            while byte:
+                if k < m:
+                    out[k] = b * 8 + low_bit[byte]
+                k += 1
+                byte &= byte - 1
         return k
 
-    return get_bits
+    return lambda bits, out: get_bits(bits, out, low_bit)

@@ -1,19 +1,20 @@
 """hashed: balanced hash-partitioned exact sparse allreduce (ZEN's balanced parallelism).
 
 Wang et al., "Zen: Empowering Distributed Training with Sparsity-driven Data
-Synchronization", OSDI'25. An affine permutation π of [0, n), the same on every rank
-(:mod:`._hashperm`), spreads any contiguous hot region evenly; rank j owns the indices
-whose π-value lies in the j-th of P near-equal ranges. Push: an alltoall of counts, then
-each rank sends each owner its entries (rotated point to point), as π-offsets within the
-owner's range; owners merge the runs as they arrive. Pull: an allgather of the owners'
-counts, then a Bruck allgather of their reduced runs. A run travels as COO offsets or as a
-bitmap over the range plus values, whichever is smaller (:mod:`._hashwire`); every rank
-then maps π-values back and sorts once. Volume sent by rank r: push Σ_{j≠r} bytes(c_rj,
-L_j); pull Σ_i Σ_{b<cnt_i} bytes(K_{r+b}, L_{r+b}), bytes(m, L) = min(m·(o+v), ⌈L/8⌉ + m·v),
-o the offsets' size (int32 while n/P < 2**31). ``result.info["phases"]`` holds each
-phase's CommStats. Exact: every rank gets the same bits, and repeated runs too (fixed
-summation order); an owner whose incoming entries pass L/8 sums them densely and drops
-entries that sum to exactly zero.
+Synchronization", OSDI'25. Indices move in blocks of B = 64: an affine permutation π of the
+blocks, the same on every rank (:mod:`._hashperm`), maps index i to the coordinate
+π(i // B)·B + i mod B, and spreads any contiguous hot region evenly; rank j owns the
+coordinates in the j-th of P near-equal ranges. Push: an alltoall of counts, then each rank
+sends each owner its entries (rotated point to point) as offsets within the owner's range;
+owners merge the runs as they arrive. Pull: an allgather of the owners' counts, then a Bruck
+allgather of their reduced runs. A run travels as COO offsets or as a bitmap over the range
+plus values, whichever is smaller (:mod:`._hashwire`); every rank then maps the blocks back
+and orders them (:mod:`._blocksort`). Volume sent by rank r: push Σ_{j≠r} bytes(c_rj, L_j);
+pull Σ_i Σ_{b<cnt_i} bytes(K_{r+b}, L_{r+b}); bytes(m, L) = m·v + min(m·o, ⌈L/8⌉), o the
+offsets' size (int32 while n/P < 2**31). ``result.info["phases"]`` holds each phase's
+CommStats. Exact: every rank gets the same bits, and repeated runs too (fixed summation
+order); an owner whose incoming entries reach L/8 sums them densely and drops entries that
+sum to exactly zero.
 """
 
 from __future__ import annotations
@@ -24,28 +25,30 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import _state
-from .._array import index_dtype, nonzero_positions, stable_argsort
+from .._array import index_dtype, nonzero_positions
 from .._options import integer
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
+from ._blocksort import relabel
 from ._hashperm import AffinePermutation
 from ._hashwire import decode_run, encode_run, run_bytes
 from ._merge import RunStack, accumulate_dtype
 from .base import Algorithm, range_bounds, region_cuts
 from .dsa import bruck_counts
 
-__all__ = ["Hashed", "permutation"]
+__all__ = ["BLOCK_SHIFT", "Hashed", "permutation"]
 
 TAG_PUSH = 41
 TAG_PULL = 42
 DENSE_SUM = 8  # an owner sums densely when its incoming entries reach L / DENSE_SUM
+BLOCK_SHIFT = 6  # indices move in blocks of 2**BLOCK_SHIFT consecutive ones
 
 
 @functools.lru_cache(maxsize=64)
 def permutation(n: int, seed: int) -> tuple[AffinePermutation, AffinePermutation]:
-    """The permutation of [0, n) for ``seed`` and its inverse (what every rank computes)."""
-    perm = AffinePermutation.from_seed(n, seed)
+    """The permutation of the blocks of [0, n) for ``seed`` and its inverse."""
+    perm = AffinePermutation.from_seed(-(-n >> BLOCK_SHIFT), seed)
     return perm, perm.inverse()
 
 
@@ -83,12 +86,16 @@ class Hashed(Algorithm):
 
 
 class _Plan:
-    """The owners' ranges of π-values and the offset and value types of their runs."""
+    """The owners' ranges of coordinates and the offset and value types of their runs.
+
+    Coordinates lie in [0, blocks·2**BLOCK_SHIFT), a little past n when the last block is
+    partial (no entry lands on the positions past it).
+    """
 
     __slots__ = ("bounds", "lengths", "otype", "vtype")
 
     def __init__(self, n: int, size: int, vtype: Any) -> None:
-        self.bounds = range_bounds(n, size)
+        self.bounds = range_bounds(-(-n >> BLOCK_SHIFT) << BLOCK_SHIFT, size)
         self.lengths = [int(v) for v in np.diff(self.bounds)]
         self.otype = index_dtype(max(self.lengths))
         self.vtype = np.dtype(vtype)
@@ -100,9 +107,8 @@ class _Plan:
 def _push(comm: Communicator, x: SparseVector, perm: AffinePermutation, plan: _Plan):
     """Send every entry to its owner; return this rank's reduced run (offsets, values)."""
     P, r, xp = comm.size, comm.rank, x.xp
-    pi = perm.apply(x.indices)
-    order = stable_argsort(pi, x.n)
-    pi, vals = pi[order], x.values[order]
+    pi, order = relabel(x.indices, perm, BLOCK_SHIFT)
+    vals = x.values[order]
     cut = region_cuts(pi, plan.bounds)
     sendcounts = np.diff(cut)
     recvcounts = comm.alltoall_ints(sendcounts)
@@ -196,6 +202,5 @@ def _pull(comm: Communicator, owned, x: SparseVector, inverse: AffinePermutation
             off, vals = decode_run(piece, counts[j], plan.lengths[j], plan.otype, plan.vtype)
             ys.append(off.astype(np.int64) + int(plan.bounds[j]))
             vs.append(vals)
-    idx = inverse.apply(xp.concatenate(ys))
-    order = stable_argsort(idx, n)
-    return SparseVector(idx[order].astype(index_dtype(n)), xp.concatenate(vs)[order], n)
+    idx, order = relabel(xp.concatenate(ys), inverse, BLOCK_SHIFT)
+    return SparseVector(idx.astype(index_dtype(n)), xp.concatenate(vs)[order], n)

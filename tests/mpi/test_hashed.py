@@ -9,7 +9,7 @@ import sparsecoll
 from sparsecoll._array import index_dtype
 from sparsecoll.algorithms.base import allclose_sparse, reference_sum
 from sparsecoll.algorithms.dsa import bruck_counts
-from sparsecoll.algorithms.hashed import _Plan, permutation
+from sparsecoll.algorithms.hashed import BLOCK_SHIFT, _Plan, permutation
 from sparsecoll.sparse import coalesce
 
 from .cases import assert_all, assert_identical
@@ -42,7 +42,9 @@ def expected(every, P: int, r: int, n: int, dtype, seed: int = 0) -> dict:
     plan = _Plan(n, P, dtype)
 
     def per_owner(idx):
-        pi = np.sort(perm.apply(idx))
+        idx = idx.astype(np.int64)
+        mask = (1 << BLOCK_SHIFT) - 1
+        pi = np.sort(perm.apply(idx >> BLOCK_SHIFT) << BLOCK_SHIFT | (idx & mask))
         return np.diff(np.searchsorted(pi, plan.bounds[1:-1]), prepend=0, append=pi.shape[0])
 
     c = np.array([per_owner(idx) for idx, _ in every])  # c[s, j]: rank s's entries for j
