@@ -2,68 +2,61 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 import sparsecoll
-from sparsecoll.algorithms._blocksort import relabel
-from sparsecoll.algorithms._hashperm import AffinePermutation
 from sparsecoll.algorithms._hashwire import decode_run, encode_run, run_bytes, uses_bitmap
-from sparsecoll.algorithms.base import range_bounds
+from sparsecoll.algorithms._stripes import Stripes
 
 
 @pytest.mark.parametrize("seed", [0, 1, 7, 2**62])
-def test_permutation_is_a_bijection_with_its_inverse_for_every_small_n(seed):
-    for n in range(1, 300):
-        perm = AffinePermutation.from_seed(n, seed)
-        x = np.arange(n, dtype=np.int32)
-        y = perm.apply(x)
-        assert np.array_equal(np.sort(y), np.arange(n)), (n, perm)
-        assert np.array_equal(perm.inverse().apply(y), x), (n, perm)
-        assert np.array_equal(perm._apply_xp(x, np), y)
+@pytest.mark.parametrize("shift", [0, 2, 6])
+def test_every_index_has_one_owner_and_place_for_every_small_n(seed, shift):
+    """locate is one-to-one into [0, P)×[0, L), indices() undoes it, and each owner's
+    coordinates ascend with the indices (its runs map back sorted)."""
+    for P in (2, 3, 5, 8):
+        for n in (*range(1, 130), 1000, 4099):
+            st = Stripes(n, P, shift, seed)
+            i = np.arange(n, dtype=np.int32)
+            owner, coord = st.locate(i)
+            assert owner.min() >= 0 and owner.max() < P and coord.max() < st.length
+            assert np.unique(owner * st.length + coord).shape[0] == n, (P, n)
+            for j in range(P):
+                mine = owner == j
+                assert np.all(np.diff(coord[mine]) > 0)
+                assert np.array_equal(st.indices(coord[mine], j), i[mine])
 
 
-@given(
-    n=st.one_of(st.integers(2**31 - 2, 2**31 + 2), st.integers(2**32, 2**63 - 1)),
-    seed=st.integers(0, 2**63 - 1),
-    data=st.data(),
-)
-def test_permutation_matches_python_integers_at_huge_n(n, seed, data):
-    """No intermediate product overflows: the kernel and the array form equal a·i + c mod n
-    in Python integers, ends of the range included, and the inverse undoes it."""
-    perm = AffinePermutation.from_seed(n, seed)
-    assert math.gcd(perm.a, n) == 1 and 0 <= perm.c < n
+@given(n=st.integers(2**31 - 2, 2**63 - 1), seed=st.integers(0, 2**63 - 1), data=st.data())
+def test_locate_and_back_at_huge_n(n, seed, data):
     picks = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=50))
     x = np.array([0, 1, n - 2, n - 1, *picks], dtype=np.int64)
-    want = np.array([(perm.a * int(i) + perm.c) % n for i in x], dtype=np.int64)
-    y = perm.apply(x)
-    assert np.array_equal(y, want)
-    assert np.array_equal(perm._apply_xp(x, np), want)
-    assert np.array_equal(perm.inverse().apply(y), x)
+    for P in (2, 7):
+        s = Stripes(n, P, 6, seed)
+        owner, coord = s.locate(x)
+        assert coord.max() < s.length and s.length * P < n + 64 * P + 64
+        for j in range(P):
+            assert np.array_equal(s.indices(coord[owner == j], j), x[owner == j])
 
 
-def test_a_contiguous_region_spreads_evenly_over_the_ranges():
-    """The Weyl property: any run of consecutive indices lands within a few of its share
-    on each of P ranges (a random hash would be off by about √share)."""
-    n = 2**24
-    perm = AffinePermutation.from_seed(n)
+def test_any_run_of_blocks_is_spread_within_a_block_per_owner():
+    """Every stripe gives one block to each owner: a contiguous region's blocks differ by
+    at most one per owner; every k-th stripe (a strided pattern) spreads by the rotation."""
+    n, shift = 2**24, 6
     for P in (2, 3, 5, 8, 64):
-        bounds = range_bounds(n, P)
+        s = Stripes(n, P, shift)
         for start, length in ((0, 10_000), (12_345_678, 100_000), (n - 5000, 5000)):
-            y = np.sort(perm.apply(np.arange(start, start + length)))
-            counts = np.diff(np.searchsorted(y, bounds))
-            assert counts.max() - counts.min() <= 4, (P, start, counts)
-
-
-def test_a_non_permutation_is_refused():
-    with pytest.raises(ValueError, match="not a permutation"):
-        AffinePermutation(4, 0, 10)
-    with pytest.raises(ValueError, match="not a permutation"):
-        AffinePermutation(3, 10, 10)
+            owner, _ = s.locate(np.arange(start, start + length) >> shift << shift)
+            counts = np.bincount(owner, minlength=P) >> shift
+            assert counts.max() - counts.min() <= 2, (P, start, counts)
+        # one block in every 8·P: same stripe position each time
+        blocks = np.arange(0, n >> shift, 8 * P)
+        owner, _ = s.locate(blocks << shift)
+        counts = np.bincount(owner, minlength=P)
+        assert counts.max() <= counts.mean() + max(4, 0.1 * counts.mean()), (P, counts)
 
 
 @pytest.mark.parametrize("otype", [np.int32, np.int64])
@@ -110,43 +103,27 @@ def test_seed_option():
         sparsecoll.get_algorithm("hashed", seed=2**63)
 
 
-@pytest.mark.parametrize("shift", [0, 3, 6])
-@pytest.mark.parametrize(("n", "m"), [(1, 1), (100, 0), (100, 37), (5000, 4000), (2**20, 300)])
-def test_relabel_sorts_blocks_by_their_new_labels(shift, n, m):
-    """Both ways of ordering the segments (bitmap rank for dense labels, argsort for sparse
-    ones) give the relabelled coordinates in ascending order and where each came from."""
-    rng = np.random.default_rng([n, m, shift])
-    coords = np.sort(rng.choice(n, m, replace=False)).astype(np.int32)
-    perm = AffinePermutation.from_seed(-(-n >> shift), seed=3)
-    c = coords.astype(np.int64)
-    want = perm.apply(c >> shift) << shift | (c & ((1 << shift) - 1))
-    new, order = relabel(coords, perm, shift)
-    assert np.array_equal(new, np.sort(want))
-    assert np.array_equal(want[order], new)
-    assert np.array_equal(
-        perm.inverse().apply(new >> shift) << shift | (new & ((1 << shift) - 1)), c[order]
-    )
-
-
-def test_relabel_and_runs_on_a_device_as_on_the_host():
-    """The device forms (an argsort of the entries' labels; packbits) give the host's."""
+def test_stripes_and_runs_on_a_device_as_on_the_host():
+    """The device forms (CuPy's uint64 arithmetic; packbits) give the host's."""
     from sparsecoll._array import to_host
 
     from . import fakecupy
 
     rng = np.random.default_rng(9)
-    coords = np.sort(rng.choice(50_000, 3000, replace=False))
-    perm = AffinePermutation.from_seed(-(-50_000 >> 6))
+    idx = np.sort(rng.choice(50_000, 3000, replace=False))
+    s = Stripes(50_000, 5, 6, seed=3)
     off = np.sort(rng.choice(1000, 400, replace=False)).astype(np.int32)
     vals = rng.standard_normal(400).astype(np.float32)
     buf = np.empty(run_bytes(400, 1000, np.int32, np.float32), np.uint8)
     encode_run(off, vals, 1000, buf)
+    want = s.locate(idx)
     with fakecupy.installed() as xp:
-        new, order = relabel(xp.asarray(coords), perm, 6)
+        got = s.locate(xp.asarray(idx))
+        assert all(np.array_equal(to_host(a), b) for a, b in zip(got, want))
+        back = s.indices(xp.asarray(want[1][want[0] == 2]), 2)
+        assert np.array_equal(to_host(back), idx[want[0] == 2])
         dbuf = xp.empty(buf.shape[0], np.uint8)
         encode_run(xp.asarray(off), xp.asarray(vals), 1000, dbuf)
-        got = decode_run(dbuf, 400, 1000, np.int32, np.float32)
+        run = decode_run(dbuf, 400, 1000, np.int32, np.float32)
         assert np.array_equal(to_host(dbuf), buf)
-        assert all(np.array_equal(to_host(a), b) for a, b in zip(got, (off, vals)))
-    want = relabel(coords, perm, 6)
-    assert np.array_equal(to_host(new), want[0]) and np.array_equal(to_host(order), want[1])
+        assert all(np.array_equal(to_host(a), b) for a, b in zip(run, (off, vals)))

@@ -1,17 +1,17 @@
 """hashed: balanced hash-partitioned exact sparse allreduce (ZEN's balanced parallelism).
 
 Wang et al., "Zen: Empowering Distributed Training with Sparsity-driven Data
-Synchronization", OSDI'25. Indices move in blocks of B = 64: an affine permutation π of the
-blocks, the same on every rank (:mod:`._hashperm`), maps index i to the coordinate
-π(i // B)·B + i mod B, and spreads any contiguous hot region evenly; rank j owns the
-coordinates in the j-th of P near-equal ranges. Push: an alltoall of counts, then each rank
-sends each owner its entries (rotated point to point) as offsets within the owner's range;
-owners merge the runs as they arrive. Pull: an allgather of the owners' counts, then a Bruck
-allgather of their reduced runs. A run travels as COO offsets or as a bitmap over the range
-plus values, whichever is smaller (:mod:`._hashwire`); every rank then maps the blocks back
-and orders them (:mod:`._blocksort`). Volume sent by rank r: push Σ_{j≠r} bytes(c_rj, L_j);
-pull Σ_i Σ_{b<cnt_i} bytes(K_{r+b}, L_{r+b}); bytes(m, L) = m·v + min(m·o, ⌈L/8⌉), o the
-offsets' size (int32 while n/P < 2**31). ``result.info["phases"]`` holds each phase's
+Synchronization", OSDI'25. Indices move in blocks of B = 64, blocks in stripes of P: every
+stripe gives one block to every rank, rotated by a hash of the stripe (:mod:`._stripes`), so
+any hot region is spread within a block per stripe of even, and an owner's coordinates
+ascend with the indices. Push: an alltoall of counts, then each rank sends each owner its
+entries (rotated point to point) as coordinates in the owner's range; owners merge the runs
+as they arrive. Pull: an allgather of the owners' counts, then a Bruck allgather of their
+reduced runs. A run travels as COO offsets or as a bitmap over the range plus values,
+whichever is smaller (:mod:`._hashwire`); every rank maps each run back (still sorted) and
+merges the P disjoint runs. Volume sent by rank r: push Σ_{j≠r} bytes(c_rj, L); pull
+Σ_i Σ_{b<cnt_i} bytes(K_{r+b}, L); bytes(m, L) = m·v + min(m·o, ⌈L/8⌉), L = ⌈n/(B·P)⌉·B,
+o the offsets' size (int32 while L < 2**31). ``result.info["phases"]`` holds each phase's
 CommStats. Exact: every rank gets the same bits, and repeated runs too (fixed summation
 order); an owner whose incoming entries reach L/8 sums them densely and drops entries that
 sum to exactly zero.
@@ -19,25 +19,24 @@ sum to exactly zero.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, ClassVar
 
 import numpy as np
 
 from .. import _state
-from .._array import index_dtype, nonzero_positions
+from .._array import index_dtype, nonzero_positions, stable_argsort
 from .._options import integer
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from ._blocksort import relabel
-from ._hashperm import AffinePermutation
 from ._hashwire import decode_run, encode_run, run_bytes
 from ._merge import RunStack, accumulate_dtype
-from .base import Algorithm, range_bounds, region_cuts
+from ._stripes import Stripes
+from .allgather import merge_runs
+from .base import Algorithm, region_cuts
 from .dsa import bruck_counts
 
-__all__ = ["BLOCK_SHIFT", "Hashed", "permutation"]
+__all__ = ["BLOCK_SHIFT", "Hashed"]
 
 TAG_PUSH = 41
 TAG_PULL = 42
@@ -45,19 +44,12 @@ DENSE_SUM = 8  # an owner sums densely when its incoming entries reach L / DENSE
 BLOCK_SHIFT = 6  # indices move in blocks of 2**BLOCK_SHIFT consecutive ones
 
 
-@functools.lru_cache(maxsize=64)
-def permutation(n: int, seed: int) -> tuple[AffinePermutation, AffinePermutation]:
-    """The permutation of the blocks of [0, n) for ``seed`` and its inverse."""
-    perm = AffinePermutation.from_seed(-(-n >> BLOCK_SHIFT), seed)
-    return perm, perm.inverse()
-
-
 @register_algorithm
 class Hashed(Algorithm):
-    """Exact sparse allreduce over owners chosen by a permutation of the index space.
+    """Exact sparse allreduce over owners chosen by a hash of the index blocks.
 
     Args:
-        seed: picks the permutation (int >= 0, default 0); the same on every rank.
+        seed: picks the hash (int >= 0, default 0); the same on every rank.
     """
 
     name = "hashed"
@@ -75,48 +67,44 @@ class Hashed(Algorithm):
             out = SparseVector(x.indices.copy(), x.values.copy(), x.n)
             out.info["phases"] = {}
             return out
-        perm, inverse = permutation(x.n, self.seed)
-        plan = _Plan(x.n, comm.size, x.dtype)
+        plan = _Plan(Stripes(x.n, comm.size, BLOCK_SHIFT, self.seed), x.dtype)
         with comm.measure() as push_stats:
-            owned = _push(comm, x, perm, plan)
+            owned = _push(comm, x, plan)
         with comm.measure() as pull_stats:
-            out = _pull(comm, owned, x, inverse, plan)
+            out = _pull(comm, owned, x, plan)
         out.info["phases"] = {"push": push_stats, "pull": pull_stats}
         return out
 
 
 class _Plan:
-    """The owners' ranges of coordinates and the offset and value types of their runs.
+    """The owners' map, their range length and the offset and value types of their runs."""
 
-    Coordinates lie in [0, blocks·2**BLOCK_SHIFT), a little past n when the last block is
-    partial (no entry lands on the positions past it).
-    """
+    __slots__ = ("length", "otype", "stripes", "vtype")
 
-    __slots__ = ("bounds", "lengths", "otype", "vtype")
-
-    def __init__(self, n: int, size: int, vtype: Any) -> None:
-        self.bounds = range_bounds(-(-n >> BLOCK_SHIFT) << BLOCK_SHIFT, size)
-        self.lengths = [int(v) for v in np.diff(self.bounds)]
-        self.otype = index_dtype(max(self.lengths))
+    def __init__(self, stripes: Stripes, vtype: Any) -> None:
+        self.stripes = stripes
+        self.length = stripes.length
+        self.otype = index_dtype(self.length)
         self.vtype = np.dtype(vtype)
 
-    def run_bytes(self, m: int, owner: int) -> int:
-        return run_bytes(m, self.lengths[owner], self.otype, self.vtype)
+    def run_bytes(self, m: int) -> int:
+        return run_bytes(m, self.length, self.otype, self.vtype)
 
 
-def _push(comm: Communicator, x: SparseVector, perm: AffinePermutation, plan: _Plan):
+def _push(comm: Communicator, x: SparseVector, plan: _Plan):
     """Send every entry to its owner; return this rank's reduced run (offsets, values)."""
     P, r, xp = comm.size, comm.rank, x.xp
-    pi, order = relabel(x.indices, perm, BLOCK_SHIFT)
-    vals = x.values[order]
-    cut = region_cuts(pi, plan.bounds)
+    owner, coords = plan.stripes.locate(x.indices)
+    order = stable_argsort(owner, P)  # (stable: each owner's coordinates stay ascending)
+    coords, vals = coords[order].astype(plan.otype), x.values[order]
+    cut = region_cuts(owner[order], np.arange(P + 1, dtype=np.int64))
     sendcounts = np.diff(cut)
     recvcounts = comm.alltoall_ints(sendcounts)
-    lo, length = int(plan.bounds[r]), plan.lengths[r]
+    length = plan.length
 
     # every receive posted first, in rotated order (from r-1, r-2, ...), into one buffer
     order_in = [(r - s) % P for s in range(1, P) if recvcounts[(r - s) % P]]
-    sizes_in = [plan.run_bytes(int(recvcounts[src]), r) for src in order_in]
+    sizes_in = [plan.run_bytes(int(recvcounts[src])) for src in order_in]
     starts_in = np.concatenate(([0], np.cumsum(sizes_in, dtype=np.int64))).tolist()
     inbuf = xp.empty(int(starts_in[-1]), np.uint8)
     reqs = [
@@ -125,19 +113,18 @@ def _push(comm: Communicator, x: SparseVector, perm: AffinePermutation, plan: _P
     ]
     # then every send, rotated (to r+1, r+2, ...), each run encoded just before it goes
     dests = [(r + s) % P for s in range(1, P) if sendcounts[(r + s) % P]]
-    sizes_out = [plan.run_bytes(int(sendcounts[dst]), dst) for dst in dests]
+    sizes_out = [plan.run_bytes(int(sendcounts[dst])) for dst in dests]
     starts_out = np.concatenate(([0], np.cumsum(sizes_out, dtype=np.int64))).tolist()
     outbuf = xp.empty(int(starts_out[-1]), np.uint8)
     sends: list[Request] = []
     for q, dst in enumerate(dests):
         a, b = int(cut[dst]), int(cut[dst + 1])
         piece = outbuf[starts_out[q] : starts_out[q + 1]]
-        offsets = (pi[a:b] - int(plan.bounds[dst])).astype(plan.otype)
-        encode_run(offsets, vals[a:b], plan.lengths[dst], piece)
+        encode_run(coords[a:b], vals[a:b], length, piece)
         sends.append(comm.isend(piece, dst, TAG_PUSH))
 
     acc_t = accumulate_dtype(plan.vtype)
-    mine = ((pi[cut[r] : cut[r + 1]] - lo).astype(plan.otype), vals[cut[r] : cut[r + 1]])
+    mine = (coords[cut[r] : cut[r + 1]], vals[cut[r] : cut[r + 1]])
     dense = sum(int(c) for c in recvcounts) * DENSE_SUM >= length
     if dense:
         acc = xp.zeros(length, acc_t)
@@ -166,17 +153,17 @@ def _push(comm: Communicator, x: SparseVector, perm: AffinePermutation, plan: _P
     return offsets, values.astype(plan.vtype, copy=False)
 
 
-def _pull(comm: Communicator, owned, x: SparseVector, inverse: AffinePermutation, plan: _Plan):
+def _pull(comm: Communicator, owned, x: SparseVector, plan: _Plan):
     """Bruck-allgather the owners' runs into one byte buffer, then decode every run.
 
-    Every rank, the owner included, decodes the same bytes and sorts them the same way.
+    Every rank, the owner included, decodes the same bytes and merges them the same way.
     """
     P, r, n, xp = comm.size, comm.rank, x.n, x.xp
     counts = [int(c) for c in comm.allgather_ints(int(owned[0].shape[0]))]
-    sizes = [plan.run_bytes(counts[j], j) for j in range(P)]
+    sizes = [plan.run_bytes(c) for c in counts]
     starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))).tolist()
     buf = xp.empty(int(starts[-1]), np.uint8)
-    encode_run(owned[0], owned[1], plan.lengths[r], buf[starts[r] : starts[r + 1]])
+    encode_run(owned[0], owned[1], plan.length, buf[starts[r] : starts[r + 1]])
 
     def pieces(first: int, count: int):
         """(lo, hi) byte intervals of runs first .. first+count-1 (mod P)."""
@@ -193,14 +180,14 @@ def _pull(comm: Communicator, owned, x: SparseVector, inverse: AffinePermutation
         Request.waitall(reqs)
         dist <<= 1
 
-    if not sum(counts):
-        return SparseVector.empty(n, plan.vtype, xp)
-    ys, vs = [], []
+    itype = index_dtype(n)
+    runs = []
     for j in range(P):
         if counts[j]:
             piece = buf[starts[j] : starts[j + 1]]
-            off, vals = decode_run(piece, counts[j], plan.lengths[j], plan.otype, plan.vtype)
-            ys.append(off.astype(np.int64) + int(plan.bounds[j]))
-            vs.append(vals)
-    idx, order = relabel(xp.concatenate(ys), inverse, BLOCK_SHIFT)
-    return SparseVector(idx.astype(index_dtype(n)), xp.concatenate(vs)[order], n)
+            off, vals = decode_run(piece, counts[j], plan.length, plan.otype, plan.vtype)
+            runs.append((plan.stripes.indices(off, j).astype(itype), vals))
+    if not runs:
+        return SparseVector.empty(n, plan.vtype, xp)
+    # the runs are disjoint: merging only interleaves them
+    return SparseVector(*merge_runs(runs, n), n)

@@ -7,9 +7,10 @@ import pytest
 
 import sparsecoll
 from sparsecoll._array import index_dtype
+from sparsecoll.algorithms._stripes import Stripes
 from sparsecoll.algorithms.base import allclose_sparse, reference_sum
 from sparsecoll.algorithms.dsa import bruck_counts
-from sparsecoll.algorithms.hashed import BLOCK_SHIFT, _Plan, permutation
+from sparsecoll.algorithms.hashed import BLOCK_SHIFT, _Plan
 from sparsecoll.sparse import coalesce
 
 from .cases import assert_all, assert_identical
@@ -38,28 +39,25 @@ def draw(kind: str, rank: int, n: int, k: int, dtype) -> tuple[np.ndarray, np.nd
 
 def expected(every, P: int, r: int, n: int, dtype, seed: int = 0) -> dict:
     """Bytes rank r sends and receives in each phase, and each run's form (the docstring's)."""
-    perm, _ = permutation(n, seed)
-    plan = _Plan(n, P, dtype)
+    plan = _Plan(Stripes(n, P, BLOCK_SHIFT, seed), dtype)
 
     def per_owner(idx):
-        idx = idx.astype(np.int64)
-        mask = (1 << BLOCK_SHIFT) - 1
-        pi = np.sort(perm.apply(idx >> BLOCK_SHIFT) << BLOCK_SHIFT | (idx & mask))
-        return np.diff(np.searchsorted(pi, plan.bounds[1:-1]), prepend=0, append=pi.shape[0])
+        owner, _ = plan.stripes.locate(idx)
+        return np.bincount(owner, minlength=P)
 
     c = np.array([per_owner(idx) for idx, _ in every])  # c[s, j]: rank s's entries for j
     K = per_owner(np.unique(np.concatenate([idx for idx, _ in every])))
-    block = [plan.run_bytes(int(K[j]), j) for j in range(P)]
+    block = [plan.run_bytes(int(K[j])) for j in range(P)]
     pull_sent = sum(
         sum(block[(r + b) % P] for b in range(cnt)) for cnt in bruck_counts(P)
     )  # (round i sends the runs held first: r, r+1, ...)
 
     def bitmap(m, j):
-        return m and (plan.lengths[j] + 7) // 8 < m * plan.otype.itemsize
+        return m and (plan.length + 7) // 8 < m * plan.otype.itemsize
 
     return dict(
-        push_sent=sum(plan.run_bytes(int(c[r, j]), j) for j in range(P) if j != r),
-        push_recv=sum(plan.run_bytes(int(c[s, r]), r) for s in range(P) if s != r),
+        push_sent=sum(plan.run_bytes(int(c[r, j])) for j in range(P) if j != r),
+        push_recv=sum(plan.run_bytes(int(c[s, r])) for s in range(P) if s != r),
         pull_sent=pull_sent,
         pull_recv=sum(block) - block[r],
         push_forms={bool(bitmap(int(c[s, j]), j)) for s in range(P) for j in range(P) if c[s, j]},
