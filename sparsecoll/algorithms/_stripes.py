@@ -12,9 +12,13 @@ Integer arithmetic only (uint64 wrapping for the hash), the same on every rank a
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
+
+from .._array import get_array_module
+from .._jit import cached_njit
 
 __all__ = ["GOLDEN", "Stripes"]
 
@@ -33,6 +37,9 @@ class Stripes:
         self.length = -(-self.blocks // self.size) << self.shift  # every owner's range
         self.offset = (seed * SILVER) % 2**64
 
+    def _args(self) -> tuple[Any, ...]:
+        return (self.size, self.shift, np.uint64(GOLDEN), np.uint64(self.offset))
+
     def rotation(self, stripe: Any) -> Any:
         """h(s) for an int64 array of stripes, as int64 in [0, P)."""
         x = stripe.astype(np.uint64) * np.uint64(GOLDEN) + np.uint64(self.offset)
@@ -40,6 +47,11 @@ class Stripes:
 
     def locate(self, indices: Any) -> tuple[Any, Any]:
         """Return ``(owner, coordinate)`` (int64 arrays) of each index."""
+        if get_array_module(indices) is np:
+            owner = np.empty(indices.shape[0], np.int64)
+            coords = np.empty(indices.shape[0], np.int64)
+            _kernels()[0](np.ascontiguousarray(indices), *self._args(), owner, coords)
+            return owner, coords
         i = indices.astype(np.int64)
         block = i >> self.shift
         stripe = block // self.size
@@ -48,8 +60,42 @@ class Stripes:
 
     def indices(self, coords: Any, owner: int) -> Any:
         """Return the indices (int64) at ``coords`` of ``owner``'s range: :meth:`locate` undone."""
+        if get_array_module(coords) is np:
+            out = np.empty(coords.shape[0], np.int64)
+            _kernels()[1](np.ascontiguousarray(coords), owner, *self._args(), out)
+            return out
         y = coords.astype(np.int64)
         stripe = y >> self.shift
         q = (owner - self.rotation(stripe)) % self.size
         block = stripe * self.size + q
         return (block << self.shift) | (y & ((1 << self.shift) - 1))
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    # the same integer steps as Stripes.rotation/locate/indices, one pass
+    @cached_njit(nogil=True)
+    def rotation(stripe, size, golden, offset):  # pragma: no cover - compiled
+        x = np.uint64(stripe) * golden + offset
+        return np.int64(((x >> np.uint64(32)) * np.uint64(size)) >> np.uint64(32))
+
+    @cached_njit(nogil=True)
+    def locate(indices, size, shift, golden, offset, owner, coords):  # pragma: no cover
+        mask = (np.int64(1) << shift) - 1
+        for t in range(indices.shape[0]):
+            i = np.int64(indices[t])
+            block = i >> shift
+            stripe = block // size
+            owner[t] = (block - stripe * size + rotation(stripe, size, golden, offset)) % size
+            coords[t] = (stripe << shift) | (i & mask)
+
+    @cached_njit(nogil=True)
+    def indices(coords, j, size, shift, golden, offset, out):  # pragma: no cover
+        mask = (np.int64(1) << shift) - 1
+        for t in range(coords.shape[0]):
+            y = np.int64(coords[t])
+            stripe = y >> shift
+            q = (j - rotation(stripe, size, golden, offset)) % size
+            out[t] = ((stripe * size + q) << shift) | (y & mask)
+
+    return locate, indices
