@@ -37,6 +37,21 @@ class Stripes:
         self.length = -(-self.blocks // self.size) << self.shift  # every owner's range
         self.offset = (seed * SILVER) % 2**64
 
+    def gather(self, runs: list[Any]) -> tuple[Any, Any] | None:
+        """Return ``(indices, order)``: every owner's run of coordinates (``runs[j]``, ascending)
+        as one ascending array of indices (int64), and where each came from in the runs'
+        concatenation. Host arrays only (None otherwise): one walk over the stripes present.
+        """
+        if not runs or get_array_module(runs[0]) is not np:
+            return None
+        starts = np.zeros(len(runs) + 1, np.int64)
+        starts[1:] = np.cumsum([r.shape[0] for r in runs])
+        coords = np.concatenate([r.astype(np.int64, copy=False) for r in runs])
+        out = np.empty(coords.shape[0], np.int64)
+        order = np.empty(coords.shape[0], np.int64)
+        _kernels()[2](coords, starts, *self._args(), out, order)
+        return out, order
+
     def _args(self) -> tuple[Any, ...]:
         return (self.size, self.shift, np.uint64(GOLDEN), np.uint64(self.offset))
 
@@ -72,7 +87,7 @@ class Stripes:
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
+def _kernels() -> tuple[Any, Any, Any]:
     # the same integer steps as Stripes.rotation/locate/indices, one pass
     @cached_njit(nogil=True)
     def rotation(stripe, size, golden, offset):  # pragma: no cover - compiled
@@ -98,4 +113,30 @@ def _kernels() -> tuple[Any, Any]:
             q = (j - rotation(stripe, size, golden, offset)) % size
             out[t] = ((stripe * size + q) << shift) | (y & mask)
 
-    return locate, indices
+    @cached_njit(nogil=True)
+    def gather(coords, starts, size, shift, golden, offset, out, order):  # pragma: no cover
+        # stripes in ascending order; in each, blocks q = 0, 1, ... from owner (q + h) mod P;
+        # in each block, its owner's entries (ascending): the indices come out ascending
+        cur = starts[:-1].copy()
+        mask = (np.int64(1) << shift) - 1
+        o = 0
+        while True:
+            low = np.int64(-1)
+            for j in range(size):
+                if cur[j] < starts[j + 1]:
+                    s = coords[cur[j]] >> shift
+                    if low < 0 or s < low:
+                        low = s
+            if low < 0:
+                break
+            h = rotation(low, size, golden, offset)
+            for q in range(size):
+                j = (q + h) % size
+                base = (low * size + q) << shift
+                while cur[j] < starts[j + 1] and (coords[cur[j]] >> shift) == low:
+                    out[o] = base | (coords[cur[j]] & mask)
+                    order[o] = cur[j]
+                    o += 1
+                    cur[j] += 1
+
+    return locate, indices, gather

@@ -185,9 +185,15 @@ def _pull(comm: Communicator, owned, x: SparseVector, plan: _Plan):
     for j in range(P):
         if counts[j]:
             piece = buf[starts[j] : starts[j + 1]]
-            off, vals = decode_run(piece, counts[j], plan.length, plan.otype, plan.vtype)
-            runs.append((plan.stripes.indices(off, j).astype(itype), vals))
-    if not runs:
+            runs.append(decode_run(piece, counts[j], plan.length, plan.otype, plan.vtype))
+        else:
+            runs.append((xp.zeros(0, plan.otype), xp.zeros(0, plan.vtype)))
+    if not sum(counts):
         return SparseVector.empty(n, plan.vtype, xp)
-    # the runs are disjoint: merging only interleaves them
-    return SparseVector(*merge_runs(runs, n), n)
+    walked = plan.stripes.gather([off for off, _ in runs])
+    if walked is not None:
+        idx, order = walked
+        return SparseVector(idx.astype(itype), xp.concatenate([v for _, v in runs])[order], n)
+    # (on a device) the runs map back sorted and are disjoint: merging only interleaves them
+    back = [(plan.stripes.indices(off, j).astype(itype), v) for j, (off, v) in enumerate(runs)]
+    return SparseVector(*merge_runs([r for r in back if r[0].shape[0]], n), n)
