@@ -6,7 +6,7 @@ index i to the coordinate s·B + (i mod B) in that rank's range [0, L), L = stri
 rotation h(s) = ⌊P·frac(s·φ + c)⌋ (φ the golden ratio, c from the seed) is a Weyl sequence:
 any run of stripes, or of every k-th stripe, rotates evenly. So any set of blocks is spread
 within one block per stripe of even, and a rank's coordinates ascend with the indices: an
-owner's reduced run, mapped back, is sorted, and the result is a merge of P runs.
+owner's reduced run, mapped back, is sorted; :meth:`Stripes.gather` interleaves the P runs.
 Integer arithmetic only (uint64 wrapping for the hash), the same on every rank and device.
 """
 

@@ -9,7 +9,7 @@ entries (rotated point to point) as coordinates in the owner's range; owners mer
 as they arrive. Pull: an allgather of the owners' counts, then a Bruck allgather of their
 reduced runs. A run travels as COO offsets or as a bitmap over the range plus values,
 whichever is smaller (:mod:`._hashwire`); every rank maps each run back (still sorted) and
-merges the P disjoint runs. Volume sent by rank r: push Σ_{j≠r} bytes(c_rj, L); pull
+interleaves the P disjoint runs. Volume sent by rank r: push Σ_{j≠r} bytes(c_rj, L); pull
 Σ_i Σ_{b<cnt_i} bytes(K_{r+b}, L); bytes(m, L) = m·v + min(m·o, ⌈L/8⌉), L = ⌈n/(B·P)⌉·B,
 o the offsets' size (int32 while L < 2**31). ``result.info["phases"]`` holds each phase's
 CommStats. Exact: every rank gets the same bits, and repeated runs too (fixed summation
