@@ -44,6 +44,7 @@ BUILTINS: dict[str, str] = {
     "dsa": "sparsecoll.algorithms.dsa:DSA",
     "exdyna": "sparsecoll.algorithms.exdyna:ExDyna",
     "gtopk": "sparsecoll.algorithms.gtopk:GTopk",
+    "hashed": "sparsecoll.algorithms.hashed:Hashed",
     "oktopk": "sparsecoll.algorithms.oktopk:OkTopk",
     "rabenseifner": "sparsecoll.algorithms.rabenseifner:Rabenseifner",
     "recursive_doubling": "sparsecoll.algorithms.recursive_doubling:RecursiveDoubling",

@@ -4,7 +4,8 @@
 linear pass instead of a sort of the concatenation. Equal indices are summed as ``a + b``;
 IEEE addition is commutative, so two ranks merging the same pair of runs in either order
 get the same bits. Rows (values of shape ``(m, D)``) merge the same way, equal indices
-summed elementwise. The other kernels here (gather, take_at_least, keep_bucket, isin_sorted)
+summed elementwise. :class:`RunStack` merges runs as they arrive (dsa's and hashed's
+owners). The other kernels here (gather, take_at_least, keep_bucket, isin_sorted)
 are the selecting algorithms' host loops, each with a CuPy fallback.
 """
 
@@ -15,13 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from .._array import get_array_module
+from .._array import get_array_module, index_dtype
 from .._jit import cached_njit
 from ..select._common import magnitude_ge
 from ..sparse import coalesce
 
 __all__ = [
-    "accumulate_dtype", "gather", "isin_sorted", "keep_bucket", "merge_two", "take_at_least",
+    "RunStack", "accumulate_dtype", "gather", "isin_sorted", "keep_bucket", "merge_two",
+    "take_at_least",
 ]  # fmt: skip
 
 
@@ -328,3 +330,32 @@ def _aligned(v: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if v.dtype != dtype or not v.flags.aligned or not v.flags.c_contiguous:
         return np.ascontiguousarray(v.astype(dtype, copy=True))
     return v
+
+
+class RunStack:
+    """Merge runs as they arrive, binary-counter style: O(m log runs) work, mostly overlapped.
+
+    A run merges with the top of the stack while the top is at most twice its size.
+    """
+
+    def __init__(self, n: int, xp: Any, dtype: Any, row: tuple[int, ...] = ()) -> None:
+        self.n, self.xp, self.dtype, self.row = n, xp, dtype, row
+        self.runs: list[tuple[Any, Any]] = []
+
+    def push(self, idx: Any, vals: Any) -> None:
+        if idx.shape[0] == 0:
+            return
+        run = (idx, vals)
+        while self.runs and self.runs[-1][0].shape[0] <= 2 * run[0].shape[0]:
+            top = self.runs.pop()
+            run = merge_two(top[0], top[1], run[0], run[1], self.n)
+        self.runs.append(run)
+
+    def result(self) -> tuple[Any, Any]:
+        if not self.runs:
+            return self.xp.zeros(0, index_dtype(self.n)), self.xp.zeros((0, *self.row), self.dtype)
+        run = self.runs.pop()
+        while self.runs:
+            top = self.runs.pop()
+            run = merge_two(top[0], top[1], run[0], run[1], self.n)
+        return run

@@ -25,7 +25,7 @@ from .._array import index_dtype, nonzero_count, nonzero_positions
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from ._merge import accumulate_dtype, merge_two
+from ._merge import RunStack, accumulate_dtype
 from ._wire import WireOption, decode_pairs, encode_pairs, width
 from .base import Algorithm, range_bounds, region_cuts, sparse_is_cheaper
 
@@ -124,7 +124,7 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray, com
         acc = xp.zeros((length, *row), acc_t)
         _add_sparse(acc, mine[0], mine[1], lo)
     else:
-        stack = _RunStack(n, xp, acc_t, row)
+        stack = RunStack(n, xp, acc_t, row)
         stack.push(mine[0], mine[1].astype(acc_t, copy=False))
     # Chunks are summed in the order the senders send them, while later ones are in flight:
     # a fixed order makes the sum reproducible. Each request is waited on in turn rather
@@ -164,35 +164,6 @@ def _add_sparse(acc: Any, idx: Any, vals: Any, lo: int) -> None:
     # indices inside one chunk are unique, so a fancy-indexed += adds each exactly once
     if idx.shape[0]:
         acc[idx - lo] += vals
-
-
-class _RunStack:
-    """Merge runs as they arrive, binary-counter style: O(m log runs) work, mostly overlapped.
-
-    A run merges with the top of the stack while the top is at most twice its size.
-    """
-
-    def __init__(self, n: int, xp: Any, dtype: Any, row: tuple[int, ...] = ()) -> None:
-        self.n, self.xp, self.dtype, self.row = n, xp, dtype, row
-        self.runs: list[tuple[Any, Any]] = []
-
-    def push(self, idx: Any, vals: Any) -> None:
-        if idx.shape[0] == 0:
-            return
-        run = (idx, vals)
-        while self.runs and self.runs[-1][0].shape[0] <= 2 * run[0].shape[0]:
-            top = self.runs.pop()
-            run = merge_two(top[0], top[1], run[0], run[1], self.n)
-        self.runs.append(run)
-
-    def result(self) -> tuple[Any, Any]:
-        if not self.runs:
-            return self.xp.zeros(0, index_dtype(self.n)), self.xp.zeros((0, *self.row), self.dtype)
-        run = self.runs.pop()
-        while self.runs:
-            top = self.runs.pop()
-            run = merge_two(top[0], top[1], run[0], run[1], self.n)
-        return run
 
 
 def bruck_counts(size: int) -> list[int]:
