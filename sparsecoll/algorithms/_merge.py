@@ -3,8 +3,9 @@
 :func:`merge_two` takes two coalesced runs (sorted, unique indices) and returns one, in one
 linear pass instead of a sort of the concatenation. Equal indices are summed as ``a + b``;
 IEEE addition is commutative, so two ranks merging the same pair of runs in either order
-get the same bits. The other kernels here (gather, take_at_least, keep_bucket, isin_sorted)
-are the selecting algorithms' host loops, each with a CuPy fallback.
+get the same bits; :func:`add_sparse` adds a run into a dense range. The other kernels
+here (gather, take_at_least, keep_bucket, isin_sorted) are the selecting algorithms' host
+loops, each with a CuPy fallback.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from ..select._common import magnitude_ge
 from ..sparse import coalesce
 
 __all__ = [
-    "accumulate_dtype", "gather", "isin_sorted", "keep_bucket", "merge_two", "take_at_least",
+    "accumulate_dtype", "add_sparse", "gather", "isin_sorted", "keep_bucket", "merge_two",
+    "take_at_least",
 ]  # fmt: skip
 
 
@@ -28,6 +30,13 @@ def accumulate_dtype(dtype: Any) -> np.dtype:
     """Return float64 for float16 (a float16 sum is exact in float64; Numba has no float16)."""
     dtype = np.dtype(dtype)
     return np.dtype(np.float64) if dtype == np.float16 else dtype
+
+
+def add_sparse(acc: Any, idx: Any, vals: Any, lo: int) -> None:
+    """Add a run (unique indices) into the dense ``acc`` that starts at index ``lo``."""
+    # unique indices: a fancy-indexed += adds each exactly once
+    if idx.shape[0]:
+        acc[idx - lo] += vals
 
 
 @functools.cache

@@ -1,0 +1,204 @@
+"""ring: SparCML's sparse ring allreduce (a reduce-scatter ring, then an allgather ring).
+
+Renggli et al., "SparCML: High-Performance Sparse Communication for Machine Learning", SC'19.
+
+[0, n) is split into P near-equal segments, each cut into C near-equal blocks (a block is one
+message). Reduce-scatter, P−1 steps: at step s rank r sends its running sum of segment
+(r − s) mod P to r+1 and receives segment (r − s − 1) mod P from r−1, adding its own entries
+to it block by block (a block's merge overlaps the next block's transfer); rank r ends with
+segment (r + 1) mod P reduced. Allgather, P−1 steps: each rank forwards to r+1 the reduced
+segment it got last (its own first), into receives posted up front. A block travels as pairs
+while nnz·(index + value bytes) < length·value bytes, as its dense values otherwise; sizes go
+first (metadata), so no receive probes. Volume sent per rank: the running sums, from k/P pairs
+(step 0) to a segment's union over P−1 ranks (last step) — k(P−1)/P pairs in all for identical
+indices, ≈ kP/2 for spread-out ones — then P−1 reduced segments, (P−1)/P of the result.
+``result.info["phases"]`` holds each phase's CommStats. Exact: each segment is summed by one
+chain of ranks in a fixed order and forwarded as bytes, so every rank gets the same bits,
+every run; blocks that went dense drop entries that sum to exactly zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._array import aligned_view, index_dtype, nonzero_count, nonzero_positions
+from ..comm import Communicator, Request
+from ..registry import register_algorithm
+from ..sparse import SparseVector
+from ._merge import add_sparse, merge_two
+from .base import (
+    Algorithm,
+    pack_pairs,
+    range_bounds,
+    region_cuts,
+    sparse_is_cheaper,
+    unpack_pairs,
+)
+
+__all__ = ["Ring", "ring_blocks"]
+
+TAG_RS = 51
+TAG_SIZE = 52
+TAG_AG = 53
+
+Run = tuple[Any, Any]  # (indices, values) sorted unique; (None, dense values) past break-even
+
+
+def ring_blocks(n: int, size: int) -> int:
+    """Blocks per segment: 2 (merge overlapping transfer) where a segment has room for them."""
+    return 2 if n >= 4 * size else 1
+
+
+@register_algorithm
+class Ring(Algorithm):
+    name = "ring"
+
+    def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
+        if comm.size == 1:
+            out = SparseVector(x.indices.copy(), x.values.copy(), x.n)
+            out.info["phases"] = {}
+            return out
+        blocks = _Blocks(x, comm.size, ring_blocks(x.n, comm.size))
+        with comm.measure() as rs_stats:
+            owned = _reduce_scatter(comm, blocks)
+        with comm.measure() as ag_stats:
+            held = _allgather(comm, blocks, owned)
+        out = blocks.assemble(held)
+        out.info["phases"] = {"reduce_scatter": rs_stats, "allgather": ag_stats}
+        return out
+
+
+class _Blocks:
+    """Block ``j·C + c`` of [0, n): block c of segment j; this rank's entries of each."""
+
+    def __init__(self, x: SparseVector, size: int, chunks: int) -> None:
+        self.x, self.size, self.chunks, self.xp = x, size, chunks, x.xp
+        self.itype, self.vtype = index_dtype(x.n), np.dtype(x.dtype)
+        self.bounds = [int(b) for b in range_bounds(x.n, size * chunks)]
+        self.cuts = region_cuts(x.indices, np.asarray(self.bounds, np.int64))
+
+    def span(self, j: int, c: int) -> tuple[int, int]:
+        """(first index, length) of block c of segment j."""
+        b = j * self.chunks + c
+        return self.bounds[b], self.bounds[b + 1] - self.bounds[b]
+
+    def own(self, j: int, c: int) -> Run:
+        b = j * self.chunks + c
+        a, e = self.cuts[b], self.cuts[b + 1]
+        return self.x.indices[a:e], self.x.values[a:e]
+
+    def start(self, j: int, c: int) -> Run:
+        """This rank's entries of the block, in the form they travel."""
+        return self._form(*self.own(j, c), j, c)
+
+    def add_own(self, run: Run, j: int, c: int) -> Run:
+        """``run`` (a received running sum, this rank's to change) plus this rank's entries."""
+        idx, vals = run
+        own_i, own_v = self.own(j, c)
+        if idx is None:  # past break-even: the union only grows, so it stays dense
+            add_sparse(vals, own_i, own_v, self.span(j, c)[0])
+            return run
+        return self._form(*merge_two(idx, vals, own_i, own_v, self.x.n), j, c)
+
+    def _form(self, idx: Any, vals: Any, j: int, c: int) -> Run:
+        lo, length = self.span(j, c)
+        if sparse_is_cheaper(int(idx.shape[0]), length, self.itype, self.vtype):
+            return idx, vals
+        dense = self.xp.zeros(length, self.vtype)
+        dense[idx - lo] = vals
+        return None, dense
+
+    def reduced(self, run: Run, j: int, c: int) -> Run:
+        """The block's reduced sum, as pairs where its nonzeros are past break-even no more."""
+        idx, vals = run
+        if idx is None and sparse_is_cheaper(
+            nonzero_count(vals), self.span(j, c)[1], self.itype, self.vtype
+        ):
+            nz = nonzero_positions(vals)
+            return (nz + self.span(j, c)[0]).astype(self.itype), vals[nz]
+        return run
+
+    # -- the wire form of a block: the one place runs become bytes and back --------------
+    def encode(self, run: Run) -> Any:
+        idx, vals = run
+        return vals.view(np.uint8) if idx is None else pack_pairs(idx, vals)
+
+    def decode(self, buf: Any, j: int, c: int) -> Run:
+        """A block's message: its dense size means dense values (pairs are always shorter)."""
+        if buf.shape[0] == self.span(j, c)[1] * self.vtype.itemsize:
+            return None, aligned_view(buf, self.vtype)
+        return unpack_pairs(buf, self.itype, self.vtype)
+
+    def assemble(self, held: list[list[Any]]) -> SparseVector:
+        """The result from every block's reduced message (``held[j][c]``), in index order."""
+        pieces_i, pieces_v = [], []
+        for j in range(self.size):
+            for c in range(self.chunks):
+                idx, vals = self.decode(held[j][c], j, c)
+                if idx is None:
+                    nz = nonzero_positions(vals)
+                    idx, vals = (nz + self.span(j, c)[0]).astype(self.itype), vals[nz]
+                pieces_i.append(idx)
+                pieces_v.append(vals)
+        xp = self.xp
+        return SparseVector(xp.concatenate(pieces_i), xp.concatenate(pieces_v), self.x.n)
+
+
+def _reduce_scatter(comm: Communicator, blocks: _Blocks) -> list[Any]:
+    """Run the reduce-scatter ring; return the messages of segment r+1's reduced blocks."""
+    P, r, C, xp = comm.size, comm.rank, blocks.chunks, blocks.xp
+    right, left = (r + 1) % P, (r - 1) % P
+    sends: list[Request] = []
+
+    def exchange(run: Run) -> tuple[Any, Request | None]:
+        # the receive is posted before the send: both links of a rank busy at once
+        buf = blocks.encode(run)
+        size = comm.sendrecv_ints(int(buf.nbytes), right, left, TAG_SIZE)
+        got = xp.empty(size, np.uint8)
+        req = comm.irecv(got, left, TAG_RS) if size else None
+        if buf.nbytes:
+            sends.append(comm.isend(buf, right, TAG_RS))
+        return got, req
+
+    def arrived(c: int, j: int) -> Run:
+        got, req = incoming[c]
+        if req is not None:
+            req.wait()
+        return blocks.add_own(blocks.decode(got, j, c), j, c)
+
+    incoming = [exchange(blocks.start(r, c)) for c in range(C)]
+    for s in range(1, P - 1):
+        j = (r - s) % P  # received at step s − 1, sent on now
+        for c in range(C):
+            incoming[c] = exchange(arrived(c, j))
+    j = (r + 1) % P
+    owned = [blocks.encode(blocks.reduced(arrived(c, j), j, c)) for c in range(C)]
+    Request.waitall(sends)
+    return owned
+
+
+def _allgather(comm: Communicator, blocks: _Blocks, owned: list[Any]) -> list[list[Any]]:
+    """Run the allgather ring; return every block's reduced message, ``held[j][c]``."""
+    P, r, C, xp = comm.size, comm.rank, blocks.chunks, blocks.xp
+    right, left = (r + 1) % P, (r - 1) % P
+    sizes = comm.allgather_ints([int(b.nbytes) for b in owned])  # row q: segment q + 1
+    held: list[list[Any]] = [[None] * C for _ in range(P)]
+    held[(r + 1) % P] = owned
+    recvs: list[Request | None] = []
+    for s in range(P - 1):  # step s brings segment r − s
+        j = (r - s) % P
+        for c in range(C):
+            held[j][c] = got = xp.empty(int(sizes[(j - 1) % P][c]), np.uint8)
+            recvs.append(comm.irecv(got, left, TAG_AG) if got.shape[0] else None)
+    sends = [comm.isend(b, right, TAG_AG) for b in owned if b.nbytes]
+    for s in range(1, P - 1):  # step s forwards what step s − 1 brought
+        j = (r + 1 - s) % P
+        for c in range(C):
+            req = recvs[(s - 1) * C + c]
+            if req is not None:
+                req.wait()
+                sends.append(comm.isend(held[j][c], right, TAG_AG))
+    Request.waitall([q for q in recvs if q is not None] + sends)
+    return held
