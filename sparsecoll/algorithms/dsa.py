@@ -25,7 +25,7 @@ from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import accumulate_dtype, add_sparse, merge_two
-from .base import Algorithm, range_bounds, region_cuts, sparse_is_cheaper
+from .base import Algorithm, RangeLayout, range_bounds, region_cuts, sparse_is_cheaper
 
 __all__ = ["DSA", "bruck_counts", "chunk_bytes"]
 
@@ -60,7 +60,7 @@ class DSA(Algorithm):
 
 
 def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
-    """Return this rank's reduced range as ("sparse", idx, vals) or ("dense", vals)."""
+    """Return this rank's reduced range as (indices, values) or (None, dense values)."""
     P, r, n = comm.size, comm.rank, x.n
     xp = x.xp
     itype, vtype = index_dtype(n), x.dtype
@@ -131,16 +131,16 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray):
     if any_dense:
         nnz = nonzero_count(acc)
         if is_dense(nnz, length):
-            return ("dense", acc.astype(vtype, copy=False))
+            return None, acc.astype(vtype, copy=False)
         nz = nonzero_positions(acc)
-        return ("sparse", (nz + lo).astype(itype), acc[nz].astype(vtype, copy=False))
+        return (nz + lo).astype(itype), acc[nz].astype(vtype, copy=False)
     idx, vals = stack.result()
     vals = vals.astype(vtype, copy=False)
     if is_dense(int(idx.shape[0]), length):
         dense = xp.zeros(length, vtype)
         dense[idx - lo] = vals
-        return ("dense", dense)
-    return ("sparse", idx, vals)
+        return None, dense
+    return idx, vals
 
 
 class _RunStack:
@@ -188,50 +188,15 @@ def _allgather(comm: Communicator, owned, x: SparseVector, bounds: np.ndarray) -
     (dist = 2^i) sends ranges r, r+1, … (min(dist, P − dist) of them) to r − dist, indices
     and values as separate messages into their final places.
     """
-    P, r, n, xp = comm.size, comm.rank, x.n, x.xp
-    itype, vtype = index_dtype(n), x.dtype
-    lengths = [int(v) for v in np.diff(bounds)]
-    nnz = comm.allgather_ints(lengths[r] if owned[0] == "dense" else int(owned[1].shape[0]))
-    dense = [not sparse_is_cheaper(c, ln, itype, vtype) for c, ln in zip(nnz, lengths)]
-    icount = [0 if d else c for d, c in zip(dense, nnz)]
-    vcount = [ln if d else c for d, ln, c in zip(dense, lengths, nnz)]
-    ioff = np.concatenate(([0], np.cumsum(icount))).astype(np.int64)
-    voff = np.concatenate(([0], np.cumsum(vcount))).astype(np.int64)
-    out_i = xp.empty(int(ioff[-1]), itype)
-    out_v = xp.empty(int(voff[-1]), vtype)
-    if owned[0] == "dense":
-        out_v[voff[r] : voff[r + 1]] = owned[1]
-    else:
-        out_i[ioff[r] : ioff[r + 1]] = owned[1]
-        out_v[voff[r] : voff[r + 1]] = owned[2]
-
-    def pieces(first: int, count: int):
-        """(array, lo, hi) element intervals of ranges first .. first+count-1 (mod P)."""
-        spans = [(first, min(first + count, P))]
-        if first + count > P:
-            spans.append((0, first + count - P))
-        for arr, off in ((out_i, ioff), (out_v, voff)):
-            for a, b in spans:
-                if off[b] > off[a]:
-                    yield arr, int(off[a]), int(off[b])
-
+    P, r = comm.size, comm.rank
+    count = int(bounds[r + 1] - bounds[r]) if owned[0] is None else int(owned[0].shape[0])
+    layout = RangeLayout(comm.allgather_ints(count), bounds, x.n, x.dtype, x.xp)
+    layout.put(r, owned)
     dist = 1
     for cnt in bruck_counts(P):
         dst, src = (r - dist) % P, (r + dist) % P
-        reqs = [comm.irecv(arr[a:b], src, TAG_AG) for arr, a, b in pieces(src, cnt)]
-        reqs += [comm.isend(arr[a:b], dst, TAG_AG) for arr, a, b in pieces(r, cnt)]
+        reqs = [comm.irecv(arr[a:b], src, TAG_AG) for arr, a, b in layout.pieces(src, cnt)]
+        reqs += [comm.isend(arr[a:b], dst, TAG_AG) for arr, a, b in layout.pieces(r, cnt)]
         Request.waitall(reqs)
         dist <<= 1
-    if not any(dense):
-        return SparseVector(out_i, out_v, n)
-    pieces_i, pieces_v = [], []
-    for j in range(P):
-        seg_v = out_v[voff[j] : voff[j + 1]]
-        if dense[j]:
-            nz = nonzero_positions(seg_v)
-            pieces_i.append((nz + int(bounds[j])).astype(itype))
-            pieces_v.append(seg_v[nz])
-        else:
-            pieces_i.append(out_i[ioff[j] : ioff[j + 1]])
-            pieces_v.append(seg_v)
-    return SparseVector(xp.concatenate(pieces_i), xp.concatenate(pieces_v), n)
+    return layout.result()

@@ -30,6 +30,7 @@ from ..sparse import SparseVector
 from ._merge import add_sparse, merge_two
 from .base import (
     Algorithm,
+    RangeLayout,
     pack_pairs,
     range_bounds,
     region_cuts,
@@ -64,8 +65,7 @@ class Ring(Algorithm):
         with comm.measure() as rs_stats:
             owned = _reduce_scatter(comm, blocks)
         with comm.measure() as ag_stats:
-            held = _allgather(comm, blocks, owned)
-        out = blocks.assemble(held)
+            out = _allgather(comm, blocks, owned)
         out.info["phases"] = {"reduce_scatter": rs_stats, "allgather": ag_stats}
         return out
 
@@ -131,23 +131,9 @@ class _Blocks:
             return None, aligned_view(buf, self.vtype)
         return unpack_pairs(buf, self.itype, self.vtype)
 
-    def assemble(self, held: list[list[Any]]) -> SparseVector:
-        """The result from every block's reduced message (``held[j][c]``), in index order."""
-        pieces_i, pieces_v = [], []
-        for j in range(self.size):
-            for c in range(self.chunks):
-                idx, vals = self.decode(held[j][c], j, c)
-                if idx is None:
-                    nz = nonzero_positions(vals)
-                    idx, vals = (nz + self.span(j, c)[0]).astype(self.itype), vals[nz]
-                pieces_i.append(idx)
-                pieces_v.append(vals)
-        xp = self.xp
-        return SparseVector(xp.concatenate(pieces_i), xp.concatenate(pieces_v), self.x.n)
 
-
-def _reduce_scatter(comm: Communicator, blocks: _Blocks) -> list[Any]:
-    """Run the reduce-scatter ring; return the messages of segment r+1's reduced blocks."""
+def _reduce_scatter(comm: Communicator, blocks: _Blocks) -> list[Run]:
+    """Run the reduce-scatter ring; return segment r+1's reduced blocks."""
     P, r, C, xp = comm.size, comm.rank, blocks.chunks, blocks.xp
     right, left = (r + 1) % P, (r - 1) % P
     sends: list[Request] = []
@@ -174,31 +160,39 @@ def _reduce_scatter(comm: Communicator, blocks: _Blocks) -> list[Any]:
         for c in range(C):
             incoming[c] = exchange(arrived(c, j))
     j = (r + 1) % P
-    owned = [blocks.encode(blocks.reduced(arrived(c, j), j, c)) for c in range(C)]
+    owned = [blocks.reduced(arrived(c, j), j, c) for c in range(C)]
     Request.waitall(sends)
     return owned
 
 
-def _allgather(comm: Communicator, blocks: _Blocks, owned: list[Any]) -> list[list[Any]]:
-    """Run the allgather ring; return every block's reduced message, ``held[j][c]``."""
-    P, r, C, xp = comm.size, comm.rank, blocks.chunks, blocks.xp
+def _allgather(comm: Communicator, blocks: _Blocks, owned: list[Run]) -> SparseVector:
+    """Run the allgather ring straight into the result's arrays (after their sizes)."""
+    P, r, C = comm.size, comm.rank, blocks.chunks
     right, left = (r + 1) % P, (r - 1) % P
-    sizes = comm.allgather_ints([int(b.nbytes) for b in owned])  # row q: segment q + 1
-    held: list[list[Any]] = [[None] * C for _ in range(P)]
-    held[(r + 1) % P] = owned
-    recvs: list[Request | None] = []
-    for s in range(P - 1):  # step s brings segment r − s
-        j = (r - s) % P
+    mine = (r + 1) % P
+    sizes = [
+        blocks.span(mine, c)[1] if idx is None else int(idx.shape[0])
+        for c, (idx, _) in enumerate(owned)
+    ]
+    # row q of the gathered sizes is segment q + 1's
+    counts = np.roll(comm.allgather_ints(sizes), 1, axis=0).ravel()
+    layout = RangeLayout(counts, np.asarray(blocks.bounds), blocks.x.n, blocks.vtype, blocks.xp)
+    for c, run in enumerate(owned):
+        layout.put(mine * C + c, run)
+    recvs = []  # step s brings segment r − s
+    for s in range(P - 1):
         for c in range(C):
-            held[j][c] = got = xp.empty(int(sizes[(j - 1) % P][c]), np.uint8)
-            recvs.append(comm.irecv(got, left, TAG_AG) if got.shape[0] else None)
-    sends = [comm.isend(b, right, TAG_AG) for b in owned if b.nbytes]
+            b = ((r - s) % P) * C + c
+            recvs.append([comm.irecv(arr[a:e], left, TAG_AG) for arr, a, e in layout.pieces(b, 1)])
+    sends = [
+        comm.isend(arr[a:e], right, TAG_AG)
+        for c in range(C)
+        for arr, a, e in layout.pieces(mine * C + c, 1)
+    ]
     for s in range(1, P - 1):  # step s forwards what step s − 1 brought
-        j = (r + 1 - s) % P
         for c in range(C):
-            req = recvs[(s - 1) * C + c]
-            if req is not None:
-                req.wait()
-                sends.append(comm.isend(held[j][c], right, TAG_AG))
-    Request.waitall([q for q in recvs if q is not None] + sends)
-    return held
+            b = ((r + 1 - s) % P) * C + c
+            Request.waitall(recvs[(s - 1) * C + c])
+            sends += [comm.isend(arr[a:e], right, TAG_AG) for arr, a, e in layout.pieces(b, 1)]
+    Request.waitall([q for reqs in recvs for q in reqs] + sends)
+    return layout.result()
