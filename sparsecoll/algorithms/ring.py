@@ -2,18 +2,19 @@
 
 Renggli et al., "SparCML: High-Performance Sparse Communication for Machine Learning", SC'19.
 
-[0, n) is split into P near-equal segments, each cut into C near-equal blocks (a block is one
-message). Reduce-scatter, P−1 steps: at step s rank r sends its running sum of segment
-(r − s) mod P to r+1 and receives segment (r − s − 1) mod P from r−1, adding its own entries
-to it block by block (a block's merge overlaps the next block's transfer); rank r ends with
-segment (r + 1) mod P reduced. Allgather, P−1 steps: each rank forwards to r+1 the reduced
-segment it got last (its own first), into receives posted up front. A block travels as pairs
-while nnz·(index + value bytes) < length·value bytes, as its dense values otherwise; sizes go
-first (metadata), so no receive probes. Volume sent per rank: the running sums, from k/P pairs
-(step 0) to a segment's union over P−1 ranks (last step) — k(P−1)/P pairs in all for identical
-indices, ≈ kP/2 for spread-out ones — then P−1 reduced segments, (P−1)/P of the result.
+[0, n) is split into P near-equal segments, each cut into C = :func:`ring_blocks` near-equal
+blocks (a block is one message). Reduce-scatter, P−1 steps: at step s rank r sends its running
+sum of segment (r − s) mod P to r+1 and receives segment (r − s − 1) mod P from r−1, adding
+its own entries to it block by block (with C > 1 a block's merge overlaps the next block's
+transfer); rank r ends with segment (r + 1) mod P reduced. Allgather, P−1 steps: each rank
+forwards to r+1 the reduced segment it got last (its own first), into receives posted up
+front in the result's arrays. A block travels as pairs while nnz·(index + value bytes) <
+length·value bytes, as its dense values otherwise; sizes go first (metadata), so no receive
+probes. Volume sent per rank: the running sums, from k/P pairs (step 0) to a segment's
+union over P−1 ranks (last step) — k(P−1)/P pairs in all for identical indices, ≈ k(P−1)/2
+for spread-out ones — then P−1 reduced segments, (P−1)/P of the result.
 ``result.info["phases"]`` holds each phase's CommStats. Exact: each segment is summed by one
-chain of ranks in a fixed order and forwarded as bytes, so every rank gets the same bits,
+chain of ranks in a fixed order and forwarded unchanged, so every rank gets the same bits,
 every run; blocks that went dense drop entries that sum to exactly zero.
 """
 
@@ -48,8 +49,12 @@ Run = tuple[Any, Any]  # (indices, values) sorted unique; (None, dense values) p
 
 
 def ring_blocks(n: int, size: int) -> int:
-    """Blocks per segment: 2 (merge overlapping transfer) where a segment has room for them."""
-    return 2 if n >= 4 * size else 1
+    """Blocks per segment, the same on every rank: 1.
+
+    More blocks let one block's merge overlap the next one's transfer, at a message and a
+    size exchange each per step; on one shared-memory node they measured slower.
+    """
+    return 1
 
 
 @register_algorithm

@@ -10,10 +10,10 @@ import pytest
 
 import sparsecoll
 from sparsecoll._array import index_dtype
+from sparsecoll.algorithms import ring
 from sparsecoll.algorithms.auto import Auto, choose
 from sparsecoll.algorithms.base import Fold, range_bounds, sparse_is_cheaper
 from sparsecoll.algorithms.dsa import bruck_counts, chunk_bytes
-from sparsecoll.algorithms.ring import ring_blocks
 from sparsecoll.benchmarks.problems import make_problem
 from sparsecoll.sparse import coalesce
 
@@ -161,7 +161,7 @@ def ring_expected(every, P: int, r: int, n: int, dtype) -> dict[str, int]:
     in each block of segment r − s (and receives the same of r − 1's), then it forwards the
     reduced segments r + 1 − s and receives r − s, s = 0 … P − 2."""
     itype = index_dtype(n)
-    C = ring_blocks(n, P)
+    C = ring.ring_blocks(n, P)
     bounds = range_bounds(n, P * C)
     cuts = [np.searchsorted(idx, bounds) for idx, _ in every]
 
@@ -200,7 +200,11 @@ def ring_expected(every, P: int, r: int, n: int, dtype) -> dict[str, int]:
         ("same", HUGE),
     ],
 )
-def test_ring_bytes_match_formula(comm, kind, n, dtype):
+@pytest.mark.parametrize("blocks", [None, 3])
+def test_ring_bytes_match_formula(comm, monkeypatch, kind, n, dtype, blocks):
+    """(``blocks``: segments cut into that many messages; None: ring's own rule.)"""
+    if blocks is not None:
+        monkeypatch.setattr(ring, "ring_blocks", lambda n, size: blocks)
     P, r = comm.size, comm.rank
     every = inputs(kind, P, n, dtype)
     out = _run(comm, "ring", *every[r], n)
