@@ -48,6 +48,7 @@ BUILTINS: dict[str, str] = {
     "oktopk": "sparsecoll.algorithms.oktopk:OkTopk",
     "rabenseifner": "sparsecoll.algorithms.rabenseifner:Rabenseifner",
     "recursive_doubling": "sparsecoll.algorithms.recursive_doubling:RecursiveDoubling",
+    "ring": "sparsecoll.algorithms.ring:Ring",
 }
 _BASE = "sparsecoll.algorithms.base"  # where the Algorithm class lives (never imported here)
 

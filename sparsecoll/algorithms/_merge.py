@@ -22,8 +22,8 @@ from ..select._common import magnitude_ge
 from ..sparse import coalesce
 
 __all__ = [
-    "RunStack", "accumulate_dtype", "gather", "isin_sorted", "keep_bucket", "merge_two",
-    "take_at_least",
+    "RunStack", "accumulate_dtype", "add_sparse", "gather", "isin_sorted", "keep_bucket",
+    "merge_two", "take_at_least",
 ]  # fmt: skip
 
 
@@ -31,6 +31,13 @@ def accumulate_dtype(dtype: Any) -> np.dtype:
     """Return float64 for float16 (a float16 sum is exact in float64; Numba has no float16)."""
     dtype = np.dtype(dtype)
     return np.dtype(np.float64) if dtype == np.float16 else dtype
+
+
+def add_sparse(acc: Any, idx: Any, vals: Any, lo: int) -> None:
+    """Add a run (unique indices) into the dense ``acc`` that starts at index ``lo``."""
+    # unique indices: a fancy-indexed += adds each exactly once
+    if idx.shape[0]:
+        acc[idx - lo] += vals
 
 
 @functools.cache

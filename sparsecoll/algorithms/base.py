@@ -15,11 +15,12 @@ import dataclasses
 import inspect
 import zlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import numpy as np
 
-from .._array import aligned_view, get_array_module, index_dtype, to_host
+from .._array import aligned_view, get_array_module, index_dtype, nonzero_positions, to_host
 from .._state import Kind, check_saved
 from ..comm import Communicator
 from ..sparse import SparseVector, coalesce
@@ -27,6 +28,7 @@ from ..sparse import SparseVector, coalesce
 __all__ = [
     "Algorithm",
     "Fold",
+    "RangeLayout",
     "allclose_sparse",
     "dense_of",
     "input_mass",
@@ -290,6 +292,65 @@ def sparse_is_cheaper(
     isz = np.dtype(itype).itemsize
     vsz = np.dtype(vtype).itemsize * (width or 1)
     return nnz * (isz + vsz) < length * vsz
+
+
+class RangeLayout:
+    """Where each range of reduced entries lands in a result's index and value arrays.
+
+    ``counts[j]``: range j's nnz, or its length when it is held dense; every rank builds the
+    same layout from the same counts, so ranges are received straight into their places, a
+    range past the break-even rule as its dense values. ``bounds``: the ranges' R + 1 bounds.
+    """
+
+    def __init__(self, counts: Any, bounds: np.ndarray, n: int, vtype: Any, xp: Any) -> None:
+        self.n, self.bounds = n, [int(b) for b in bounds]
+        self.itype, self.vtype = index_dtype(n), np.dtype(vtype)
+        lengths = np.diff(self.bounds).tolist()
+        counts = [int(c) for c in counts]
+        self.dense = [
+            not sparse_is_cheaper(c, ln, self.itype, self.vtype) for c, ln in zip(counts, lengths)
+        ]
+        icount = [0 if d else c for d, c in zip(self.dense, counts)]
+        vcount = [ln if d else c for d, ln, c in zip(self.dense, lengths, counts)]
+        self.ioff = np.concatenate(([0], np.cumsum(icount))).astype(np.int64).tolist()
+        self.voff = np.concatenate(([0], np.cumsum(vcount))).astype(np.int64).tolist()
+        self.indices = xp.empty(self.ioff[-1], self.itype)
+        self.values = xp.empty(self.voff[-1], self.vtype)
+
+    def put(self, j: int, run: tuple[Any, Any]) -> None:
+        """Place range j's ``(indices, values)``, or ``(None, dense values)``."""
+        if run[0] is not None:
+            self.indices[self.ioff[j] : self.ioff[j + 1]] = run[0]
+        self.values[self.voff[j] : self.voff[j + 1]] = run[1]
+
+    def pieces(self, first: int, count: int) -> Iterator[tuple[Any, int, int]]:
+        """``(array, lo, hi)`` of ranges first … first + count − 1 (mod R): the indices'
+        spans, then the values' (empty ones left out)."""
+        total = len(self.dense)
+        spans = [(first, min(first + count, total))]
+        if first + count > total:
+            spans.append((0, first + count - total))
+        for arr, off in ((self.indices, self.ioff), (self.values, self.voff)):
+            for a, b in spans:
+                if off[b] > off[a]:
+                    yield arr, off[a], off[b]
+
+    def result(self) -> SparseVector:
+        """The gathered vector; ranges held dense give their nonzero entries."""
+        if not any(self.dense):
+            return SparseVector(self.indices, self.values, self.n)
+        xp = get_array_module(self.values)
+        pieces_i, pieces_v = [], []
+        for j, dense in enumerate(self.dense):
+            vals = self.values[self.voff[j] : self.voff[j + 1]]
+            if dense:
+                nz = nonzero_positions(vals)
+                pieces_i.append((nz + self.bounds[j]).astype(self.itype))
+                pieces_v.append(vals[nz])
+            else:
+                pieces_i.append(self.indices[self.ioff[j] : self.ioff[j + 1]])
+                pieces_v.append(vals)
+        return SparseVector(xp.concatenate(pieces_i), xp.concatenate(pieces_v), self.n)
 
 
 def pack_pairs(indices: Any, values: Any) -> Any:

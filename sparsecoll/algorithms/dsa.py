@@ -25,7 +25,7 @@ from .._array import index_dtype, nonzero_count, nonzero_positions
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from ._merge import RunStack, accumulate_dtype
+from ._merge import RunStack, accumulate_dtype, add_sparse
 from ._wire import WireOption, decode_pairs, encode_pairs, width
 from .base import Algorithm, range_bounds, region_cuts, sparse_is_cheaper
 
@@ -122,7 +122,7 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray, com
     mine = (x.indices[cut[r] : cut[r + 1]], x.values[cut[r] : cut[r + 1]])
     if any_dense:
         acc = xp.zeros((length, *row), acc_t)
-        _add_sparse(acc, mine[0], mine[1], lo)
+        add_sparse(acc, mine[0], mine[1], lo)
     else:
         stack = RunStack(n, xp, acc_t, row)
         stack.push(mine[0], mine[1].astype(acc_t, copy=False))
@@ -140,7 +140,7 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray, com
             if len(parts) == 1:
                 acc += parts[0]
             else:
-                _add_sparse(acc, parts[0], parts[1], lo)
+                add_sparse(acc, parts[0], parts[1], lo)
         else:
             stack.push(parts[0], parts[1].astype(acc_t, copy=False))
     Request.waitall(sends)
@@ -158,12 +158,6 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray, com
         dense[idx - lo] = vals
         return ("dense", dense)
     return ("sparse", idx, vals)
-
-
-def _add_sparse(acc: Any, idx: Any, vals: Any, lo: int) -> None:
-    # indices inside one chunk are unique, so a fancy-indexed += adds each exactly once
-    if idx.shape[0]:
-        acc[idx - lo] += vals
 
 
 def bruck_counts(size: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""Bytes per rank of dsa and recursive_doubling against their formulas (ALGORITHMS.md and the
+"""Bytes per rank of dsa, ring and recursive_doubling against their formulas (ALGORITHMS.md and the
 module docstrings), and auto's choice being the same documented rule on every rank."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 
 import sparsecoll
 from sparsecoll._array import index_dtype
+from sparsecoll.algorithms import ring
 from sparsecoll.algorithms.auto import Auto, choose
 from sparsecoll.algorithms.base import Fold, range_bounds, sparse_is_cheaper
 from sparsecoll.algorithms.dsa import bruck_counts, chunk_bytes
@@ -153,6 +154,77 @@ def test_dsa_sends_less_than_allgather_with_overlap(comm, kind):
         k = idx.shape[0]
         pairs = d / 8
         assert_all(comm, abs(pairs - 2 * k * (P - 1) / P) <= 0.1 * k, f"{pairs} pairs")
+
+
+def ring_expected(every, P: int, r: int, n: int, dtype) -> dict[str, int]:
+    """Bytes rank r moves in the ring: at step s it sends the union of ranks r, r−1, …, r−s
+    in each block of segment r − s (and receives the same of r − 1's), then it forwards the
+    reduced segments r + 1 − s and receives r − s, s = 0 … P − 2."""
+    itype = index_dtype(n)
+    C = ring.ring_blocks(n, P)
+    bounds = range_bounds(n, P * C)
+    cuts = [np.searchsorted(idx, bounds) for idx, _ in every]
+
+    def block(q, b):
+        return every[q][0][cuts[q][b] : cuts[q][b + 1]]
+
+    def sent_by(q, s, ranks):  # the running sum of segment q − s, over ``ranks``
+        j = (q - s) % P
+        total = 0
+        for b in range(j * C, (j + 1) * C):
+            union = np.unique(np.concatenate([block(t % P, b) for t in ranks]))
+            total += chunk_bytes(int(union.shape[0]), int(bounds[b + 1] - bounds[b]), itype, dtype)
+        return total
+
+    def segment(j):  # the reduced segment j (no sum cancels in these inputs)
+        return sent_by(j, 0, range(P))
+
+    return dict(
+        rs_sent=sum(sent_by(r, s, range(r - s, r + 1)) for s in range(P - 1)),
+        rs_recv=sum(sent_by(r - 1, s, range(r - 1 - s, r)) for s in range(P - 1)),
+        ag_sent=sum(segment((r + 1 - s) % P) for s in range(P - 1)),
+        ag_recv=sum(segment((r - s) % P) for s in range(P - 1)),
+    )
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    ("kind", "n"),
+    [
+        ("random", 100_003),
+        ("same", 100_003),
+        ("disjoint", 100_003),
+        ("one_dense", 4099),
+        ("dense", 20_000),
+        ("dense", 7),
+        ("same", HUGE),
+    ],
+)
+@pytest.mark.parametrize("blocks", [None, 3])
+def test_ring_bytes_match_formula(comm, monkeypatch, kind, n, dtype, blocks):
+    """(``blocks``: segments cut into that many messages; None: ring's own rule.)"""
+    if blocks is not None:
+        monkeypatch.setattr(ring, "ring_blocks", lambda n, size: blocks)
+    P, r = comm.size, comm.rank
+    every = inputs(kind, P, n, dtype)
+    out = _run(comm, "ring", *every[r], n)
+    st = out.info["stats"]
+    if P == 1:
+        assert_all(comm, st.bytes_sent == 0 and st.bytes_recv == 0)
+        return
+    want = ring_expected(every, P, r, n, dtype)
+    rs, ag = out.info["phases"]["reduce_scatter"], out.info["phases"]["allgather"]
+    got = dict(
+        rs_sent=rs.bytes_sent, rs_recv=rs.bytes_recv, ag_sent=ag.bytes_sent, ag_recv=ag.bytes_recv
+    )
+    for key, value in got.items():
+        assert_all(comm, value == want[key], f"{kind} {key}: {value} != {want[key]}")
+    assert_all(comm, st.bytes_sent == rs.bytes_sent + ag.bytes_sent)
+    if kind == "same":  # k(P−1)/P pairs in each phase: identical indices, no build-up
+        k = every[r][0].shape[0]
+        pair = index_dtype(n).itemsize + np.dtype(dtype).itemsize
+        assert_all(comm, abs(st.bytes_sent / pair - 2 * k * (P - 1) / P) <= 0.1 * k + 2 * P)
+    assert_identical(comm, out)
 
 
 def rd_expected_sent(every, P: int, r: int, n: int, dtype, width=None) -> int:
@@ -301,7 +373,7 @@ def test_auto_state_mismatch_raises_everywhere(comm):
     assert_all(comm, out.indices.tolist() == [0, 1, 2] and auto.theta == 0.0, f"{out}")
 
 
-@pytest.mark.parametrize("name", ["dsa", "recursive_doubling"])
+@pytest.mark.parametrize("name", ["dsa", "recursive_doubling", "ring"])
 def test_result_does_not_alias_input(comm, name):
     n = 50
     idx = np.arange(0, n, 2, dtype=np.int32)
