@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
+import weakref
 import zlib
 from typing import Any, ClassVar
 
@@ -41,7 +43,10 @@ from .dsa import bruck_counts
 
 __all__ = ["CANDIDATES", "Auto", "CostModel", "choose", "predict", "range_loads", "union_size"]
 
-CANDIDATES = ("allgather", "dsa", "recursive_doubling", "dense", "hashed", "ring")
+CANDIDATES = (
+    "allgather", "dsa", "recursive_doubling", "dense", "hashed", "ring",
+    "allgather:compact", "dsa:compact",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +58,7 @@ class CostModel:
     gamma_sort: float = 2e-8  # per pair and pass of a sort-based coalesce
     gamma_merge: float = 6e-9  # per pair of a linear two-run merge
     delta: float = 2e-9  # per element of a dense pass (zero, add, scan)
+    gamma_wire: float = 1e-8  # per pair of a compact wire message (encode plus decode)
 
 
 def union_size(m: float, n: int, kbar: float, theta: float | None) -> float:
@@ -165,12 +171,41 @@ def predict(
         # holds the union of s chunks in reduce-scatter step s and the whole range after
         steps = [union_size(s, L, hot / P, theta) for s in range(1, P)]
         out["ring"] = (
-            2 * (P - 1) * m.alpha
+            (4 * (P - 1) + lg) * m.alpha  # (each step's size goes first)
             + m.beta * (sum(sp(u, L) for u in steps) + (P - 1) * sp(K_hot, L))
             + m.gamma_merge * (sum(steps) + (P - 1) * hot / P)
             + (m.delta * n * d if goes_dense else 0.0)
         )
+    if P > 1 and width is None and np.dtype(vtype).kind == "f":
+        _add_compact(out, m, P, n, N, K, hot, L, isz, vsz, pair)
+    if width is not None:  # rows go only to the algorithms that take them
+        out = {k: v for k, v in out.items() if algorithm_class(k).takes_rows}
     return out
+
+
+def compact_pair(density: float, isz: int, vsz: int) -> float:
+    """Bytes a pair costs in a compact wire message at this density (docs/reports/wire.md):
+    a Rice-coded gap of about log2(1/d) + 1.5 bits (a bitmap's 1/d bits when denser), and a
+    value a tenth smaller (its exponent coded)."""
+    d = min(max(density, 1e-12), 1.0)
+    bits = min(math.log2(1 / d) + 1.5, 1 / d, 8 * isz)
+    return bits / 8 + 0.9 * vsz
+
+
+def _add_compact(out, m, P, n, N, K, hot, L, isz, vsz, pair) -> None:
+    """Add ``allgather:compact`` and ``dsa:compact``: the raw predictions with the pair
+    messages' bytes at their compact size, plus encoding what a rank sends first and
+    decoding what it receives (``gamma_wire`` per pair for both)."""
+    kbar = N / P
+    if "allgather" in out:
+        saved = (P - 1) / P * N * (pair - compact_pair(kbar / n, isz, vsz))
+        out["allgather:compact"] = out["allgather"] - m.beta * saved + m.gamma_wire * (kbar + N) / 2
+    if "dsa" in out and K * pair < n * vsz:  # (dense ranges travel raw)
+        rs = (P - 1) * hot / P * (pair - compact_pair(hot / P / L, isz, vsz))
+        ag = (P - 1) / P * K * (pair - compact_pair(K / n, isz, vsz))
+        # each rank encodes its pairs and its owned range once, decodes what it receives
+        coding = m.gamma_wire * (kbar + (K / P + K) / 2)
+        out["dsa:compact"] = out["dsa"] - m.beta * (rs + ag) + coding
 
 
 def _registered(name: str) -> bool:
@@ -200,6 +235,11 @@ def cheapest(cost: dict[str, float]) -> str:
     return min((c for c in CANDIDATES if c in cost), key=lambda c: cost[c])
 
 
+# each instance's seconds in its last pick's reduce, on this rank: kept apart from its
+# attributes, since a checkpoint holds those and a measured time differs from run to run
+_ELAPSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 @register_algorithm
 class Auto(Algorithm):
     """Exact: picks allgather, dsa, recursive_doubling, dense (hashed, ring) per call by a model.
@@ -210,13 +250,22 @@ class Auto(Algorithm):
         gamma_sort: seconds per pair and pass of a sort-based coalesce.
         gamma_merge: seconds per pair of a linear two-run merge.
         delta: seconds per element of a dense pass (zero, add, scan).
+        gamma_wire: seconds per pair of a compact wire message (encoding plus decoding).
+        calibrate: learn the seconds per byte from the calls' measured times (the mean over
+            ranks, shared in the next call's one collective), in place of ``beta``.
     """
 
     name = "auto"
     takes_rows = True
-    state_kinds: ClassVar[dict[str, _state.Kind] | None] = {"theta": _state.optional(_state.number)}
+    state_kinds: ClassVar[dict[str, _state.Kind] | None] = {
+        "theta": _state.optional(_state.number),
+        "beta_fit": _state.optional(_state.number),
+        "fit_bytes": _state.number,
+        "fit_rest": _state.number,
+    }
     fixed_options: ClassVar[tuple[str, ...]] = (
-        "model", "alpha", "beta", "gamma_sort", "gamma_merge", "delta",
+        "model", "alpha", "beta", "gamma_sort", "gamma_merge", "delta", "gamma_wire",
+        "calibrate",
     )  # fmt: skip
 
     def __init__(
@@ -226,14 +275,24 @@ class Auto(Algorithm):
         gamma_sort: float = CostModel.gamma_sort,
         gamma_merge: float = CostModel.gamma_merge,
         delta: float = CostModel.delta,
+        gamma_wire: float = CostModel.gamma_wire,
+        calibrate: bool = True,
     ) -> None:
         constants = dict(
-            alpha=alpha, beta=beta, gamma_sort=gamma_sort, gamma_merge=gamma_merge, delta=delta
+            alpha=alpha,
+            beta=beta,
+            gamma_sort=gamma_sort,
+            gamma_merge=gamma_merge,
+            delta=delta,
+            gamma_wire=gamma_wire,
         )
         for k, v in constants.items():
             if not (math.isfinite(real(k, v)) and v >= 0):  # (real: TypeError for a str)
                 raise ValueError(f"{k} must be a finite non-negative number, got {v!r}")
         self.model = CostModel(**{k: real(k, v) for k, v in constants.items()})
+        if not isinstance(calibrate, bool):
+            raise TypeError(f"calibrate must be True or False, got {calibrate!r}")
+        self.calibrate = calibrate
         self.reset()
 
     # the constants, read from the model: fixed at construction as the model is
@@ -242,29 +301,49 @@ class Auto(Algorithm):
     gamma_sort = read_only("model.gamma_sort", "gamma_sort")
     gamma_merge = read_only("model.gamma_merge", "gamma_merge")
     delta = read_only("model.delta", "delta")
+    gamma_wire = read_only("model.gamma_wire", "gamma_wire")
 
     def reset(self) -> None:
         """Forget the learned overlap (the next call assumes independent uniform indices)."""
         self.theta: float | None = None  # learned overlap exponent, None before a first call
+        self.beta_fit: float | None = None  # learned seconds per byte, None: the model's beta
+        self.fit_bytes = 0.0  # the last pick's predicted bytes term (seconds per unit beta)
+        self.fit_rest = 0.0  # and the rest of its prediction (latency and compute)
+        _ELAPSED.pop(self, None)
 
     def signature(self) -> list[int]:
         # the constants and the learned state must agree, or ranks could choose differently
-        return [zlib.crc32(repr((self.model, self.theta)).encode())]
+        state = (self.model, self.theta, self.calibrate, self.beta_fit, self.fit_bytes)
+        return [zlib.crc32(repr(state).encode())]
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
         P = comm.size
-        if P > 1:  # one collective: N, then the loads of the P ranges
-            counts = comm.allreduce_ints([x.nnz, *range_loads(x, P)])
-            total, loads = int(counts[0]), [int(c) for c in counts[1:]]
+        if P > 1:  # one collective: N, the loads of the P ranges, the last call's time
+            elapsed_ns = round(_ELAPSED.get(self, 0.0) * 1e9)
+            counts = comm.allreduce_ints([x.nnz, *range_loads(x, P), elapsed_ns])
+            total, loads = int(counts[0]), [int(c) for c in counts[1:-1]]
+            self._calibrate(int(counts[-1]) / P / 1e9)
         else:
             total, loads = x.nnz, [x.nnz]
-        args = (P, x.n, total, x.indices.dtype, x.dtype, self.theta, self.model, loads, x.width)
+        model = self.model
+        if self.beta_fit is not None:
+            model = dataclasses.replace(model, beta=self.beta_fit)
+        args = (P, x.n, total, x.indices.dtype, x.dtype, self.theta, model, loads, x.width)
         cost = predict(*args) if P > 1 else {}
         name = cheapest(cost) if P > 1 else "allgather"
-        inner = algorithm_class(name)()
+        base, _, wire = name.partition(":")
+        inner = algorithm_class(base)(**({"wire": wire} if wire else {}))
+        start = time.perf_counter()
         if P > 1 and _preflight_may_allocate(inner, x, total):
             _preflight_agreed(comm, inner, x)
         out = inner.reduce(comm, x)
+        _ELAPSED[self] = time.perf_counter() - start
+        if P > 1:  # the pick's prediction split into its bytes term and the rest
+            rest, unit = (
+                predict(*args[:6], dataclasses.replace(model, beta=b), *args[7:])[name]
+                for b in (0.0, 1.0)
+            )
+            self.fit_bytes, self.fit_rest = unit - rest, rest
         out.info["auto_choice"] = name
         out.info["auto_nnz_total"] = total
         out.info["auto"] = {
@@ -274,11 +353,23 @@ class Auto(Algorithm):
             "loads": loads,
             "imbalance": imbalance(loads, total),
             "theta": self.theta,
+            "beta": model.beta,
         }
         if P > 1 and total > 0 and out.nnz > 0:
             kbar = total / P
             self.theta = min(1.0, max(0.0, math.log(out.nnz / kbar) / math.log(P)))
         return out
+
+    def _calibrate(self, seconds: float) -> None:
+        """Fold the last call's measured time (mean over ranks) into the learned beta.
+
+        Only a call whose bytes term is large enough to measure (100 kB) counts; the
+        estimate is the geometric mean of the old one and the new, clipped to [1e-12, 1e-5].
+        """
+        if not self.calibrate or self.fit_bytes < 1e5 or seconds <= 0:
+            return
+        seen = min(max((seconds - self.fit_rest) / self.fit_bytes, 1e-12), 1e-5)
+        self.beta_fit = seen if self.beta_fit is None else math.sqrt(self.beta_fit * seen)
 
 
 def _preflight_may_allocate(algo: Algorithm, x: SparseVector, total: int) -> bool:
