@@ -222,6 +222,20 @@ def test_parse_algorithms() -> None:
         parse_algorithms(["allgather,x"], known)
 
 
+def test_wire_variants_are_named_but_not_in_all() -> None:
+    """``dsa:compact`` runs dsa with wire="compact"; ``all`` keeps to the plain names."""
+    from sparsecoll.benchmarks.cli import build, wire_variants
+
+    known = wire_variants(["allgather", "dense", "dsa"])
+    assert known == ["allgather", "allgather:compact", "dense", "dsa", "dsa:compact"]
+    assert parse_algorithms(["all"], known) == ["allgather", "dense", "dsa"]
+    assert parse_algorithms(["dsa:compact,dsa"], known) == ["dsa:compact", "dsa"]
+    with pytest.raises(ValueError, match="unknown algorithm 'dense:compact'"):
+        parse_algorithms(["dense:compact"], known)
+    assert build("dsa:compact", 1000, 10).wire == "compact"
+    assert build("dsa", 1000, 10).wire == "raw"
+
+
 def test_readme_headline_says_what_it_measures() -> None:
     """The README's headline speed-up is the collective alone on reused, pre-made input:
     it must say so beside the number, not leave it to be read as a training speed-up."""

@@ -23,7 +23,7 @@ import numpy as np
 
 from .._launch import under_mpi
 from .._options import check_density
-from ..registry import available_algorithms
+from ..registry import algorithm_class, algorithm_options, available_algorithms
 from .problems import OVERLAP_HELP, OVERLAPS
 
 __all__ = [
@@ -343,15 +343,37 @@ def check_memory(p: argparse.ArgumentParser, n: int, itemsize: int, ranks: int, 
         )
 
 
+def wire_variants(names: list[str]) -> list[str]:
+    """``names`` and, for each that takes a ``wire`` option, ``NAME:compact`` after it."""
+    out: list[str] = []
+    for name in names:
+        out.append(name)
+        if "wire" in algorithm_options(name):
+            out.append(f"{name}:compact")
+    return out
+
+
+def build(name: str, n: int, k: int) -> Any:
+    """A new instance of ``name`` (``NAME:WIRE``: with that ``wire``) for n and about k."""
+    base, _, wire = name.partition(":")
+    cls = algorithm_class(base)
+    return cls(**cls.default_options(n, k), **({"wire": wire} if wire else {}))
+
+
+def algorithm_kind(name: str) -> Any:
+    """The algorithm class of ``name`` or of ``NAME:WIRE``."""
+    return algorithm_class(name.partition(":")[0])
+
+
 def parse_algorithms(
     values: list[str] | None, known: list[str], option: str = "--algorithm"
 ) -> list[str]:
     """Names from repeated/comma-separated ``--algorithm`` values (``option``: the option's
-    name in the message); ``all`` (or none) = all."""
+    name in the message); ``all`` (or none) = all of ``known`` but the ``NAME:WIRE`` ones."""
     names: list[str] = []
     for v in values or ["all"]:
         for name in filter(None, (t.strip() for t in v.split(","))):
-            for add in known if name == "all" else [name]:
+            for add in [k for k in known if ":" not in k] if name == "all" else [name]:
                 if add not in known:
                     raise ValueError(unknown_algorithm(add, known))
                 if add not in names:
@@ -467,7 +489,7 @@ def parse_checked(p: argparse.ArgumentParser, argv: list[str] | None) -> argpars
     args = p.parse_args(argv)
     check_nprocs(p, args.np)
     try:
-        args.algorithm = parse_algorithms(args.algorithm, available_algorithms())
+        args.algorithm = parse_algorithms(args.algorithm, wire_variants(available_algorithms()))
     except ValueError as exc:
         p.error(str(exc))  # every rank parses the same argv: all exit alike
     sizes = args.message_size if isinstance(args.message_size, list) else [args.message_size]

@@ -26,12 +26,13 @@ from .. import __version__
 from .._array import cupy_or_none, is_device_array, to_host
 from ..algorithms.base import reference_sum
 from ..comm import CommStats, Communicator, mpi_library_version
-from ..registry import algorithm_class
 from ..sparse import SparseVector, coalesce
 from .cli import (
     add_input_arguments,
     add_timing_arguments,
+    algorithm_kind,
     bench_parser,
+    build,
     parse_checked,
     size_arg,
 )
@@ -109,14 +110,13 @@ def time_algorithm(
     """
     from ..api import allreduce
 
-    cls = algorithm_class(name)
-    algo = cls(**cls.default_options(n, k))
+    algo = build(name, n, k)
     times: list[float] = []
     picks: list[str] = []
     out = None
     for it in range(warmup + iters):
         if not reuse and it:
-            algo = cls(**cls.default_options(n, k))
+            algo = build(name, n, k)
         comm.barrier()
         t0 = comm.wtime()
         out = allreduce(comm, vals, idx, n=n, algorithm=algo)
@@ -155,8 +155,7 @@ def verify_all(
     digest = zlib.crc32(np.ascontiguousarray(to_host(result.values)).view(np.uint8), digest)
     ok = True
     if comm.rank == 0:
-        cls = algorithm_class(name)
-        ok = cls(**cls.default_options(n, k)).verify(result, reference, inputs)
+        ok = build(name, n, k).verify(result, reference, inputs)
     agreed = comm.allreduce_ints([0 if ok else 1, digest, -digest], "max")
     return bool(agreed[0] == 0 and agreed[1] == -agreed[2])
 
@@ -180,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_label(name: str) -> str:
     """What the ``check`` column compares with: the dense sum, or the algorithm's contract."""
-    return "sum" if algorithm_class(name).exact else "contract"
+    return "sum" if algorithm_kind(name).exact else "contract"
 
 
 def network(comm: Communicator) -> str:

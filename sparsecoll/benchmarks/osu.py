@@ -35,10 +35,10 @@ from .._array import cupy_or_none
 from ..algorithms.base import reference_sum
 from ..comm import Communicator, mpi_library_version
 from ..errors import SparseCollError
-from ..registry import algorithm_class
 from .cli import (
     add_input_arguments,
     add_timing_arguments,
+    algorithm_kind,
     bench_parser,
     parse_algorithms,
     parse_checked,
@@ -230,7 +230,7 @@ def measure(
     row: dict[str, Any] = dict.fromkeys(FIELDS, "")
     row.update(
         algorithm=name,
-        exact=algorithm_class(name).exact,
+        exact=algorithm_kind(name).exact,
         P=comm.size,
         n=n,
         size_bytes=n * dtype.itemsize,
@@ -316,7 +316,7 @@ def render(rows: list[dict[str, Any]], args: Any, nprocs: int, names: list[str])
         return render_table(rows, args, header, names)
     for name in names:
         sel = [r for r in rows if r["algorithm"] == name]
-        kind = "exact" if algorithm_class(name).exact else "selecting"
+        kind = "exact" if algorithm_kind(name).exact else "selecting"
         print(f"# {header['test']} v{__version__}", file=out)
         print(f"# MPI library: {header['mpi_library']}", file=out)
         print(
