@@ -325,9 +325,7 @@ class Auto(Algorithm):
             self._calibrate(int(counts[-1]) / P / 1e9)
         else:
             total, loads = x.nnz, [x.nnz]
-        model = self.model
-        if self.beta_fit is not None:
-            model = dataclasses.replace(model, beta=self.beta_fit)
+        model = self.cost_model
         args = (P, x.n, total, x.indices.dtype, x.dtype, self.theta, model, loads, x.width)
         cost = predict(*args) if P > 1 else {}
         name = cheapest(cost) if P > 1 else "allgather"
@@ -359,6 +357,13 @@ class Auto(Algorithm):
             kbar = total / P
             self.theta = min(1.0, max(0.0, math.log(out.nnz / kbar) / math.log(P)))
         return out
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The constants the next call predicts with: ``model``, its beta learned if so."""
+        if self.beta_fit is None:
+            return self.model
+        return dataclasses.replace(self.model, beta=self.beta_fit)
 
     def _calibrate(self, seconds: float) -> None:
         """Fold the last call's measured time (mean over ranks) into the learned beta.

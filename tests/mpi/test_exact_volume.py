@@ -3,6 +3,7 @@ module docstrings), and auto's choice being the same documented rule on every ra
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -316,7 +317,7 @@ def test_rows_bytes_match_formula(comm, kind, n, width):
     total = sum(idx.shape[0] for idx, _ in every)
     auto = Auto()
     out = sparsecoll.allreduce(comm, every[r][1], every[r][0], n=n, algorithm=auto)
-    rule = choose(P, n, total, np.int32, dtype, None, auto.model, width)
+    rule = choose(P, n, total, np.int32, dtype, None, auto.model, width=width)
     assert_all(comm, out.info["auto_choice"] == rule, f"auto chose {out.info['auto_choice']}")
 
 
@@ -330,9 +331,12 @@ def test_auto_choice_follows_rule_and_learns_overlap(comm, kind):
     bounds = range_bounds(n, P)
     loads = sum(np.diff(np.searchsorted(i, bounds)) for i in every).tolist()
     for call in range(2):
-        want = choose(P, n, total, np.int32, np.float32, auto.theta, auto.model, loads)
+        theta = auto.theta
         out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=auto)
         got = out.info["auto_choice"]
+        # (the seconds per byte it predicted with: the constant, or learned from calls)
+        model = dataclasses.replace(auto.model, beta=out.info["auto"]["beta"])
+        want = choose(P, n, total, np.int32, np.float32, theta, model, loads)
         choices = comm.allgather_object(got)
         assert_all(comm, all(c == got for c in choices), f"choices differ: {choices}")
         assert_all(comm, got == want, f"call {call}: chose {got}, rule says {want}")
