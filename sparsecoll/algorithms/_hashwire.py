@@ -4,8 +4,9 @@ A run is ``m`` sorted unique offsets in [0, L) (an owner's range of π-values) w
 values. As COO it is m offsets of ``otype`` then m values; as a bitmap, ⌈L/8⌉ bytes (offset
 o is bit o & 7 of byte o >> 3) then the m values in offset order. The smaller form is used
 (COO on a tie), chosen from (m, L) alone: the counts travel first, so sender and receiver
-agree on every run's form and size before its bytes arrive. This module is the one place
-where runs are packed and unpacked.
+agree on every run's form and size before its bytes arrive. Row values (``width`` D: each
+entry a row of D values) travel as m·D values. This module is the one place where runs are
+packed and unpacked.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ def uses_bitmap(m: int, length: int, otype: Any) -> bool:
     return (length + 7) // 8 < m * np.dtype(otype).itemsize
 
 
-def run_bytes(m: int, length: int, otype: Any, vtype: Any) -> int:
-    """Bytes of a run of ``m`` entries in a range of ``length``: the smaller form's."""
+def run_bytes(m: int, length: int, otype: Any, vtype: Any, width: int = 1) -> int:
+    """Bytes of a run of ``m`` entries (rows of ``width`` values) in a range of ``length``:
+    the smaller form's."""
     if m == 0:
         return 0
     head = (length + 7) // 8 if uses_bitmap(m, length, otype) else m * np.dtype(otype).itemsize
-    return head + m * np.dtype(vtype).itemsize
+    return head + m * width * np.dtype(vtype).itemsize
 
 
 def encode_run(offsets: Any, values: Any, length: int, out: Any) -> None:
@@ -42,7 +44,7 @@ def encode_run(offsets: Any, values: Any, length: int, out: Any) -> None:
     m = int(offsets.shape[0])
     if m == 0:
         return
-    vbytes = m * values.dtype.itemsize
+    vbytes = values.nbytes
     head = out[: out.shape[0] - vbytes]
     if uses_bitmap(m, length, offsets.dtype):
         xp = get_array_module(out)
@@ -55,17 +57,20 @@ def encode_run(offsets: Any, values: Any, length: int, out: Any) -> None:
             head[:] = xp.packbits(bits, bitorder="little")
     else:
         head[:] = offsets.view(np.uint8)
-    out[out.shape[0] - vbytes :] = values.view(np.uint8)
+    out[out.shape[0] - vbytes :] = values.reshape(-1).view(np.uint8)
 
 
-def decode_run(buf: Any, m: int, length: int, otype: Any, vtype: Any) -> tuple[Any, Any]:
-    """Return ``(offsets, values)`` of a run encoded by :func:`encode_run` (views or copies)."""
+def decode_run(
+    buf: Any, m: int, length: int, otype: Any, vtype: Any, row: tuple[int, ...] = ()
+) -> tuple[Any, Any]:
+    """Return ``(offsets, values)`` of a run encoded by :func:`encode_run` (views or copies);
+    ``row``: the shape of an entry's values (``(D,)`` for rows)."""
     otype, vtype = np.dtype(otype), np.dtype(vtype)
     xp = get_array_module(buf)
     if m == 0:
-        return xp.zeros(0, otype), xp.zeros(0, vtype)
-    split = buf.shape[0] - m * vtype.itemsize
-    values = aligned_view(buf[split:], vtype)
+        return xp.zeros(0, otype), xp.zeros((0, *row), vtype)
+    split = buf.shape[0] - m * vtype.itemsize * (row[0] if row else 1)
+    values = aligned_view(buf[split:], vtype).reshape((m, *row))
     if not uses_bitmap(m, length, otype):
         return aligned_view(buf[:split], otype), values
     if xp is np:

@@ -53,6 +53,7 @@ class Hashed(Algorithm):
     """
 
     name = "hashed"
+    takes_rows = True
     state_kinds: ClassVar[dict[str, _state.Kind] | None] = {}  # (seed is the constructor's)
     fixed_options: ClassVar[tuple[str, ...]] = ("seed",)
 
@@ -67,7 +68,7 @@ class Hashed(Algorithm):
             out = SparseVector(x.indices.copy(), x.values.copy(), x.n)
             out.info["phases"] = {}
             return out
-        plan = _Plan(Stripes(x.n, comm.size, BLOCK_SHIFT, self.seed), x.dtype)
+        plan = _Plan(Stripes(x.n, comm.size, BLOCK_SHIFT, self.seed), x.dtype, x.row_shape)
         with comm.measure() as push_stats:
             owned = _push(comm, x, plan)
         with comm.measure() as pull_stats:
@@ -79,16 +80,23 @@ class Hashed(Algorithm):
 class _Plan:
     """The owners' map, their range length and the offset and value types of their runs."""
 
-    __slots__ = ("length", "otype", "stripes", "vtype")
+    __slots__ = ("length", "otype", "row", "stripes", "vtype")
 
-    def __init__(self, stripes: Stripes, vtype: Any) -> None:
+    def __init__(self, stripes: Stripes, vtype: Any, row: tuple[int, ...] = ()) -> None:
         self.stripes = stripes
         self.length = stripes.length
         self.otype = index_dtype(self.length)
         self.vtype = np.dtype(vtype)
+        self.row = row  # an entry's values: () or (D,) for rows
 
     def run_bytes(self, m: int) -> int:
-        return run_bytes(m, self.length, self.otype, self.vtype)
+        return run_bytes(m, self.length, self.otype, self.vtype, self.row[0] if self.row else 1)
+
+    def decode(self, piece: Any, m: int) -> tuple[Any, Any]:
+        return decode_run(piece, m, self.length, self.otype, self.vtype, self.row)
+
+    def empty(self, xp: Any) -> tuple[Any, Any]:
+        return xp.zeros(0, self.otype), xp.zeros((0, *self.row), self.vtype)
 
 
 def _push(comm: Communicator, x: SparseVector, plan: _Plan):
@@ -127,17 +135,17 @@ def _push(comm: Communicator, x: SparseVector, plan: _Plan):
     mine = (coords[cut[r] : cut[r + 1]], vals[cut[r] : cut[r + 1]])
     dense = sum(int(c) for c in recvcounts) * DENSE_SUM >= length
     if dense:
-        acc = xp.zeros(length, acc_t)
+        acc = xp.zeros((length, *plan.row), acc_t)
         acc[mine[0]] += mine[1]  # (offsets in a run are unique: each added once)
     else:
-        stack = RunStack(length, xp, acc_t)
+        stack = RunStack(length, xp, acc_t, plan.row)
         stack.push(mine[0], mine[1].astype(acc_t, copy=False))
     # runs are summed in the senders' rotated order while later ones are in flight: a
     # fixed order makes the sum reproducible
     for q, src in enumerate(order_in):
         reqs[q].wait()
         piece = inbuf[starts_in[q] : starts_in[q + 1]]
-        offsets, values = decode_run(piece, int(recvcounts[src]), length, plan.otype, plan.vtype)
+        offsets, values = plan.decode(piece, int(recvcounts[src]))
         if dense:
             acc[offsets] += values
         else:
@@ -148,7 +156,7 @@ def _push(comm: Communicator, x: SparseVector, plan: _Plan):
         nz = nonzero_positions(acc)
         return nz.astype(plan.otype), acc[nz].astype(plan.vtype)
     if not stack.runs:
-        return xp.zeros(0, plan.otype), xp.zeros(0, plan.vtype)
+        return plan.empty(xp)
     offsets, values = stack.result()
     return offsets, values.astype(plan.vtype, copy=False)
 
@@ -185,11 +193,11 @@ def _pull(comm: Communicator, owned, x: SparseVector, plan: _Plan):
     for j in range(P):
         if counts[j]:
             piece = buf[starts[j] : starts[j + 1]]
-            runs.append(decode_run(piece, counts[j], plan.length, plan.otype, plan.vtype))
+            runs.append(plan.decode(piece, counts[j]))
         else:
-            runs.append((xp.zeros(0, plan.otype), xp.zeros(0, plan.vtype)))
+            runs.append(plan.empty(xp))
     if not sum(counts):
-        return SparseVector.empty(n, plan.vtype, xp)
+        return SparseVector.empty(n, plan.vtype, xp, x.width)
     walked = plan.stripes.gather([off for off, _ in runs])
     if walked is not None:
         idx, order = walked
