@@ -28,7 +28,7 @@ from .._array import aligned_view, index_dtype, nonzero_count, nonzero_positions
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from ._merge import add_sparse, merge_two
+from ._merge import accumulate_dtype, add_sparse, merge_two
 from .base import (
     Algorithm,
     RangeLayout,
@@ -81,6 +81,9 @@ class _Blocks:
     def __init__(self, x: SparseVector, size: int, chunks: int) -> None:
         self.x, self.size, self.chunks, self.xp = x, size, chunks, x.xp
         self.itype, self.vtype = index_dtype(x.n), np.dtype(x.dtype)
+        # running sums travel in the accumulation type (float64 for float16): the sum is
+        # rounded to the values' dtype once, at its owner, as the other exact algorithms do
+        self.wtype = accumulate_dtype(self.vtype)
         self.bounds = [int(b) for b in range_bounds(x.n, size * chunks)]
         self.cuts = region_cuts(x.indices, np.asarray(self.bounds, np.int64))
 
@@ -92,7 +95,7 @@ class _Blocks:
     def own(self, j: int, c: int) -> Run:
         b = j * self.chunks + c
         a, e = self.cuts[b], self.cuts[b + 1]
-        return self.x.indices[a:e], self.x.values[a:e]
+        return self.x.indices[a:e], self.x.values[a:e].astype(self.wtype, copy=False)
 
     def start(self, j: int, c: int) -> Run:
         """This rank's entries of the block, in the form they travel."""
@@ -107,23 +110,27 @@ class _Blocks:
             return run
         return self._form(*merge_two(idx, vals, own_i, own_v, self.x.n), j, c)
 
-    def _form(self, idx: Any, vals: Any, j: int, c: int) -> Run:
+    def _form(self, idx: Any, vals: Any, j: int, c: int, dtype: Any = None) -> Run:
+        """The run as pairs or dense, by the break-even rule for ``dtype`` (the running
+        sums' type by default)."""
+        dtype = self.wtype if dtype is None else dtype
         lo, length = self.span(j, c)
-        if sparse_is_cheaper(int(idx.shape[0]), length, self.itype, self.vtype):
+        if sparse_is_cheaper(int(idx.shape[0]), length, self.itype, dtype):
             return idx, vals
-        dense = self.xp.zeros(length, self.vtype)
+        dense = self.xp.zeros(length, dtype)
         dense[idx - lo] = vals
         return None, dense
 
     def reduced(self, run: Run, j: int, c: int) -> Run:
         """The block's reduced sum, as pairs where its nonzeros are past break-even no more."""
         idx, vals = run
-        if idx is None and sparse_is_cheaper(
-            nonzero_count(vals), self.span(j, c)[1], self.itype, self.vtype
-        ):
+        vals = vals.astype(self.vtype, copy=False)  # (rounded once, here)
+        if idx is not None:
+            return self._form(idx, vals, j, c, self.vtype)
+        if sparse_is_cheaper(nonzero_count(vals), self.span(j, c)[1], self.itype, self.vtype):
             nz = nonzero_positions(vals)
             return (nz + self.span(j, c)[0]).astype(self.itype), vals[nz]
-        return run
+        return None, vals
 
     # -- the wire form of a block: the one place runs become bytes and back --------------
     def encode(self, run: Run) -> Any:
@@ -132,9 +139,9 @@ class _Blocks:
 
     def decode(self, buf: Any, j: int, c: int) -> Run:
         """A block's message: its dense size means dense values (pairs are always shorter)."""
-        if buf.shape[0] == self.span(j, c)[1] * self.vtype.itemsize:
-            return None, aligned_view(buf, self.vtype)
-        return unpack_pairs(buf, self.itype, self.vtype)
+        if buf.shape[0] == self.span(j, c)[1] * self.wtype.itemsize:
+            return None, aligned_view(buf, self.wtype)
+        return unpack_pairs(buf, self.itype, self.wtype)
 
 
 def _reduce_scatter(comm: Communicator, blocks: _Blocks) -> list[Run]:

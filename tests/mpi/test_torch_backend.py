@@ -255,6 +255,37 @@ def test_bad_input_raises_on_every_rank(group, comm):
     error on every rank, naming the rank; the group works on afterwards."""
     bad = comm.rank == comm.size - 1
     last = comm.size - 1
+    if comm.size > 1:  # (what differs across ranks needs two of them)
+        _mismatches_raise_alike(group, comm, bad, last)
+    t = _tensor(comm.rank, 1, (8, 3), 1, torch.float32, 3)
+    if comm.size > 1:
+        op = dist.ReduceOp.MAX if bad else dist.ReduceOp.SUM
+        _raises_alike(
+            comm,
+            lambda: dist.all_reduce(t, op=op, group=group),
+            f"sparse all_reduce takes SUM or AVG, got MAX on rank {last}",
+        )
+    _raises_alike(
+        comm,
+        lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group),
+        "sparse all_reduce takes SUM or AVG, got MAX on rank 0",
+    )
+    ints = torch.sparse_coo_tensor([[1, 2]], torch.tensor([1, 2]), (5,))
+    _raises_alike(
+        comm,
+        lambda: dist.all_reduce(ints, group=group),
+        "sparse all_reduce takes float tensors, got torch.int64 on rank 0",
+    )
+    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    _raises_alike(comm, work.wait, "SUM or AVG")
+    t = _tensor(comm.rank, 2, (8, 3), 1, torch.float32, 3)
+    want = sum(_tensor(r, 2, (8, 3), 1, torch.float32, 3).to_dense() for r in range(comm.size))
+    dist.all_reduce(t, group=group)
+    assert_all(comm, torch.allclose(t.to_dense(), want, atol=1e-5), "after the errors")
+
+
+def _mismatches_raise_alike(group, comm, bad: bool, last: int) -> None:
+    """A shape, dtype or sparse_dim that one rank alone has: the same error everywhere."""
     shape = (9 if bad else 8, 3)
     t = _tensor(comm.rank, 1, shape, 1, torch.float32, 3)
     _raises_alike(
@@ -273,30 +304,6 @@ def test_bad_input_raises_on_every_rank(group, comm):
         lambda: dist.all_reduce(t, group=group),
         f"sparse dims must be the same on every rank: rank {last} has 1, rank 0 has 2",
     )
-    t = _tensor(comm.rank, 1, (8, 3), 1, torch.float32, 3)
-    op = dist.ReduceOp.MAX if bad else dist.ReduceOp.SUM
-    _raises_alike(
-        comm,
-        lambda: dist.all_reduce(t, op=op, group=group),
-        f"sparse all_reduce takes SUM or AVG, got MAX on rank {last}",
-    )
-    _raises_alike(
-        comm,
-        lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group),
-        "sparse all_reduce takes SUM or AVG, got MAX on rank 0",
-    )
-    ints = torch.sparse_coo_tensor([[1, 2]], torch.tensor([1, 2]), (5,))
-    _raises_alike(
-        comm,
-        lambda: dist.all_reduce(ints, group=group),
-        "sparse all_reduce takes float tensors, got torch.int64 on rank 0",
-    )
-    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    _raises_alike(comm, work.wait, "SUM or AVG")
-    t = _tensor(comm.rank, 2, (8, 3), 1, torch.float32, 3)
-    want = sum(_tensor(r, 2, (8, 3), 1, torch.float32, 3).to_dense() for r in range(comm.size))
-    dist.all_reduce(t, group=group)
-    assert_all(comm, torch.allclose(t.to_dense(), want, atol=1e-5), "after the errors")
 
 
 def test_selecting_or_unknown_algorithm_raises_on_every_rank(group, comm):
