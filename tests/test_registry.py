@@ -220,7 +220,7 @@ def test_auto_options_are_the_cost_model_constants():
     from sparsecoll.algorithms.auto import CostModel
 
     opts = algorithm_options("auto")
-    assert opts.pop("calibrate")[0] is True
+    assert opts.pop("calibrate")[0] is False
     assert {k: v[0] for k, v in opts.items()} == dataclasses.asdict(CostModel())
 
 

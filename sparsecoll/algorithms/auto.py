@@ -252,7 +252,9 @@ class Auto(Algorithm):
         delta: seconds per element of a dense pass (zero, add, scan).
         gamma_wire: seconds per pair of a compact wire message (encoding plus decoding).
         calibrate: learn the seconds per byte from the calls' measured times (the mean over
-            ranks, shared in the next call's one collective), in place of ``beta``.
+            ranks, shared in the next call's one collective), in place of ``beta``. For a
+            slow network; on an oversubscribed node the local work it cannot tell from
+            bytes makes it overrate them (default False).
     """
 
     name = "auto"
@@ -276,7 +278,7 @@ class Auto(Algorithm):
         gamma_merge: float = CostModel.gamma_merge,
         delta: float = CostModel.delta,
         gamma_wire: float = CostModel.gamma_wire,
-        calibrate: bool = True,
+        calibrate: bool = False,
     ) -> None:
         constants = dict(
             alpha=alpha,
