@@ -32,6 +32,7 @@ from ...api import allreduce
 from ...comm import Communicator
 from ...registry import get_algorithm
 from ._coo import from_coo, to_coo
+from ._group import world_subset
 
 __all__ = ["ENV_ALGORITHM", "ENV_TRANSPORT", "FutureWork", "SparseProcessGroup", "register"]
 
@@ -290,16 +291,9 @@ def _mpi_comm(ranks: list[int]) -> Any:
     """A communicator of the group's processes in its order, apart from the user's."""
     from ..._mpilib import mpi
 
-    world = mpi().COMM_WORLD
     if not ranks:
-        return world.Dup()
-    whole = world.Get_group()
-    part = whole.Incl(ranks)
-    try:
-        return world.Create_group(part)
-    finally:
-        part.Free()
-        whole.Free()
+        return mpi().COMM_WORLD.Dup()
+    return world_subset(ranks)
 
 
 def _create(backend_opts: Any, options: Any) -> SparseProcessGroup:

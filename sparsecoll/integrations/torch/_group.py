@@ -173,6 +173,13 @@ def group_comm(process_group: Any) -> Any:
             f"world: {ranks}, as under torchrun, where each is an MPI world of one): launch "
             f"with `mpiexec -n N python script.py` and sc_torch.init_process_group()"
         )
+    return world_subset(ranks)
+
+
+def world_subset(ranks: list[int]) -> Any:
+    """An MPI communicator of MPI's world ranks ``ranks``, in that order (MPI_Comm_create_group:
+    collective over those processes only)."""
+    world = _mpi_world()
     whole = world.Get_group()
     part = whole.Incl(ranks)
     try:
