@@ -23,6 +23,13 @@ def comm():
     return MPI.COMM_SELF
 
 
+@pytest.fixture(params=["ffi", "io_callback"])
+def path(request, monkeypatch):
+    """Each jitted test runs on both paths: the XLA FFI call and ``io_callback``."""
+    monkeypatch.setenv("SPARSECOLL_JAX_FFI", "1" if request.param == "ffi" else "0")
+    return request.param
+
+
 def test_import_does_not_import_jax():
     code = "import sys, sparsecoll, sparsecoll.integrations.jax; print('jax' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -84,7 +91,7 @@ def test_traced_array_points_to_the_integration(comm):
         f(jnp.ones(3))
 
 
-def test_jit_step_bit_identical(comm):
+def test_jit_step_bit_identical(comm, path):
     a = sparsecoll.GradientReducer(comm, n=1000, algorithm="exdyna", density=0.02)
     b = sparsecoll.GradientReducer(comm, n=1000, algorithm="exdyna", density=0.02)
     f = jax.jit(lambda g: sc_jax.step(a, g))
@@ -95,7 +102,7 @@ def test_jit_step_bit_identical(comm):
         assert np.asarray(u).tobytes() == b.step(np.asarray(g)).tobytes()
 
 
-def test_jit_allreduce_fixed_capacity(comm):
+def test_jit_allreduce_fixed_capacity(comm, path):
     vals = jnp.array([1.0, 2.0, 3.0, 9.0], jnp.float32)
     idx = jnp.array([4, 1, 4, 0])
     f = jax.jit(lambda v, i, c: sc_jax.allreduce(v, i, n=6, capacity=5, count=c, comm=comm))
@@ -109,13 +116,13 @@ def test_jit_allreduce_fixed_capacity(comm):
         sc_jax.allreduce(vals, idx, n=6, capacity=1, comm=comm)
 
 
-def test_jit_allreduce_dense(comm):
+def test_jit_allreduce_dense(comm, path):
     x = jnp.array([[0.0, 1.5], [0.0, -2.0]], jnp.float32)
     y = jax.jit(lambda x: sc_jax.allreduce_dense(x, comm=comm))(x)
     assert y.shape == (2, 2) and np.array_equal(np.asarray(y), np.asarray(x))
 
 
-def test_errors_inside_and_outside_jit(comm):
+def test_errors_inside_and_outside_jit(comm, path):
     r = sparsecoll.GradientReducer(comm, n=8, algorithm="oktopk", density=0.5)
     bad = jnp.zeros(8, jnp.int32)
     with pytest.raises(sparsecoll.CollectiveTypeError, match="float16, float32 or float64"):
@@ -129,3 +136,41 @@ def test_errors_inside_and_outside_jit(comm):
     ):
         f(jnp.zeros(9)).block_until_ready()
     assert np.asarray(f(jnp.ones(8))).shape == (8,)  # the reducer steps on
+
+
+def test_the_cpu_path_is_an_ffi_call(comm, path):
+    from sparsecoll.integrations.jax import _ffi
+
+    text = jax.jit(lambda x: sc_jax.allreduce_dense(x, comm=comm)).lower(jnp.ones(4)).as_text()
+    assert (_ffi.TARGET in text) == (path == "ffi")
+    assert ("callback" in text) == (path == "io_callback")
+
+
+def test_calls_run_in_program_order(comm, path):
+    """Two calls with no data between them run in the order the program makes them, each
+    once, every time the program runs (the effect token orders them)."""
+    from sparsecoll.integrations.jax import _ops
+
+    seen = []
+
+    def tag(name):
+        def run(ins, outs):
+            seen.append(name)
+            outs[0][...] = ins[0]
+
+        return run
+
+    shape = [jax.ShapeDtypeStruct((3,), jnp.float32)]
+
+    def program(x, y):
+        (b,) = _ops._call(tag("b"), shape, y)
+        (a,) = _ops._call(tag("a"), shape, x)
+        (c,) = _ops._call(tag("c"), shape, x + y)
+        return a + b + c
+
+    f = jax.jit(program)
+    for _ in range(3):
+        out = f(jnp.ones(3), jnp.full(3, 2.0))
+    jax.effects_barrier()
+    assert np.asarray(out).tolist() == [6.0, 6.0, 6.0]
+    assert seen == ["b", "a", "c"] * 3

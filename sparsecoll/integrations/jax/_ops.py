@@ -1,15 +1,16 @@
-"""The collectives for traced JAX code, each one ``jax.experimental.io_callback(ordered=True)``.
+"""The collectives for traced JAX code: ordered calls into the library, run in program order.
 
-Why an ordered I/O callback: a collective acts on other ranks, so it must run once per call
-and in program order on every rank. ``pure_callback`` promises neither (XLA may drop,
-duplicate or move it); an ordered ``io_callback`` threads an effect token through the
-program, so its calls run in program order, the same on every rank running the same program.
-The callback hands the library numpy views of its operands and returns numpy arrays, which
-XLA copies into its output buffers; an XLA FFI custom call would save these copies (and a GPU
-array's trip to the host), but needs a compiled extension.
+A collective acts on other ranks, so it must run once per call and in program order on every
+rank. ``pure_callback`` promises neither (XLA may drop, duplicate or move it). These
+functions bind an ordered call instead, threading JAX's I/O effect token, so the calls run in
+program order, the same on every rank running the same program. On the CPU the call is an
+XLA FFI call (:mod:`._ffi`) that hands the library the program's own buffers: the operands
+are read and the results written in place. Elsewhere (a GPU), or where that could not be set
+up (``SPARSECOLL_JAX_FFI=0`` turns it off), it is ``io_callback(ordered=True)``, which copies
+operands to the host and results back. Called outside a trace, the functions run at once.
 
-Errors: the library's agreement makes every rank raise the same error in the callback (a
-wrong dtype, sizes differing across ranks), so no rank is left waiting. JAX raises it as a
+Errors: the library's agreement makes every rank raise the same error in the call (a wrong
+dtype, sizes differing across ranks), so no rank is left waiting. JAX raises it as a
 ``JaxRuntimeError`` whose message holds the library's; called outside ``jit`` these functions
 raise the library's own error, and :func:`original_errors` does so around a jitted call.
 JAX dispatches asynchronously: before calling the library outside ``jit`` on a communicator
@@ -22,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,7 @@ import numpy as np
 from ..._array import INT32_LIMIT
 from ...api import allreduce as _allreduce
 from ...comm import Communicator
+from . import _ffi
 
 __all__ = ["allreduce", "allreduce_dense", "original_errors", "step"]
 
@@ -49,15 +51,11 @@ def step(reducer: Any, grad: Any) -> Any:
 
     grad = jnp.asarray(grad)
 
-    out: list[np.ndarray] = []  # one update buffer per traced call (no page faults)
+    def run(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> None:
+        reducer.step(ins[0], out=outs[0])
 
-    def run(g: np.ndarray) -> np.ndarray:
-        # (XLA copies a callback's results into its own buffers: the next step may reuse it)
-        if not out or out[0].dtype != g.dtype:
-            out[:] = [np.empty(g.shape, g.dtype)]
-        return reducer.step(g, out=out[0])
-
-    return _call(run, jax.ShapeDtypeStruct(grad.shape, grad.dtype), grad)
+    (update,) = _call(run, [jax.ShapeDtypeStruct(grad.shape, grad.dtype)], grad)
+    return update
 
 
 def allreduce(
@@ -103,24 +101,23 @@ def allreduce(
     count = jnp.asarray(m if count is None else count, jnp.int32)
     c = Communicator.wrap(comm)
 
-    def run(v: np.ndarray, i: np.ndarray, k: np.ndarray) -> tuple[Any, Any, Any]:
+    def run(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> None:
+        (v, i, k), (idx, val, total) = ins, outs
         k = min(max(int(k), 0), m)
         out = _allreduce(c, v[:k], i[:k], n=n, algorithm=algorithm, **options)
         nnz = out.nnz
         if nnz > capacity:  # (the sum is the same on every rank: each raises here)
             raise ValueError(f"the sum has {nnz} nonzeros, over capacity={capacity}")
-        idx = np.full(capacity, n, np.int32)
-        idx[:nnz] = out.indices
-        val = np.zeros(capacity, v.dtype)
-        val[:nnz] = out.values
-        return idx, val, np.int32(nnz)
+        idx[:nnz], idx[nnz:] = out.indices, n
+        val[:nnz], val[nnz:] = out.values, 0
+        total[...] = nnz
 
-    shapes = (
+    shapes = [
         jax.ShapeDtypeStruct((capacity,), jnp.int32),
         jax.ShapeDtypeStruct((capacity,), values.dtype),
         jax.ShapeDtypeStruct((), jnp.int32),
-    )
-    return _call(run, shapes, values, indices, count)
+    ]
+    return tuple(_call(run, shapes, values, indices, count))
 
 
 def allreduce_dense(x: Any, *, comm: Any = None, algorithm: Any = "allgather", **options: Any):
@@ -136,15 +133,15 @@ def allreduce_dense(x: Any, *, comm: Any = None, algorithm: Any = "allgather", *
     x = jnp.asarray(x)
     c = Communicator.wrap(comm)
 
-    def run(a: np.ndarray) -> np.ndarray:
-        flat = a.reshape(-1)
+    def run(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> None:
+        flat, dense = ins[0].reshape(-1), outs[0].reshape(-1)
         idx = np.flatnonzero(flat)  # (a wrong dtype is refused by every rank's allreduce)
         out = _allreduce(c, flat[idx], idx, n=flat.size, algorithm=algorithm, **options)
-        dense = np.zeros(flat.size, a.dtype)
+        dense[...] = 0
         dense[out.indices] = out.values
-        return dense.reshape(a.shape)
 
-    return _call(run, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    (total,) = _call(run, [jax.ShapeDtypeStruct(x.shape, x.dtype)], x)
+    return total
 
 
 @contextlib.contextmanager
@@ -169,22 +166,33 @@ def original_errors() -> Iterator[None]:
         raise found from exc
 
 
-def _call(run: Callable[..., Any], shapes: Any, *args: Any) -> Any:
-    """``io_callback(run, shapes, *args, ordered=True)``; outside a trace, the error ``run``
-    raised is raised as itself."""
+def _call(run: _ffi.Run, shapes: Sequence[Any], *args: Any) -> list[Any]:
+    """The results of ``run(inputs, outputs)``, which fills ``outputs`` (of ``shapes``): an
+    ordered call inside a trace, at once outside one (raising ``run``'s error as itself)."""
     import jax
+    import jax.numpy as jnp
     from jax.experimental import io_callback
 
-    def callback(*arrays: Any) -> Any:
+    if not any(isinstance(a, jax.core.Tracer) for a in args):
+        outs = [np.empty(s.shape, s.dtype) for s in shapes]
+        run([np.asarray(a) for a in args], outs)
+        return [jnp.asarray(o) for o in outs]
+
+    def recorded(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> None:
         try:
-            # (JAX hands the callback host jax.Arrays: their numpy views, without a copy)
-            return run(*(np.asarray(a) for a in arrays))
+            run(ins, outs)
         except BaseException as exc:
             with _lock:
                 _raised[:] = [exc]
             raise
 
-    if any(isinstance(a, jax.core.Tracer) for a in args):
-        return io_callback(callback, shapes, *args, ordered=True)
-    with original_errors():
-        return io_callback(callback, shapes, *args, ordered=True)
+    if jax.default_backend() == "cpu" and _ffi.available():
+        return _ffi.call(recorded, shapes, *args)
+
+    def callback(*arrays: Any) -> tuple[np.ndarray, ...]:
+        # (JAX hands the callback host jax.Arrays: their numpy views, without a copy)
+        outs = [np.empty(s.shape, s.dtype) for s in shapes]
+        recorded([np.asarray(a) for a in arrays], outs)
+        return tuple(outs)
+
+    return list(io_callback(callback, tuple(shapes), *args, ordered=True))
