@@ -45,7 +45,7 @@ __all__ = ["CANDIDATES", "Auto", "CostModel", "choose", "predict", "range_loads"
 
 CANDIDATES = (
     "allgather", "dsa", "recursive_doubling", "dense", "hashed", "ring",
-    "allgather:compact", "dsa:compact",
+    "allgather:compact", "dsa:compact", "recursive_doubling:compact",
 )  # fmt: skip
 
 
@@ -145,9 +145,11 @@ def predict(
     p = 1 << (P.bit_length() - 1)
     rd = (2 * (p.bit_length() - 1) + 3 * int(p != P)) * m.alpha
     group = P / p
+    rd_sparse = []  # the sums each round sends as pairs (what wire="compact" encodes)
     for _ in range(p.bit_length() - 1):
-        rd += m.beta * sp(union_size(group, n, kbar, theta), n)
-        rd += m.gamma_merge * union_size(2 * group, n, kbar, theta)
+        u = union_size(group, n, kbar, theta)
+        rd += m.beta * sp(u, n) + m.gamma_merge * union_size(2 * group, n, kbar, theta)
+        rd_sparse += [u] if u * pair < n * vsz else []
         group *= 2
     if goes_dense:
         rd += m.delta * n * d
@@ -178,6 +180,9 @@ def predict(
         )
     if P > 1 and width is None and np.dtype(vtype).kind == "f":
         _add_compact(out, m, P, n, N, K, hot, L, isz, vsz, pair)
+        # each round encodes the sum it sends and decodes the one it receives
+        saved = sum(u * (pair - compact_pair(u / n, isz, vsz)) for u in rd_sparse)
+        out["recursive_doubling:compact"] = rd - m.beta * saved + m.gamma_wire * sum(rd_sparse)
     if width is not None:  # rows go only to the algorithms that take them
         out = {k: v for k, v in out.items() if algorithm_class(k).takes_rows}
     return out

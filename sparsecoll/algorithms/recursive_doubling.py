@@ -5,7 +5,8 @@ Renggli et al., "SparCML: High-Performance Sparse Communication for Machine Lear
 Rounds: log2 p (p = 2^⌊log2 P⌋); in round i partners whose numbers differ in bit i swap
 their whole running sums and both merge them, lower rank's run first. A sum travels as
 pairs while nnz·(index + value bytes) < n·value bytes, else as n dense values (and stays
-dense); the size goes first (8 bytes), and the length tells the forms apart. Non-power-of-two
+dense); the size and form go first (8 bytes). With ``wire="compact"`` a sparse sum travels
+as one :mod:`sparsecoll.wire` message (the dense switch stays the raw one). Non-power-of-two
 P folds the first 2(P − p) ranks in pairs (:class:`~.base.Fold`).
 Volume sent per rank: Σ_i bytes(K_i), K_i the nnz held entering round i (identical indices:
 k·log2 p pairs; disjoint: ≈ k(p−1), capped at n values a round). Latency: log2 p messages
@@ -26,15 +27,17 @@ from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import merge_two
+from ._wire import WireOption, decode_pairs, encode_pairs
 from .base import Algorithm, Fold, pack_pairs, sparse_is_cheaper, unpack_pairs
 
 __all__ = ["RecursiveDoubling"]
 
 TAG = 31
+PAIRS, COMPACT, DENSE = 0, 1, 2  # a message's form, sent with its size
 
 
 @register_algorithm
-class RecursiveDoubling(Algorithm):
+class RecursiveDoubling(WireOption, Algorithm):
     name = "recursive_doubling"
     takes_rows = True
 
@@ -53,39 +56,42 @@ class RecursiveDoubling(Algorithm):
             state = _Vector(None, dense, x.n, True)
         else:
             state = _Vector.sparse(x.indices, x.values, x.n)
+        compact = self.compact(x)
         if fold.folded:
-            _exchange(comm, fold.partner, state.encode(), x)
+            _exchange(comm, fold.partner, state.encode(compact), x)
             return _exchange(comm, fold.partner, None, x).result()
         if fold.partner >= 0:  # the folded partner is the lower rank: its run goes first
             state = _exchange(comm, fold.partner, None, x).merge(state)
         mask = 1
         while mask < fold.pof2:
             peer_new = fold.newrank ^ mask
-            other = _exchange(comm, fold.real_rank(peer_new), state.encode(), x)
+            other = _exchange(comm, fold.real_rank(peer_new), state.encode(compact), x)
             state = state.merge(other) if fold.newrank < peer_new else other.merge(state)
             mask <<= 1
         if fold.partner >= 0:
-            _exchange(comm, fold.partner, state.encode(), x)
+            _exchange(comm, fold.partner, state.encode(compact), x)
         return state.result()
 
 
-def _exchange(comm: Communicator, peer: int, send: Any, like: SparseVector) -> _Vector | None:
-    """Swap vectors with ``peer`` (``send`` None: only receive).
+def _exchange(
+    comm: Communicator, peer: int, send: tuple[Any, int] | None, like: SparseVector
+) -> _Vector | None:
+    """Swap vectors with ``peer``: ``send`` is (message, form) or None (only receive).
 
-    Sizes go first, so no receive probes: a probe costs far more than an 8-byte exchange
-    on an oversubscribed node.
+    Size and form go first, as 4 * bytes + form, so no receive probes: a probe costs far
+    more than an 8-byte exchange on an oversubscribed node.
     """
-    mine = -1 if send is None else int(send.nbytes)
+    mine = -1 if send is None else 4 * int(send[0].nbytes) + send[1]
     theirs = comm.sendrecv_ints(mine, peer, peer, TAG)
-    xp = like.xp
-    recv = xp.empty(theirs, np.uint8) if theirs >= 0 else None
-    if mine > 0 and theirs > 0:
-        comm.sendrecv(send, peer, recv, peer, TAG)
-    elif mine > 0:
-        comm.send(send, peer, TAG)
-    elif recv is not None and theirs > 0:
+    size, form = divmod(theirs, 4)
+    recv = like.xp.empty(size, np.uint8) if theirs >= 0 else None
+    if mine >= 4 and size > 0:
+        comm.sendrecv(send[0], peer, recv, peer, TAG)
+    elif mine >= 4:
+        comm.send(send[0], peer, TAG)
+    elif recv is not None and size > 0:
         comm.recv(recv, peer, TAG)
-    return None if recv is None else _Vector.decode(recv, like)
+    return None if recv is None else _Vector.decode(recv, form, like)
 
 
 class _Vector:
@@ -107,16 +113,23 @@ class _Vector:
         out[indices] = values
         return cls(None, out, n, True)
 
-    def encode(self) -> Any:
-        return self.values if self.dense else pack_pairs(self.indices, self.values)
+    def encode(self, compact: bool) -> tuple[Any, int]:
+        """The message and its form (one of :data:`FORMS`)."""
+        if self.dense:
+            return self.values.reshape(-1).view(np.uint8), DENSE
+        if compact:
+            return encode_pairs(self.indices, self.values, 0, self.n), COMPACT
+        return pack_pairs(self.indices, self.values), PAIRS
 
     @classmethod
-    def decode(cls, buf: Any, like: SparseVector) -> _Vector:
-        """A received message: n·D·v bytes is dense, anything shorter is pairs."""
-        n, vtype, row = like.n, like.dtype, like.row_shape
-        if buf.shape[0] == n * vtype.itemsize * (like.width or 1):
+    def decode(cls, buf: Any, form: int, like: SparseVector) -> _Vector:
+        n, vtype, row, itype = like.n, like.dtype, like.row_shape, index_dtype(like.n)
+        if form == DENSE:
             return cls(None, buf.view(vtype).reshape(n, *row), n, True)
-        idx, vals = unpack_pairs(buf, index_dtype(n), vtype, like.width)
+        if form == COMPACT:
+            idx, vals = decode_pairs(buf, itype, vtype, 0, n, like.width)
+        else:
+            idx, vals = unpack_pairs(buf, itype, vtype, like.width)
         return cls(idx, vals, n, False)
 
     def merge(self, other: _Vector) -> _Vector:

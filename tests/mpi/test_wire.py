@@ -1,4 +1,4 @@
-"""wire="compact": allgather and dsa give the bits of wire="raw", the exact sum, and send
+"""wire="compact": allgather, dsa and recursive_doubling give the bits of wire="raw", the exact sum, and send
 fewer bytes where the pairs are sparse."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from sparsecoll.benchmarks.problems import make_problem
 
 from .cases import KINDS, assert_all, assert_identical, cases, digest, local_input, mismatch
 
-WIRED = ("allgather", "dsa")
+WIRED = ("allgather", "dsa", "recursive_doubling")
 
 
 @pytest.mark.parametrize("name", WIRED)
