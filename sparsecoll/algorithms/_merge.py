@@ -52,32 +52,27 @@ def _kernel() -> Any:
         b = 0
         o = 0
         while a < m1 and b < m2:
+            # without branches on the data (selects), so random interleavings do not stall
             x = i1[a]
             y = i2[b]
-            if x < y:
-                idx[o] = x
-                val[o] = v1[a]
-                a += 1
-            elif y < x:
-                idx[o] = y
-                val[o] = v2[b]
-                b += 1
-            else:
-                idx[o] = x
-                val[o] = v1[a] + v2[b]
-                a += 1
-                b += 1
+            ta = x <= y
+            tb = y <= x
+            va = v1[a]
+            vb = v2[b]
+            idx[o] = x if ta else y
+            s = va + vb
+            val[o] = s if ta and tb else (va if ta else vb)
+            a += ta
+            b += tb
             o += 1
-        while a < m1:
-            idx[o] = i1[a]
-            val[o] = v1[a]
-            a += 1
-            o += 1
-        while b < m2:
-            idx[o] = i2[b]
-            val[o] = v2[b]
-            b += 1
-            o += 1
+        r = m1 - a
+        idx[o : o + r] = i1[a:]
+        val[o : o + r] = v1[a:]
+        o += r
+        r = m2 - b
+        idx[o : o + r] = i2[b:]
+        val[o : o + r] = v2[b:]
+        o += r
         return idx[:o], val[:o]
 
     return merge

@@ -5,11 +5,13 @@ Renggli et al., "SparCML: High-Performance Sparse Communication for Machine Lear
 Rounds: log2 p (p = 2^⌊log2 P⌋); in round i partners whose numbers differ in bit i swap
 their whole running sums and both merge them, lower rank's run first. A sum travels as
 pairs while nnz·(index + value bytes) < n·value bytes, else as n dense values (and stays
-dense); the size and form go first (8 bytes). With ``wire="compact"`` a sparse sum travels
-as one :mod:`sparsecoll.wire` message (the dense switch stays the raw one). Non-power-of-two
-P folds the first 2(P − p) ranks in pairs (:class:`~.base.Fold`).
+dense). Size and form go first (8 bytes); pairs follow as one packed message up to
+:data:`PACK_LIMIT` bytes, beyond it as two (indices, values), each received into the array it
+becomes. With ``wire="compact"`` a sparse sum travels as one
+:mod:`sparsecoll.wire` message (the dense switch stays the raw one). Non-power-of-two P
+folds the first 2(P − p) ranks in pairs (:class:`~.base.Fold`).
 Volume sent per rank: Σ_i bytes(K_i), K_i the nnz held entering round i (identical indices:
-k·log2 p pairs; disjoint: ≈ k(p−1), capped at n values a round). Latency: log2 p messages
+k·log2 p pairs; disjoint: ≈ k(p−1), capped at n values a round). Latency: log2 p exchanges
 (+2 when folding): best for small messages.
 
 Exact and bit-identical on every rank; an entry of a sum that went dense is returned only
@@ -23,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .._array import get_array_module, index_dtype, nonzero_positions
-from ..comm import Communicator
+from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import merge_two
@@ -34,6 +36,7 @@ __all__ = ["RecursiveDoubling"]
 
 TAG = 31
 PAIRS, COMPACT, DENSE = 0, 1, 2  # a message's form, sent with its size
+PACK_LIMIT = 1 << 16  # pairs up to this many bytes travel packed: one message, not two
 
 
 @register_algorithm
@@ -74,24 +77,22 @@ class RecursiveDoubling(WireOption, Algorithm):
 
 
 def _exchange(
-    comm: Communicator, peer: int, send: tuple[Any, int] | None, like: SparseVector
+    comm: Communicator, peer: int, send: tuple[list[Any], int] | None, like: SparseVector
 ) -> _Vector | None:
-    """Swap vectors with ``peer``: ``send`` is (message, form) or None (only receive).
+    """Swap vectors with ``peer``: ``send`` is (message parts, form) or None (only receive).
 
-    Size and form go first, as 4 * bytes + form, so no receive probes: a probe costs far
-    more than an 8-byte exchange on an oversubscribed node.
+    Size and form go first, as 4 * bytes + form, so no receive probes (a probe costs far
+    more than an 8-byte exchange on an oversubscribed node), and the parts are received
+    straight into the arrays they become.
     """
-    mine = -1 if send is None else 4 * int(send[0].nbytes) + send[1]
+    mine = -1 if send is None else 4 * sum(int(p.nbytes) for p in send[0]) + send[1]
     theirs = comm.sendrecv_ints(mine, peer, peer, TAG)
     size, form = divmod(theirs, 4)
-    recv = like.xp.empty(size, np.uint8) if theirs >= 0 else None
-    if mine >= 4 and size > 0:
-        comm.sendrecv(send[0], peer, recv, peer, TAG)
-    elif mine >= 4:
-        comm.send(send[0], peer, TAG)
-    elif recv is not None and size > 0:
-        comm.recv(recv, peer, TAG)
-    return None if recv is None else _Vector.decode(recv, form, like)
+    parts = _Vector.buffers(size, form, like) if theirs >= 0 else []
+    reqs = [comm.irecv(p, peer, TAG) for p in parts if p.nbytes]
+    reqs += [comm.isend(p, peer, TAG) for p in (send[0] if send else ()) if p.nbytes]
+    Request.waitall(reqs)
+    return _Vector.decode(parts, form, like) if theirs >= 0 else None
 
 
 class _Vector:
@@ -113,24 +114,40 @@ class _Vector:
         out[indices] = values
         return cls(None, out, n, True)
 
-    def encode(self, compact: bool) -> tuple[Any, int]:
-        """The message and its form (one of :data:`FORMS`)."""
+    def encode(self, compact: bool) -> tuple[list[Any], int]:
+        """The message's parts (sent in order, without a copy where raw) and its form."""
+        xp = get_array_module(self.values)
         if self.dense:
-            return self.values.reshape(-1).view(np.uint8), DENSE
+            return [xp.ascontiguousarray(self.values)], DENSE
         if compact:
-            return encode_pairs(self.indices, self.values, 0, self.n), COMPACT
-        return pack_pairs(self.indices, self.values), PAIRS
+            return [encode_pairs(self.indices, self.values, 0, self.n)], COMPACT
+        if self.indices.nbytes + self.values.nbytes <= PACK_LIMIT:
+            return [pack_pairs(self.indices, self.values)], PAIRS
+        return [xp.ascontiguousarray(self.indices), xp.ascontiguousarray(self.values)], PAIRS
+
+    @staticmethod
+    def buffers(size: int, form: int, like: SparseVector) -> list[Any]:
+        """Empty arrays for the parts of a message of ``size`` bytes and this form."""
+        xp, n, vtype, row, itype = like.xp, like.n, like.dtype, like.row_shape, index_dtype(like.n)
+        if form == DENSE:
+            return [xp.empty((n, *row), vtype)]
+        if form == COMPACT or size <= PACK_LIMIT:
+            return [xp.empty(size, np.uint8)]
+        nnz = size // (itype.itemsize + vtype.itemsize * (like.width or 1))
+        return [xp.empty(nnz, itype), xp.empty((nnz, *row), vtype)]
 
     @classmethod
-    def decode(cls, buf: Any, form: int, like: SparseVector) -> _Vector:
-        n, vtype, row, itype = like.n, like.dtype, like.row_shape, index_dtype(like.n)
+    def decode(cls, parts: list[Any], form: int, like: SparseVector) -> _Vector:
         if form == DENSE:
-            return cls(None, buf.view(vtype).reshape(n, *row), n, True)
+            return cls(None, parts[0], like.n, True)
         if form == COMPACT:
-            idx, vals = decode_pairs(buf, itype, vtype, 0, n, like.width)
-        else:
-            idx, vals = unpack_pairs(buf, itype, vtype, like.width)
-        return cls(idx, vals, n, False)
+            itype = index_dtype(like.n)
+            idx, vals = decode_pairs(parts[0], itype, like.dtype, 0, like.n, like.width)
+            return cls(idx, vals, like.n, False)
+        if len(parts) == 1:
+            idx, vals = unpack_pairs(parts[0], index_dtype(like.n), like.dtype, like.width)
+            return cls(idx, vals, like.n, False)
+        return cls(parts[0], parts[1], like.n, False)
 
     def merge(self, other: _Vector) -> _Vector:
         """``self + other`` (self's run first); dense if either is."""

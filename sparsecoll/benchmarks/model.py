@@ -27,7 +27,8 @@ dense               2(P−1)/P·n·max(v, 4)                                2·l
 rabenseifner        2(p−1)/p·n·v + f·n·v                                2·log2 p + f
 allgather           (P−1)·k·pair                                        2·lg
 dsa                 max_r Σ_{j≠r} sp(c_rj, L_j) + Σ_d t_d·sp(K_r+d, L_r+d)  (below)
-recursive_doubling  Σ_{i<log2 p} sp(K(2^i + r_i), n) + f·sp(K(P), n)    2·log2 p + 3f
+recursive_doubling  Σ_{i<log2 p} sp(K(2^i + r_i), n) + f·sp(K(P), n)    2·log2 p + 3f (+1 a
+                                                                        pair message > 64 KiB)
 gtopk               log2 p·k·pair + f·(k·pair + k/8)                    log2 p + 2f
 oktopk              (k_out + k(P−1)/P)·pair                             (P−1)(1 + o) + 2·lg + 1
 exdyna              k(P−1)/P·(i + 2v)                                   4·lg
@@ -81,6 +82,7 @@ import numpy as np
 
 from ..algorithms.base import range_bounds
 from ..algorithms.dsa import bruck_counts
+from ..algorithms.recursive_doubling import PACK_LIMIT
 from .problems import HOT_SHARE, weights
 
 __all__ = [
@@ -334,8 +336,14 @@ def _recursive_doubling(P: int, x: Problem) -> Counts:
     # the busiest rank is newrank 0: entering round i it holds the 2^i newranks below 2^i,
     # and the first P - p of them took a folded partner's input each
     r = P - p
-    s = sum(x.sp(x.union(2**i + min(2**i, r)), x.n) for i in range(lgp)) + f * x.sp(x.union(P), x.n)
-    return Counts(s, 2 * lgp + 3 * f)
+    held = [x.union(2**i + min(2**i, r)) for i in range(lgp)] + [x.union(P)] * f
+
+    def messages(m: float) -> int:  # the size, then pairs packed up to PACK_LIMIT or split
+        split = m * x.pair < x.n * x.value_bytes and m * x.pair > PACK_LIMIT
+        return 2 + int(split)
+
+    s = sum(x.sp(m, x.n) for m in held)
+    return Counts(s, sum(messages(m) for m in held) + f)
 
 
 def _gtopk(P: int, x: Problem) -> Counts:
