@@ -8,6 +8,7 @@ from hypothesis import given, settings
 
 import sparsecoll
 from sparsecoll.algorithms.base import reference_sum
+from sparsecoll.benchmarks.problems import make_problem
 from sparsecoll.registry import algorithm_class
 from sparsecoll.sparse import coalesce
 
@@ -59,6 +60,24 @@ def test_rows_equal_dense_sum(comm, name, case):
     inputs = [coalesce(*local_input(case, r, comm.size)[::-1], case.n) for r in range(comm.size)]
     ok = algorithm_class(name)().verify(out, reference_sum(inputs), inputs)
     assert_all(comm, ok, f"{name}: verify refused an exact result ({case})")
+
+
+@pytest.mark.parametrize("name", EXACT)
+@pytest.mark.parametrize("overlap", ["random", "skewed"])
+def test_large_messages_equal_dense_sum(comm, name, overlap):
+    """Tens of thousands of pairs a rank, so messages run to hundreds of KiB (past
+    recursive_doubling's PACK_LIMIT, where its pairs travel as two messages)."""
+    n = 1 << 21
+
+    def given(r):
+        return make_problem(n, 0.02, r, comm.size, overlap, "float32", seed=3)
+
+    vals, idx = given(comm.rank)
+    out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=name)
+    assert_identical(comm, out)
+    inputs = [coalesce(*given(r)[::-1], n) for r in range(comm.size)]
+    ok = algorithm_class(name)().verify(out, reference_sum(inputs), inputs)
+    assert_all(comm, ok, f"{name}: not the exact sum ({overlap})")
 
 
 def spread_input(case, rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
