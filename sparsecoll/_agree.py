@@ -27,7 +27,8 @@ from typing import Any
 
 from . import errors
 from ._mpilib import thread_multiple
-from ._progress import get_timeout, ranks_text
+from ._progress import ranks_text
+from ._timeout import get_timeout
 from .errors import CollectiveInputError, CollectiveTypeError
 from .sparse import VALUE_DTYPES
 

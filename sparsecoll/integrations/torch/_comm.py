@@ -43,8 +43,8 @@ import numpy as np
 from ..._array import get_array_module
 from ..._buffers import recv_view, send_view
 from ..._polling import Request
-from ..._progress import get_timeout
 from ..._routing import routed
+from ..._timeout import get_timeout
 from ...comm import CommStats, Communicator
 from ._group import torch_module
 
