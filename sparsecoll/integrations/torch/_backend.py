@@ -14,11 +14,14 @@ algorithm: ``pg_options``' ``"algorithm"``, else ``SPARSECOLL_TORCH_ALGORITHM``,
 ``auto``; the other keys of ``pg_options`` are its options.
 
 Every all_reduce first agrees on the tensor's kind, shape, dtype, op and device
-(:mod:`._vote`): the ranks take the same path, or all raise the same error.
+(:mod:`._vote`): the ranks take the same path, or all raise the same error. Over MPI the
+agreements run on a communicator of their own, and the group's timeout is the watchdog's
+limit on it and on the sparse calls' (the smaller of it and ``SPARSECOLL_TIMEOUT``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Mapping
@@ -91,6 +94,7 @@ class SparseProcessGroup(dist.ProcessGroup):
         self.algorithm_options = options
         self._algorithms: dict[tuple, Any] = {}  # one instance per (shape, dtype): auto's state
         self._threaded: bool | None = None
+        self._watched: bool | None = None  # whether the votes' engine watches them
         self._inner = threading.local()  # .on: in a sparse reduction (its calls are agreed)
 
     @property
@@ -137,7 +141,10 @@ class SparseProcessGroup(dist.ProcessGroup):
         kind = "sparse" if tensors and tensors[0].layout == torch.sparse_coo else "dense"
         label = f"all_reduce({kind} tensor of shape {tuple(tensors[0].shape) if tensors else ()})"
         try:
-            algo = call_check(self._votes, tensors, op, lambda t: self._local_check(t, op), label)
+            with self._watch(label):
+                algo = call_check(
+                    self._votes, tensors, op, lambda t: self._local_check(t, op), label
+                )
         except SparseCollError as exc:  # (agreed: every rank's Work fails alike)
             fut: Any = Future()
             fut.set_exception(exc)
@@ -145,6 +152,20 @@ class SparseProcessGroup(dist.ProcessGroup):
         if algo is None:
             return self._dense_allreduce(tensors, opts)
         return self._sparse_allreduce(tensors[0], op, algo, label)
+
+    def _watch(self, label: str) -> Any:
+        """Around an all_reduce's agreement: over MPI, watched by its communicator's
+        engine (the group's timeout: a rank that skips the call ends the job with the
+        watchdog's diagnostic); gloo's votes have the group's timeout as their own."""
+        if self._watched is None:
+            try:  # (alike on every rank: the thread level; the start is collective)
+                self._votes.engine(label, blocking=True)
+                self._watched = True
+            except (AttributeError, RuntimeError):
+                self._watched = False
+        if not self._watched:
+            return contextlib.nullcontext()
+        return self._votes.engine(label, blocking=True).watching(label)
 
     def _dense_allreduce(self, tensors: list[Any], opts: Any) -> Any:
         if opts.reduceOp == dist.ReduceOp.AVG:  # (gloo has none: a sum, then divided)
@@ -323,11 +344,14 @@ def _create(backend_opts: Any, options: Any) -> SparseProcessGroup:
         nccl = dist.ProcessGroupNCCL.Options()
         nccl._timeout = timeout
         dense["cuda"] = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, nccl)
-    votes = GlooVotes(dense["cpu"], rank, size)
+    votes: Any = GlooVotes(dense["cpu"], rank, size)
+    comm = None  # (over torch: a TorchCommunicator of the group, once torch has registered it)
     if _transport(store, rank, size, ranks, forced) == "mpi":
+        # the sparse calls and the agreements, on two communicators: the watchdog's limit
+        # on both is the group's timeout (or SPARSECOLL_TIMEOUT, when it is smaller)
         comm = Communicator(_mpi_comm(ranks))
-    else:
-        comm = None  # (a TorchCommunicator of the group, once torch has registered it)
+        votes = Communicator(comm.mpi_comm.Dup())
+        comm.timeout = votes.timeout = (timeout.total_seconds(), "the process group's timeout")
     return SparseProcessGroup(rank, size, dense, comm, options, votes)
 
 

@@ -1,9 +1,9 @@
 """The backend's call agreement: what every ``all_reduce`` on a sparsecoll group agrees on
 before it picks its path (gloo for a dense tensor, sparsecoll for a sparse one).
 
-:func:`call_check` runs :func:`sparsecoll._agree.agreement` over :class:`GlooVotes`,
-a communicator of the group's own gloo backend (every rank reaches it, whatever its
-tensor), on the tensor's layout, sparse and
+:func:`call_check` runs :func:`sparsecoll._agree.agreement` over a communicator that
+every rank reaches whatever its tensor (a duplicate of the group's MPI communicator, or
+:class:`GlooVotes` over the group's own gloo backend), on the tensor's layout, sparse and
 dense dimensions, shape (the size of a dense tensor), dtype, op and device: one small
 MAX-allreduce when the ranks agree; when one rank's tensor is of another kind, or fails
 its own checks, every rank raises the same error, naming that rank, and none takes a path
