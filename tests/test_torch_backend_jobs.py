@@ -1,7 +1,8 @@
-"""The "sparsecoll" torch.distributed backend in whole jobs under mpiexec: the process group's
+"""The "sparsecoll" torch.distributed backend in whole jobs: under mpiexec the process group's
 ``timeout`` is the watchdog's, so a rank that skips an all_reduce, or is stuck in a sparse
-one, ends the job with the watchdog's diagnostic within about that timeout (each test
-launches this very file under mpiexec, SPARSECOLL_TIMEOUT unset, with a timeout).
+one, ends the job with the watchdog's diagnostic within about that timeout; under torchrun
+the waiting ranks raise at that timeout (each test launches this very file under mpiexec,
+SPARSECOLL_TIMEOUT unset, or torchrun, with a timeout).
 
 tests/mpi/test_torch_backend.py checks the results; these check how jobs end.
 """
@@ -70,18 +71,37 @@ def test_a_rank_stuck_in_a_sparse_all_reduce_ends_the_job():
     assert "rank 1 in call #2 stuck" in out or "rank 1 of 2: in call #2 stuck" in out, out[-6000:]
 
 
+@pytest.mark.mpi
+def test_a_rank_that_skips_an_all_reduce_ends_the_job_under_torchrun():
+    """Under torchrun the agreement is gloo's: the ranks waiting there raise at the group's
+    timeout, naming the call, and torchrun ends the job."""
+    pytest.importorskip("torch")
+    from .test_torchrun import run_torchrun
+
+    start = time.monotonic()
+    proc, hung = run_torchrun(2, [__file__, "torchrun_skip"], idle=100)
+    out = proc.stdout
+    assert not hung and proc.returncode != 0, out[-6000:]
+    assert "not reached" not in out, out[-6000:]
+    assert time.monotonic() - start < 100, out[-6000:]
+    want = f"RuntimeError: {SPARSE} on rank 0: the ranks' agreement on the call failed"
+    assert want in out, out[-6000:]
+
+
 def _job(mode: str) -> None:
     import datetime
 
     import numpy as np
     import torch
     import torch.distributed as dist
-    from mpi4py import MPI
 
     from sparsecoll.integrations import torch as sc_torch
 
     timeout = datetime.timedelta(seconds=PG_SECONDS)
-    sc_torch.init_process_group(backend="sparsecoll", timeout=timeout)
+    if mode.startswith("torchrun"):
+        dist.init_process_group("sparsecoll", timeout=timeout)
+    else:
+        sc_torch.init_process_group(backend="sparsecoll", timeout=timeout)
     rank = dist.get_rank()
     sparse = torch.sparse_coo_tensor([[rank, 5]], torch.ones(2, 3), (8, 3))
     if mode == "skip_first":
@@ -93,8 +113,12 @@ def _job(mode: str) -> None:
             dist.group.WORLD.comm.engine().submit(lambda: time.sleep(600), "stuck")
         if mode == "stuck" or rank != 1:
             dist.all_reduce(sparse.clone())
-    # raw MPI, not watched; rank 1 waits here
-    MPI.COMM_WORLD.Recv(np.empty(1), source=0, tag=77)
+    if mode.startswith("torchrun"):
+        time.sleep(200)
+    else:  # raw MPI, not watched; rank 1 waits here
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Recv(np.empty(1), source=0, tag=77)
     print("not reached", flush=True)
 
 

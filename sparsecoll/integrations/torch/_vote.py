@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..._agree import agreement
+from ...errors import SparseCollError
 
 __all__ = ["GlooVotes", "call_check"]
 
@@ -127,21 +128,29 @@ def call_check(
         return ((tuple(range(len(NAMES))), values),)
 
     result = None
-    with agreement(votes, NAMES, detail, call=call) as agree:
-        if t is None or kind not in _LAYOUTS.values():
-            raise ValueError(f"all_reduce takes dense or sparse COO tensors, got {kind}")
-        if sparse:
-            if len(tensors) != 1:
-                raise ValueError(f"expecting one sparse tensor, got {len(tensors)}")
-            result = local(t)
-        size = _crc(tuple(t.shape)) if sparse else t.numel()
-        agree.signature = [
-            1 if sparse else 0,
-            t.sparse_dim() if sparse else 0,
-            t.dense_dim() if sparse else 0,
-            size,
-            _crc(str(t.dtype)),
-            _crc(op),
-            _crc(t.device.type),
-        ]
+    try:
+        with agreement(votes, NAMES, detail, call=call) as agree:
+            if t is None or kind not in _LAYOUTS.values():
+                raise ValueError(f"all_reduce takes dense or sparse COO tensors, got {kind}")
+            if sparse:
+                if len(tensors) != 1:
+                    raise ValueError(f"expecting one sparse tensor, got {len(tensors)}")
+                result = local(t)
+            size = _crc(tuple(t.shape)) if sparse else t.numel()
+            agree.signature = [
+                1 if sparse else 0,
+                t.sparse_dim() if sparse else 0,
+                t.dense_dim() if sparse else 0,
+                size,
+                _crc(str(t.dtype)),
+                _crc(op),
+                _crc(t.device.type),
+            ]
+    except SparseCollError:
+        raise
+    except RuntimeError as exc:  # (gloo's: its timeout, a closed connection)
+        raise RuntimeError(
+            f"{call} on rank {votes.rank}: the ranks' agreement on the call failed ({exc}): "
+            f"some rank skipped this call, is stuck before it or died"
+        ) from exc
     return result
