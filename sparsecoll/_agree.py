@@ -291,7 +291,8 @@ def _raise_mixed(dup: Any, kind: str | None, call: str | None) -> None:
     try:
         every = dup.allgather_object((kind or "blocking", call))
     finally:
-        dup.mpi_comm.Free()
+        if dup.mpi_comm is not None:  # (a TorchCommunicator's new group is torch's to end)
+            dup.mpi_comm.Free()
     if all(k != "nonblocking" for k, _ in every):
         on = [r for r, (k, _) in enumerate(every) if k == "watched"]
         off = [r for r, (k, _) in enumerate(every) if k != "watched"]

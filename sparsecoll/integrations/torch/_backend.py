@@ -212,10 +212,9 @@ class SparseProcessGroup(dist.ProcessGroup):
             finally:
                 self._inner.on = False
 
-        if self._threaded is None:
+        if self._threaded is None:  # (over torch: inline, its messages in program order)
             try:  # (below MPI_THREAD_MULTIPLE every rank's raises alike: each runs inline)
-                self.comm.engine(label)
-                self._threaded = True
+                self._threaded = self.comm.mpi_comm is not None and bool(self.comm.engine(label))
             except (RuntimeError, NotImplementedError):
                 self._threaded = False
         if self._threaded:
