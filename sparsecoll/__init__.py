@@ -9,7 +9,8 @@ import os as _os
 # Numba is first imported).
 _os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
 
-from ._progress import SparseRequest, get_timeout, set_timeout
+from ._progress import SparseRequest
+from ._timeout import get_timeout, set_timeout
 from .algorithms.base import Algorithm
 from .api import allreduce, iallreduce
 from .comm import CommStats, Communicator

@@ -27,7 +27,8 @@ from typing import Any
 
 from . import errors
 from ._mpilib import thread_multiple
-from ._progress import get_timeout, ranks_text
+from ._progress import ranks_text
+from ._timeout import get_timeout
 from .errors import CollectiveInputError, CollectiveTypeError
 from .sparse import VALUE_DTYPES
 
@@ -290,7 +291,8 @@ def _raise_mixed(dup: Any, kind: str | None, call: str | None) -> None:
     try:
         every = dup.allgather_object((kind or "blocking", call))
     finally:
-        dup.mpi_comm.Free()
+        if dup.mpi_comm is not None:  # (a TorchCommunicator's new group is torch's to end)
+            dup.mpi_comm.Free()
     if all(k != "nonblocking" for k, _ in every):
         on = [r for r, (k, _) in enumerate(every) if k == "watched"]
         off = [r for r, (k, _) in enumerate(every) if k != "watched"]

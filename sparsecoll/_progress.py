@@ -5,7 +5,7 @@ Each MPI communicator used for nonblocking calls gets one :class:`Engine` (see
 collective start, then runs the submitted calls one after the other, in submission order,
 on a duplicate of the communicator in polling mode (so neither the user's own traffic can
 interleave with it nor its waiting spin a core). Every rank must submit its calls in the
-same order, as with blocking collectives. This module imports no other of sparsecoll's.
+same order, as with blocking collectives. It imports only :mod:`._timeout` of sparsecoll's.
 
 The watchdog (off by default; :func:`set_timeout` or ``SPARSECOLL_TIMEOUT=seconds``) watches
 the call each engine is running, and the blocking calls the user's threads make on the
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import math
-import numbers
 import os
 import sys
 import threading
@@ -33,11 +31,11 @@ from typing import Any
 
 import numpy as np
 
+from ._timeout import _seconds, limit
+
 __all__ = [
     "Engine",
     "SparseRequest",
-    "get_timeout",
-    "set_timeout",
     "shutdown",
     "starting",
     "stop",
@@ -48,8 +46,6 @@ ANSWER_TAG = 0x5C8  # tag of the answers to them: each rank's state
 WATCH_PERIOD = 0.05  # seconds between two looks of the watchdog
 GRACE = 1.0  # seconds the other ranks get to print their state before MPI_Abort
 
-_timeout: float | None = None
-_timeout_read = False
 _engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 _atexit_registered = False
 _registry_lock = threading.Lock()
@@ -65,71 +61,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_registry_lock)
 
 
-def _seconds(name: str, value: Any) -> float | None:
-    """``value`` (None, or a Python or numpy real number of seconds, not a bool) as a float;
-    past ``threading.TIMEOUT_MAX`` (infinity too) as None: no limit (waits and timers
-    raise OverflowError there). A TypeError for another type (a str, a bool), a ValueError
-    for NaN."""
-    if value is None:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{name} must be a number of seconds or None, got {value!r} ({type(value).__name__})"
-        )
-    seconds = float(value)
-    if math.isnan(seconds):
-        raise ValueError(f"{name} must be a number of seconds or None, got {seconds!r}")
-    return None if seconds > threading.TIMEOUT_MAX else seconds
-
-
-def set_timeout(seconds: float | None) -> None:
-    """Turn the watchdog on (a timeout in seconds) or off (None, 0 or infinity), on this rank.
-
-    Set the same value on every rank (``SPARSECOLL_TIMEOUT`` in the job's environment
-    does). With a timeout, blocking :func:`sparsecoll.allreduce` calls (and
-    ``GradientReducer.step``) are watched too: they still run in the calling thread (their
-    input agreement on the user's communicator, the algorithm's messages on the duplicate
-    that blocking calls share, not the progress engine's), and the engine's watchdog times
-    them.
-
-    Raises:
-        TypeError: ``seconds`` is not None or a real number (a str, a bool).
-        ValueError: ``seconds`` is negative or NaN.
-    """
-    global _timeout, _timeout_read
-    value = _seconds("timeout", seconds)
-    if value is not None and not value >= 0:
-        raise ValueError(f"timeout must be >= 0 seconds or None, got {value!r}")
-    _timeout = value or None
-    _timeout_read = True
-
-
-def get_timeout() -> float | None:
-    """The watchdog's timeout in seconds (None: off); ``SPARSECOLL_TIMEOUT`` is read once."""
-    global _timeout_read
-    if not _timeout_read:
-        env = os.environ.get("SPARSECOLL_TIMEOUT", "").strip()
-        try:
-            set_timeout(float(env) if env else None)
-        except ValueError:
-            raise ValueError(
-                f"SPARSECOLL_TIMEOUT must be a number of seconds >= 0 (0 or empty: off), "
-                f"got {env!r}"
-            ) from None
-        _timeout_read = True
-    return _timeout
-
-
 @contextlib.contextmanager
-def starting(comm: Any, call: str | None) -> Iterator[None]:
+def starting(comm: Any, call: str | None, own: tuple[float, str] | None = None) -> Iterator[None]:
     """Around the completion of ``comm``'s progress engine's collective start (its vote and
-    duplications), which no engine watches yet: with the watchdog on, past the timeout
-    print this rank's state and call MPI_Abort (a rank that never makes the call that
-    starts the engine would leave the others there for ever)."""
-    timeout = get_timeout()
-    if not timeout:
+    duplications), which no engine watches yet: with the watchdog on (:func:`limit` of
+    ``own``), past the timeout print this rank's state and call MPI_Abort (a rank that never
+    makes the call that starts the engine would leave the others there for ever)."""
+    watch = limit(own)
+    if not watch:
         yield
         return
+    timeout, source = watch
 
     def fire() -> None:
         _stderr(
@@ -137,7 +79,7 @@ def starting(comm: Any, call: str | None) -> Iterator[None]:
             f"communicator's progress engine{f' (for {call})' if call else ''} for "
             f"{timeout:g} s, which every rank makes at its first nonblocking or watched "
             f"call there; some rank has not made it; timeout "
-            f"{timeout:g} s expired (SPARSECOLL_TIMEOUT); aborting the job"
+            f"{timeout:g} s expired ({source}); aborting the job"
         )
         time.sleep(GRACE)  # (so that mpiexec forwards the line before the abort ends the job)
         comm.abort(1)
@@ -254,7 +196,8 @@ class Engine:
     Communicators, ``comm`` (a polling duplicate: the calls run there) and the watchdog's
     ``alarm``; then the submitted calls, in order. A start that raises fails every call
     submitted to the engine with its error (``failed``), and the engine ends. ``abort``
-    ends the job while no alarm communicator exists.
+    ends the job while no alarm communicator exists. ``timeout``: the communicator's own
+    (seconds, what sets it; see :func:`~._timeout.limit`).
     """
 
     def __init__(
@@ -263,8 +206,9 @@ class Engine:
         size: int,
         start: Callable[[], tuple[Any, Any]],
         abort: Callable[[int], None],
+        timeout: tuple[float, str] | None = None,
     ) -> None:
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.timeout = rank, size, timeout
         self._comm: Any = None
         self._alarm: Any = None
         self._start: Callable[[], tuple[Any, Any]] | None = start
@@ -325,7 +269,7 @@ class Engine:
         and to the ``owner.measure()`` scopes the calling thread has open now, if still open
         then (not to another thread's: their calls moved none of it)."""
         self._check_process()
-        watch = get_timeout()  # (a bad SPARSECOLL_TIMEOUT raises here, before anything is queued)
+        watch = limit(self.timeout)  # (a bad SPARSECOLL_TIMEOUT raises here, before queuing)
         scopes = () if owner is None else tuple(owner._open_scopes())
         with self._cond:
             if self._closed:
@@ -455,7 +399,7 @@ class Engine:
         me = threading.get_ident()
         with self._cond:
             inflight = {r.call for t, (r, _) in self._blocking.items() if t != me}
-            while inflight and self._watchdog is not None and get_timeout():
+            while inflight and self._watchdog is not None and limit(self.timeout):
                 self._cond.wait(WATCH_PERIOD)  # (get_timeout() may change meanwhile)
                 inflight &= {r.call for r, _ in self._blocking.values()}
             self._stopped = True
@@ -537,12 +481,12 @@ class Engine:
                     self._watchdog = None  # (under the lock: watching() starts another)
                     return
             time.sleep(WATCH_PERIOD)
-            timeout = get_timeout()
+            watch = limit(self.timeout)
             late = (
-                [r for r, t in self._running() if time.monotonic() - t > timeout] if timeout else []
+                [r for r, t in self._running() if time.monotonic() - t > watch[0]] if watch else []
             )
             if late:
-                self._fire(timeout, late[0].call)
+                self._fire(watch, late[0].call)
             alarm = None if self._alarm is None else self._alarm.try_recv_ints(ALARM_TAG)
             if alarm is not None:
                 self._report(f"rank {alarm[0]} timed out in its call #{alarm[1][0]}")
@@ -582,9 +526,9 @@ class Engine:
         """MPI_Abort: end every process of the job."""
         (self._alarm.abort if self._alarm is not None else self._abort_job)(code)
 
-    def _fire(self, timeout: float, call: int) -> None:
+    def _fire(self, watch: tuple[float, str], call: int) -> None:
         c = self._alarm
-        self._report(f"timeout {timeout:g} s expired (SPARSECOLL_TIMEOUT); aborting the job")
+        self._report(f"timeout {watch[0]:g} s expired ({watch[1]}); aborting the job")
         if c is None:  # (no call runs before the start has made it: not expected)
             self.abort(1)
             return

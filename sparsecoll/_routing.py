@@ -19,7 +19,7 @@ from typing import Any
 
 from ._agree import watch
 from ._buffers import buffers_device
-from ._progress import get_timeout
+from ._timeout import get_timeout
 
 __all__ = ["Apart", "routed", "thread_state"]
 

@@ -111,6 +111,7 @@ class Communicator(Accounting):
         self._engine: Any = None  # the progress engine, once found (see _attached_engine)
         self._lock: Any = None  # see serial()
         self._internal = False  # a progress engine's own duplicate (see _watch_direct)
+        self.timeout: tuple[float, str] | None = None  # the watchdog's own (_timeout.limit)
         self._apart = Apart()  # each thread's message communicator (see apart())
         self.poll = bool(env_flag("SPARSECOLL_POLL", False)) if poll is None else bool(poll)
 
@@ -178,14 +179,14 @@ class Communicator(Accounting):
         poll = bool(env_flag("SPARSECOLL_PROGRESS_POLL", True))
 
         def start() -> tuple[Communicator, Communicator]:
-            with starting(self, call):  # (no engine watches it yet)
+            with starting(self, call, self.timeout):  # (no engine watches it yet)
                 vote.settle(dup)
                 work = dup.get(poll)
                 alarm = Communicator(work.mpi_comm.Dup(), poll=True)
             alarm._internal = True
             return work, alarm
 
-        engine = Engine(self.rank, self.size, start, abort=self.abort)
+        engine = Engine(self.rank, self.size, start, abort=self.abort, timeout=self.timeout)
         _keyvals.attach_engine(self.mpi_comm, engine)
         self._engine = engine
         return engine

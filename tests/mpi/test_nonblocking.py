@@ -329,13 +329,13 @@ def test_bad_timeout_setting_queues_nothing(comm, monkeypatch, setting):
     """A SPARSECOLL_TIMEOUT that is not a number >= 0 raises from submit before the call is
     queued (it was queued, and ran, while the caller got the ValueError and no request);
     the message says what is allowed (for "-1" it said "must be a number")."""
-    from sparsecoll import _progress
+    from sparsecoll import _timeout
 
     engine = comm.engine()
     ran = threading.Event()
     before = engine.pending(), engine._submitted
     monkeypatch.setenv("SPARSECOLL_TIMEOUT", setting)
-    monkeypatch.setattr(_progress, "_timeout_read", False)
+    monkeypatch.setattr(_timeout, "_timeout_read", False)
     want = f"SPARSECOLL_TIMEOUT must be a number of seconds >= 0 .*, got '{setting}'"
     with pytest.raises(ValueError, match=want):
         engine.submit(ran.set, "local")

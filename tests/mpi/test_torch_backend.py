@@ -25,6 +25,7 @@ from sparsecoll.integrations import torch as sc_torch  # noqa: E402
 pytestmark = pytest.mark.filterwarnings(
     "ignore:.*is deprecated:FutureWarning",  # (torch's own calls of its renamed functions)
     "ignore:Sparse invariant checks:UserWarning",
+    "ignore:Sparse CSR tensor support is in beta:UserWarning",
 )
 TRANSPORTS = ["mpi"]
 if importlib.util.find_spec("sparsecoll.integrations.torch._comm") is not None:
@@ -304,6 +305,49 @@ def _mismatches_raise_alike(group, comm, bad: bool, last: int) -> None:
         lambda: dist.all_reduce(t, group=group),
         f"sparse dims must be the same on every rank: rank {last} has 1, rank 0 has 2",
     )
+
+
+def test_dense_and_sparse_mixed_raise_on_every_rank(group, comm):
+    """A dense tensor on one rank where the others pass a sparse one (either way round), a
+    sparse CSR tensor, an op that differs: the same error on every rank, naming the rank,
+    where the ranks took different paths and hung; the group works on afterwards."""
+    last = comm.size - 1
+    t = _tensor(comm.rank, 4, (8, 3), 1, torch.float32, 3)
+    if comm.size > 1:
+        mixed = t.to_dense() if comm.rank == last else t
+        _raises_alike(
+            comm,
+            lambda: dist.all_reduce(mixed, group=group),
+            rf"tensor layout must be the same on every rank: rank {last} has dense, rank 0 "
+            rf"has sparse COO",
+        )
+        mixed = t if comm.rank == last else t.to_dense()
+        _raises_alike(
+            comm,
+            lambda: dist.all_reduce(mixed, group=group, async_op=True).wait(),
+            rf"rank {last} has sparse COO, rank 0 has dense",
+        )
+        x = torch.ones(3)
+        op = dist.ReduceOp.MAX if comm.rank == last else dist.ReduceOp.SUM
+        _raises_alike(
+            comm,
+            lambda: dist.all_reduce(x, op=op, group=group),
+            rf"op must be the same on every rank: rank {last} has 'MAX', rank 0 has 'SUM'",
+        )
+    csr = t.to_dense().to_sparse_csr() if comm.rank == last else t
+    _raises_alike(
+        comm,
+        lambda: dist.all_reduce(csr, group=group),
+        rf"all_reduce takes dense or sparse COO tensors, got torch.sparse_csr on rank {last}",
+    )
+    want = sum(_tensor(r, 4, (8, 3), 1, torch.float32, 3).to_dense() for r in range(comm.size))
+    dist.all_reduce(t, group=group)
+    x = torch.ones(3)
+    dist.all_reduce(x, group=group)
+    ok = torch.allclose(t.to_dense(), want, atol=1e-5) and torch.equal(
+        x, torch.full((3,), comm.size * 1.0)
+    )
+    assert_all(comm, ok, "after the errors")
 
 
 def test_selecting_or_unknown_algorithm_raises_on_every_rank(group, comm):

@@ -176,12 +176,52 @@ def test_allgatherv_counts_what_it_moves(comm):
     assert comm.bcast_object(("from", comm.rank), comm.size - 1) == ("from", comm.size - 1)
 
 
-def test_nonblocking_is_not_supported(comm):
-    with pytest.raises(NotImplementedError, match="TorchCommunicator"):
-        sparsecoll.iallreduce(comm, np.ones(1, np.float32), np.zeros(1, np.int64), n=4)
-    # the communicator is still usable afterwards
-    out = sparsecoll.allreduce(comm, np.ones(1, np.float32), np.zeros(1, np.int64), n=4)
-    assert out.values.tolist() == [comm.size]
+def test_nonblocking(comm, process_group):
+    """iallreduce over a TorchCommunicator: requests in flight complete with the blocking
+    call's results while the user's own calls on the group go on (the engine's messages
+    travel on a group of its own); GradientReducer.step_async too."""
+    import torch
+    import torch.distributed as dist
+
+    rng = np.random.default_rng([7, comm.rank])
+    names = ["allgather", "dsa", "recursive_doubling", "allgather"]
+    inputs = [(rng.standard_normal(20).astype(np.float32), rng.integers(0, 100, 20)) for _ in names]
+    reqs = [
+        sparsecoll.iallreduce(comm, v, i, n=100, algorithm=a) for (v, i), a in zip(inputs, names)
+    ]
+    x = torch.ones(3)
+    dist.all_reduce(x, group=process_group)  # (the user's own call, the requests in flight)
+    outs = [r.wait() for r in reqs]
+    problems = [] if x.tolist() == [comm.size] * 3 else [f"the user's all_reduce: {x}"]
+    for k, ((v, i), out) in enumerate(zip(inputs, outs)):
+        want = sparsecoll.allreduce(comm, v, i, n=100)
+        if not (np.array_equal(out.indices, want.indices) and np.allclose(out.values, want.values)):
+            problems.append(f"request {k} differs from the blocking call")
+    red = sparsecoll.GradientReducer(comm, n=500, algorithm="oktopk", density=0.05)
+    grad = rng.standard_normal(500).astype(np.float32)
+    update = red.step_async(grad).wait()
+    digests = comm.allgather_object(update.tobytes())
+    if any(d != digests[0] for d in digests):
+        problems.append("step_async's updates differ across ranks")
+    assert_all(comm, not problems, "; ".join(problems))
+
+
+def test_blocking_and_nonblocking_mixed_raise_alike(comm):
+    """Rank 0 starts a nonblocking call where the others make a blocking one (the engine's
+    first start on a fresh communicator): every rank raises, naming both calls."""
+    fresh = type(comm)(comm.group)
+    one = (np.ones(1, np.float32), np.zeros(1, np.int64))
+    try:
+        if comm.rank == 0:
+            sparsecoll.iallreduce(fresh, *one, n=4).wait()
+        else:
+            sparsecoll.allreduce(fresh, *one, n=4)
+    except sparsecoll.SparseCollError as exc:
+        got = str(exc)
+    else:
+        got = "nothing raised"
+    ok = comm.size == 1 or "blocking and nonblocking calls mixed" in got
+    assert_all(comm, ok, got)
 
 
 def test_the_watchdog_is_refused_without_loading_mpi(comm):

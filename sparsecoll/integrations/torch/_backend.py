@@ -11,14 +11,19 @@ sparse all-reduces run on the communicator's progress thread, one after the othe
 order; over torch, in the calling thread, their messages on the dense group in program
 order with the dense calls (so every rank issues gloo's calls in the same order). The
 algorithm: ``pg_options``' ``"algorithm"``, else ``SPARSECOLL_TORCH_ALGORITHM``, else
-``auto``; the other keys of ``pg_options`` are its options. Every rank raises the same
-error for bad sparse input.
+``auto``; the other keys of ``pg_options`` are its options.
+
+Every all_reduce first agrees on the tensor's kind, shape, dtype, op and device
+(:mod:`._vote`): the ranks take the same path, or all raise the same error. Over MPI the
+agreements run on a communicator of their own, and the group's timeout is the watchdog's
+limit on it and on the sparse calls' (the smaller of it and ``SPARSECOLL_TIMEOUT``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import zlib
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,13 +31,14 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from ..._agree import agreement
 from ..._launch import under_mpi
 from ...api import allreduce
 from ...comm import Communicator
+from ...errors import SparseCollError
 from ...registry import get_algorithm
-from ._coo import from_coo, to_coo
+from ._coo import check_coo, from_coo, to_coo
 from ._group import world_subset
+from ._vote import GlooVotes, call_check
 
 __all__ = ["ENV_ALGORITHM", "ENV_TRANSPORT", "FutureWork", "SparseProcessGroup", "register"]
 
@@ -42,8 +48,6 @@ ENV_TRANSPORT = "SPARSECOLL_TORCH_TRANSPORT"
 TRANSPORTS = ("mpi", "torch")
 _DTYPES = (torch.float16, torch.float32, torch.float64, torch.bfloat16)
 _OPS = {dist.ReduceOp.SUM: "SUM", dist.ReduceOp.AVG: "AVG"}
-# what the ranks agree on before a sparse all-reduce (the shape as a CRC of its repr)
-_NAMES = ("sparse dims", "dense dims", "shape", "element type", "op")
 
 
 def _op_name(op: Any) -> str:
@@ -79,15 +83,19 @@ class SparseProcessGroup(dist.ProcessGroup):
     """A process group of ``size`` ranks: sparse all-reduce by sparsecoll, the rest by the
     dense groups (``{"cpu": gloo, "cuda": nccl}``) it delegates to."""
 
-    def __init__(self, rank: int, size: int, dense: dict[str, Any], comm: Any, options: dict):
+    def __init__(
+        self, rank: int, size: int, dense: dict[str, Any], comm: Any, options: dict, votes: Any
+    ):
         super().__init__(rank, size)
-        self._dense, self._comm = dense, comm
+        self._dense, self._comm, self._votes = dense, comm, votes
         options = dict(options)
         chosen = options.pop("algorithm", None) or os.environ.get(ENV_ALGORITHM)
         self.algorithm = str(chosen or "auto")
         self.algorithm_options = options
         self._algorithms: dict[tuple, Any] = {}  # one instance per (shape, dtype): auto's state
         self._threaded: bool | None = None
+        self._watched: bool | None = None  # whether the votes' engine watches them
+        self._inner = threading.local()  # .on: in a sparse reduction (its calls are agreed)
 
     @property
     def comm(self) -> Any:
@@ -100,12 +108,13 @@ class SparseProcessGroup(dist.ProcessGroup):
         return self._comm
 
     def shutdown(self) -> None:
-        """Free this group's MPI communicator (its progress thread ends after the calls
+        """Free this group's MPI communicators (their progress threads end after the calls
         queued there) and shut its dense groups down; ``destroy_process_group`` calls it."""
-        mpi_comm = getattr(self._comm, "mpi_comm", None)
-        if mpi_comm is not None:
-            self._comm = None
-            mpi_comm.Free()
+        comms, self._comm = (self._comm, self._votes), None
+        for comm in comms:
+            mpi_comm = getattr(comm, "mpi_comm", None)
+            if mpi_comm is not None:
+                mpi_comm.Free()
         for backend in self._dense.values():
             backend.shutdown()
 
@@ -126,10 +135,39 @@ class SparseProcessGroup(dist.ProcessGroup):
             raise ValueError(f"the sparsecoll backend has no {kind} transport") from None
 
     def allreduce(self, tensors: list[Any], opts: Any) -> Any:
-        if any(t.layout == torch.sparse_coo for t in tensors):
-            if len(tensors) != 1:
-                raise ValueError(f"expecting one sparse tensor, got {len(tensors)}")
-            return self._sparse_allreduce(tensors[0], opts.reduceOp)
+        if getattr(self._inner, "on", False):  # the sparse transport's own (agreed) calls
+            return self._dense_allreduce(tensors, opts)
+        op = _op_name(opts.reduceOp)
+        kind = "sparse" if tensors and tensors[0].layout == torch.sparse_coo else "dense"
+        label = f"all_reduce({kind} tensor of shape {tuple(tensors[0].shape) if tensors else ()})"
+        try:
+            with self._watch(label):
+                algo = call_check(
+                    self._votes, tensors, op, lambda t: self._local_check(t, op), label
+                )
+        except SparseCollError as exc:  # (agreed: every rank's Work fails alike)
+            fut: Any = Future()
+            fut.set_exception(exc)
+            return FutureWork(fut)
+        if algo is None:
+            return self._dense_allreduce(tensors, opts)
+        return self._sparse_allreduce(tensors[0], op, algo, label)
+
+    def _watch(self, label: str) -> Any:
+        """Around an all_reduce's agreement: over MPI, watched by its communicator's
+        engine (the group's timeout: a rank that skips the call ends the job with the
+        watchdog's diagnostic); gloo's votes have the group's timeout as their own."""
+        if self._watched is None:
+            try:  # (alike on every rank: the thread level; the start is collective)
+                self._votes.engine(label, blocking=True)
+                self._watched = True
+            except (AttributeError, RuntimeError):
+                self._watched = False
+        if not self._watched:
+            return contextlib.nullcontext()
+        return self._votes.engine(label, blocking=True).watching(label)
+
+    def _dense_allreduce(self, tensors: list[Any], opts: Any) -> Any:
         if opts.reduceOp == dist.ReduceOp.AVG:  # (gloo has none: a sum, then divided)
             total = dist.AllreduceOptions()
             total.reduceOp, total.timeout = dist.ReduceOp.SUM, opts.timeout
@@ -144,26 +182,39 @@ class SparseProcessGroup(dist.ProcessGroup):
             return FutureWork(work.get_future().then(divide))
         return self._group(tensors).allreduce(tensors, opts)
 
-    def _sparse_allreduce(self, t: Any, op: Any) -> Any:
+    def _local_check(self, t: Any, op: str) -> Any:
+        """This rank's checks of a sparse all_reduce of ``t``: the algorithm that reduces
+        it."""
+        if op not in ("SUM", "AVG"):
+            raise ValueError(f"sparse all_reduce takes SUM or AVG, got {op}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"sparse all_reduce takes float tensors, got {t.dtype}")
+        if t.device.type != "cpu":
+            raise ValueError(f"sparse all_reduce takes CPU tensors, got one on {t.device}")
+        check_coo(t)
+        return self._algorithm(tuple(t.shape), t.dtype)
+
+    def _sparse_allreduce(self, t: Any, op: str, algo: Any, label: str) -> Any:
         """Reduce ``t`` over the ranks on the progress thread; a Work whose result is
         ``[t]``, overwritten with the coalesced sum (mean for AVG), as gloo's."""
         fut: Any = Future()
-        label = f"all_reduce(sparse tensor of shape {tuple(t.shape)})"
 
         def run() -> None:
+            self._inner.on = True
             try:
-                out = self._reduce(t, op, label)
+                out = self._reduce(t, op, algo)
                 with torch.no_grad():
                     t.copy_(out)
             except BaseException as exc:  # (the reduction's errors are agreed: every rank's)
                 fut.set_exception(exc)
             else:
                 fut.set_result([t])
+            finally:
+                self._inner.on = False
 
-        if self._threaded is None:
+        if self._threaded is None:  # (over torch: inline, its messages in program order)
             try:  # (below MPI_THREAD_MULTIPLE every rank's raises alike: each runs inline)
-                self.comm.engine(label)
-                self._threaded = True
+                self._threaded = self.comm.mpi_comm is not None and bool(self.comm.engine(label))
             except (RuntimeError, NotImplementedError):
                 self._threaded = False
         if self._threaded:
@@ -172,35 +223,12 @@ class SparseProcessGroup(dist.ProcessGroup):
             run()
         return FutureWork(fut)
 
-    def _reduce(self, t: Any, op: Any, label: str) -> Any:
-        """The reduced tensor of ``t``'s layout, after the ranks agree on its shape, dtype,
-        op and the algorithm (each rank's local error raised on every rank)."""
-        shape, name = tuple(t.shape), _op_name(op)
-        values_of = {
-            "sparse dims": t.sparse_dim(),
-            "sparse tensor shape": shape,
-            "sparse tensor dtype": str(t.dtype),
-            "op": name,
-        }
-        detail = (((0, 1, 2, 3, 4), values_of),)
-        with agreement(self.comm, _NAMES, detail, call=label) as agree:
-            if name not in ("SUM", "AVG"):
-                raise ValueError(f"sparse all_reduce takes SUM or AVG, got {name}")
-            if t.dtype not in _DTYPES:
-                raise TypeError(f"sparse all_reduce takes float tensors, got {t.dtype}")
-            if t.device.type != "cpu":
-                raise ValueError(f"sparse all_reduce takes CPU tensors, got one on {t.device}")
-            algo = self._algorithm(shape, t.dtype)
-            values, indices, n = to_coo(t, as_rows=type(algo).takes_rows)
-            agree.signature = [
-                t.sparse_dim(),
-                t.dense_dim(),
-                zlib.crc32(repr(shape).encode()),
-                _DTYPES.index(t.dtype),
-                list(_OPS.values()).index(name),
-            ]
+    def _reduce(self, t: Any, op: str, algo: Any) -> Any:
+        """The reduced tensor of ``t``'s layout (the ranks agreed on its kind, shape, dtype
+        and op)."""
+        values, indices, n = to_coo(t, as_rows=type(algo).takes_rows)
         out = allreduce(self.comm, values, indices, n=n, algorithm=algo)
-        if name == "AVG":
+        if op == "AVG":
             out.values /= self.size()
         return from_coo(out.values, out.indices, t)
 
@@ -315,11 +343,15 @@ def _create(backend_opts: Any, options: Any) -> SparseProcessGroup:
         nccl = dist.ProcessGroupNCCL.Options()
         nccl._timeout = timeout
         dense["cuda"] = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, nccl)
+    votes: Any = GlooVotes(dense["cpu"], rank, size)
+    comm = None  # (over torch: a TorchCommunicator of the group, once torch has registered it)
     if _transport(store, rank, size, ranks, forced) == "mpi":
+        # the sparse calls and the agreements, on two communicators: the watchdog's limit
+        # on both is the group's timeout (or SPARSECOLL_TIMEOUT, when it is smaller)
         comm = Communicator(_mpi_comm(ranks))
-    else:
-        comm = None  # (a TorchCommunicator of the group, once torch has registered it)
-    return SparseProcessGroup(rank, size, dense, comm, options)
+        votes = Communicator(comm.mpi_comm.Dup())
+        comm.timeout = votes.timeout = (timeout.total_seconds(), "the process group's timeout")
+    return SparseProcessGroup(rank, size, dense, comm, options, votes)
 
 
 def register() -> None:

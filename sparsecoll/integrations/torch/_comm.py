@@ -21,9 +21,11 @@ the alltoallv it is ((P-1) copies of this rank's part sent). Messages to self ne
 torch (gloo cannot send to itself): they wait here, in order, per tag.
 
 Input agreement (:mod:`sparsecoll._agree`) runs over it: one rank's bad input raises the
-same error on every rank. Not supported (NotImplementedError): nonblocking calls
-(:func:`sparsecoll.iallreduce`, the training reducer's) and the watchdog (they need MPI's
-progress engine); the process group's own timeout bounds a hung call instead.
+same error on every rank. Nonblocking calls (:func:`sparsecoll.iallreduce`, the training
+reducer's) run on a progress thread over a new group of the same processes, made at the
+first one (every process of the group makes it, in the same order). Not supported
+(NotImplementedError): the watchdog on blocking calls (it needs MPI's probe); the process
+group's own timeout bounds a hung call instead.
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ from typing import Any
 
 import numpy as np
 
+from ..._agree import start_vote
 from ..._array import get_array_module
 from ..._buffers import recv_view, send_view
 from ..._polling import Request
-from ..._progress import get_timeout
+from ..._progress import Engine
 from ..._routing import routed
+from ..._timeout import get_timeout
 from ...comm import CommStats, Communicator
 from ._group import torch_module
 
@@ -69,6 +73,18 @@ class _Works:
 
     def Test(self) -> bool:
         return all(w.is_completed() for w in self.works)
+
+
+class _Ready:
+    """A duplicate made already (what an engine's start completes with ``get()``)."""
+
+    __slots__ = ("comm",)
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+
+    def get(self, poll: bool = True) -> Any:
+        return self.comm
 
 
 class TorchRequest(Request):
@@ -127,28 +143,64 @@ class TorchCommunicator(Communicator):
             f"{self.backend_config}>"
         )
 
-    # -- what needs MPI --------------------------------------------------------------------
+    # -- the progress engine -------------------------------------------------------------
     def engine(self, call: str | None = None, *, blocking: bool = False) -> Any:
-        raise NotImplementedError(
-            "nonblocking calls and the watchdog (SPARSECOLL_TIMEOUT) need MPI's progress "
-            "engine: not supported on a TorchCommunicator (the process group's timeout "
-            "bounds its calls); use a blocking call, or a Communicator under mpiexec"
-        )
+        """The progress engine of this communicator, started (collectively) on first use:
+        its calls run on a TorchCommunicator of a new group of the same processes
+        (:meth:`duplicate`), apart from the user's calls on this one. Watching blocking
+        calls (``blocking``) raises NotImplementedError: it needs MPI's probe."""
+        if blocking:
+            raise NotImplementedError(
+                "the watchdog (SPARSECOLL_TIMEOUT) on blocking calls needs MPI: not "
+                "supported on a TorchCommunicator (the process group's timeout bounds its "
+                "calls); unset it, or use a Communicator under mpiexec"
+            )
+        if self._engine is None:
+            with self._own_lock():  # (one start, whichever threads ask at once)
+                if self._engine is None:
+                    self._engine = self._start_engine(call)
+        return self._engine
+
+    def _start_engine(self, call: str | None) -> Any:
+        """The engine's start vote (:func:`~sparsecoll._agree.start_vote`) and the new
+        group, in order with this thread's calls; the vote settled on the engine's thread
+        (no alarm communicator: the watchdog's abort is this rank's alone)."""
+        vote = start_vote(self, call, False)
+        dup = self.duplicate()
+
+        def start() -> tuple[Any, Any]:
+            vote.settle(dup)
+            return dup.get(), None
+
+        return Engine(self.rank, self.size, start, abort=self.abort)
 
     def duplicate(self) -> Any:
-        raise NotImplementedError("a TorchCommunicator cannot be duplicated")
+        """A TorchCommunicator of a new group of this one's processes, in its order (gloo;
+        NCCL for CUDA where this one has it), ready at ``.get()``: made now, collectively
+        over this group's processes (``new_group(use_local_synchronization=True)``)."""
+        ranks = [int(r) for r in self._dist.get_process_group_ranks(self.group)]
+        backend = "cpu:gloo,cuda:nccl" if self._cuda_aware else "gloo"
+        group = self._dist.new_group(
+            ranks, backend=backend, use_local_synchronization=True, sort_ranks=False
+        )
+        dup = TorchCommunicator(group)
+        dup._internal = True
+        return _Ready(dup)
 
     def try_recv_ints(self, tag: int) -> Any:
         raise NotImplementedError("a TorchCommunicator cannot probe for messages")
 
     def _attached_engine(self) -> Any:
-        return None
+        return self._engine
 
     def on_progress_thread(self) -> bool:
-        """Never (there is no progress thread). A watched call (the watchdog on) asks this
-        first: it is refused here, before anything would load MPI."""
+        """Whether the calling thread is this communicator's progress thread. A watched
+        blocking call (the watchdog on) elsewhere asks this first: it is refused here,
+        before anything would load MPI."""
+        if self._engine is not None and self._engine.is_worker_thread():
+            return True
         if get_timeout():
-            self.engine()  # (raises NotImplementedError)
+            self.engine(blocking=True)  # (raises NotImplementedError)
         return False
 
     def _own_lock(self) -> Any:

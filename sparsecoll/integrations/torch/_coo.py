@@ -18,7 +18,7 @@ import numpy as np
 
 from ._group import torch_module
 
-__all__ = ["from_coo", "to_coo"]
+__all__ = ["check_coo", "from_coo", "to_coo"]
 
 _INT64_MAX = 2**63 - 1
 
@@ -27,18 +27,25 @@ def _dense_width(t: Any) -> int:
     return math.prod(t.shape[t.sparse_dim() :])
 
 
-def to_coo(t: Any, as_rows: bool = True) -> tuple[np.ndarray, np.ndarray, int]:
-    """``t``'s (values, indices, n) on the host: values in ``t``'s dtype (bfloat16 widened to
-    float32), indices int64 in ``[0, n)``. A hybrid tensor gives rows (values of shape
-    (nnz, D), n the number of rows) or, with ``as_rows=False``, scalar COO (n = ``t.numel()``).
-    Repeated indices stay repeated (the reduction sums them). Raises ValueError for a
-    tensor with no sparse dimension or more than 2**63 - 1 entries."""
-    torch = torch_module()
+def check_coo(t: Any) -> None:
+    """Raise ValueError for a sparse tensor that :func:`to_coo` cannot take: no sparse
+    dimension, or more than 2**63 - 1 entries."""
     n = math.prod(t.shape)
     if t.sparse_dim() == 0:
         raise ValueError(f"a sparse tensor with no sparse dimension (shape {tuple(t.shape)})")
     if n > _INT64_MAX:
         raise ValueError(f"a sparse tensor of {n} entries (at most 2**63 - 1)")
+
+
+def to_coo(t: Any, as_rows: bool = True) -> tuple[np.ndarray, np.ndarray, int]:
+    """``t``'s (values, indices, n) on the host: values in ``t``'s dtype (bfloat16 widened to
+    float32), indices int64 in ``[0, n)``. A hybrid tensor gives rows (values of shape
+    (nnz, D), n the number of rows) or, with ``as_rows=False``, scalar COO (n = ``t.numel()``).
+    Repeated indices stay repeated (the reduction sums them). Raises as
+    :func:`check_coo`."""
+    torch = torch_module()
+    check_coo(t)
+    n = math.prod(t.shape)
     t = t.detach().cpu()
     width = _dense_width(t)
     rows = t._indices().numpy()
