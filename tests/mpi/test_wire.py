@@ -1,5 +1,5 @@
-"""wire="compact": allgather, dsa and recursive_doubling give the bits of wire="raw", the exact sum, and send
-fewer bytes where the pairs are sparse."""
+"""wire="compact": allgather, dsa and recursive_doubling give the bits of wire="raw", the
+exact sum, and send fewer bytes where the pairs are sparse."""
 
 from __future__ import annotations
 
