@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._jit import cached_njit
-from ._bits import _emit, _peek
+from ._bits import _peek, _put
 
 __all__ = ["FLOATS", "exponent_range", "split_decode", "split_encode"]
 
@@ -49,14 +49,12 @@ def split_encode(u, mbits, ebits, emin, w, words):
     sbit = np.uint64(ebits + mbits)
     nb = np.uint64(1 + w + mbits)
     base = np.uint64(emin)
-    acc, fill, wi = np.uint64(0), np.uint64(0), 0
+    wi, acc, fill = 0, np.uint64(0), np.uint64(0)
     for j in range(u.shape[0]):
         x = np.uint64(u[j])
         e = ((x >> sh) & emask) - base
-        word, acc, fill, full = _emit(acc, fill, ((x >> sbit) << top) | (e << sh) | (x & mmask), nb)
-        if full:
-            words[wi] = word
-            wi += 1
+        f = ((x >> sbit) << top) | (e << sh) | (x & mmask)
+        wi, acc, fill = _put(words, wi, acc, fill, f, nb)
     if fill:
         words[wi] = acc
 
@@ -71,10 +69,7 @@ def split_decode(words, mbits, ebits, emin, w, out):
     nb = 1 + w + mbits
     base = np.uint64(emin)
     sbit = np.uint64(ebits + mbits)
-    pos = np.int64(0)
     for j in range(out.shape[0]):
-        i = pos >> 6
-        f = _peek(words[i], words[i + 1], pos & 63, nb)
-        pos += nb
+        f = _peek(words, np.int64(j) * nb, nb)
         e = ((f >> sh) & wmask) + base
         out[j] = ((f >> top) << sbit) | (e << sh) | (f & mmask)
