@@ -67,6 +67,11 @@ class _Reader:
         return self.buf[self.pos - nbytes : self.pos]
 
 
+def _scratch(m: int) -> np.ndarray:
+    """Bytes for m small fields, whole words."""
+    return np.empty(((m + 7) >> 3) * 8, np.uint8)
+
+
 def _width(span: int) -> int:
     return max(1, int(span).bit_length())
 
@@ -80,9 +85,8 @@ class _Index:
         self.idx, self.lo, self.wbits = idx, lo, _width(hi - 1 - lo)
         step = max(1, m // SAMPLE)
         k0 = int(_rice.rice_parameter(*_rice.gap_histogram(idx, lo, step), self.wbits))
-        ks = (max(k0 - 1, 0), k0, k0 + 1)
-        scan = np.empty((3, 2), np.int64)
-        if not _rice.rice_scan(idx, lo, hi, ks, scan):
+        s, e = _rice.rice_scan(idx, lo, hi, k0)
+        if s < 0:
             raise ValueError(f"indices must be ascending, unique and in [{lo}, {hi})")
         self.first, self.span = int(idx[0]), int(idx[-1]) - int(idx[0]) + 1
         nw = _bits.nwords
@@ -93,12 +97,11 @@ class _Index:
         }
         self.fmt = min(sizes, key=lambda f: (sizes[f], f))  # (ties: the simpler decode)
         self.words = sizes[self.fmt]
-        for k, (s, e) in zip(ks, scan.tolist()):
-            ew = max(self.wbits - k, 0)
-            lay = _rice.layout(m, k, e, ew, nw(m + s))
-            if lay[-1] < self.words:
-                self.fmt, self.words, self.k, self.ew, self.nesc, self.lay = (
-                    I_RICE, lay[-1], k, ew, e, lay)  # fmt: skip
+        ew = max(self.wbits - k0, 0)
+        lay = _rice.layout(m, k0, e, ew, nw(m + s))
+        if lay[-1] < self.words:
+            self.fmt, self.words, self.k, self.ew, self.nesc, self.lay = (
+                I_RICE, lay[-1], k0, ew, e, lay)  # fmt: skip
 
     def head(self) -> bytes:
         if self.fmt == I_BITMAP:
@@ -118,7 +121,7 @@ class _Index:
         elif self.fmt == I_BITMAP:
             _bits.bitmap_encode(idx, self.first, words)
         else:
-            tmp = np.empty(((idx.shape[0] + 7) >> 3) * 8, np.uint8)
+            tmp = _scratch(idx.shape[0])
             p0, e0, u0, _ = self.lay
             _rice.rice_encode(idx, lo, self.k, self.ew, tmp, tmp.view(np.uint64), words, p0, e0, u0)
 
@@ -156,8 +159,8 @@ def encode_pairs(indices: Any, values: Any, lo: int, hi: int) -> np.ndarray:
     if w >= ebits:
         vfmt, vhead, vbytes = V_RAW, b"", u.nbytes
     else:
-        nb = 1 + w + mbits
-        vfmt, vhead, vbytes = V_SPLIT, _varint(int(emin)) + bytes([w]), (u.shape[0] * nb + 7) // 8
+        before, last = _values.layout(u.shape[0], mbits, w)
+        vfmt, vhead, vbytes = V_SPLIT, _varint(int(emin)) + bytes([w]), before * 8 + last
     head = bytes([index.fmt | vfmt << 4]) + _varint(m) + index.head() + vhead
     hw = _bits.nwords(len(head) * 8)
     iw = hw + index.words
@@ -169,7 +172,8 @@ def encode_pairs(indices: Any, values: Any, lo: int, hi: int) -> np.ndarray:
     if vfmt == V_RAW:
         out[iw * 8 : iw * 8 + vbytes] = u.view(np.uint8)
     else:
-        _values.split_encode(u, mbits, ebits, emin, w, words[iw:])
+        tmp = _scratch(u.shape[0])
+        _values.split_encode(u, mbits, ebits, emin, w, tmp, tmp.view(np.uint64), words[iw:])
     return out[: iw * 8 + vbytes]
 
 
@@ -222,7 +226,11 @@ def decode_pairs(
         ew = max(wbits - k, 0)
         lay = _rice.layout(m, k, nesc, ew, uw)
         iw = lay[-1]
-    vbytes = m * d * utype().nbytes if vfmt == V_RAW else (m * d * (1 + w + mbits) + 7) // 8
+    if vfmt == V_RAW:
+        vbytes = m * d * utype().nbytes
+    else:
+        before, last = _values.layout(m * d, mbits, w)
+        vbytes = before * 8 + last
     hb = nw(rd.pos * 8) * 8
     body = rd.section(hb - rd.pos + iw * 8 + vbytes)[hb - rd.pos :]
     if rd.pos != buf.shape[0]:
@@ -240,13 +248,17 @@ def decode_pairs(
         if _bits.bitmap_decode(words[:iw], first, idx) != m:
             raise ValueError("wire message: bitmap does not hold m indices")
     else:
-        tmp = np.empty(((m + 7) >> 3) * 8, np.uint8)
+        tmp = _scratch(m)
         if not _rice.rice_decode(words, lo, hi, k, ew, nesc, *lay, tmp, tmp.view(np.uint64), idx):
             raise ValueError("wire message: Rice streams do not hold m gaps")
     if vfmt == V_RAW:
         u.view(np.uint8)[:] = body[iw * 8 :]
     else:
-        _values.split_decode(words[iw:], mbits, ebits, emin, w, u)
+        tmp = _scratch(m * d)
+        scratch = np.empty(m * d if w else 0, utype)
+        _values.split_decode(
+            words[iw:], mbits, ebits, emin, w, tmp, tmp.view(np.uint64), u, scratch
+        )
     if int(idx[0]) < lo or int(idx[-1]) >= hi:
         raise ValueError(f"wire message: indices outside [{lo}, {hi})")
     return idx, u.view(vtype).reshape(shape)

@@ -74,31 +74,24 @@ def rice_parameter(counts, sums, wbits):
 
 
 @cached_njit(nogil=True)
-def rice_scan(idx, lo, hi, ks, out):
-    """Check ``idx`` is ascending, unique and in [lo, hi); for each k of ``ks`` (three)
-    put in ``out[r]`` the sum of min(q, ESC) and the count of escapes. False where the
-    check fails."""
+def rice_scan(idx, lo, hi, k):
+    """Check ``idx`` is ascending, unique and in [lo, hi); return the sum of min(q, ESC)
+    over its gaps and the count of escapes (-1, -1 where the check fails)."""
     m = idx.shape[0]
     first = np.int64(idx[0])
-    bad = first < lo
-    ka, kb, kc = ks[0], ks[1], ks[2]
     g = first - lo
-    sa, sb, sc = min(g >> ka, ESC), min(g >> kb, ESC), min(g >> kc, ESC)
-    ea, eb, ec = np.int64(g >> ka >= ESC), np.int64(g >> kb >= ESC), np.int64(g >> kc >= ESC)
+    bad = g < 0
+    s = min(g >> k, ESC)
+    e = np.int64(g >> k >= ESC)
     for j in range(1, m):
         g = np.int64(idx[j]) - np.int64(idx[j - 1]) - 1
         bad |= g < 0
-        qa, qb, qc = g >> ka, g >> kb, g >> kc
-        sa += min(qa, ESC)
-        sb += min(qb, ESC)
-        sc += min(qc, ESC)
-        ea += np.int64(qa >= ESC)
-        eb += np.int64(qb >= ESC)
-        ec += np.int64(qc >= ESC)
-    out[0, 0], out[0, 1] = sa, ea
-    out[1, 0], out[1, 1] = sb, eb
-    out[2, 0], out[2, 1] = sc, ec
-    return not bad and np.int64(idx[m - 1]) < hi
+        q = g >> k
+        s += min(q, ESC)
+        e += np.int64(q >= ESC)
+    if bad or np.int64(idx[m - 1]) >= hi:
+        return -1, -1
+    return s, e
 
 
 @cached_njit(nogil=True)
@@ -141,15 +134,13 @@ def rice_encode(idx, lo, k, ew, tmp, tmp64, words, p0, e0, u0):
             q = esc_q
         p = upos + q
         w = p >> np.uint64(6)
-        while ui < w:
-            unary[ui] = uacc
-            uacc = Z
-            ui += ONE
-        uacc |= ONE << (p & np.uint64(63))
+        # (q <= ESC < 63: no word is skipped, each holds a one and is stored here)
+        uacc = (uacc if w == ui else Z) | (ONE << (p & np.uint64(63)))
+        unary[w] = uacc
+        ui = w
         upos = p + ONE
     if efill:
         esc[ei] = eacc
-    unary[ui] = uacc
 
 
 @cached_njit(nogil=True)
