@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+
 from .._jit import cached_njit
 
 try:  # LLVM's cttz / ctlz (the bit width for 0)
@@ -39,10 +43,23 @@ except ImportError:  # pragma: no cover - a Numba without them
         return j
 
 
-__all__ = ["SLACK", "_clz", "_ctz", "_peek", "_put", "group_words", "nwords", "swar_pack",
+@intrinsic
+def _popcount(typingctx, src):
+    """LLVM's ctpop: the one bits of an integer."""
+    if not isinstance(src, types.Integer):  # pragma: no cover - typing only
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.ctpop(args[0])
+
+    return src(src), codegen
+
+
+__all__ = ["SLACK", "_clz", "_ctz", "_peek", "_popcount", "_put", "group_words", "nwords", "swar_pack",
            "swar_unpack"]  # fmt: skip
 
 SLACK = 2  # words a reader may touch past a stream's last word
+BLOCK = 4096  # one-bit positions gathered at a time
 ONE = np.uint64(1)
 Z = np.uint64(0)
 
@@ -147,16 +164,39 @@ def bitmap_encode(idx, first, words):
 
 
 @cached_njit(nogil=True)
-def bitmap_decode(words, first, out):
-    """Write the positions of the set bits (plus first) into ``out``; return how many."""
+def ones(words, w0, w, w1, pos):
+    """Put the positions (bit 0 of word w0 is 0) of the one bits of words[w:w1] in
+    ``pos``, eight at a time, until it holds ``pos.shape[0] − 72`` or more (it needs 72
+    entries of room past that); return how many and the next word."""
+    full = pos.shape[0] - 72
     j = 0
-    m = out.shape[0]
-    for w in range(words.shape[0]):
+    while w < w1 and j < full:
         word = words[w]
+        c = np.int64(_popcount(word))
+        base = np.int64(w - w0) << 6
+        jj = j
         while word:
-            if j == m:
-                return j + 1
-            out[j] = first + (w << 6) + np.int64(_ctz(word))
-            word &= word - ONE
-            j += 1
+            for t in range(8):
+                pos[jj + t] = base + np.int64(_ctz(word))
+                word &= word - ONE
+            jj += 8
+        j += c
+        w += 1
+    return j, w
+
+
+@cached_njit(nogil=True)
+def bitmap_decode(words, first, out):
+    """Write the positions of the set bits (plus first) into ``out``; return how many
+    (``out.shape[0] + 1`` where there are more)."""
+    m = out.shape[0]
+    pos = np.empty(BLOCK + 72, np.int64)
+    j, w = 0, 0
+    while w < words.shape[0]:
+        c, w = ones(words, 0, w, words.shape[0], pos)
+        if j + c > m:
+            return m + 1
+        for t in range(c):
+            out[j + t] = first + pos[t]
+        j += c
     return j

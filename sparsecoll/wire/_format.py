@@ -110,7 +110,7 @@ class _Index:
             return bytes([self.k]) + _varint(self.nesc) + _varint(self.lay[3] - self.lay[2])
         return b""
 
-    def write(self, words: np.ndarray) -> None:
+    def write(self, words: np.ndarray, tmp: np.ndarray) -> None:
         idx, lo = self.idx, self.lo
         if self.fmt == I_RAW:
             b = words.view(np.uint8)
@@ -121,8 +121,8 @@ class _Index:
         elif self.fmt == I_BITMAP:
             _bits.bitmap_encode(idx, self.first, words)
         else:
-            tmp = _scratch(idx.shape[0])
             p0, e0, u0, _ = self.lay
+            tmp = tmp[: ((idx.shape[0] + 7) >> 3) * 8]
             _rice.rice_encode(idx, lo, self.k, self.ew, tmp, tmp.view(np.uint64), words, p0, e0, u0)
 
 
@@ -161,6 +161,8 @@ def encode_pairs(indices: Any, values: Any, lo: int, hi: int) -> np.ndarray:
     else:
         before, last = _values.layout(u.shape[0], mbits, w)
         vfmt, vhead, vbytes = V_SPLIT, _varint(int(emin)) + bytes([w]), before * 8 + last
+        if vbytes >= u.nbytes:  # (a few values: the planes' padding outweighs)
+            vfmt, vhead, vbytes = V_RAW, b"", u.nbytes
     head = bytes([index.fmt | vfmt << 4]) + _varint(m) + index.head() + vhead
     hw = _bits.nwords(len(head) * 8)
     iw = hw + index.words
@@ -168,11 +170,11 @@ def encode_pairs(indices: Any, values: Any, lo: int, hi: int) -> np.ndarray:
     out = words.view(np.uint8)
     out[: len(head)] = np.frombuffer(head, np.uint8)
     out[len(head) : hw * 8] = 0
-    index.write(words[hw:iw])
+    tmp = _scratch(u.shape[0])  # (u has at least m entries)
+    index.write(words[hw:iw], tmp)
     if vfmt == V_RAW:
         out[iw * 8 : iw * 8 + vbytes] = u.view(np.uint8)
     else:
-        tmp = _scratch(u.shape[0])
         _values.split_encode(u, mbits, ebits, emin, w, tmp, tmp.view(np.uint64), words[iw:])
     return out[: iw * 8 + vbytes]
 
@@ -237,6 +239,7 @@ def decode_pairs(
         raise ValueError(f"wire message: {buf.shape[0] - rd.pos} bytes left over")
     idx = np.empty(m, itype)
     u = np.empty(m * d, utype)
+    tmp = _scratch(m * d)
     words = np.empty(iw + nw(vbytes * 8) + _bits.SLACK, np.uint64)
     words[-_bits.SLACK - 1 :] = 0
     words.view(np.uint8)[: body.shape[0]] = body
@@ -248,14 +251,13 @@ def decode_pairs(
         if _bits.bitmap_decode(words[:iw], first, idx) != m:
             raise ValueError("wire message: bitmap does not hold m indices")
     else:
-        tmp = _scratch(m)
-        if not _rice.rice_decode(words, lo, hi, k, ew, nesc, *lay, tmp, tmp.view(np.uint64), idx):
+        t = tmp[: ((m + 7) >> 3) * 8]
+        if not _rice.rice_decode(words, lo, hi, k, ew, nesc, *lay, t, t.view(np.uint64), idx):
             raise ValueError("wire message: Rice streams do not hold m gaps")
     if vfmt == V_RAW:
         u.view(np.uint8)[:] = body[iw * 8 :]
     else:
-        tmp = _scratch(m * d)
-        scratch = np.empty(m * d if w else 0, utype)
+        scratch = np.empty(m * d if w and mbits != 23 else 0, utype)  # (float32 needs none)
         _values.split_decode(
             words[iw:], mbits, ebits, emin, w, tmp, tmp.view(np.uint64), u, scratch
         )

@@ -189,3 +189,4 @@ def rice_decode(words, lo, hi, k, ew, nesc, p0, e0, u0, u1, tmp, tmp64, out):
             return False
         out[j] = prev
     return e == nesc
+
