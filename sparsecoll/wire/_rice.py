@@ -151,42 +151,46 @@ def rice_decode(words, lo, hi, k, ew, nesc, p0, e0, u0, u1, tmp, tmp64, out):
     r = k & 7
     if r:
         swar_unpack(words, r, tmp64)
-        for j in range(m):
-            out[j] = tmp[j]
-    else:
-        for j in range(m):
-            out[j] = 0
+    if k < 8:  # (k = 0: tmp unread, masked off)
+        return _walk(words, lo, hi, k, ew, nesc, e0, u0, u1, tmp, (1 << k) - 1, out)
+    for j in range(m):
+        out[j] = tmp[j] if r else 0
     plane = ((m + 7) >> 3) * 8  # (bytes of a plane: whole words)
     for b in range(k >> 3):
         src = words[p0:e0].view(np.uint8)[b * plane : (b + 1) * plane]
         sh = r + 8 * b
         for j in range(m):
             out[j] |= np.int64(src[j]) << sh
+    return _walk(words, lo, hi, k, ew, nesc, e0, u0, u1, out, -1, out)
+
+
+@cached_njit(inline="always")
+def _walk(words, lo, hi, k, ew, nesc, e0, u0, u1, lows, mask, out):
+    """Walk the unary stream: gap j is ``(q << k) | (lows[j] & mask)``."""
     e = 0
     epos = np.int64(e0) << 6
     prev = lo - 1
-    last = np.int64(-1)
+    next_p = np.int64(0)  # (the position after the last one bit)
     ui = u0
+    base = np.int64(0)
     word = words[ui]
-    for j in range(m):
+    for j in range(out.shape[0]):
         while not word:
             ui += 1
             if ui >= u1:
                 return False
             word = words[ui]
-        p = (np.int64(ui - u0) << 6) + np.int64(_ctz(word))
+            base += 64
+        p = base + np.int64(_ctz(word))
         word &= word - ONE
-        q = p - last - 1
-        last = p
+        q = p - next_p
+        next_p = p + 1
         if q >= ESC:
             if q > ESC or e == nesc:
                 return False
             q = np.int64(_peek(words, epos, ew))
             epos += ew
             e += 1
-        prev += ((q << k) | np.int64(out[j])) + 1
-        if prev >= hi:
-            return False
+        prev += ((q << k) | (np.int64(lows[j]) & mask)) + 1
         out[j] = prev
-    return e == nesc
-
+    return e == nesc and prev < hi
