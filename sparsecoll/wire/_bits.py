@@ -97,20 +97,31 @@ def group_words(m: int, r: int) -> int:
     return nwords(((m + 7) >> 3) * 8 * r)
 
 
+@cached_njit(inline="always")
+def _squeeze(e, s1, s2, s3):
+    """The r low bits of each byte of e, back to back (s1, s2, s3: 8 − r, 16 − 2r, 32 − 4r)."""
+    e = (e & np.uint64(0x00FF00FF00FF00FF)) | ((e & np.uint64(0xFF00FF00FF00FF00)) >> s1)
+    e = (e & np.uint64(0x0000FFFF0000FFFF)) | ((e & np.uint64(0xFFFF0000FFFF0000)) >> s2)
+    return (e & np.uint64(0x00000000FFFFFFFF)) | ((e >> np.uint64(32)) << (np.uint64(32) - s3))
+
+
 @cached_njit(nogil=True)
 def swar_pack(t, r, words):
     """Pack the r (1..7) low bits of each byte of ``t`` (uint64 words, 8 values each):
-    8r bits per word of ``t``, back to back."""
+    8r bits per word of ``t``, back to back. Every 8 words of ``t`` make r words, written
+    independently of the others."""
     rr = np.uint64(r)
     s1, s2, s3 = np.uint64(8) - rr, np.uint64(16) - 2 * rr, np.uint64(32) - 4 * rr
-    wi, acc, fill = Z, Z, Z
     nb = np.uint64(8) * rr
-    for g in range(t.shape[0]):
-        e = t[g]
-        e = (e & np.uint64(0x00FF00FF00FF00FF)) | ((e & np.uint64(0xFF00FF00FF00FF00)) >> s1)
-        e = (e & np.uint64(0x0000FFFF0000FFFF)) | ((e & np.uint64(0xFFFF0000FFFF0000)) >> s2)
-        e = (e & np.uint64(0x00000000FFFFFFFF)) | ((e >> np.uint64(32)) << (np.uint64(32) - s3))
-        wi, acc, fill = _put(words, wi, acc, fill, e, nb)
+    nblk = t.shape[0] >> 3
+    for b in range(nblk):
+        blk = words[b * r : (b + 1) * r]
+        wi, acc, fill = Z, Z, Z
+        for g in range(8):
+            wi, acc, fill = _put(blk, wi, acc, fill, _squeeze(t[b * 8 + g], s1, s2, s3), nb)
+    wi, acc, fill = np.uint64(nblk * r), Z, Z
+    for g in range(nblk * 8, t.shape[0]):
+        wi, acc, fill = _put(words, wi, acc, fill, _squeeze(t[g], s1, s2, s3), nb)
     if fill:
         words[wi] = acc
 
