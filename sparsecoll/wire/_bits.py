@@ -14,8 +14,6 @@ byte each, so a field costs a few word operations and no bit-at-a-time loop.
 from __future__ import annotations
 
 import numpy as np
-
-from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
@@ -55,8 +53,8 @@ def _popcount(typingctx, src):
     return src(src), codegen
 
 
-__all__ = ["SLACK", "_clz", "_ctz", "_peek", "_popcount", "_put", "group_words", "nwords", "swar_pack",
-           "swar_unpack"]  # fmt: skip
+__all__ = ["SLACK", "_clz", "_ctz", "_peek", "_popcount", "_put", "group_words", "nwords",
+           "ones", "swar_pack", "swar_unpack"]  # fmt: skip
 
 SLACK = 2  # words a reader may touch past a stream's last word
 BLOCK = 4096  # one-bit positions gathered at a time
