@@ -257,7 +257,7 @@ def decode_pairs(
     if vfmt == V_RAW:
         u.view(np.uint8)[:] = body[iw * 8 :]
     else:
-        scratch = np.empty(m * d if w and mbits != 23 else 0, utype)  # (float32 needs none)
+        scratch = np.empty(m * d if w and mbits != 23 else 0, np.uint16)  # (B: w <= 10 bits)
         _values.split_decode(
             words[iw:], mbits, ebits, emin, w, tmp, tmp.view(np.uint64), u, scratch
         )

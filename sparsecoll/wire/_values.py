@@ -145,8 +145,8 @@ def _read_field(words, off, nb, cnt, tmp, tmp64, out):
 
 @cached_njit(nogil=True)
 def split_decode(words, mbits, ebits, emin, w, tmp, tmp64, out, scratch):
-    """Inverse of :func:`split_encode` into the unsigned view ``out``; ``scratch`` an
-    array like ``out`` (field B)."""
+    """Inverse of :func:`split_encode` into the unsigned view ``out``; ``scratch`` a uint16
+    array of its length (field B; unused for float32)."""
     cnt = out.shape[0]
     mb, sbit = np.uint64(mbits), np.uint64(mbits + ebits)
     mmask = (ONE << mb) - ONE
