@@ -13,7 +13,11 @@ byte each, so a field costs a few word operations and no bit-at-a-time loop.
 
 from __future__ import annotations
 
+import os
+import platform
+
 import numpy as np
+from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
@@ -39,6 +43,39 @@ except ImportError:  # pragma: no cover - a Numba without them
         while j < 64 and not (x >> np.uint64(63 - j)) & np.uint64(1):
             j += 1
         return j
+
+
+def _host_bmi2() -> bool:
+    """Whether Numba compiles for an x86-64 CPU with BMI2 (pext, pdep)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    if os.environ.get("NUMBA_CPU_NAME", "host") != "host":
+        return False  # (a named target CPU: features not the host's)
+    try:
+        import llvmlite.binding as llb
+
+        return bool(llb.get_host_cpu_features().get("bmi2"))
+    except Exception:  # pragma: no cover - no feature query on this platform
+        return False
+
+
+BMI2 = _host_bmi2()  # (read by the kernels at compile time: one branch is compiled)
+
+
+def _bmi2_intrinsic(name: str):
+    @intrinsic
+    def bmi2(typingctx, a, b):
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(64)])
+            return builder.call(builder.module.declare_intrinsic(name, fnty=fnty), args)
+
+        return types.uint64(types.uint64, types.uint64), codegen
+
+    return bmi2
+
+
+_pext = _bmi2_intrinsic("llvm.x86.bmi.pext.64")  # bits of a under mask b, packed low
+_pdep = _bmi2_intrinsic("llvm.x86.bmi.pdep.64")  # low bits of a spread to mask b
 
 
 @intrinsic
@@ -110,16 +147,25 @@ def swar_pack(t, r, words):
     independently of the others."""
     rr = np.uint64(r)
     s1, s2, s3 = np.uint64(8) - rr, np.uint64(16) - 2 * rr, np.uint64(32) - 4 * rr
+    mask = ((ONE << rr) - ONE) * np.uint64(0x0101010101010101)
     nb = np.uint64(8) * rr
     nblk = t.shape[0] >> 3
     for b in range(nblk):
         blk = words[b * r : (b + 1) * r]
         wi, acc, fill = Z, Z, Z
         for g in range(8):
-            wi, acc, fill = _put(blk, wi, acc, fill, _squeeze(t[b * 8 + g], s1, s2, s3), nb)
+            if BMI2:
+                e = _pext(t[b * 8 + g], mask)
+            else:
+                e = _squeeze(t[b * 8 + g], s1, s2, s3)
+            wi, acc, fill = _put(blk, wi, acc, fill, e, nb)
     wi, acc, fill = np.uint64(nblk * r), Z, Z
     for g in range(nblk * 8, t.shape[0]):
-        wi, acc, fill = _put(words, wi, acc, fill, _squeeze(t[g], s1, s2, s3), nb)
+        if BMI2:
+            e = _pext(t[g], mask)
+        else:
+            e = _squeeze(t[g], s1, s2, s3)
+        wi, acc, fill = _put(words, wi, acc, fill, e, nb)
     if fill:
         words[wi] = acc
 
@@ -132,11 +178,15 @@ def swar_unpack(words, r, t):
     m1 = ((ONE << rr) - ONE) * np.uint64(0x0001000100010001)
     m2 = ((ONE << (2 * rr)) - ONE) * np.uint64(0x0000000100000001)
     m3 = (ONE << (4 * rr)) - ONE
+    mask = ((ONE << rr) - ONE) * np.uint64(0x0101010101010101)
     for g in range(t.shape[0]):
         e = _peek(words, np.int64(g) * nb, nb)
-        e = (e & m3) | ((e >> (4 * rr)) << np.uint64(32))
-        e = (e & m2) | (((e >> (2 * rr)) & m2) << np.uint64(16))
-        t[g] = (e & m1) | (((e >> rr) & m1) << np.uint64(8))
+        if BMI2:
+            t[g] = _pdep(e, mask)
+        else:
+            e = (e & m3) | ((e >> (4 * rr)) << np.uint64(32))
+            e = (e & m2) | (((e >> (2 * rr)) & m2) << np.uint64(16))
+            t[g] = (e & m1) | (((e >> rr) & m1) << np.uint64(8))
 
 
 @cached_njit(nogil=True)
