@@ -22,7 +22,7 @@ from .._jit import cached_njit
 from ._bits import _clz, _ctz, _peek, _put, group_words, nwords, swar_pack, swar_unpack
 
 __all__ = ["ESC", "gap_histogram", "layout", "rice_decode", "rice_encode", "rice_parameter",
-           "rice_scan"]  # fmt: skip
+           "rice_plan", "rice_scan"]  # fmt: skip
 
 ESC = 32  # unary quotients from here on escape to the escape stream
 ONE = np.uint64(1)
@@ -92,6 +92,15 @@ def rice_scan(idx, lo, hi, k):
     if bad or np.int64(idx[m - 1]) >= hi:
         return -1, -1
     return s, e
+
+
+@cached_njit(nogil=True)
+def rice_plan(idx, lo, hi, wbits, step):
+    """The Rice parameter k chosen from every step-th gap, and :func:`rice_scan` at k:
+    (k, sum of min(q, ESC), escapes), the sum -1 where ``idx`` fails the check."""
+    k = rice_parameter(*gap_histogram(idx, lo, step), wbits)
+    s, e = rice_scan(idx, lo, hi, k)
+    return k, s, e
 
 
 @cached_njit(nogil=True)

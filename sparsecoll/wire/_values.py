@@ -46,12 +46,14 @@ def exponent_range(u, mbits, ebits):
 def layout(cnt: int, mbits: int, w: int) -> tuple[int, int]:
     """Words before the last stream, and the bytes of that last stream (a message ends
     with it, cut to whole bytes)."""
-    streams = []
+    groups, plane = (cnt + 7) >> 3, nwords(8 * cnt)
+    words, last = 0, 0
     for nb in (1 + mbits, w):
         if nb & 7:
-            streams.append(((cnt + 7) >> 3) * (nb & 7))
-        streams += [cnt] * (nb >> 3)
-    return sum(nwords(8 * b) for b in streams[:-1]), streams[-1]
+            words, last = words + nwords(8 * last), groups * (nb & 7)
+        if nb >> 3:
+            words, last = words + nwords(8 * last) + plane * ((nb >> 3) - 1), cnt
+    return words, last
 
 
 @cached_njit(inline="always")
