@@ -8,7 +8,8 @@ position and shift is held in int64 or uint64 and never mixed (Numba would widen
 to float64).
 
 Fixed-width fields of r < 8 bits go through :func:`swar_pack`: eight at a time, from one
-byte each, so a field costs a few word operations and no bit-at-a-time loop.
+byte each (BMI2's pext and pdep where Numba compiles for a CPU that has them, else shifts
+and masks), so a field costs a few word operations and no bit-at-a-time loop.
 """
 
 from __future__ import annotations
