@@ -161,6 +161,8 @@ def rice_decode(words, lo, hi, k, ew, nesc, p0, e0, u0, u1, tmp, tmp64, out):
     if r:
         swar_unpack(words, r, tmp64)
     if k < 8:  # (k = 0: tmp unread, masked off)
+        if nesc == 0:
+            return _walk_plain(words, lo, hi, k, u0, u1, tmp, (1 << k) - 1, out)
         return _walk(words, lo, hi, k, ew, nesc, e0, u0, u1, tmp, (1 << k) - 1, out)
     for j in range(m):
         out[j] = tmp[j] if r else 0
@@ -170,7 +172,34 @@ def rice_decode(words, lo, hi, k, ew, nesc, p0, e0, u0, u1, tmp, tmp64, out):
         sh = r + 8 * b
         for j in range(m):
             out[j] |= np.int64(src[j]) << sh
+    if nesc == 0:
+        return _walk_plain(words, lo, hi, k, u0, u1, out, -1, out)
     return _walk(words, lo, hi, k, ew, nesc, e0, u0, u1, out, -1, out)
+
+
+@cached_njit(inline="always")
+def _walk_plain(words, lo, hi, k, u0, u1, lows, mask, out):
+    """:func:`_walk` for a stream without escapes: with P_j the position of the j-th one
+    bit (the sum of q_i + 1 up to j, less one) and L_j the sum of the low bits up to j,
+    ``i_j = lo + j + ((P_j − j) << k) + L_j``."""
+    ui = u0
+    base = np.int64(0)
+    word = words[ui]
+    low = np.int64(0)
+    v = lo - 1
+    for j in range(out.shape[0]):
+        while not word:
+            ui += 1
+            if ui >= u1:
+                return False
+            word = words[ui]
+            base += 64
+        p = base + np.int64(_ctz(word))
+        word &= word - ONE
+        low += np.int64(lows[j]) & mask
+        v = lo + j + ((p - j) << k) + low
+        out[j] = v
+    return v < hi
 
 
 @cached_njit(inline="always")
