@@ -1,18 +1,26 @@
-"""Bit-stream kernels: the index codes (bit-packed offsets, bitmap, Rice-coded gaps).
+"""Bit-stream kernels: word-at-a-time bit I/O, small fields, bit-packed offsets, bitmaps.
 
 Streams are little-endian uint64 words, bit ``b`` of the stream in word ``b >> 6`` at bit
-``b & 63``; writers get words with two words of slack past the last bit, readers the
-same slack (zeros), so a 64-bit read never leaves the array. Every count, position and shift
-is held in int64 or uint64 and never mixed (Numba would widen the mix to float64).
+``b & 63``. Writers are branchless: :func:`_put` stores the pending word on every call, so
+every word a stream covers is written (buffers need no zeroing). Readers get two words of
+slack past a stream's last word, so a two-word read never leaves the array. Every count,
+position and shift is held in int64 or uint64 and never mixed (Numba would widen the mix
+to float64).
 
-Rice code of the gaps ``g = i_j − i_{j−1} − 1`` (``i_{−1} = lo − 1``) with parameter k: the
-quotient ``q = g >> k`` as q zero bits and a one, then the k low bits; a quotient of ESC or
-more is ESC zero bits, then g in W bits (the width of ``hi − 1 − lo``).
+Fixed-width fields of r < 8 bits go through :func:`swar_pack`: eight at a time, from one
+byte each (BMI2's pext and pdep where Numba compiles for a CPU that has them, else shifts
+and masks), so a field costs a few word operations and no bit-at-a-time loop.
 """
 
 from __future__ import annotations
 
+import os
+import platform
+
 import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
 
 from .._jit import cached_njit
 
@@ -38,189 +46,157 @@ except ImportError:  # pragma: no cover - a Numba without them
         return j
 
 
-__all__ = ["ESC", "SLACK", "_emit", "_peek"]
+def _host_bmi2() -> bool:
+    """Whether Numba compiles for an x86-64 CPU with BMI2 (pext, pdep)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    if os.environ.get("NUMBA_CPU_NAME", "host") != "host":
+        return False  # (a named target CPU: features not the host's)
+    try:
+        import llvmlite.binding as llb
 
-ESC = 32  # unary quotients from here on escape to the gap in W bits
-SLACK = 2  # zero words past a stream's last bit
+        return bool(llb.get_host_cpu_features().get("bmi2"))
+    except Exception:  # pragma: no cover - no feature query on this platform
+        return False
+
+
+BMI2 = _host_bmi2()  # (read by the kernels at compile time: one branch is compiled)
+
+
+def _bmi2_intrinsic(name: str):
+    @intrinsic
+    def bmi2(typingctx, a, b):
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(64)])
+            return builder.call(builder.module.declare_intrinsic(name, fnty=fnty), args)
+
+        return types.uint64(types.uint64, types.uint64), codegen
+
+    return bmi2
+
+
+_pext = _bmi2_intrinsic("llvm.x86.bmi.pext.64")  # bits of a under mask b, packed low
+_pdep = _bmi2_intrinsic("llvm.x86.bmi.pdep.64")  # low bits of a spread to mask b
+
+
+@intrinsic
+def _popcount(typingctx, src):
+    """LLVM's ctpop: the one bits of an integer."""
+    if not isinstance(src, types.Integer):  # pragma: no cover - typing only
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.ctpop(args[0])
+
+    return src(src), codegen
+
+
+__all__ = ["SLACK", "_clz", "_ctz", "_peek", "_popcount", "_put", "group_words", "nwords",
+           "ones", "swar_pack", "swar_unpack"]  # fmt: skip
+
+SLACK = 2  # words a reader may touch past a stream's last word
+BLOCK = 4096  # one-bit positions gathered at a time
 ONE = np.uint64(1)
+Z = np.uint64(0)
+
+
+def nwords(nbits: int) -> int:
+    """Words a stream of nbits bits takes."""
+    return (nbits + 63) >> 6
 
 
 @cached_njit(inline="always")
-def _peek(w0, w1, off, nb):
-    """The nb (<= 64) bits at bit off (< 64) of the words w0, w1 (uint64 each)."""
-    v = w0 >> np.uint64(off)
-    if off:
-        v |= w1 << np.uint64(64 - off)
+def _peek(words, pos, nb):
+    """The nb (<= 64) bits of ``words`` at bit pos (int64 >= 0)."""
+    i = np.uint64(pos) >> np.uint64(6)
+    off = np.uint64(pos) & np.uint64(63)
+    v = (words[i] >> off) | ((words[i + ONE] << ONE) << (np.uint64(63) - off))
     if nb < 64:
         v &= (ONE << np.uint64(nb)) - ONE
     return v
 
 
 @cached_njit(inline="always")
-def _emit(acc, fill, val, nb):
-    """Append the nb (1..64) low bits of val (< 2**nb) to the pending word acc, of which
-    fill bits are used (all uint64). Return (word, acc, fill, full): when full, word is
-    complete and goes next in the stream."""
+def _put(words, wi, acc, fill, val, nb):
+    """Append the nb (0..64) low bits of val (< 2**nb) at word wi, of which fill bits are
+    used by acc (all uint64, fill < 64); store the pending word, return (wi, acc, fill)."""
     out = acc | (val << fill)
-    fill += nb
-    if fill >= 64:
-        fill -= np.uint64(64)
-        return out, (val >> (nb - fill)) if fill else np.uint64(0), fill, True
-    return out, out, fill, False
+    words[wi] = out
+    nf = fill + nb
+    full = nf >= np.uint64(64)
+    carry = (val >> ONE) >> (np.uint64(63) - fill)
+    return wi + np.uint64(full), carry if full else out, nf & np.uint64(63)
+
+
+def group_words(m: int, r: int) -> int:
+    """Words of :func:`swar_pack`'s stream for m values of r bits."""
+    return nwords(((m + 7) >> 3) * 8 * r)
+
+
+@cached_njit(inline="always")
+def _squeeze(e, s1, s2, s3):
+    """The r low bits of each byte of e, back to back (s1, s2, s3: 8 − r, 16 − 2r, 32 − 4r)."""
+    e = (e & np.uint64(0x00FF00FF00FF00FF)) | ((e & np.uint64(0xFF00FF00FF00FF00)) >> s1)
+    e = (e & np.uint64(0x0000FFFF0000FFFF)) | ((e & np.uint64(0xFFFF0000FFFF0000)) >> s2)
+    return (e & np.uint64(0x00000000FFFFFFFF)) | ((e >> np.uint64(32)) << (np.uint64(32) - s3))
 
 
 @cached_njit(nogil=True)
-def gap_stats(idx, lo, hi):
-    """Check ``idx`` is ascending, unique and in [lo, hi); histogram its gaps' bit widths.
-
-    Returns (counts[65], sums[65]) per width (float64 sums), or a width histogram with
-    counts[0] = -1 where the check fails.
-    """
-    counts = np.zeros(65, np.int64)
-    sums = np.zeros(65, np.float64)
-    prev = lo - 1
-    for j in range(idx.shape[0]):
-        v = np.int64(idx[j])
-        if v <= prev or v >= hi:
-            counts[0] = -1
-            return counts, sums
-        g = np.uint64(v - prev - 1)
-        b = 64 - np.int64(_clz(g)) if g else 0
-        counts[b] += 1
-        sums[b] += float(g)
-        prev = v
-    return counts, sums
-
-
-@cached_njit(nogil=True)
-def rice_parameter(counts, sums, wbits):
-    """The k (0 .. 58) whose Rice stream is estimated shortest from :func:`gap_stats`'s
-    histogram, and that estimate in bits: at most one bit per gap over the exact length
-    (the quotients' floors), never under it."""
-    best_k, best = 0, np.inf
-    for k in range(64 - 5):
-        bits = 0.0
-        for b in range(65):
-            c = counts[b]
-            if c == 0:
-                continue
-            if b - 1 - k >= 5:  # (ESC = 32 = 2**5): every quotient of this width escapes
-                bits += c * (ESC + wbits)
-            elif b > k:
-                bits += c * (k + 1) + sums[b] / 2.0**k
+def swar_pack(t, r, words):
+    """Pack the r (1..7) low bits of each byte of ``t`` (uint64 words, 8 values each):
+    8r bits per word of ``t``, back to back. Every 8 words of ``t`` make r words, written
+    independently of the others."""
+    rr = np.uint64(r)
+    s1, s2, s3 = np.uint64(8) - rr, np.uint64(16) - 2 * rr, np.uint64(32) - 4 * rr
+    mask = ((ONE << rr) - ONE) * np.uint64(0x0101010101010101)
+    nb = np.uint64(8) * rr
+    nblk = t.shape[0] >> 3
+    for b in range(nblk):
+        blk = words[b * r : (b + 1) * r]
+        wi, acc, fill = Z, Z, Z
+        for g in range(8):
+            if BMI2:
+                e = _pext(t[b * 8 + g], mask)
             else:
-                bits += c * (k + 1)
-        if bits < best:
-            best_k, best = k, bits
-    return best_k, best
-
-
-@cached_njit(nogil=True)
-def rice_encode(idx, lo, k, wbits, words):
-    """Rice-code ``idx``'s gaps into ``words``; return the stream's length in bits."""
-    acc, fill, wi = np.uint64(0), np.uint64(0), 0
-    prev = lo - 1
-    kk, wb, esc = np.uint64(k), np.uint64(wbits), np.uint64(ESC)
-    mask = (ONE << kk) - ONE
-    small = k <= 64 - ESC  # (a quotient, its stop bit and k bits fit one word)
-    for j in range(idx.shape[0]):
-        v = np.int64(idx[j])
-        g = np.uint64(v - prev - 1)
-        prev = v
-        q = g >> kk
-        if q >= esc:  # ESC zero bits, then the gap
-            word, acc, fill, full = _emit(acc, fill, np.uint64(0), esc)
-            if full:
-                words[wi] = word
-                wi += 1
-            word, acc, fill, full = _emit(acc, fill, g, wb)
-        elif small:
-            word, acc, fill, full = _emit(acc, fill, (ONE | ((g & mask) << ONE)) << q, q + ONE + kk)
+                e = _squeeze(t[b * 8 + g], s1, s2, s3)
+            wi, acc, fill = _put(blk, wi, acc, fill, e, nb)
+    wi, acc, fill = np.uint64(nblk * r), Z, Z
+    for g in range(nblk * 8, t.shape[0]):
+        if BMI2:
+            e = _pext(t[g], mask)
         else:
-            word, acc, fill, full = _emit(acc, fill, ONE << q, q + ONE)
-            if full:
-                words[wi] = word
-                wi += 1
-            word, acc, fill, full = _emit(acc, fill, g & mask, kk)
-        if full:
-            words[wi] = word
-            wi += 1
+            e = _squeeze(t[g], s1, s2, s3)
+        wi, acc, fill = _put(words, wi, acc, fill, e, nb)
     if fill:
         words[wi] = acc
-    return wi * 64 + np.int64(fill)
 
 
 @cached_njit(nogil=True)
-def rice_decode(words, nbits, lo, k, wbits, out):
-    """Decode ``out.shape[0]`` Rice-coded gaps into ``out``; False if the stream is short."""
-    if k > 64 - ESC - 1:
-        return _rice_decode_wide(words, nbits, lo, k, wbits, out)
-    kk = np.uint64(k)
-    mask = (ONE << kk) - ONE
-    need = ESC + 1 + k  # (a code that does not escape fits in this many bits)
-    prev = lo - 1
-    pos = np.int64(0)
-    buf, avail = np.uint64(0), 0  # the stream's bits [pos, pos + avail), low bits first
-    for j in range(out.shape[0]):
-        if avail < need:
-            i = pos >> 6
-            buf, avail = _peek(words[i], words[i + 1], pos & 63, 64), 64
-        q = np.int64(_ctz(buf))
-        if q < ESC:
-            g = (np.uint64(q) << kk) | ((buf >> np.uint64(q + 1)) & mask)
-            used = q + 1 + k
-            buf >>= np.uint64(used)
-            avail -= used
-            pos += used
+def swar_unpack(words, r, t):
+    """Inverse of :func:`swar_pack`: one value of r bits per byte of ``t``."""
+    rr = np.uint64(r)
+    nb = 8 * r
+    m1 = ((ONE << rr) - ONE) * np.uint64(0x0001000100010001)
+    m2 = ((ONE << (2 * rr)) - ONE) * np.uint64(0x0000000100000001)
+    m3 = (ONE << (4 * rr)) - ONE
+    mask = ((ONE << rr) - ONE) * np.uint64(0x0101010101010101)
+    for g in range(t.shape[0]):
+        e = _peek(words, np.int64(g) * nb, nb)
+        if BMI2:
+            t[g] = _pdep(e, mask)
         else:
-            p = pos + ESC
-            i = p >> 6
-            g = _peek(words[i], words[i + 1], p & 63, wbits)
-            pos = p + wbits
-            avail = 0
-        if pos > nbits:
-            return False
-        prev = prev + np.int64(g) + 1
-        out[j] = prev
-    return True
-
-
-@cached_njit(nogil=True)
-def _rice_decode_wide(words, nbits, lo, k, wbits, out):
-    """:func:`rice_decode` for k > 31 (a code may not fit one 64-bit read)."""
-    pos = np.int64(0)
-    prev = lo - 1
-    kk = np.uint64(k)
-    for j in range(out.shape[0]):
-        i = pos >> 6
-        q = np.int64(_ctz(_peek(words[i], words[i + 1], pos & 63, 64)))
-        if q >= ESC:
-            p = pos + ESC
-            i = p >> 6
-            g = _peek(words[i], words[i + 1], p & 63, wbits)
-            pos = p + wbits
-        else:
-            p = pos + q + 1
-            i = p >> 6
-            g = (np.uint64(q) << kk) | _peek(words[i], words[i + 1], p & 63, k)
-            pos = p + k
-        if pos > nbits:
-            return False
-        prev = prev + np.int64(g) + 1
-        out[j] = prev
-    return True
+            e = (e & m3) | ((e >> (4 * rr)) << np.uint64(32))
+            e = (e & m2) | (((e >> (2 * rr)) & m2) << np.uint64(16))
+            t[g] = (e & m1) | (((e >> rr) & m1) << np.uint64(8))
 
 
 @cached_njit(nogil=True)
 def pack_encode(idx, lo, wbits, words):
     """Write each ``idx − lo`` in wbits bits."""
-    acc, fill, wi = np.uint64(0), np.uint64(0), 0
+    wi, acc, fill = Z, Z, Z
     wb = np.uint64(wbits)
     for j in range(idx.shape[0]):
-        word, acc, fill, full = _emit(acc, fill, np.uint64(np.int64(idx[j]) - lo), wb)
-        if full:
-            words[wi] = word
-            wi += 1
+        wi, acc, fill = _put(words, wi, acc, fill, np.uint64(np.int64(idx[j]) - lo), wb)
     if fill:
         words[wi] = acc
 
@@ -228,32 +204,59 @@ def pack_encode(idx, lo, wbits, words):
 @cached_njit(nogil=True)
 def pack_decode(words, lo, wbits, out):
     """Read ``out.shape[0]`` offsets of wbits bits, adding lo."""
-    pos = np.int64(0)
     for j in range(out.shape[0]):
-        i = pos >> 6
-        out[j] = lo + np.int64(_peek(words[i], words[i + 1], pos & 63, wbits))
-        pos += wbits
+        out[j] = lo + np.int64(_peek(words, np.int64(j) * wbits, wbits))
 
 
 @cached_njit(nogil=True)
 def bitmap_encode(idx, first, words):
-    """Set bit ``i − first`` for each i of ``idx``."""
+    """Set bit ``i − first`` for each i of ``idx`` (every word up to the last bit written)."""
+    wi, acc = Z, Z
     for j in range(idx.shape[0]):
-        p = np.int64(idx[j]) - first
-        words[p >> 6] |= ONE << np.uint64(p & 63)
+        p = np.uint64(np.int64(idx[j]) - first)
+        w = p >> np.uint64(6)
+        while wi < w:
+            words[wi] = acc
+            acc = Z
+            wi += ONE
+        acc |= ONE << (p & np.uint64(63))
+    words[wi] = acc
+
+
+@cached_njit(nogil=True)
+def ones(words, w0, w, w1, pos):
+    """Put the positions (bit 0 of word w0 is 0) of the one bits of words[w:w1] in
+    ``pos``, eight at a time, until it holds ``pos.shape[0] − 72`` or more (it needs 72
+    entries of room past that); return how many and the next word."""
+    full = pos.shape[0] - 72
+    j = 0
+    while w < w1 and j < full:
+        word = words[w]
+        c = np.int64(_popcount(word))
+        base = np.int64(w - w0) << 6
+        jj = j
+        while word:
+            for t in range(8):
+                pos[jj + t] = base + np.int64(_ctz(word))
+                word &= word - ONE
+            jj += 8
+        j += c
+        w += 1
+    return j, w
 
 
 @cached_njit(nogil=True)
 def bitmap_decode(words, first, out):
-    """Write the positions of the set bits (plus first) into ``out``; return how many."""
-    j = 0
+    """Write the positions of the set bits (plus first) into ``out``; return how many
+    (``out.shape[0] + 1`` where there are more)."""
     m = out.shape[0]
-    for w in range(words.shape[0]):
-        word = words[w]
-        while word:
-            if j == m:
-                return j + 1
-            out[j] = first + (w << 6) + np.int64(_ctz(word))
-            word &= word - ONE
-            j += 1
+    pos = np.empty(BLOCK + 72, np.int64)
+    j, w = 0, 0
+    while w < words.shape[0]:
+        c, w = ones(words, 0, w, words.shape[0], pos)
+        if j + c > m:
+            return m + 1
+        for t in range(c):
+            out[j + t] = first + pos[t]
+        j += c
     return j

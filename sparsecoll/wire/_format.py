@@ -2,12 +2,14 @@
 
 Header: one tag byte (index format in the low nibble, value format in the high one), the
 pair count m as a LEB128 varint, then the index format's parameters, then the value
-format's. Index formats: RAW (m
-indices of the index dtype), PACKED (``i − lo`` in W = bits(hi − 1 − lo) bits each), BITMAP
-(varints ``first − lo`` and ``span``, then span bits over [first, first + span)), RICE (a
-byte k and the section's length in bytes as a varint, then the gap code of :mod:`._bits`).
-Value formats: RAW (the values' bytes) and SPLIT (varint emin, byte w, then the fields of
-:mod:`._values`). Sections follow the header back to back, each a whole number of bytes.
+format's, then zero bytes to a multiple of 8. Index formats, each a whole number of 64-bit
+words: RAW (m indices of the index dtype), PACKED (``i − lo`` in W = bits(hi − 1 − lo)
+bits each), BITMAP (varints ``first − lo`` and ``span``, then span bits over
+[first, first + span)), RICE (a byte k, varints for the escapes' count and the unary
+stream's words, then the three streams of :mod:`._bits`). Value formats, the last
+section, a whole number of bytes: RAW (the values' bytes) and SPLIT (varint emin, byte w,
+then the fields of :mod:`._values`). The sizes follow from the header, so the format is
+chosen from exact sizes without a trial encode, and the kernels write the message in place.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from . import _bits, _values
+from . import _bits, _rice, _values
 
 __all__ = ["decode_pairs", "encode_pairs", "encoded_size"]
 
 I_RAW, I_PACKED, I_BITMAP, I_RICE = 0, 1, 2, 3
 V_RAW, V_SPLIT = 0, 1
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+SAMPLE = 1024  # gaps sampled to choose the Rice parameter
+HEAD = 48  # bytes a header takes at most (a tag byte, six varints, two bytes)
 
 
 def _varint(v: int) -> bytes:
@@ -39,12 +43,13 @@ class _Reader:
 
     def __init__(self, buf: np.ndarray) -> None:
         self.buf, self.pos = buf, 0
+        self.head = buf[:HEAD].tobytes()  # (a header is shorter: bytes index faster)
 
     def byte(self) -> int:
-        if self.pos >= self.buf.shape[0]:
+        if self.pos >= len(self.head):
             raise ValueError("wire message: header cut short")
         self.pos += 1
-        return int(self.buf[self.pos - 1])
+        return self.head[self.pos - 1]
 
     def varint(self) -> int:
         v = shift = 0
@@ -64,64 +69,62 @@ class _Reader:
         return self.buf[self.pos - nbytes : self.pos]
 
 
-def _words(nbits: int) -> np.ndarray:
-    return np.zeros((nbits + 63) // 64 + _bits.SLACK, np.uint64)
-
-
-def _stream(words: np.ndarray, nbits: int) -> np.ndarray:
-    return words.view(np.uint8)[: (nbits + 7) // 8]
-
-
-def _read_words(section: np.ndarray) -> np.ndarray:
-    words = np.zeros((section.shape[0] + 7) // 8 + _bits.SLACK, np.uint64)
-    words.view(np.uint8)[: section.shape[0]] = section
-    return words
+def _scratch(m: int) -> np.ndarray:
+    """Bytes for m small fields, whole words."""
+    return np.empty(((m + 7) >> 3) * 8, np.uint8)
 
 
 def _width(span: int) -> int:
     return max(1, int(span).bit_length())
 
 
-def _index_section(idx: np.ndarray, lo: int, hi: int) -> tuple[int, bytes, Any]:
-    """The smallest index format: (format, header parameters, section bytes)."""
-    m = idx.shape[0]
-    counts, sums = _bits.gap_stats(idx, lo, hi)
-    if counts[0] < 0:
-        raise ValueError(f"indices must be ascending, unique and in [{lo}, {hi})")
-    wbits = _width(hi - 1 - lo)
-    first, span = int(idx[0]), int(idx[-1]) - int(idx[0]) + 1
-    sizes = {I_RAW: m * idx.itemsize, I_PACKED: (m * wbits + 7) // 8, I_BITMAP: (span + 7) // 8}
-    k, est = _bits.rice_parameter(counts, sums, wbits)
-    if (est - m) / 8 < min(sizes.values()):  # (the estimate is within m bits)
-        words = _words(int(est) + m + 64)
-        nbits = _bits.rice_encode(idx, lo, k, wbits, words)
-        out = _stream(words, nbits)
-        if out.shape[0] + 6 < min(sizes.values()):
-            return I_RICE, bytes([k]) + _varint(out.shape[0]), out
-    fmt = min(sizes, key=lambda f: (sizes[f], -f))  # (ties: the simpler decode)
-    if fmt == I_RAW:
-        return fmt, b"", idx.view(np.uint8)
-    if fmt == I_PACKED:
-        words = _words(m * wbits)
-        _bits.pack_encode(idx, lo, wbits, words)
-        return fmt, b"", _stream(words, m * wbits)
-    words = _words(span)
-    _bits.bitmap_encode(idx, first, words)
-    return fmt, _varint(first - lo) + _varint(span), _stream(words, span)
+class _Index:
+    """The smallest index format of a message: its tag, header parameters and section
+    length in words, and how to write the section."""
 
+    def __init__(self, idx: np.ndarray, lo: int, hi: int) -> None:
+        m = idx.shape[0]
+        self.idx, self.lo, self.wbits = idx, lo, _width(hi - 1 - lo)
+        step = max(1, m // SAMPLE)
+        k0, s, e = _rice.rice_plan(idx, lo, hi, self.wbits, step)
+        if s < 0:
+            raise ValueError(f"indices must be ascending, unique and in [{lo}, {hi})")
+        self.first, self.span = int(idx[0]), int(idx[-1]) - int(idx[0]) + 1
+        nw = _bits.nwords
+        sizes = {
+            I_RAW: nw(m * idx.itemsize * 8),
+            I_PACKED: nw(m * self.wbits),
+            I_BITMAP: nw(self.span),
+        }
+        self.fmt = min(sizes, key=lambda f: (sizes[f], f))  # (ties: the simpler decode)
+        self.words = sizes[self.fmt]
+        ew = max(self.wbits - k0, 0)
+        lay = _rice.layout(m, k0, e, ew, nw(m + s))
+        if lay[-1] < self.words:
+            self.fmt, self.words, self.k, self.ew, self.nesc, self.lay = (
+                I_RICE, lay[-1], k0, ew, e, lay)  # fmt: skip
 
-def _value_section(values: np.ndarray) -> tuple[int, bytes, Any]:
-    """SPLIT where it is smaller than the values' bytes, else RAW."""
-    utype, ebits, mbits = _values.FLOATS[values.dtype]
-    u = values.reshape(-1).view(utype)
-    emin, emax = _values.exponent_range(u, mbits, ebits)
-    w = int(emax - emin).bit_length()
-    nb = 1 + w + mbits
-    if w >= ebits or not u.shape[0]:
-        return V_RAW, b"", u.view(np.uint8)
-    words = _words(u.shape[0] * nb)
-    _values.split_encode(u, mbits, ebits, emin, w, words)
-    return V_SPLIT, _varint(int(emin)) + bytes([w]), _stream(words, u.shape[0] * nb)
+    def head(self) -> bytes:
+        if self.fmt == I_BITMAP:
+            return _varint(self.first - self.lo) + _varint(self.span)
+        if self.fmt == I_RICE:
+            return bytes([self.k]) + _varint(self.nesc) + _varint(self.lay[3] - self.lay[2])
+        return b""
+
+    def write(self, words: np.ndarray, tmp: np.ndarray) -> None:
+        idx, lo = self.idx, self.lo
+        if self.fmt == I_RAW:
+            b = words.view(np.uint8)
+            b[: idx.nbytes] = idx.view(np.uint8)
+            b[idx.nbytes :] = 0
+        elif self.fmt == I_PACKED:
+            _bits.pack_encode(idx, lo, self.wbits, words)
+        elif self.fmt == I_BITMAP:
+            _bits.bitmap_encode(idx, self.first, words)
+        else:
+            p0, e0, u0, _ = self.lay
+            tmp = tmp[: ((idx.shape[0] + 7) >> 3) * 8]
+            _rice.rice_encode(idx, lo, self.k, self.ew, tmp, tmp.view(np.uint64), words, p0, e0, u0)
 
 
 def encode_pairs(indices: Any, values: Any, lo: int, hi: int) -> np.ndarray:
@@ -149,14 +152,32 @@ def encode_pairs(indices: Any, values: Any, lo: int, hi: int) -> np.ndarray:
         raise ValueError(f"expecting 0 <= lo <= hi, got lo={lo}, hi={hi}")
     if m == 0:
         return np.frombuffer(bytes([0]) + _varint(0), np.uint8).copy()
-    ifmt, ihead, isec = _index_section(idx, int(lo), int(hi))
-    vfmt, vhead, vsec = _value_section(vals)
-    head = bytes([ifmt | vfmt << 4]) + _varint(m) + ihead + vhead
-    out = np.empty(len(head) + isec.shape[0] + vsec.shape[0], np.uint8)
+    index = _Index(idx, int(lo), int(hi))
+    utype, ebits, mbits = _values.FLOATS[vals.dtype]
+    u = vals.reshape(-1).view(utype)
+    emin, emax = _values.exponent_range(u, mbits, ebits)
+    w = int(emax - emin).bit_length()
+    if w >= ebits:
+        vfmt, vhead, vbytes = V_RAW, b"", u.nbytes
+    else:
+        before, last = _values.layout(u.shape[0], mbits, w)
+        vfmt, vhead, vbytes = V_SPLIT, _varint(int(emin)) + bytes([w]), before * 8 + last
+        if vbytes >= u.nbytes:  # (a few values: the planes' padding outweighs)
+            vfmt, vhead, vbytes = V_RAW, b"", u.nbytes
+    head = bytes([index.fmt | vfmt << 4]) + _varint(m) + index.head() + vhead
+    hw = _bits.nwords(len(head) * 8)
+    iw = hw + index.words
+    words = np.empty(iw + _bits.nwords(vbytes * 8), np.uint64)
+    out = words.view(np.uint8)
     out[: len(head)] = np.frombuffer(head, np.uint8)
-    out[len(head) : len(head) + isec.shape[0]] = isec
-    out[len(head) + isec.shape[0] :] = vsec
-    return out
+    out[len(head) : hw * 8] = 0
+    tmp = _scratch(u.shape[0])  # (u has at least m entries)
+    index.write(words[hw:iw], tmp)
+    if vfmt == V_RAW:
+        out[iw * 8 : iw * 8 + vbytes] = u.view(np.uint8)
+    else:
+        _values.split_encode(u, mbits, ebits, emin, w, tmp, tmp.view(np.uint64), words[iw:])
+    return out[: iw * 8 + vbytes]
 
 
 def encoded_size(indices: Any, values: Any, lo: int, hi: int) -> int:
@@ -186,35 +207,64 @@ def decode_pairs(
     if ifmt == I_BITMAP:
         first, span = lo + rd.varint(), rd.varint()
     elif ifmt == I_RICE:
-        k, nbytes = rd.byte(), rd.varint()
+        k, nesc, uw = rd.byte(), rd.varint(), rd.varint()
     elif ifmt not in (I_RAW, I_PACKED):
         raise ValueError(f"wire message: unknown index format {ifmt}")
     if vfmt == V_SPLIT:
         emin, w = rd.varint(), rd.byte()
     elif vfmt != V_RAW:
         raise ValueError(f"wire message: unknown value format {vfmt}")
-    idx = np.empty(m, itype)
-    if m == 0:
-        pass
-    elif ifmt == I_RAW:
-        idx.view(np.uint8)[:] = rd.section(m * itype.itemsize)
-    elif ifmt == I_PACKED:
-        _bits.pack_decode(_read_words(rd.section((m * wbits + 7) // 8)), lo, wbits, idx)
-    elif ifmt == I_BITMAP:
-        words = _read_words(rd.section((span + 7) // 8))
-        if _bits.bitmap_decode(words, first, idx) != m:
-            raise ValueError("wire message: bitmap does not hold m indices")
-    elif not _bits.rice_decode(_read_words(rd.section(nbytes)), nbytes * 8, lo, k, wbits, idx):
-        raise ValueError("wire message: Rice stream cut short")
     utype, ebits, mbits = _values.FLOATS[vtype]
-    u = np.empty(m * d, utype)
-    if vfmt == V_RAW:
-        u.view(np.uint8)[:] = rd.section(u.nbytes)
+    if m == 0:
+        if rd.pos != buf.shape[0]:
+            raise ValueError(f"wire message: {buf.shape[0] - rd.pos} bytes left over")
+        return np.empty(0, itype), np.empty(shape, vtype)
+    if (ifmt == I_RICE and k > 62) or (vfmt == V_SPLIT and w >= ebits):
+        raise ValueError("wire message: bad parameters in the header")
+    nw = _bits.nwords
+    if ifmt == I_RAW:
+        iw = nw(m * itype.itemsize * 8)
+    elif ifmt == I_PACKED:
+        iw = nw(m * wbits)
+    elif ifmt == I_BITMAP:
+        iw = nw(span)
     else:
-        nbits = m * d * (1 + w + mbits)
-        _values.split_decode(_read_words(rd.section((nbits + 7) // 8)), mbits, ebits, emin, w, u)
+        ew = max(wbits - k, 0)
+        lay = _rice.layout(m, k, nesc, ew, uw)
+        iw = lay[-1]
+    if vfmt == V_RAW:
+        vbytes = m * d * utype().nbytes
+    else:
+        before, last = _values.layout(m * d, mbits, w)
+        vbytes = before * 8 + last
+    hb = nw(rd.pos * 8) * 8
+    body = rd.section(hb - rd.pos + iw * 8 + vbytes)[hb - rd.pos :]
     if rd.pos != buf.shape[0]:
         raise ValueError(f"wire message: {buf.shape[0] - rd.pos} bytes left over")
-    if m and (int(idx[0]) < lo or int(idx[-1]) >= hi):
+    idx = np.empty(m, itype)
+    u = np.empty(m * d, utype)
+    tmp = _scratch(m * d)
+    words = np.empty(iw + nw(vbytes * 8) + _bits.SLACK, np.uint64)
+    words[-_bits.SLACK - 1 :] = 0
+    words.view(np.uint8)[: body.shape[0]] = body
+    if ifmt == I_RAW:
+        idx.view(np.uint8)[:] = body[: idx.nbytes]
+    elif ifmt == I_PACKED:
+        _bits.pack_decode(words, lo, wbits, idx)
+    elif ifmt == I_BITMAP:
+        if _bits.bitmap_decode(words[:iw], first, idx) != m:
+            raise ValueError("wire message: bitmap does not hold m indices")
+    else:
+        t = tmp[: ((m + 7) >> 3) * 8]
+        if not _rice.rice_decode(words, lo, hi, k, ew, nesc, *lay, t, t.view(np.uint64), idx):
+            raise ValueError("wire message: Rice streams do not hold m gaps")
+    if vfmt == V_RAW:
+        u.view(np.uint8)[:] = body[iw * 8 :]
+    else:
+        scratch = np.empty(m * d if w and mbits != 23 else 0, np.uint16)  # (B: w <= 10 bits)
+        _values.split_decode(
+            words[iw:], mbits, ebits, emin, w, tmp, tmp.view(np.uint64), u, scratch
+        )
+    if int(idx[0]) < lo or int(idx[-1]) >= hi:
         raise ValueError(f"wire message: indices outside [{lo}, {hi})")
     return idx, u.view(vtype).reshape(shape)
