@@ -58,7 +58,7 @@ class CostModel:
     gamma_sort: float = 2e-8  # per pair and pass of a sort-based coalesce
     gamma_merge: float = 6e-9  # per pair of a linear two-run merge
     delta: float = 2e-9  # per element of a dense pass (zero, add, scan)
-    gamma_wire: float = 1e-8  # per pair of a compact wire message (encode plus decode)
+    gamma_wire: float = 5e-9  # per pair of a compact wire message (encode plus decode)
 
 
 def union_size(m: float, n: int, kbar: float, theta: float | None) -> float:

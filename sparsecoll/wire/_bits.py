@@ -52,12 +52,29 @@ def _host_bmi2() -> bool:
         return False
     if os.environ.get("NUMBA_CPU_NAME", "host") != "host":
         return False  # (a named target CPU: features not the host's)
+    if _slow_bmi2():
+        return False
     try:
         import llvmlite.binding as llb
 
         return bool(llb.get_host_cpu_features().get("bmi2"))
     except Exception:  # pragma: no cover - no feature query on this platform
         return False
+
+
+def _slow_bmi2() -> bool:
+    """AMD before Zen 3 (family 0x17 and older) runs pext and pdep in microcode, tens to
+    hundreds of cycles each: shifts are faster there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    fields = dict(
+        (k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in head.splitlines())
+    )
+    family = fields.get("cpu family", "")
+    return fields.get("vendor_id") == "AuthenticAMD" and family.isdigit() and int(family) < 0x19
 
 
 BMI2 = _host_bmi2()  # (read by the kernels at compile time: one branch is compiled)
