@@ -88,11 +88,9 @@ class Stripes:
 
 @functools.cache
 def _kernels() -> tuple[Any, Any, Any]:
-    # the same integer steps as Stripes.rotation/locate/indices, one pass
-    @cached_njit(nogil=True)
-    def rotation(stripe, size, golden, offset):  # pragma: no cover - compiled
-        x = np.uint64(stripe) * golden + offset
-        return np.int64(((x >> np.uint64(32)) * np.uint64(size)) >> np.uint64(32))
+    # the same integer steps as Stripes.rotation/locate/indices, one pass; the rotation is
+    # written out in each kernel (a kernel calling another kernel of this closure would be
+    # compiled again in every process: Numba's cache cannot key a closure's dispatcher)
 
     @cached_njit(nogil=True)
     def locate(indices, size, shift, golden, offset, owner, coords):  # pragma: no cover
@@ -101,7 +99,9 @@ def _kernels() -> tuple[Any, Any, Any]:
             i = np.int64(indices[t])
             block = i >> shift
             stripe = block // size
-            owner[t] = (block - stripe * size + rotation(stripe, size, golden, offset)) % size
+            x = (np.uint64(stripe) * golden + offset) >> np.uint64(32)
+            h = np.int64((x * np.uint64(size)) >> np.uint64(32))
+            owner[t] = (block - stripe * size + h) % size
             coords[t] = (stripe << shift) | (i & mask)
 
     @cached_njit(nogil=True)
@@ -110,7 +110,8 @@ def _kernels() -> tuple[Any, Any, Any]:
         for t in range(coords.shape[0]):
             y = np.int64(coords[t])
             stripe = y >> shift
-            q = (j - rotation(stripe, size, golden, offset)) % size
+            x = (np.uint64(stripe) * golden + offset) >> np.uint64(32)
+            q = (j - np.int64((x * np.uint64(size)) >> np.uint64(32))) % size
             out[t] = ((stripe * size + q) << shift) | (y & mask)
 
     @cached_njit(nogil=True)
@@ -129,7 +130,8 @@ def _kernels() -> tuple[Any, Any, Any]:
                         low = s
             if low < 0:
                 break
-            h = rotation(low, size, golden, offset)
+            x = (np.uint64(low) * golden + offset) >> np.uint64(32)
+            h = np.int64((x * np.uint64(size)) >> np.uint64(32))
             for q in range(size):
                 j = (q + h) % size
                 base = (low * size + q) << shift

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -62,21 +64,27 @@ def test_rows_equal_dense_sum(comm, name, case):
     assert_all(comm, ok, f"{name}: verify refused an exact result ({case})")
 
 
+@functools.cache
+def _large_case(size: int, overlap: str):
+    """Every rank's input of the large-message case, coalesced, and their reference sum."""
+    n = 1 << 20
+    inputs = [
+        coalesce(*make_problem(n, 0.01, r, size, overlap, "float32", seed=3)[::-1], n)
+        for r in range(size)
+    ]
+    return inputs, reference_sum(inputs)
+
+
 @pytest.mark.parametrize("name", EXACT)
 @pytest.mark.parametrize("overlap", ["random", "skewed"])
 def test_large_messages_equal_dense_sum(comm, name, overlap):
-    """Tens of thousands of pairs a rank, so messages run to hundreds of KiB (past
-    recursive_doubling's PACK_LIMIT, where its pairs travel as two messages)."""
-    n = 1 << 21
-
-    def given(r):
-        return make_problem(n, 0.02, r, comm.size, overlap, "float32", seed=3)
-
-    vals, idx = given(comm.rank)
-    out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=name)
+    """About 10k pairs a rank, so messages run past 64 KiB (recursive_doubling's
+    PACK_LIMIT, where its pairs travel as two messages) up to hundreds of KiB."""
+    inputs, want = _large_case(comm.size, overlap)
+    mine = inputs[comm.rank]
+    out = sparsecoll.allreduce(comm, mine.values, mine.indices, n=mine.n, algorithm=name)
     assert_identical(comm, out)
-    inputs = [coalesce(*given(r)[::-1], n) for r in range(comm.size)]
-    ok = algorithm_class(name)().verify(out, reference_sum(inputs), inputs)
+    ok = algorithm_class(name)().verify(out, want, inputs)
     assert_all(comm, ok, f"{name}: not the exact sum ({overlap})")
 
 
