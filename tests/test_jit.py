@@ -12,17 +12,23 @@ from sparsecoll import _jit
 
 pytest.importorskip("numba")
 
-# a parallel kernel (the count, on 2 threads) and a serial one (a merge of two vectors)
+# a parallel kernel (the count, on 2 threads), a serial one (a merge of two vectors), and
+# kernels built in one closure (hashed's stripes)
 CODE = """
 import numpy as np
 from sparsecoll import _jit
 from sparsecoll.algorithms import _merge
+from sparsecoll.algorithms._stripes import Stripes
 from sparsecoll.select import _numba_core, _numba_select
 _numba_core.PARALLEL_MIN = 1
 _numba_core._threads = 2
 x = np.linspace(-1.0, 1.0, 64).astype(np.float32)
 _numba_select.count_ge(x, 0.5)
 _merge.merge_two(np.array([1, 4]), np.array([1.0, 2.0]), np.array([4, 6]), np.array([3.0, 5.0]), 10)
+s = Stripes(1000, 3, 4)
+owner, coords = s.locate(np.arange(0, 1000, 7))
+s.indices(coords[owner == 1], 1)
+s.gather([np.sort(coords[owner == j]) for j in range(3)])
 print(_jit.compiles())
 """
 
