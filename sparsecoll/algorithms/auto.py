@@ -314,7 +314,7 @@ class Auto(Algorithm):
         """Forget the learned overlap (the next call assumes independent uniform indices)."""
         self.theta: float | None = None  # learned overlap exponent, None before a first call
         self.beta_fit: float | None = None  # learned seconds per byte, None: the model's beta
-        self.fit_bytes = 0.0  # the last pick's predicted bytes term (seconds per unit beta)
+        self.fit_bytes = 0.0  # calibrating: the last pick's predicted bytes term (s per beta)
         self.fit_rest = 0.0  # and the rest of its prediction (latency and compute)
         _ELAPSED.pop(self, None)
 
@@ -343,7 +343,7 @@ class Auto(Algorithm):
             _preflight_agreed(comm, inner, x)
         out = inner.reduce(comm, x)
         _ELAPSED[self] = time.perf_counter() - start
-        if P > 1:  # the pick's prediction split into its bytes term and the rest
+        if P > 1 and self.calibrate:  # the pick's prediction: its bytes term and the rest
             rest, unit = (
                 predict(*args[:6], dataclasses.replace(model, beta=b), *args[7:])[name]
                 for b in (0.0, 1.0)
