@@ -189,10 +189,13 @@ def _call(run: _ffi.Run, shapes: Sequence[Any], *args: Any) -> list[Any]:
     if jax.default_backend() == "cpu" and _ffi.available():
         return _ffi.call(recorded, shapes, *args)
 
+    held: list[np.ndarray] = []  # this traced call's results, reused: XLA copies them out
+
     def callback(*arrays: Any) -> tuple[np.ndarray, ...]:
         # (JAX hands the callback host jax.Arrays: their numpy views, without a copy)
-        outs = [np.empty(s.shape, s.dtype) for s in shapes]
-        recorded([np.asarray(a) for a in arrays], outs)
-        return tuple(outs)
+        if not held:
+            held[:] = [np.empty(s.shape, s.dtype) for s in shapes]
+        recorded([np.asarray(a) for a in arrays], held)
+        return tuple(held)
 
     return list(io_callback(callback, tuple(shapes), *args, ordered=True))
