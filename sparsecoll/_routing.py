@@ -6,7 +6,8 @@ request submitted to the engine has completed, so that a blocking call is ordere
 nonblocking ones issued before it. Either way it holds the lock that runs this rank's calls
 on the MPI communicator one at a time (``Communicator.serial``), on the GPU of its first
 device array. With the watchdog on, a public method called directly is watched as a
-blocking call (:func:`_watch_direct`).
+blocking call (:func:`_watch_direct`). A thread's first take of that lock, off the progress
+thread, runs :data:`before_calls` first (:func:`first_take`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ._agree import watch
 from ._buffers import buffers_device
 from ._timeout import get_timeout
 
-__all__ = ["Apart", "routed", "thread_state"]
+__all__ = ["Apart", "before_calls", "first_take", "routed", "thread_state"]
 
 
 class Apart(threading.local):
@@ -31,6 +32,10 @@ class Apart(threading.local):
 
 
 thread_state = threading.local()  # .starting: this thread is starting an engine
+
+# called with the Communicator before a call on it (see first_take): the JAX integration's
+# wait for the jitted programs dispatched before, whose calls come first on every rank
+before_calls: list[Callable[[Any], None]] = []
 
 # Communicator methods that talk to one rank, not to all: they cannot start a progress
 # engine (a collective start) to be watched, only be watched by one already running
@@ -57,13 +62,25 @@ def routed(fn: Callable[..., Any]) -> Callable[..., Any]:
         if engine is not None:
             self = engine.route(self)
         # (what serial() takes: routed, the call runs on the Communicator it locks)
-        with self._own_lock(), buffers_device(args):
+        lock = self._own_lock()
+        if self is user:  # (not on the progress thread, which runs the engine's duplicate)
+            first_take(user, lock)
+        with lock, buffers_device(args):
             if not watched or not get_timeout():
                 return fn(self, *args, **kwargs)
             with _watch_direct(user, engine, label, collective):
                 return fn(self, *args, **kwargs)
 
     return call
+
+
+def first_take(comm: Any, lock: Any) -> Any:
+    """Return ``comm``'s ``lock``, after running :data:`before_calls` when this thread does
+    not hold it yet (the first take of a call)."""
+    if before_calls and not lock._is_owned():
+        for hook in before_calls:
+            hook(comm)
+    return lock
 
 
 def _watch_direct(

@@ -45,7 +45,7 @@ from ._mpilib import mpi_library_version, thread_multiple
 from ._options import env_flag
 from ._polling import Request, poll
 from ._progress import Engine, starting
-from ._routing import Apart, routed, thread_state
+from ._routing import Apart, first_take, routed, thread_state
 from .sparse import VALUE_DTYPES
 
 __all__ = [
@@ -212,10 +212,12 @@ class Communicator(Accounting):
         time, whichever thread makes them: hold it around a sequence of calls that belong
         together (``with comm.serial(): ...``). Every communication method takes it; on the
         progress thread it is the lock of the engine's duplicate, used by that thread only.
+        A thread's first take elsewhere runs :data:`~._routing.before_calls` first.
         """
         engine = self._attached_engine()
-        target = engine.comm if engine is not None and engine.is_worker_thread() else self
-        return target._own_lock()
+        if engine is not None and engine.is_worker_thread():
+            return engine.comm._own_lock()
+        return first_take(self, self._own_lock())
 
     def _own_lock(self) -> Any:
         """:meth:`serial`'s lock of this very Communicator's MPI communicator."""

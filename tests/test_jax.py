@@ -147,8 +147,8 @@ def test_the_cpu_path_is_an_ffi_call(comm, path):
 
 
 def test_calls_run_in_program_order(comm, path):
-    """Two calls with no data between them run in the order the program makes them, each
-    once, every time the program runs (the effect token orders them)."""
+    """Calls with no data between them run in the order the program makes them, each once,
+    every time the program runs: in the function's body, in a loop body, and after it."""
     from sparsecoll.integrations.jax import _ops
 
     seen = []
@@ -162,15 +162,84 @@ def test_calls_run_in_program_order(comm, path):
 
     shape = [jax.ShapeDtypeStruct((3,), jnp.float32)]
 
-    def program(x, y):
-        (b,) = _ops._call(tag("b"), shape, y)
-        (a,) = _ops._call(tag("a"), shape, x)
-        (c,) = _ops._call(tag("c"), shape, x + y)
-        return a + b + c
+    def call(name, x):
+        return _ops._call(tag(name), shape, x)[0]
 
-    f = jax.jit(program)
-    for _ in range(3):
-        out = f(jnp.ones(3), jnp.full(3, 2.0))
-    jax.effects_barrier()
-    assert np.asarray(out).tolist() == [6.0, 6.0, 6.0]
-    assert seen == ["b", "a", "c"] * 3
+    def body(x, y):
+        return call("a", x) + call("b", y) + call("c", x + y)
+
+    def program(x, y):
+        looped, _ = jax.lax.scan(lambda c, _: (call("loop", c), None), x, None, length=2)
+        return body(y, x) + looped + call("after", y)
+
+    x, y = jnp.ones(3), jnp.full(3, 2.0)
+    for fn, order, value in [(body, "abc", 6.0), (program, "LLabcZ", 9.0)]:
+        seen.clear()
+        f = jax.jit(fn)
+        for _ in range(3):
+            out = f(x, y)
+        jax.block_until_ready(out)
+        names = {"L": "loop", "Z": "after"}
+        assert seen == [names.get(ch, ch) for ch in order] * 3
+        assert np.asarray(out).tolist() == [value] * 3
+
+
+def test_calls_in_a_function_body_keep_fast_dispatch(comm, path):
+    """On the FFI path a program whose calls are all in its body has no JAX effect (JAX
+    dispatches it from C++); one with a call in a loop body carries the ordered effect."""
+    r = sparsecoll.GradientReducer(comm, n=6, algorithm="oktopk", density=0.5)
+
+    def body(g):
+        return sc_jax.step(r, g) + sc_jax.allreduce_dense(g, comm=comm)
+
+    def looped(g):
+        return jax.lax.fori_loop(0, 2, lambda i, g: sc_jax.step(r, g), g)
+
+    g = jnp.ones(6)
+    assert (not jax.make_jaxpr(body)(g).effects) == (path == "ffi")
+    assert jax.make_jaxpr(looped)(g).effects
+
+
+def test_a_body_compiled_inside_another_function_raises(comm, path):
+    """A function traced alone first, its calls chained in its body, then called twice from
+    another jitted function: its calls' order is not kept there, so compiling raises."""
+    if path != "ffi":
+        pytest.skip("io_callback calls are ordered by JAX's effect everywhere")
+    inner = jax.jit(lambda x: sc_jax.allreduce_dense(x, comm=comm))
+    x = jnp.arange(4.0)
+    inner(x)
+    outer = jax.jit(lambda x: inner(x) + inner(2 * x))
+    with pytest.raises(ValueError, match="inside another function or a loop"):
+        outer(x)
+    jax.clear_caches()  # (traced within the outer function, its calls carry the effect)
+    assert np.asarray(outer(x)).tolist() == [0.0, 3.0, 6.0, 9.0]
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_call_outside_jit_waits_for_programs_dispatched_before(comm, path, direct):
+    """JAX dispatches asynchronously; a library call made after a jitted program was
+    dispatched runs after that program's calls (as on every rank), whether an entry point
+    or a Communicator method called directly."""
+    import time
+
+    from sparsecoll.integrations.jax import _ops
+
+    done = []
+
+    def slow(ins, outs):
+        time.sleep(0.3)
+        outs[0][...] = ins[0]
+        done.append(True)
+
+    shape = [jax.ShapeDtypeStruct((1 << 21,), jnp.float32)]
+    f = jax.jit(lambda x: _ops._call(slow, shape, jnp.sin(x) + x)[0])
+    x = jnp.ones(1 << 21)
+    f(x).block_until_ready()
+    done.clear()
+    out = f(x)  # (a program this large runs on XLA's threads: dispatch returns at once)
+    if direct:
+        sparsecoll.Communicator(comm).allgather_ints(1)
+    else:
+        sparsecoll.allreduce(comm, np.ones(2, np.float32), np.arange(2), n=4)
+    assert done == [True]
+    out.block_until_ready()

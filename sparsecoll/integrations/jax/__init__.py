@@ -1,4 +1,4 @@
-"""JAX: sparse collectives inside ``jax.jit``, as ordered calls into the library.
+"""JAX: sparse collectives inside ``jax.jit``, as calls into the library in program order.
 
 Outside ``jit``, :func:`sparsecoll.allreduce`, :func:`sparsecoll.iallreduce` and
 :meth:`sparsecoll.GradientReducer.step` take JAX arrays and return ``jax.Array`` already.

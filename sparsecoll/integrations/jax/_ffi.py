@@ -1,18 +1,31 @@
-"""An ordered XLA FFI call into Python on the CPU: a jitted program's buffers handed to the
-library in place, without the copies an ``io_callback`` makes.
+"""Calls into Python from a jitted CPU program: XLA FFI calls that hand the library the
+program's buffers in place, without the copies an ``io_callback`` makes, run in program order.
 
 The handler is a ``ctypes`` function pointer registered as a typed XLA FFI target
 (``xla/ffi/api/c_api.h``, API 0.x), so no compiled extension is needed. Each traced call
-binds :data:`_call_p` with an ``op`` key into :data:`_ops`; XLA calls the handler with the
+binds a primitive with an ``op`` key into :data:`_ops`; XLA calls the handler with the
 operands' and results' buffers, and the handler runs ``_ops[op](inputs, outputs)`` on numpy
-views of them. The primitive carries JAX's ordered I/O effect: its lowering threads the same
-effect token as ``io_callback(ordered=True)``, so these calls (and ordered callbacks) run in
-program order on every rank. An exception becomes an XLA FFI error whose message is the
-exception's (``JaxRuntimeError`` at the caller).
+views of them. An exception becomes an XLA FFI error whose message is the exception's
+(``JaxRuntimeError`` at the caller).
 
-This builds on JAX internals (the effect, the lowering context's tokens). :func:`available`
-says whether it could be set up; the callers fall back to ``io_callback`` where it could not,
-or where the program does not run on the CPU.
+Order. A collective must run once per call and in the same order on every rank:
+- Calls bound in the body of a jitted function (the outermost trace) form a chain: each call
+  takes the previous one's extra int32 result as an operand, so XLA runs them in the order
+  the program makes them, one at a time. Such a call carries no JAX effect, so the program
+  keeps JAX's fast C++ dispatch.
+- A call bound in a nested trace (a loop or branch body, an inner ``jit``), and every later
+  call of the same outermost trace, carries JAX's ordered I/O effect instead: its lowering
+  threads the same token as ``io_callback(ordered=True)``. It also takes the chain's last
+  value, so it runs after the chained calls before it.
+- Programs run in the order they were dispatched (XLA's CPU client runs a device's
+  programs one after another).
+A chained call is lowered only into the program's own body; lowered elsewhere (its function
+traced alone first, then called from another jitted function) it raises while compiling,
+the same on every rank.
+
+This builds on JAX internals (traces, the effect, the lowering context's tokens).
+:func:`available` says whether it could be set up; the callers fall back to ``io_callback``
+where it could not, or where the program does not run on the CPU.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import ctypes
 import itertools
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,7 +46,9 @@ Run = Callable[[Sequence[np.ndarray], Sequence[np.ndarray]], None]
 _ops: dict[int, Run] = {}  # op key -> what a call runs (kept: a compiled program may rerun it)
 _keys = itertools.count(1)
 _setup_lock = threading.Lock()
-_state: dict[str, Any] = {}  # "prim" once set up, "error" if it could not be
+_state: dict[str, Any] = {}  # the primitives once set up ("chained", "ordered"), or "error"
+# outermost trace -> [the chain's last value, whether its later calls are ordered]
+_chains: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
 class _Base(ctypes.Structure):
@@ -236,23 +252,65 @@ def available() -> bool:
     if os.environ.get("SPARSECOLL_JAX_FFI", "1") == "0":
         return False
     with _setup_lock:
-        if "prim" not in _state and "error" not in _state:
+        if "chained" not in _state and "error" not in _state:
             try:
-                _state["prim"] = _setup()
+                _state.update(_setup())
             except Exception as exc:  # (a JAX without these internals: io_callback instead)
                 _state["error"] = exc
-        return "prim" in _state
+        return "chained" in _state
 
 
 def call(run: Run, shapes: Sequence[Any], *args: Any) -> list[Any]:
-    """Bind one ordered FFI call: ``run(inputs, outputs)`` fills ``outputs`` (numpy views of
-    XLA's result buffers, of ``shapes``) from ``inputs``; returns the results."""
+    """Bind one FFI call, in program order: ``run(inputs, outputs)`` fills ``outputs`` (numpy
+    views of XLA's result buffers, of ``shapes``) from ``inputs``; returns the results."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src import core
+    from jax._src.interpreters.partial_eval import DynamicJaxprTrace
+
+    trace = core.trace_ctx.trace
+    outer, nested = trace, not isinstance(trace, DynamicJaxprTrace)
+    while not isinstance(getattr(outer, "parent_trace", None), (core.EvalTrace, type(None))):
+        outer, nested = outer.parent_trace, True
+    chain = _chains.setdefault(outer, [None, False])
+    last, ordered = chain
+    chain[1] = ordered = ordered or nested
+
+    def chained(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> None:
+        outs[-1][...] = 0
+        run(ins[:-1], outs[:-1])
+
     key = next(_keys)
-    _ops[key] = run
-    return _state["prim"].bind(*args, op=key, shapes=tuple(shapes))
+    _ops[key] = chained
+    link = jnp.zeros((), jnp.int32) if last is None else last
+    shapes = (*shapes, jax.ShapeDtypeStruct((), jnp.int32))
+    prim = _state["ordered" if ordered else "chained"]
+    *results, link = prim.bind(*args, link, op=key, shapes=shapes)
+    if not nested:
+        chain[0] = link
+    return results
 
 
-def _setup() -> Any:
+def fence() -> None:
+    """Wait for the programs dispatched to the CPU before (XLA runs them in order)."""
+    import jax
+    import jax.numpy as jnp
+
+    if "fence" not in _state:
+        _state["fence"] = jax.jit(lambda x: x + 1), jnp.zeros((), jnp.int32)
+    program, operand = _state["fence"]
+    program(operand).block_until_ready()
+
+
+def _in_program_body() -> bool:
+    """Whether lowering is in the module's entry function, outside any region of it."""
+    from jax._src.lib.mlir import ir
+
+    op = ir.InsertionPoint.current.block.owner.operation
+    return op.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main"
+
+
+def _setup() -> dict[str, Any]:
     import dataclasses
 
     import jax
@@ -263,14 +321,23 @@ def _setup() -> Any:
 
     capsule = jax.ffi.pycapsule(ctypes.cast(_handler, ctypes.c_void_p))
     jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
-    prim = Primitive("sparsecoll_ffi_call")
-    prim.multiple_results = True
+    rule = jax.ffi.ffi_lowering(TARGET, has_side_effect=True)
 
-    def abstract_eval(*avals: Any, op: int, shapes: tuple) -> Any:
-        del avals, op
-        return [core.ShapedArray(s.shape, s.dtype) for s in shapes], {_OrderedIOEffect}
+    def avals(shapes: tuple) -> list[Any]:
+        return [core.ShapedArray(s.shape, s.dtype) for s in shapes]
 
-    def lowering(ctx: Any, *args: Any, op: int, shapes: tuple) -> Any:
+    def chained_lowering(ctx: Any, *args: Any, op: int, shapes: tuple) -> Any:
+        del shapes
+        if not _in_program_body():
+            raise ValueError(
+                "a sparsecoll call traced in the body of one jitted function is compiled "
+                "inside another function or a loop, where the order of its calls is not "
+                "kept; trace the outer function first, or call jax.clear_caches() before "
+                "tracing it"
+            )
+        return rule(ctx, *args, op=np.int64(op))
+
+    def ordered_lowering(ctx: Any, *args: Any, op: int, shapes: tuple) -> Any:
         del shapes
         token = ctx.tokens_in.get(_OrderedIOEffect)
         with_token = dataclasses.replace(
@@ -278,11 +345,19 @@ def _setup() -> Any:
             avals_in=[core.abstract_token, *ctx.avals_in],
             avals_out=[core.abstract_token, *ctx.avals_out],
         )
-        rule = jax.ffi.ffi_lowering(TARGET, has_side_effect=True)
         token, *results = rule(with_token, token, *args, op=np.int64(op))
         ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({_OrderedIOEffect: token})))
         return results
 
-    prim.def_effectful_abstract_eval(abstract_eval)
-    mlir.register_lowering(prim, lowering, platform="cpu", cacheable=False)
-    return prim
+    chained = Primitive("sparsecoll_ffi_call")
+    chained.multiple_results = True
+    chained.def_abstract_eval(lambda *avs, op, shapes: avals(shapes))
+    mlir.register_lowering(chained, chained_lowering, platform="cpu", cacheable=False)
+
+    ordered = Primitive("sparsecoll_ffi_call_ordered")
+    ordered.multiple_results = True
+    ordered.def_effectful_abstract_eval(
+        lambda *avs, op, shapes: (avals(shapes), {_OrderedIOEffect})
+    )
+    mlir.register_lowering(ordered, ordered_lowering, platform="cpu", cacheable=False)
+    return {"chained": chained, "ordered": ordered}

@@ -1,21 +1,22 @@
-"""The collectives for traced JAX code: ordered calls into the library, run in program order.
+"""The collectives for traced JAX code: calls into the library, run in program order.
 
 A collective acts on other ranks, so it must run once per call and in program order on every
-rank. ``pure_callback`` promises neither (XLA may drop, duplicate or move it). These
-functions bind an ordered call instead, threading JAX's I/O effect token, so the calls run in
-program order, the same on every rank running the same program. On the CPU the call is an
-XLA FFI call (:mod:`._ffi`) that hands the library the program's own buffers: the operands
-are read and the results written in place. Elsewhere (a GPU), or where that could not be set
-up (``SPARSECOLL_JAX_FFI=0`` turns it off), it is ``io_callback(ordered=True)``, which copies
-operands to the host and results back. Called outside a trace, the functions run at once.
+rank. ``pure_callback`` promises neither (XLA may drop, duplicate or move it). On the CPU
+these functions bind an XLA FFI call (:mod:`._ffi`) that hands the library the program's own
+buffers (the operands read and the results written in place) and keeps the calls in program
+order: chained by data in a jitted function's body, by JAX's ordered effect in loops,
+branches and inner functions. Elsewhere (a GPU), or where that could not be set up
+(``SPARSECOLL_JAX_FFI=0`` turns it off), the call is ``io_callback(ordered=True)``, which
+copies operands to the host and results back. Called outside a trace, the functions run at
+once.
 
 Errors: the library's agreement makes every rank raise the same error in the call (a wrong
 dtype, sizes differing across ranks), so no rank is left waiting. JAX raises it as a
 ``JaxRuntimeError`` whose message holds the library's; called outside ``jit`` these functions
 raise the library's own error, and :func:`original_errors` does so around a jitted call.
-JAX dispatches asynchronously: before calling the library outside ``jit`` on a communicator
-that pending jitted steps use, wait for them (``jax.effects_barrier()``), or ranks may
-interleave the two calls differently.
+JAX dispatches asynchronously: a collective call made outside ``jit`` first waits for the
+jitted programs dispatched before it (:func:`_after_programs`), so every rank makes the
+programs' calls first.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..._array import INT32_LIMIT
+from ..._routing import before_calls
 from ...api import allreduce as _allreduce
 from ...comm import Communicator
 from . import _ffi
@@ -37,6 +39,7 @@ __all__ = ["allreduce", "allreduce_dense", "original_errors", "step"]
 
 _lock = threading.Lock()
 _raised: list[BaseException] = []  # the last error a callback raised (guarded by _lock)
+_program = threading.local()  # .running: this thread runs a call of a jitted program
 
 
 def step(reducer: Any, grad: Any) -> Any:
@@ -178,13 +181,19 @@ def _call(run: _ffi.Run, shapes: Sequence[Any], *args: Any) -> list[Any]:
         run([np.asarray(a) for a in args], outs)
         return [jnp.asarray(o) for o in outs]
 
+    if _after_programs not in before_calls:
+        before_calls.append(_after_programs)
+
     def recorded(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> None:
+        _program.running = True
         try:
             run(ins, outs)
         except BaseException as exc:
             with _lock:
                 _raised[:] = [exc]
             raise
+        finally:
+            _program.running = False
 
     if jax.default_backend() == "cpu" and _ffi.available():
         return _ffi.call(recorded, shapes, *args)
@@ -199,3 +208,16 @@ def _call(run: _ffi.Run, shapes: Sequence[Any], *args: Any) -> list[Any]:
         return tuple(held)
 
     return list(io_callback(callback, tuple(shapes), *args, ordered=True))
+
+
+def _after_programs(comm: Any) -> None:
+    """Before a call on ``comm`` made outside a jitted program: wait for the programs
+    dispatched before it, whose calls come first on every rank."""
+    del comm
+    if getattr(_program, "running", False):
+        return
+    import jax
+
+    jax.effects_barrier()  # (the io_callback path's programs, on any device)
+    if _ffi.available():
+        _ffi.fence()
