@@ -1,6 +1,7 @@
 """What sparsecoll hangs on an MPI communicator, as MPI attributes (so that every
 Communicator wrapping it shares them): its progress engine, the lock that runs this rank's
-calls on it one at a time, and the duplicate its messages travel on (:func:`apart`).
+calls on it one at a time, the duplicate its messages travel on (:func:`apart`), and the
+measured speed of its links (:func:`link_seconds_per_byte`).
 
 When the user frees the communicator, MPI deletes its attributes: the engine finishes its
 queue and frees its own duplicates, and the message duplicate is freed, except on
@@ -17,12 +18,20 @@ from typing import Any
 from . import _mpilib
 from ._progress import stop
 
-__all__ = ["apart", "attach_engine", "attached_engine", "serial_lock", "stop_at_finalize"]
+__all__ = [
+    "apart",
+    "attach_engine",
+    "attached_engine",
+    "link_seconds_per_byte",
+    "serial_lock",
+    "stop_at_finalize",
+]
 
 _KEYVAL_LOCK = threading.Lock()  # (never held during communication)
 _ENGINE_KEYVAL: int | None = None  # MPI attribute key of the progress engine
 _SERIAL_KEYVAL: int | None = None  # ... of the lock of Communicator.serial
 _APART_KEYVAL: int | None = None  # ... of a communicator's message duplicate
+_LINK_KEYVAL: int | None = None  # ... of its measured seconds per byte
 _FINALIZE_KEYVAL: list[int] = []
 
 
@@ -60,6 +69,18 @@ def serial_lock(comm: Any) -> Any:
             lock = threading.RLock()
             comm.Set_attr(_SERIAL_KEYVAL, lock)
     return lock
+
+
+def link_seconds_per_byte(comm: Any, value: float | None = None) -> float | None:
+    """The seconds per byte measured on the MPI communicator ``comm`` (None: not yet);
+    ``value``: record it."""
+    global _LINK_KEYVAL
+    with _KEYVAL_LOCK:
+        if _LINK_KEYVAL is None:
+            _LINK_KEYVAL = _mpilib.mpi().Comm.Create_keyval()
+    if value is not None:
+        comm.Set_attr(_LINK_KEYVAL, float(value))
+    return comm.Get_attr(_LINK_KEYVAL)
 
 
 def apart(comm: Any) -> Any:

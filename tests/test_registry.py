@@ -221,7 +221,10 @@ def test_auto_options_are_the_cost_model_constants():
 
     opts = algorithm_options("auto")
     assert opts.pop("calibrate")[0] is False
-    assert {k: v[0] for k, v in opts.items()} == dataclasses.asdict(CostModel())
+    assert opts.pop("beta")[0] is None  # (measured on the communicator's links)
+    model = dataclasses.asdict(CostModel())
+    del model["beta"]
+    assert {k: v[0] for k, v in opts.items()} == model
 
 
 def test_dir_shows_only_the_api_and_submodules():

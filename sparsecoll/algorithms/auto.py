@@ -14,8 +14,10 @@ tensor on every rank.
 When the pick may allocate O(n) (dense; recursive_doubling past its switch point), its
 preflight runs and the ranks agree on it first: memory running out on one rank is a
 CollectiveRuntimeError on every rank. Rows of D values count D values an index (``width``).
-The default constants describe a cluster node pair
-(5 µs, 10 GB/s); pass your own (``Auto(alpha=…, beta=…)``) to fit another machine. The
+The seconds per byte sent are measured on the communicator's links at
+its first call (:mod:`._link`: a 1 MiB exchange, once per communicator) unless given; the
+other constants describe a cluster node pair (5 µs a message) and this library's local work;
+pass your own (``Auto(alpha=…, beta=…)``) to fit another machine. The
 choice is in ``result.info["auto_choice"]``, the statistics and predictions behind it in
 ``result.info["auto"]``.
 """
@@ -38,6 +40,7 @@ from .._options import read_only, real
 from ..comm import Communicator
 from ..registry import algorithm_class, available_algorithms, register_algorithm
 from ..sparse import SparseVector
+from ._link import seconds_per_byte
 from .base import Algorithm, range_bounds, sparse_is_cheaper
 from .dsa import bruck_counts
 
@@ -251,7 +254,8 @@ class Auto(Algorithm):
 
     Args:
         alpha: seconds per message (the default: a cluster node pair).
-        beta: seconds per byte sent (the default: 10 GB/s).
+        beta: seconds per byte sent; None (the default): measured on the communicator's
+            links at the first call on it (collective, once per communicator).
         gamma_sort: seconds per pair and pass of a sort-based coalesce.
         gamma_merge: seconds per pair of a linear two-run merge.
         delta: seconds per element of a dense pass (zero, add, scan).
@@ -278,16 +282,17 @@ class Auto(Algorithm):
     def __init__(
         self,
         alpha: float = CostModel.alpha,
-        beta: float = CostModel.beta,
+        beta: float | None = None,
         gamma_sort: float = CostModel.gamma_sort,
         gamma_merge: float = CostModel.gamma_merge,
         delta: float = CostModel.delta,
         gamma_wire: float = CostModel.gamma_wire,
         calibrate: bool = False,
     ) -> None:
+        self.measured = beta is None  # (the model's beta is then a placeholder)
         constants = dict(
             alpha=alpha,
-            beta=beta,
+            beta=CostModel.beta if beta is None else beta,
             gamma_sort=gamma_sort,
             gamma_merge=gamma_merge,
             delta=delta,
@@ -304,7 +309,10 @@ class Auto(Algorithm):
 
     # the constants, read from the model: fixed at construction as the model is
     alpha = read_only("model.alpha", "alpha")
-    beta = read_only("model.beta", "beta")
+    beta = property(
+        lambda self: None if self.measured else self.model.beta,
+        lambda self, value: self._refuse("beta", value),
+    )
     gamma_sort = read_only("model.gamma_sort", "gamma_sort")
     gamma_merge = read_only("model.gamma_merge", "gamma_merge")
     delta = read_only("model.delta", "delta")
@@ -320,7 +328,9 @@ class Auto(Algorithm):
 
     def signature(self) -> list[int]:
         # the constants and the learned state must agree, or ranks could choose differently
-        state = (self.model, self.theta, self.calibrate, self.beta_fit, self.fit_bytes)
+        state = (
+            self.model, self.measured, self.theta, self.calibrate, self.beta_fit, self.fit_bytes
+        )  # fmt: skip
         return [zlib.crc32(repr(state).encode())]
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
@@ -333,6 +343,8 @@ class Auto(Algorithm):
         else:
             total, loads = x.nnz, [x.nnz]
         model = self.cost_model
+        if P > 1 and self.measured and self.beta_fit is None:
+            model = dataclasses.replace(model, beta=seconds_per_byte(comm))
         args = (P, x.n, total, x.indices.dtype, x.dtype, self.theta, model, loads, x.width)
         cost = predict(*args) if P > 1 else {}
         name = cheapest(cost) if P > 1 else "allgather"

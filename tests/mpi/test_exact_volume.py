@@ -317,7 +317,8 @@ def test_rows_bytes_match_formula(comm, kind, n, width):
     total = sum(idx.shape[0] for idx, _ in every)
     auto = Auto()
     out = sparsecoll.allreduce(comm, every[r][1], every[r][0], n=n, algorithm=auto)
-    rule = choose(P, n, total, np.int32, dtype, None, auto.model, width=width)
+    model = dataclasses.replace(auto.model, beta=out.info["auto"]["beta"])
+    rule = choose(P, n, total, np.int32, dtype, None, model, width=width)
     assert_all(comm, out.info["auto_choice"] == rule, f"auto chose {out.info['auto_choice']}")
 
 
@@ -354,6 +355,32 @@ def test_auto_choice_follows_rule_and_learns_overlap(comm, kind):
             assert_all(comm, auto.theta == 0.0, f"theta {auto.theta}")
         if kind == "disjoint":
             assert_all(comm, abs(auto.theta - 1.0) < 1e-3, f"theta {auto.theta}")
+
+
+def test_auto_measures_the_link_once_per_communicator(comm):
+    """Auto() measures the seconds per byte at its first call on a communicator, the same on
+    every rank; later calls on it, by any instance, reuse the measure without sending the
+    probe again; Auto(beta=...) predicts with the value given."""
+    if comm.size == 1:
+        return
+    from sparsecoll.algorithms._link import PROBE_BYTES
+
+    P, r = comm.size, comm.rank
+    vals, idx = np.ones(4, np.float32), np.arange(4) * P + r
+    fresh = sparsecoll.Communicator(comm.mpi_comm.Dup())
+    try:
+        betas = []
+        for algo in (Auto(), Auto(), Auto(beta=2.5e-9)):
+            with fresh.measure() as stats:
+                out = sparsecoll.allreduce(fresh, vals, idx, n=4 * P, algorithm=algo)
+            betas.append(out.info["auto"]["beta"])
+            probed = stats.bytes_sent >= 2 * PROBE_BYTES
+            assert_all(comm, probed == (len(betas) == 1), f"call {len(betas)}: {stats}")
+        assert_all(comm, len(set(comm.allgather_object(betas[0]))) == 1, f"{betas}")
+        assert_all(comm, 1e-12 <= betas[0] <= 1e-6 and betas[1] == betas[0], f"{betas}")
+        assert_all(comm, betas[2] == 2.5e-9 and Auto().beta is None, f"{betas}")
+    finally:
+        fresh.mpi_comm.Free()
 
 
 def test_auto_state_mismatch_raises_everywhere(comm):

@@ -1,0 +1,40 @@
+"""The speed of a communicator's links, measured once: what ``auto`` charges per byte sent.
+
+Every rank sends a small and a 1 MiB message to the next rank in a ring while receiving from
+the one before, twice; the difference of the fastest times per byte, averaged over the ranks
+(one small allreduce), is the estimate, the same on every rank. It is kept on the MPI
+communicator (every later call on it reuses it) and clipped to [1e-12, 1e-6] s/B
+(1 TB/s to 1 MB/s). On a node whose ranks share cores the estimate includes their contention,
+as the calls do.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .. import _keyvals
+from ..comm import Communicator
+
+__all__ = ["PROBE_BYTES", "seconds_per_byte"]
+
+PROBE_BYTES = 1 << 20
+
+
+def seconds_per_byte(comm: Communicator) -> float:
+    """The measured seconds per byte of ``comm``'s links (collective on first use)."""
+    known = _keyvals.link_seconds_per_byte(comm.mpi_comm)
+    if known is not None:
+        return known
+    P, r = comm.size, comm.rank
+    dest, source = (r + 1) % P, (r - 1) % P
+    best = {}
+    for size in (8, PROBE_BYTES, 8, PROBE_BYTES):
+        send, recv = np.zeros(size, np.uint8), np.empty(size, np.uint8)
+        start = time.perf_counter()
+        comm.sendrecv(send, dest, recv, source)
+        best[size] = min(best.get(size, np.inf), time.perf_counter() - start)
+    mine = max(best[PROBE_BYTES] - best[8], 0.0) / (PROBE_BYTES - 8)
+    mean = float(comm.allreduce_floats([mine], "sum")[0]) / P
+    return _keyvals.link_seconds_per_byte(comm.mpi_comm, min(max(mean, 1e-12), 1e-6))
