@@ -51,6 +51,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     from sparsecoll.benchmarks.cli import (
         SIZE_HELP,
         RankZeroParser,
+        algorithm_kind,
         choices_arg,
         densities_arg,
         int_arg,
@@ -58,9 +59,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         out_arg,
         parse_algorithms,
         sizes_arg,
+        wire_variants,
     )
     from sparsecoll.benchmarks.problems import OVERLAPS
-    from sparsecoll.registry import algorithm_class, available_algorithms
+    from sparsecoll.registry import available_algorithms
 
     p = RankZeroParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter, epilog=SIZE_HELP
@@ -77,7 +79,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--algorithms",
         default="all",
-        help="comma-separated exact algorithms ('all', the default: every exact one)",
+        help="comma-separated exact algorithms, NAME:compact for the compact wire ('all', "
+        "the default: every exact one, with its compact wire where it takes one)",
     )
     p.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"))
     p.add_argument("-i", "--iterations", type=int_arg(1), default=5)
@@ -87,12 +90,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:  # (an unknown name failed on every rank in its first call, with a traceback)
-        known = available_algorithms()
+        known = wire_variants(available_algorithms())
         names = parse_algorithms([args.algorithms], known, "--algorithms")
     except ValueError as exc:
         p.error(str(exc))  # every rank parses the same argv: all exit alike
     # (a selecting algorithm ran, was marked NO against dense and made the sweep exit 1)
-    exact = [name for name in known if algorithm_class(name).exact]
+    exact = [name for name in known if algorithm_kind(name).exact]
     named = [t.strip() for t in args.algorithms.split(",")]
     for name in names:
         if name in named and name not in exact:
@@ -100,7 +103,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                 f"argument --algorithms: {name!r} selects (it is not exact); "
                 f"an exact sweep takes {', '.join(exact)}"
             )
-    args.algorithms = [name for name in names if name in exact]  # 'all': the exact ones
+    if args.algorithms == "all":  # every exact one, its compact wire too (auto weighs it)
+        names = exact
+    args.algorithms = [name for name in names if name in exact]
     return args
 
 

@@ -222,16 +222,19 @@ def test_plot_train_cluster_refuses_a_folder_without_its_runs(tmp_path, capsys) 
 
 
 def test_sweep_exact_all_is_every_exact_algorithm() -> None:
-    """'all' ran the selecting algorithms too (each marked NO, exit 1): now the exact ones."""
+    """'all' is every exact algorithm, with its compact wire where it takes one (auto weighs
+    those too); never a selecting one (each was marked NO, exit 1)."""
+    from sparsecoll.benchmarks.cli import wire_variants
     from sparsecoll.registry import algorithm_class, available_algorithms
 
     spec = importlib.util.spec_from_file_location("sweep_exact", ROOT / "bench" / "sweep_exact.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    exact = [n for n in available_algorithms() if algorithm_class(n).exact]
-    assert len(exact) < len(available_algorithms())
+    known = wire_variants(available_algorithms())
+    exact = [n for n in known if algorithm_class(n.partition(":")[0]).exact]
+    assert len(exact) < len(known) and "recursive_doubling:compact" in exact
     assert mod.parse(["--algorithms", "all"]).algorithms == exact
-    assert mod.parse(["--algorithms", "dsa,dense"]).algorithms == ["dsa", "dense"]
+    assert mod.parse(["--algorithms", "dsa,dsa:compact"]).algorithms == ["dsa", "dsa:compact"]
 
 
 @pytest.mark.parametrize(
