@@ -51,6 +51,11 @@ __all__ = [
     "watch",
 ]
 
+# up to this many ranks, every vote carries each rank's call statistics (its nnz and its
+# nonzeros in each of the P equal ranges of [0, n): P + 1 ints) in a slot of its own, so that
+# a MAX gives every rank all of them: auto's statistics without a round of their own; P(P+1)
+# ints, at most 72
+STATS_MAX_P = 8
 # named values behind a signature's values: ((their positions in it, {name: value}), ...)
 Detail = tuple[tuple[tuple[int, ...], dict[str, Any]], ...] | None
 
@@ -158,7 +163,7 @@ class Vote:
     wait long for late ranks); None: as ``comm`` completes its calls.
     """
 
-    __slots__ = ("_agreed", "_req", "call", "comm", "detail", "error", "names", "sig")
+    __slots__ = ("_agreed", "_req", "call", "comm", "detail", "error", "names", "sig", "totals")
 
     def __init__(
         self,
@@ -169,6 +174,7 @@ class Vote:
         detail: Detail | Callable[[], Detail] = None,
         call: str | None = None,
         poll: bool | None = None,
+        stats: Sequence[int] | None = None,
     ) -> None:
         if error is None and signature is not None:
             # (raised here alone, a bad signature would leave the other ranks waiting)
@@ -178,6 +184,13 @@ class Vote:
         # one MAX-allreduce: error flag, -(first bad rank), then +/- each signature value
         vec = [1 if error else 0, -(comm.rank if error else comm.size)]
         vec += [v for s in sig for v in (s, -s)]
+        P = comm.size
+        if 1 < P <= STATS_MAX_P:  # (every vote alike: any two may meet)
+            slots = [0] * (P * (P + 1))
+            if stats is not None and error is None:
+                slots[comm.rank * (P + 1) : (comm.rank + 1) * (P + 1)] = stats
+            vec += slots
+        self.totals: list[int] | None = None
         self.comm, self.error, self.sig, self.names = comm, error, sig, names
         self.detail, self.call = detail, call
         self._req, self._agreed = comm.iallreduce_ints(vec, "max", poll=poll)
@@ -192,6 +205,11 @@ class Vote:
         # (as Python ints: the few reads below cost a numpy scalar operation each; the
         # values' max is agreed[2::2], their min -agreed[3::2])
         agreed = self._agreed.tolist()
+        end = 2 + 2 * SIGNATURE_LEN
+        if len(agreed) > end:
+            P = comm.size
+            self.totals = [sum(agreed[end + j :: P + 1]) for j in range(P + 1)]
+            agreed = agreed[:end]
         if -agreed[3] == ENGINE_START:  # some rank starts an engine: every rank duplicated
             mine = error is None and sig[0] == ENGINE_START  # (this rank's own start)
             if duplicate is None:
@@ -217,11 +235,14 @@ def collective_check(
     detail: Detail | Callable[[], Detail] = None,
     *,
     call: str | None = None,
-) -> None:
+    stats: Sequence[int] | None = None,
+) -> list[int] | None:
     """Agree on input errors across ranks; raise the same error on every rank (see
     :class:`Vote`). One small allreduce when all is well; on failure the offending rank's
-    message is shared."""
-    Vote(comm, error, signature, names, detail, call).settle()
+    message is shared. Returns the vote's ``totals`` of ``stats``."""
+    vote = Vote(comm, error, signature, names, detail, call, stats=stats)
+    vote.settle()
+    return vote.totals
 
 
 class agreement:
@@ -229,13 +250,14 @@ class agreement:
     agreed on leaving (:func:`collective_check`) with ``signature`` (set inside; ignored
     after an error) and ``detail``: every rank then raises the same error, or none does.
     With ``check=False`` nothing is agreed (the caller agreed already): errors propagate.
+    ``stats`` (set inside) ride on the vote; their ``totals`` are set on leaving.
 
         with agreement(comm, ("n", "values dtype"), call=label) as agree:
             ...local checks...
             agree.signature = [n, dtype_code]
     """
 
-    __slots__ = ("call", "check", "comm", "detail", "names", "signature")
+    __slots__ = ("call", "check", "comm", "detail", "names", "signature", "stats", "totals")
 
     def __init__(
         self,
@@ -249,6 +271,8 @@ class agreement:
         self.comm, self.names, self.detail, self.call = comm, names, detail, call
         self.check = check
         self.signature: Sequence[Any] | None = None
+        self.stats: Sequence[int] | None = None
+        self.totals: list[int] | None = None
 
     def __enter__(self) -> agreement:
         return self
@@ -257,7 +281,9 @@ class agreement:
         if not self.check or (error is not None and not isinstance(error, Exception)):
             return False
         sig = None if error is not None else self.signature
-        collective_check(self.comm, error, sig, self.names, self.detail, call=self.call)
+        self.totals = collective_check(
+            self.comm, error, sig, self.names, self.detail, call=self.call, stats=self.stats
+        )
         return True  # (reached without an error only: an agreed error raises above)
 
 

@@ -171,7 +171,12 @@ def _allreduce(
                     + " (a selecting algorithm cannot rank them)"
                 )
             algo.preflight(x)
+            stats = getattr(algo, "call_stats", None)  # (what auto chooses by)
+            if stats is not None:
+                agree.stats = stats(x, c.size)
         agree.signature = sig
+    if agree.totals is not None and agree.stats is not None:
+        x.info["vote_totals"] = agree.totals
     # IEEE sums, as MPI_SUM's: inf + (-inf) is NaN and an overflow inf, without a warning
     # (device inputs: work and return on their own GPU)
     # (apart: the algorithm's messages on a duplicate of the communicator, where the

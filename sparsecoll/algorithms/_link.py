@@ -3,7 +3,8 @@
 Every rank sends a small and a 1 MiB message to the next rank in a ring while receiving from
 the one before, twice; the difference of the fastest times per byte, averaged over the ranks
 (one small allreduce), is the estimate, the same on every rank. It is kept on the MPI
-communicator (every later call on it reuses it) and clipped to [1e-12, 1e-6] s/B
+communicator (every later call on it reuses it; on the communicator object itself where it
+has none, as one over a torch process group) and clipped to [1e-12, 1e-6] s/B
 (1 TB/s to 1 MB/s). On a node whose ranks share cores the estimate includes their contention,
 as the calls do.
 """
@@ -11,6 +12,8 @@ as the calls do.
 from __future__ import annotations
 
 import time
+import weakref
+from typing import Any
 
 import numpy as np
 
@@ -20,11 +23,13 @@ from ..comm import Communicator
 __all__ = ["PROBE_BYTES", "seconds_per_byte"]
 
 PROBE_BYTES = 1 << 20
+_KEPT: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()  # (no MPI comm)
 
 
 def seconds_per_byte(comm: Communicator) -> float:
     """The measured seconds per byte of ``comm``'s links (collective on first use)."""
-    known = _keyvals.link_seconds_per_byte(comm.mpi_comm)
+    mpi = getattr(comm, "mpi_comm", None)
+    known = _KEPT.get(comm) if mpi is None else _keyvals.link_seconds_per_byte(mpi)
     if known is not None:
         return known
     P, r = comm.size, comm.rank
@@ -37,4 +42,8 @@ def seconds_per_byte(comm: Communicator) -> float:
         best[size] = min(best.get(size, np.inf), time.perf_counter() - start)
     mine = max(best[PROBE_BYTES] - best[8], 0.0) / (PROBE_BYTES - 8)
     mean = float(comm.allreduce_floats([mine], "sum")[0]) / P
-    return _keyvals.link_seconds_per_byte(comm.mpi_comm, min(max(mean, 1e-12), 1e-6))
+    value = min(max(mean, 1e-12), 1e-6)
+    if mpi is None:
+        _KEPT[comm] = value
+        return value
+    return _keyvals.link_seconds_per_byte(mpi, value)

@@ -1,7 +1,9 @@
 """auto: pick the exact algorithm (allgather, dsa, recursive_doubling, dense, …) per call.
 
-One small allreduce of P + 1 ints gives the global nnz N and the loads: the nonzeros of all
-ranks in each of the P equal ranges of [0, n) that dsa (and ring) split by. With P, n and
+The global nnz N and the loads (the nonzeros of all ranks in each of the P equal ranges of
+[0, n) that dsa and ring split by) ride on the call's input agreement up to P = 8
+(:data:`sparsecoll._agree.STATS_MAX_P`); otherwise, when calibrating, or outside
+:func:`sparsecoll.allreduce`, they take one small allreduce of P + 2 ints. With P, n and
 the index/value sizes they feed a latency–bandwidth–compute model (:func:`predict`,
 formulas in docs/guide/algorithms.md; a range split is charged its busiest range) and the
 cheapest prediction runs (:func:`choose`; ties go to the earlier of ``CANDIDATES``, of
@@ -326,6 +328,11 @@ class Auto(Algorithm):
         self.fit_rest = 0.0  # and the rest of its prediction (latency and compute)
         _ELAPSED.pop(self, None)
 
+    def call_stats(self, x: SparseVector, P: int) -> list[int]:
+        """This rank's statistics, summed by the call's agreement where it carries them
+        (:data:`sparsecoll._agree.STATS_MAX_P`): its nnz and its loads of the P ranges."""
+        return [x.nnz, *range_loads(x, P)]
+
     def signature(self) -> list[int]:
         # the constants and the learned state must agree, or ranks could choose differently
         state = (
@@ -335,7 +342,10 @@ class Auto(Algorithm):
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
         P = comm.size
-        if P > 1:  # one collective: N, the loads of the P ranges, the last call's time
+        totals = x.info.pop("vote_totals", None)  # (summed by the call's agreement)
+        if P > 1 and totals is not None and not self.calibrate:
+            total, loads = totals[0], totals[1:]
+        elif P > 1:  # one collective: N, the loads of the P ranges, the last call's time
             elapsed_ns = round(_ELAPSED.get(self, 0.0) * 1e9)
             counts = comm.allreduce_ints([x.nnz, *range_loads(x, P), elapsed_ns])
             total, loads = int(counts[0]), [int(c) for c in counts[1:-1]]

@@ -383,6 +383,28 @@ def test_auto_measures_the_link_once_per_communicator(comm):
         fresh.mpi_comm.Free()
 
 
+def test_auto_statistics_ride_on_the_agreement(comm):
+    """Up to P = 8 auto's N and loads come with the call's input agreement: its call moves
+    the same metadata as its pick called directly; beyond, and when calibrating, one more
+    allreduce. Its choice is the rule's either way."""
+    from sparsecoll._agree import STATS_MAX_P
+
+    P, n = comm.size, 100_003
+    idx, vals = problem("random", comm.rank, P, n, np.float32)
+    for calibrate in (False, True):
+        auto = Auto(beta=1e-9, calibrate=calibrate)
+        out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=auto)
+        pick = out.info["auto_choice"]
+        base, _, wire = pick.partition(":")
+        direct = sparsecoll.allreduce(
+            comm, vals, idx, n=n, algorithm=base, **({"wire": wire} if wire else {})
+        )
+        extra = out.info["stats"].meta_messages_sent - direct.info["stats"].meta_messages_sent
+        rides = 1 < P <= STATS_MAX_P and not calibrate
+        assert_all(comm, (extra == 0) == (rides or P == 1), f"calibrate={calibrate}: {extra}")
+        assert_all(comm, out.info["auto"]["nnz"] == comm.allreduce_ints([idx.size])[0])
+
+
 def test_auto_state_mismatch_raises_everywhere(comm):
     """Ranks whose auto instances learned different overlaps fail together, before any
     payload, saying to call reset() on every rank; after it the call goes on (auto had no
