@@ -147,15 +147,20 @@ def predict(
         + m.gamma_merge * hot * max(1.0, log2p)
         + (m.delta * n * d if goes_dense else 0.0)
     )
+    # the busiest rank is newrank 0: entering round i it holds the inputs of the 2^i newranks
+    # below 2^i, the first P − p of which took a folded partner's too; a folded partner
+    # then sends the whole sum back
     p = 1 << (P.bit_length() - 1)
     rd = (2 * (p.bit_length() - 1) + 3 * int(p != P)) * m.alpha
-    group = P / p
-    rd_sparse = []  # the sums each round sends as pairs (what wire="compact" encodes)
-    for _ in range(p.bit_length() - 1):
-        u = union_size(group, n, kbar, theta)
-        rd += m.beta * sp(u, n) + m.gamma_merge * union_size(2 * group, n, kbar, theta)
+    rd_sparse = []  # the sums it sends as pairs (what wire="compact" encodes)
+    for i in range(p.bit_length() - 1):
+        u = union_size(2**i + min(2**i, P - p), n, kbar, theta)
+        merged = union_size(min(2 ** (i + 1) + min(2 ** (i + 1), P - p), P), n, kbar, theta)
+        rd += m.beta * sp(u, n) + m.gamma_merge * merged
         rd_sparse += [u] if u * pair < n * vsz else []
-        group *= 2
+    if p != P:
+        rd += m.beta * sp(K, n)
+        rd_sparse += [K] if K * pair < n * vsz else []
     if goes_dense:
         rd += m.delta * n * d
     out["recursive_doubling"] = rd
