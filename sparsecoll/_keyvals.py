@@ -1,7 +1,7 @@
 """What sparsecoll hangs on an MPI communicator, as MPI attributes (so that every
 Communicator wrapping it shares them): its progress engine, the lock that runs this rank's
 calls on it one at a time, the duplicate its messages travel on (:func:`apart`), and the
-measured speed of its links (:func:`link_seconds_per_byte`).
+measured speed of its links (:func:`link_constants`).
 
 When the user frees the communicator, MPI deletes its attributes: the engine finishes its
 queue and frees its own duplicates, and the message duplicate is freed, except on
@@ -22,7 +22,7 @@ __all__ = [
     "apart",
     "attach_engine",
     "attached_engine",
-    "link_seconds_per_byte",
+    "link_constants",
     "serial_lock",
     "stop_at_finalize",
 ]
@@ -31,7 +31,7 @@ _KEYVAL_LOCK = threading.Lock()  # (never held during communication)
 _ENGINE_KEYVAL: int | None = None  # MPI attribute key of the progress engine
 _SERIAL_KEYVAL: int | None = None  # ... of the lock of Communicator.serial
 _APART_KEYVAL: int | None = None  # ... of a communicator's message duplicate
-_LINK_KEYVAL: int | None = None  # ... of its measured seconds per byte
+_LINK_KEYVAL: int | None = None  # ... of its links' measured speed
 _FINALIZE_KEYVAL: list[int] = []
 
 
@@ -71,15 +71,15 @@ def serial_lock(comm: Any) -> Any:
     return lock
 
 
-def link_seconds_per_byte(comm: Any, value: float | None = None) -> float | None:
-    """The seconds per byte measured on the MPI communicator ``comm`` (None: not yet);
-    ``value``: record it."""
+def link_constants(comm: Any, value: tuple[float, float] | None = None) -> Any:
+    """The (seconds per message, seconds per byte) measured on the MPI communicator ``comm``
+    (None: not yet); ``value``: record it."""
     global _LINK_KEYVAL
     with _KEYVAL_LOCK:
         if _LINK_KEYVAL is None:
             _LINK_KEYVAL = _mpilib.mpi().Comm.Create_keyval()
     if value is not None:
-        comm.Set_attr(_LINK_KEYVAL, float(value))
+        comm.Set_attr(_LINK_KEYVAL, value)
     return comm.Get_attr(_LINK_KEYVAL)
 
 

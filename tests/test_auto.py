@@ -134,9 +134,10 @@ def test_options_are_checked():
     for bad in (-1.0, float("inf")):
         with pytest.raises(ValueError, match="finite non-negative"):
             Auto(alpha=bad)
-    for bad in (True, "1e-6", None):  # a wrong type: TypeError, as numpy's
+    for bad in (True, "1e-6"):  # a wrong type: TypeError, as numpy's
         with pytest.raises(TypeError, match="alpha must be a real number"):
             Auto(alpha=bad)
+    assert Auto(alpha=None).alpha is None  # (None: measured at the first call)
     assert Auto(delta=np.float32(1e-9)).model.delta == float(np.float32(1e-9))
     a = Auto(alpha=1e-5, beta=2e-10)
     assert a.model.alpha == 1e-5

@@ -221,9 +221,9 @@ def test_auto_options_are_the_cost_model_constants():
 
     opts = algorithm_options("auto")
     assert opts.pop("calibrate")[0] is False
-    assert opts.pop("beta")[0] is None  # (measured on the communicator's links)
+    assert opts.pop("alpha")[0] is None and opts.pop("beta")[0] is None  # (measured)
     model = dataclasses.asdict(CostModel())
-    del model["beta"]
+    del model["alpha"], model["beta"]
     assert {k: v[0] for k, v in opts.items()} == model
 
 

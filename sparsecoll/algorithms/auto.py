@@ -16,10 +16,10 @@ tensor on every rank.
 When the pick may allocate O(n) (dense; recursive_doubling past its switch point), its
 preflight runs and the ranks agree on it first: memory running out on one rank is a
 CollectiveRuntimeError on every rank. Rows of D values count D values an index (``width``).
-The seconds per byte sent are measured on the communicator's links at
-its first call (:mod:`._link`: a 1 MiB exchange, once per communicator) unless given; the
-other constants describe a cluster node pair (5 µs a message) and this library's local work;
-pass your own (``Auto(alpha=…, beta=…)``) to fit another machine. The
+The seconds per message and per byte sent are measured on the
+communicator's links at its first call (:mod:`._link`: a small and a 1 MiB exchange, once per
+communicator) unless given; the other constants describe this library's local work; pass
+your own (``Auto(alpha=…, beta=…)``) to fit another machine. The
 choice is in ``result.info["auto_choice"]``, the statistics and predictions behind it in
 ``result.info["auto"]``.
 """
@@ -42,7 +42,7 @@ from .._options import read_only, real
 from ..comm import Communicator
 from ..registry import algorithm_class, available_algorithms, register_algorithm
 from ..sparse import SparseVector
-from ._link import seconds_per_byte
+from ._link import link_constants
 from .base import Algorithm, range_bounds, sparse_is_cheaper
 from .dsa import bruck_counts
 
@@ -260,7 +260,8 @@ class Auto(Algorithm):
     """Exact: picks allgather, dsa, recursive_doubling, dense (hashed, ring) per call by a model.
 
     Args:
-        alpha: seconds per message (the default: a cluster node pair).
+        alpha: seconds per message; None (the default): measured on the communicator's
+            links at the first call on it, with ``beta``'s measure.
         beta: seconds per byte sent; None (the default): measured on the communicator's
             links at the first call on it (collective, once per communicator).
         gamma_sort: seconds per pair and pass of a sort-based coalesce.
@@ -288,7 +289,7 @@ class Auto(Algorithm):
 
     def __init__(
         self,
-        alpha: float = CostModel.alpha,
+        alpha: float | None = None,
         beta: float | None = None,
         gamma_sort: float = CostModel.gamma_sort,
         gamma_merge: float = CostModel.gamma_merge,
@@ -296,9 +297,10 @@ class Auto(Algorithm):
         gamma_wire: float = CostModel.gamma_wire,
         calibrate: bool = False,
     ) -> None:
-        self.measured = beta is None  # (the model's beta is then a placeholder)
+        # (the model's alpha, beta are then placeholders)
+        self.measured_alpha, self.measured = alpha is None, beta is None
         constants = dict(
-            alpha=alpha,
+            alpha=CostModel.alpha if alpha is None else alpha,
             beta=CostModel.beta if beta is None else beta,
             gamma_sort=gamma_sort,
             gamma_merge=gamma_merge,
@@ -315,7 +317,10 @@ class Auto(Algorithm):
         self.reset()
 
     # the constants, read from the model: fixed at construction as the model is
-    alpha = read_only("model.alpha", "alpha")
+    alpha = property(
+        lambda self: None if self.measured_alpha else self.model.alpha,
+        lambda self, value: self._refuse("alpha", value),
+    )
     beta = property(
         lambda self: None if self.measured else self.model.beta,
         lambda self, value: self._refuse("beta", value),
@@ -341,7 +346,8 @@ class Auto(Algorithm):
     def signature(self) -> list[int]:
         # the constants and the learned state must agree, or ranks could choose differently
         state = (
-            self.model, self.measured, self.theta, self.calibrate, self.beta_fit, self.fit_bytes
+            self.model, self.measured_alpha, self.measured, self.theta, self.calibrate,
+            self.beta_fit, self.fit_bytes,
         )  # fmt: skip
         return [zlib.crc32(repr(state).encode())]
 
@@ -358,8 +364,12 @@ class Auto(Algorithm):
         else:
             total, loads = x.nnz, [x.nnz]
         model = self.cost_model
-        if P > 1 and self.measured and self.beta_fit is None:
-            model = dataclasses.replace(model, beta=seconds_per_byte(comm))
+        if P > 1 and (self.measured_alpha or self.measured):
+            alpha, beta = link_constants(comm)
+            if self.measured_alpha:
+                model = dataclasses.replace(model, alpha=alpha)
+            if self.measured and self.beta_fit is None:
+                model = dataclasses.replace(model, beta=beta)
         args = (P, x.n, total, x.indices.dtype, x.dtype, self.theta, model, loads, x.width)
         cost = predict(*args) if P > 1 else {}
         name = cheapest(cost) if P > 1 else "allgather"
@@ -385,6 +395,7 @@ class Auto(Algorithm):
             "loads": loads,
             "imbalance": imbalance(loads, total),
             "theta": self.theta,
+            "alpha": model.alpha,
             "beta": model.beta,
         }
         if P > 1 and total > 0 and out.nnz > 0:

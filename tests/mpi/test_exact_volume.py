@@ -317,7 +317,8 @@ def test_rows_bytes_match_formula(comm, kind, n, width):
     total = sum(idx.shape[0] for idx, _ in every)
     auto = Auto()
     out = sparsecoll.allreduce(comm, every[r][1], every[r][0], n=n, algorithm=auto)
-    model = dataclasses.replace(auto.model, beta=out.info["auto"]["beta"])
+    why = out.info["auto"]
+    model = dataclasses.replace(auto.model, alpha=why["alpha"], beta=why["beta"])
     rule = choose(P, n, total, np.int32, dtype, None, model, width=width)
     assert_all(comm, out.info["auto_choice"] == rule, f"auto chose {out.info['auto_choice']}")
 
@@ -336,7 +337,9 @@ def test_auto_choice_follows_rule_and_learns_overlap(comm, kind):
         out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=auto)
         got = out.info["auto_choice"]
         # (the seconds per byte it predicted with: the constant, or learned from calls)
-        model = dataclasses.replace(auto.model, beta=out.info["auto"]["beta"])
+        model = dataclasses.replace(
+            auto.model, alpha=out.info["auto"]["alpha"], beta=out.info["auto"]["beta"]
+        )
         want = choose(P, n, total, np.int32, np.float32, theta, model, loads)
         choices = comm.allgather_object(got)
         assert_all(comm, all(c == got for c in choices), f"choices differ: {choices}")
@@ -358,9 +361,10 @@ def test_auto_choice_follows_rule_and_learns_overlap(comm, kind):
 
 
 def test_auto_measures_the_link_once_per_communicator(comm):
-    """Auto() measures the seconds per byte at its first call on a communicator, the same on
-    every rank; later calls on it, by any instance, reuse the measure without sending the
-    probe again; Auto(beta=...) predicts with the value given."""
+    """Auto() measures the seconds per message and per byte at its first call on a
+    communicator, the same on every rank; later calls on it, by any instance, reuse the
+    measure without sending the probe again; Auto(alpha=..., beta=...) predicts with the
+    values given."""
     if comm.size == 1:
         return
     from sparsecoll.algorithms._link import PROBE_BYTES
@@ -370,15 +374,17 @@ def test_auto_measures_the_link_once_per_communicator(comm):
     fresh = sparsecoll.Communicator(comm.mpi_comm.Dup())
     try:
         betas = []
-        for algo in (Auto(), Auto(), Auto(beta=2.5e-9)):
+        for algo in (Auto(), Auto(), Auto(alpha=3e-5, beta=2.5e-9)):
             with fresh.measure() as stats:
                 out = sparsecoll.allreduce(fresh, vals, idx, n=4 * P, algorithm=algo)
-            betas.append(out.info["auto"]["beta"])
+            betas.append((out.info["auto"]["alpha"], out.info["auto"]["beta"]))
             probed = stats.bytes_sent >= 2 * PROBE_BYTES
             assert_all(comm, probed == (len(betas) == 1), f"call {len(betas)}: {stats}")
         assert_all(comm, len(set(comm.allgather_object(betas[0]))) == 1, f"{betas}")
-        assert_all(comm, 1e-12 <= betas[0] <= 1e-6 and betas[1] == betas[0], f"{betas}")
-        assert_all(comm, betas[2] == 2.5e-9 and Auto().beta is None, f"{betas}")
+        (alpha, beta), again, given = betas
+        assert_all(comm, 1e-7 <= alpha <= 1e-2 and 1e-12 <= beta <= 1e-6, f"{betas}")
+        assert_all(comm, again == (alpha, beta) and given == (3e-5, 2.5e-9), f"{betas}")
+        assert_all(comm, Auto().alpha is None and Auto().beta is None)
     finally:
         fresh.mpi_comm.Free()
 
