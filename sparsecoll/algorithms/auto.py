@@ -372,6 +372,8 @@ class Auto(Algorithm):
                 model = dataclasses.replace(model, beta=beta)
         args = (P, x.n, total, x.indices.dtype, x.dtype, self.theta, model, loads, x.width)
         cost = predict(*args) if P > 1 else {}
+        if x.xp is not np:  # (device arrays travel raw: the compact wire is host-only)
+            cost = {k: v for k, v in cost.items() if not k.endswith(":compact")}
         name = cheapest(cost) if P > 1 else "allgather"
         base, _, wire = name.partition(":")
         inner = algorithm_class(base)(**({"wire": wire} if wire else {}))

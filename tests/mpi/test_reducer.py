@@ -1257,7 +1257,7 @@ def test_float32_steps_conserve_exactly(comm, algorithm):
     [
         ("oktopk", {}, {"tau": 8}, "options={'tau': 32}"),
         ("exdyna", {"tolerance": 0.2}, {}, "options={'tolerance': 0.2}"),
-        ("auto", {}, {"alpha": 1e-3}, "options={'alpha': 5e-06}"),
+        ("auto", {}, {"alpha": 1e-3}, "options={'alpha': None}"),
         ("allgather", {"selection_options": {"interval": 4}}, {}, "selection_options="),
     ],
 )
@@ -1282,7 +1282,7 @@ def test_checkpoint_rejects_other_algorithm_options(comm, algorithm, saved_kw, k
     default = {
         "oktopk": {"tau": 32, "band": [0.8, 1.25]},
         "exdyna": {"rule": "window"},
-        "auto": {"alpha": 5e-6},
+        "auto": {"alpha": None},
     }
     explicit = GradientReducer(
         comm, n, algorithm, 0.05, **{**saved_kw, **default.get(algorithm, {})}
