@@ -53,7 +53,7 @@ CASES = [
     (EXDYNA, "rule", [None, ["window"]], {}),
     (EXDYNA, "blocks", ["3", True, 1.5, 0, -1], {}),
     (_algo("gtopk"), "k", [*NOT_INT, -1], {}),
-    (_algo("auto"), "alpha", [*NOT_REAL, math.nan, math.inf, -1.0], {}),
+    (_algo("auto"), "alpha", [*NOT_REAL[1:], math.nan, math.inf, -1.0], {}),  # (None: measured)
     (REUSE, "density", [*NOT_REAL, math.nan, 1.5, -0.1], {}),
     (REUSE, "interval", [*NOT_INT, 0, -1, math.inf], {"k": 4}),
     (REUSE, "nudge", [*NOT_REAL, math.nan, math.inf, 1.0], {"k": 4}),
@@ -149,6 +149,7 @@ def test_a_wrong_type_is_a_type_error_and_a_wrong_value_a_value_error(build, opt
         (OKTOPK, "band", [0.5, 2]),
         (EXDYNA, "blocks", None),
         (_algo("auto"), "alpha", 1),
+        (_algo("auto"), "alpha", None),
         (SAMPLING, "seed", None),
         (SAMPLING, "seed", [1, 2]),
         (SAMPLING, "min_sample", 0),
