@@ -142,6 +142,13 @@ def test_options_are_checked():
     a = Auto(alpha=1e-5, beta=2e-10)
     assert a.model.alpha == 1e-5
     assert a.model.beta == 2e-10
+    for bad in (-1, 2.0, True):
+        with pytest.raises((TypeError, ValueError), match="tries must be an integer >= 0"):
+            Auto(tries=bad)
+    for bad in (0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="spread must be a finite number >= 1"):
+            Auto(spread=bad)
+    assert (Auto(tries=0).tries, Auto(spread=1).spread) == (0, 1.0)
 
 
 def test_signature_tracks_constants_and_learned_state():
@@ -150,6 +157,60 @@ def test_signature_tracks_constants_and_learned_state():
     b.theta = 0.25
     assert a.signature() != b.signature()
     assert Auto(alpha=1e-6).signature() != a.signature()
+    assert Auto(tries=2).signature() != a.signature()
+    assert Auto(spread=3.0).signature() != a.signature()
+
+
+# -- the measured refinement (auto's tuner) ------------------------------------------------
+ORDER = ("a", "b", "c", "d", "e")
+KEY = (100, None, "<i4", "<f4", True)
+
+
+def _run(tuner, cost, times, calls, nnz=1000, tries=4, spread=2.5):
+    """The picks of ``calls`` calls, each taking ``times[pick]`` seconds."""
+    picks = []
+    for _ in range(calls):
+        pick = tuner.pick(cost, ORDER, KEY, nnz, tries, spread)
+        picks.append(pick)
+        tuner.last = pick
+        tuner.record(times[pick])
+    return picks
+
+
+def test_tuner_measures_the_contenders_in_turn_then_keeps_the_fastest():
+    from sparsecoll.algorithms._tune import SAMPLES, Tuner
+
+    cost = {"a": 1.0, "b": 1.2, "c": 2.0, "d": 3.0, "e": 1.1}
+    times = {"a": 5.0, "b": 2.0, "c": 4.0, "d": 0.1, "e": 3.0}
+    picks = _run(Tuner(), cost, times, 4 * SAMPLES + 3)
+    # contenders: the 4 cheapest within 2.5x of the cheapest (d is 3x: out), cheapest first
+    assert picks[: 4 * SAMPLES] == ["a", "e", "b", "c"] * SAMPLES
+    assert picks[4 * SAMPLES :] == ["b"] * (len(picks) - 4 * SAMPLES)
+    # one try, or a spread of 1: the model's pick alone
+    assert set(_run(Tuner(), cost, times, 6, tries=1)) == {"a"}
+    assert set(_run(Tuner(), cost, times, 6, tries=0)) == {"a"}
+    assert _run(Tuner(), cost, times, 6, spread=1.15) == ["a", "e"] * 2 + ["e"] * 2
+
+
+def test_tuner_follows_a_slowing_pick_and_restarts_in_a_new_regime():
+    from sparsecoll.algorithms._tune import KEPT, Tuner
+
+    cost = {"a": 1.0, "b": 1.5}
+    tuner = Tuner()
+    assert _run(tuner, cost, {"a": 1.0, "b": 2.0}, 6) == ["a", "b", "a", "b", "a", "a"]
+    # a slows down: once its kept samples all exceed b's, b runs
+    picks = _run(tuner, cost, {"a": 3.0, "b": 2.0}, KEPT + 2)
+    assert picks == ["a"] * KEPT + ["b"] * 2
+    assert tuner.estimates() == {"a": 3.0, "b": 2.0}
+    # the global nnz past twice where the samples began: measured again
+    assert _run(tuner, cost, {"a": 1.0, "b": 2.0}, 2, nnz=2001) == ["a", "b"]
+    assert tuner.anchor == 2001
+    assert _run(tuner, cost, {"a": 1.0, "b": 2.0}, 1, nnz=1001) == ["a"]  # (within 2x)
+    tuner.pick(cost, ORDER, (7, *KEY[1:]), 2001, 4, 2.5)  # another n
+    assert tuner.estimates() == {}
+    # a failed call brings no time: record() without a pick adds nothing
+    tuner.record(1.0)
+    assert tuner.estimates() == {}
 
 
 # -- the loads of the P ranges (skew) ----------------------------------------------------------

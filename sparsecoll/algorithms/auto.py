@@ -1,17 +1,22 @@
 """auto: pick the exact algorithm (allgather, dsa, recursive_doubling, dense, …) per call.
 
-The global nnz N and the loads (the nonzeros of all ranks in each of the P equal ranges of
-[0, n) that dsa and ring split by) ride on the call's input agreement up to P = 8
-(:data:`sparsecoll._agree.STATS_MAX_P`); otherwise, when calibrating, or outside
-:func:`sparsecoll.allreduce`, they take one small allreduce of P + 2 ints. With P, n and
+The loads (the nonzeros of all ranks in each of the P equal ranges of [0, n) that dsa and
+ring split by; their sum is the global nnz N) and the last call's time ride on the call's
+input agreement up to P = 8 (:data:`sparsecoll._agree.STATS_MAX_P`); otherwise, or outside
+:func:`sparsecoll.allreduce`, they take one small allreduce of P + 1 ints. With P, n and
 the index/value sizes they feed a latency–bandwidth–compute model (:func:`predict`,
-formulas in docs/guide/algorithms.md; a range split is charged its busiest range) and the
-cheapest prediction runs (:func:`choose`; ties go to the earlier of ``CANDIDATES``, of
-which hashed and ring only when registered; P = 1 always gives allgather). The first call
+formulas in docs/guide/algorithms.md; a range split is charged its busiest range) that
+ranks the candidates (:func:`choose`: the cheapest; ties go to the earlier of
+``CANDIDATES``, of which hashed and ring only when registered; P = 1 always gives
+allgather). The first call
 assumes independent indices; each later one uses the overlap exponent θ learned from the
 previous result (K(m) = k̄·m^θ). N, the loads and the result are the same on every rank, so
 every rank makes the same choice; θ is part of the signature, so use one instance per
 tensor on every rank.
+
+The model only ranks: the first calls measure its closest contenders (``tries``, ``spread``;
+:mod:`._tune`) and later ones run the fastest measured. The times ride on the next call's
+statistics, so every rank has the same.
 
 When the pick may allocate O(n) (dense; recursive_doubling past its switch point), its
 preflight runs and the ranks agree on it first: memory running out on one rank is a
@@ -38,11 +43,12 @@ import numpy as np
 from .. import _state
 from .._agree import agreement
 from .._array import get_array_module, index_dtype, to_host, to_module
-from .._options import read_only, real
+from .._options import integer, read_only, real
 from ..comm import Communicator
 from ..registry import algorithm_class, available_algorithms, register_algorithm
 from ..sparse import SparseVector
 from ._link import link_constants
+from ._tune import Tuner
 from .base import Algorithm, range_bounds, sparse_is_cheaper
 from .dsa import bruck_counts
 
@@ -250,9 +256,18 @@ def cheapest(cost: dict[str, float]) -> str:
     return min((c for c in CANDIDATES if c in cost), key=lambda c: cost[c])
 
 
-# each instance's seconds in its last pick's reduce, on this rank: kept apart from its
-# attributes, since a checkpoint holds those and a measured time differs from run to run
+# each instance's seconds in its last pick's reduce, on this rank, and its measured
+# contenders' samples (every rank's means): kept apart from its attributes, since a
+# checkpoint holds those and a measured time differs from run to run
 _ELAPSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TUNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _tuner(auto: Auto) -> Tuner:
+    tuner = _TUNERS.get(auto)
+    if tuner is None:
+        tuner = _TUNERS[auto] = Tuner()
+    return tuner
 
 
 @register_algorithm
@@ -269,9 +284,13 @@ class Auto(Algorithm):
         delta: seconds per element of a dense pass (zero, add, scan).
         gamma_wire: seconds per pair of a compact wire message (encoding plus decoding).
         calibrate: learn the seconds per byte from the calls' measured times (the mean over
-            ranks, shared in the next call's one collective), in place of ``beta``. For a
-            slow network; on an oversubscribed node the local work it cannot tell from
-            bytes makes it overrate them (default False).
+            ranks, shared by the next call), in place of ``beta``. For a slow network; on an
+            oversubscribed node the local work it cannot tell from bytes makes it overrate
+            them (default False).
+        tries: how many of the cheapest predictions (those within ``spread`` times the
+            cheapest) the first calls measure, twice each in turn, before later calls run
+            the one measured fastest (:mod:`._tune`); 0 or 1: the model's pick alone.
+        spread: how far above the cheapest prediction a contender may be (>= 1).
     """
 
     name = "auto"
@@ -284,7 +303,7 @@ class Auto(Algorithm):
     }
     fixed_options: ClassVar[tuple[str, ...]] = (
         "model", "alpha", "beta", "gamma_sort", "gamma_merge", "delta", "gamma_wire",
-        "calibrate",
+        "calibrate", "tries", "spread",
     )  # fmt: skip
 
     def __init__(
@@ -296,6 +315,8 @@ class Auto(Algorithm):
         delta: float = CostModel.delta,
         gamma_wire: float = CostModel.gamma_wire,
         calibrate: bool = False,
+        tries: int = 4,
+        spread: float = 2.5,
     ) -> None:
         # (the model's alpha, beta are then placeholders)
         self.measured_alpha, self.measured = alpha is None, beta is None
@@ -314,6 +335,10 @@ class Auto(Algorithm):
         if not isinstance(calibrate, bool):
             raise TypeError(f"calibrate must be True or False, got {calibrate!r}")
         self.calibrate = calibrate
+        self.tries = integer("tries", tries, 0)
+        if not (math.isfinite(real("spread", spread)) and spread >= 1):
+            raise ValueError(f"spread must be a finite number >= 1, got {spread!r}")
+        self.spread = float(spread)
         self.reset()
 
     # the constants, read from the model: fixed at construction as the model is
@@ -337,30 +362,33 @@ class Auto(Algorithm):
         self.fit_bytes = 0.0  # calibrating: the last pick's predicted bytes term (s per beta)
         self.fit_rest = 0.0  # and the rest of its prediction (latency and compute)
         _ELAPSED.pop(self, None)
+        _TUNERS.pop(self, None)
 
     def call_stats(self, x: SparseVector, P: int) -> list[int]:
         """This rank's statistics, summed by the call's agreement where it carries them
-        (:data:`sparsecoll._agree.STATS_MAX_P`): its nnz and its loads of the P ranges."""
-        return [x.nnz, *range_loads(x, P)]
+        (:data:`sparsecoll._agree.STATS_MAX_P`): its last call's nanoseconds and its loads of
+        the P ranges (their sum is its nnz)."""
+        return [round(_ELAPSED.get(self, 0.0) * 1e9), *range_loads(x, P)]
 
     def signature(self) -> list[int]:
         # the constants and the learned state must agree, or ranks could choose differently
         state = (
             self.model, self.measured_alpha, self.measured, self.theta, self.calibrate,
-            self.beta_fit, self.fit_bytes,
+            self.beta_fit, self.fit_bytes, self.tries, self.spread, _tuner(self).digest(),
         )  # fmt: skip
         return [zlib.crc32(repr(state).encode())]
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
         P = comm.size
         totals = x.info.pop("vote_totals", None)  # (summed by the call's agreement)
-        if P > 1 and totals is not None and not self.calibrate:
-            total, loads = totals[0], totals[1:]
-        elif P > 1:  # one collective: N, the loads of the P ranges, the last call's time
-            elapsed_ns = round(_ELAPSED.get(self, 0.0) * 1e9)
-            counts = comm.allreduce_ints([x.nnz, *range_loads(x, P), elapsed_ns])
-            total, loads = int(counts[0]), [int(c) for c in counts[1:-1]]
-            self._calibrate(int(counts[-1]) / P / 1e9)
+        tuner = _tuner(self)
+        if P > 1:
+            if totals is None:  # one collective: the last call's time, the P ranges' loads
+                totals = comm.allreduce_ints(self.call_stats(x, P))
+            loads = [int(c) for c in totals[1:]]
+            total, seconds = sum(loads), int(totals[0]) / P / 1e9
+            self._calibrate(seconds)
+            tuner.record(seconds)
         else:
             total, loads = x.nnz, [x.nnz]
         model = self.cost_model
@@ -374,7 +402,10 @@ class Auto(Algorithm):
         cost = predict(*args) if P > 1 else {}
         if x.xp is not np:  # (device arrays travel raw: the compact wire is host-only)
             cost = {k: v for k, v in cost.items() if not k.endswith(":compact")}
-        name = cheapest(cost) if P > 1 else "allgather"
+        name = "allgather"
+        if P > 1:
+            key = (x.n, x.width, x.indices.dtype.str, x.dtype.str, x.xp is np)
+            name = tuner.pick(cost, CANDIDATES, key, total, self.tries, self.spread)
         base, _, wire = name.partition(":")
         inner = algorithm_class(base)(**({"wire": wire} if wire else {}))
         start = time.perf_counter()
@@ -382,6 +413,7 @@ class Auto(Algorithm):
             _preflight_agreed(comm, inner, x)
         out = inner.reduce(comm, x)
         _ELAPSED[self] = time.perf_counter() - start
+        tuner.last = name
         if P > 1 and self.calibrate:  # the pick's prediction: its bytes term and the rest
             rest, unit = (
                 predict(*args[:6], dataclasses.replace(model, beta=b), *args[7:])[name]
@@ -399,6 +431,8 @@ class Auto(Algorithm):
             "theta": self.theta,
             "alpha": model.alpha,
             "beta": model.beta,
+            "contenders": list(tuner.contenders),
+            "measured": tuner.kept(),
         }
         if P > 1 and total > 0 and out.nnz > 0:
             kbar = total / P

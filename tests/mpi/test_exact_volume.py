@@ -327,7 +327,7 @@ def test_rows_bytes_match_formula(comm, kind, n, width):
 def test_auto_choice_follows_rule_and_learns_overlap(comm, kind):
     P, n = comm.size, 100_003
     idx, vals = problem(kind, comm.rank, P, n, np.float32)
-    auto = Auto()
+    auto = Auto(tries=1)  # (the model's pick alone: no measured contenders)
     every = [problem(kind, s, P, n, np.float32)[0] for s in range(P)]
     total = sum(i.shape[0] for i in every)
     bounds = range_bounds(n, P)
@@ -360,6 +360,41 @@ def test_auto_choice_follows_rule_and_learns_overlap(comm, kind):
             assert_all(comm, abs(auto.theta - 1.0) < 1e-3, f"theta {auto.theta}")
 
 
+@pytest.mark.parametrize("kind", ["random", "skewed"])
+def test_auto_measures_its_contenders_then_runs_the_fastest(comm, kind):
+    """The first calls run each contender (the cheapest predictions) twice in turn, later
+    ones the fastest measured: every call's pick is that rule's on the samples in its info,
+    the samples are the same on every rank, and every result is the exact sum."""
+    from sparsecoll.algorithms._tune import SAMPLES
+
+    if comm.size == 1:
+        return
+    P, n = comm.size, 100_003
+    vals, idx = make_problem(n, 0.01, comm.rank, P, kind)
+    want = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm="dense").to_dense()
+    auto = Auto(alpha=5e-6, beta=1e-9, tries=3, spread=100.0)
+    picks = []
+    for call in range(3 * SAMPLES + 3):
+        out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=auto)
+        why, pick = out.info["auto"], out.info["auto_choice"]
+        picks.append(pick)
+        contenders, kept = why["contenders"], why["measured"]
+        counts = [len(kept.get(c, [])) for c in contenders]
+        if min(counts) < SAMPLES:
+            rule = contenders[counts.index(min(counts))]
+        else:
+            rule = min(contenders, key=lambda c: min(kept[c]))
+        assert_all(comm, pick == rule, f"call {call}: {pick}, rule {rule} ({why})")
+        assert_all(comm, len(contenders) == min(3, len(why["predicted"])), f"{contenders}")
+        seen = comm.allgather_object((pick, kept))
+        assert_all(comm, all(s == seen[0] for s in seen), f"call {call}: ranks differ: {seen}")
+        assert_all(comm, np.allclose(out.to_dense(), want, rtol=1e-5, atol=1e-5), f"call {call}")
+    assert_all(comm, len(set(picks[: 3 * SAMPLES])) >= 2, f"nothing measured: {picks}")
+    auto.reset()
+    out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=auto)
+    assert_all(comm, out.info["auto"]["measured"] == {}, "reset() keeps the samples")
+
+
 def test_auto_measures_the_link_once_per_communicator(comm):
     """Auto() measures the seconds per message and per byte at its first call on a
     communicator, the same on every rank; later calls on it, by any instance, reuse the
@@ -390,9 +425,9 @@ def test_auto_measures_the_link_once_per_communicator(comm):
 
 
 def test_auto_statistics_ride_on_the_agreement(comm):
-    """Up to P = 8 auto's N and loads come with the call's input agreement: its call moves
-    the same metadata as its pick called directly; beyond, and when calibrating, one more
-    allreduce. Its choice is the rule's either way."""
+    """Up to P = 8 auto's loads and last time come with the call's input agreement (also
+    when calibrating): its call moves the same metadata as its pick called directly; beyond,
+    one more allreduce."""
     from sparsecoll._agree import STATS_MAX_P
 
     P, n = comm.size, 100_003
@@ -406,7 +441,7 @@ def test_auto_statistics_ride_on_the_agreement(comm):
             comm, vals, idx, n=n, algorithm=base, **({"wire": wire} if wire else {})
         )
         extra = out.info["stats"].meta_messages_sent - direct.info["stats"].meta_messages_sent
-        rides = 1 < P <= STATS_MAX_P and not calibrate
+        rides = 1 < P <= STATS_MAX_P
         assert_all(comm, (extra == 0) == (rides or P == 1), f"calibrate={calibrate}: {extra}")
         assert_all(comm, out.info["auto"]["nnz"] == comm.allreduce_ints([idx.size])[0])
 

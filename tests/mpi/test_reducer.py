@@ -1257,7 +1257,7 @@ def test_float32_steps_conserve_exactly(comm, algorithm):
     [
         ("oktopk", {}, {"tau": 8}, "options={'tau': 32}"),
         ("exdyna", {"tolerance": 0.2}, {}, "options={'tolerance': 0.2}"),
-        ("auto", {}, {"alpha": 1e-3}, "options={'alpha': None}"),
+        ("auto", {"tries": 1}, {"alpha": 1e-3, "tries": 1}, "options={'alpha': None"),
         ("allgather", {"selection_options": {"interval": 4}}, {}, "selection_options="),
     ],
 )
