@@ -10,9 +10,12 @@ exact algorithm in the registry (and auto) on the same inputs, each result check
 
 Columns: median/min/max latency over iterations (each the slowest rank's time), bytes sent
 per rank per call (the most any rank sent; payload only, counts and other metadata apart),
-that figure relative to dense, the result's nnz, and whether it matched dense. After each
-case a ``# case`` line names the fastest exact algorithm (by median; auto apart), auto's
-pick and auto's median over the fastest's; ``--summary`` writes those lines as CSV
+that figure relative to dense, the result's nnz, whether it matched dense, and auto's picks
+in the timed calls (``NAMExCOUNT`` each where they differ). Each algorithm is one instance,
+reused for the warm-up and the timed calls (auto measures its contenders in the warm-up
+calls, if there are enough: ``-x 8``). After each case a ``# case`` line names the fastest
+exact algorithm (by median; auto apart), auto's most frequent pick and auto's median over
+the fastest's; ``--summary`` writes those lines as CSV
 (appended to by each P of ``--np``), and the run ends with how many cases auto was within
 10% of the fastest.
 """
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 dense_bytes = None
                 medians, choice = {}, ""
                 for name in ["dense", *[a for a in names if a != "dense"]]:
-                    res, times, sent = run_algorithm(
+                    res, times, sent, picks = run_algorithm(
                         comm, name, vals, idx, n, k, args.iterations, args.warmup
                     )
                     sent = int(comm.allreduce_ints([sent], "max")[0])
@@ -193,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                     if name not in names:
                         continue
                     medians[name] = float(np.median(times))
-                    note = res.info.get("auto_choice", "")
-                    choice = note or choice
+                    note = describe_picks(picks)
+                    choice = (picks and max(picks, key=picks.count)) or choice
                     row = (
                         P,
                         n,
@@ -230,6 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     if out and cases:
         report(cases, args, out)
     return 0 if ok_all else 1
+
+
+def describe_picks(picks: list[str]) -> str:
+    """auto's picks over the timed calls: one name, or each with its count."""
+    names = list(dict.fromkeys(picks))
+    if len(names) <= 1:
+        return "".join(names)
+    return " ".join(f"{p}x{picks.count(p)}" for p in names)
 
 
 def summarize(P, n, density, overlap, medians: dict, choice: str) -> dict | None:

@@ -27,7 +27,7 @@ KEPT = 4  # samples kept per candidate
 class Tuner:
     """The samples of one auto instance's regime and the pick whose time comes next."""
 
-    __slots__ = ("anchor", "contenders", "key", "last", "samples")
+    __slots__ = ("anchor", "contenders", "key", "last", "memo", "samples", "taken")
 
     def __init__(self) -> None:
         self.key: Any = None  # (n, width, dtypes, device) of the samples
@@ -35,6 +35,8 @@ class Tuner:
         self.samples: dict[str, list[float]] = {}
         self.last: str | None = None  # the pick whose time the next call brings
         self.contenders: list[str] = []  # the last pick's
+        self.taken = 0  # samples recorded, in every regime
+        self.memo: tuple = ((), {})  # the last predictions and what they were made from
 
     def record(self, seconds: float) -> None:
         """Add the last pick's measured time (every rank's mean)."""
@@ -42,6 +44,7 @@ class Tuner:
             kept = self.samples.setdefault(self.last, [])
             kept.append(seconds)
             del kept[:-KEPT]
+            self.taken += 1
         self.last = None
 
     def pick(self, cost: dict[str, float], order: tuple[str, ...], key: Any, nnz: int,
@@ -68,5 +71,6 @@ class Tuner:
         return {c: list(s) for c, s in self.samples.items()}
 
     def digest(self) -> tuple:
-        """What must be equal on every rank (the samples come from agreed values)."""
-        return (self.key, self.anchor, sorted(self.samples.items()), self.last)
+        """What must be equal on every rank (the samples come from agreed values, so their
+        count and the regime stand for them)."""
+        return (self.key, self.anchor, self.taken, self.last)

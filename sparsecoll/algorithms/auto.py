@@ -32,6 +32,7 @@ choice is in ``result.info["auto_choice"]``, the statistics and predictions behi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 import weakref
@@ -42,14 +43,14 @@ import numpy as np
 
 from .. import _state
 from .._agree import agreement
-from .._array import get_array_module, index_dtype, to_host, to_module
+from .._array import index_dtype
 from .._options import integer, read_only, real
 from ..comm import Communicator
 from ..registry import algorithm_class, available_algorithms, register_algorithm
 from ..sparse import SparseVector
 from ._link import link_constants
 from ._tune import Tuner
-from .base import Algorithm, range_bounds, sparse_is_cheaper
+from .base import Algorithm, range_bounds, region_cuts, sparse_is_cheaper
 from .dsa import bruck_counts
 
 __all__ = ["CANDIDATES", "Auto", "CostModel", "choose", "predict", "range_loads", "union_size"]
@@ -94,10 +95,8 @@ def dsa_messages(P: int) -> int:
 
 def range_loads(x: SparseVector, P: int) -> list[int]:
     """Return this rank's nonzeros in each of the P ranges of ``range_bounds(n, P)``."""
-    xp = get_array_module(x.indices)
-    bounds = to_module(range_bounds(x.n, P), xp)
-    at = to_host(xp.searchsorted(x.indices, bounds)).astype(np.int64)  # (indices sorted)
-    return np.diff(at).tolist()
+    cuts = region_cuts(x.indices, range_bounds(x.n, P))  # (indices sorted, in [0, n))
+    return np.diff(cuts).tolist()
 
 
 def imbalance(loads: Any, nnz_total: int) -> float:
@@ -289,7 +288,7 @@ class Auto(Algorithm):
             them (default False).
         tries: how many of the cheapest predictions (those within ``spread`` times the
             cheapest) the first calls measure, twice each in turn, before later calls run
-            the one measured fastest (:mod:`._tune`); 0 or 1: the model's pick alone.
+            the one measured fastest; 0 or 1: the model's pick alone.
         spread: how far above the cheapest prediction a contender may be (>= 1).
     """
 
@@ -394,20 +393,19 @@ class Auto(Algorithm):
         model = self.cost_model
         if P > 1 and (self.measured_alpha or self.measured):
             alpha, beta = link_constants(comm)
-            if self.measured_alpha:
-                model = dataclasses.replace(model, alpha=alpha)
-            if self.measured and self.beta_fit is None:
-                model = dataclasses.replace(model, beta=beta)
+            model = _measured_model(
+                model,
+                alpha if self.measured_alpha else model.alpha,
+                beta if self.measured and self.beta_fit is None else model.beta,
+            )
         args = (P, x.n, total, x.indices.dtype, x.dtype, self.theta, model, loads, x.width)
-        cost = predict(*args) if P > 1 else {}
-        if x.xp is not np:  # (device arrays travel raw: the compact wire is host-only)
-            cost = {k: v for k, v in cost.items() if not k.endswith(":compact")}
-        name = "allgather"
+        name, cost = "allgather", {}
         if P > 1:
+            cost = _predicted(tuner, args, x.xp is np)
             key = (x.n, x.width, x.indices.dtype.str, x.dtype.str, x.xp is np)
             name = tuner.pick(cost, CANDIDATES, key, total, self.tries, self.spread)
         base, _, wire = name.partition(":")
-        inner = algorithm_class(base)(**({"wire": wire} if wire else {}))
+        inner = _instance(algorithm_class(base), wire)
         start = time.perf_counter()
         if P > 1 and _preflight_may_allocate(inner, x, total):
             _preflight_agreed(comm, inner, x)
@@ -424,7 +422,7 @@ class Auto(Algorithm):
         out.info["auto_nnz_total"] = total
         out.info["auto"] = {
             "choice": name,
-            "predicted": cost,
+            "predicted": dict(cost),
             "nnz": total,
             "loads": loads,
             "imbalance": imbalance(loads, total),
@@ -456,6 +454,31 @@ class Auto(Algorithm):
             return
         seen = min(max((seconds - self.fit_rest) / self.fit_bytes, 1e-12), 1e-5)
         self.beta_fit = seen if self.beta_fit is None else math.sqrt(self.beta_fit * seen)
+
+
+@functools.lru_cache(maxsize=64)
+def _measured_model(model: CostModel, alpha: float, beta: float) -> CostModel:
+    """``model`` with the measured link constants."""
+    return dataclasses.replace(model, alpha=alpha, beta=beta)
+
+
+@functools.cache
+def _instance(cls: type[Algorithm], wire: str) -> Algorithm:
+    """An instance of a candidate (with ``wire`` if given): they keep no state between
+    calls, so one serves every call."""
+    return cls(**({"wire": wire} if wire else {}))
+
+
+def _predicted(tuner: Tuner, args: tuple, host: bool) -> dict[str, float]:
+    """:func:`predict` of ``args`` (the last call's again when they are equal); without the
+    compact wire unless ``host`` (device arrays travel raw: it is host-only)."""
+    key = (*args[:7], tuple(args[7]), args[8], host)
+    if tuner.memo[0] != key:
+        cost = predict(*args)
+        if not host:
+            cost = {k: v for k, v in cost.items() if not k.endswith(":compact")}
+        tuner.memo = (key, cost)
+    return tuner.memo[1]
 
 
 def _preflight_may_allocate(algo: Algorithm, x: SparseVector, total: int) -> bool:

@@ -162,14 +162,16 @@ def verify_all(
 
 def run_algorithm(
     comm: Communicator, name: str, vals: Any, idx: Any, n: int, k: int, iters: int, warmup: int
-) -> tuple[SparseVector, list[float], int]:
-    """Time one algorithm (see :func:`time_algorithm`).
+) -> tuple[SparseVector, list[float], int, list[str]]:
+    """Time one algorithm in steady state (one instance for every call; see
+    :func:`time_algorithm`).
 
-    Returns (last result, per-iteration max-over-ranks seconds, bytes sent per rank per call).
+    Returns (last result, per-iteration max-over-ranks seconds, bytes sent per rank per call,
+    auto's pick in each timed call).
     """
-    t = time_algorithm(comm, name, vals, idx, n, k, iters, warmup)
+    t = time_algorithm(comm, name, vals, idx, n, k, iters, warmup, reuse=True)
     times = comm.allreduce_floats(t.times, "max").tolist() if t.times else []
-    return t.result, times, t.stats.bytes_sent
+    return t.result, times, t.stats.bytes_sent, t.picks
 
 
 def main(argv: list[str] | None = None) -> int:
