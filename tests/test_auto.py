@@ -177,19 +177,21 @@ def _run(tuner, cost, times, calls, nnz=1000, tries=4, spread=2.5):
     return picks
 
 
-def test_tuner_measures_the_contenders_in_turn_then_keeps_the_fastest():
-    from sparsecoll.algorithms._tune import SAMPLES, Tuner
+def test_tuner_measures_each_contender_in_a_run_then_keeps_the_fastest():
+    from sparsecoll.algorithms._tune import Tuner
 
     cost = {"a": 1.0, "b": 1.2, "c": 2.0, "d": 3.0, "e": 1.1}
     times = {"a": 5.0, "b": 2.0, "c": 4.0, "d": 0.1, "e": 3.0}
-    picks = _run(Tuner(), cost, times, 4 * SAMPLES + 3)
-    # contenders: the 4 cheapest within 2.5x of the cheapest (d is 3x: out), cheapest first
-    assert picks[: 4 * SAMPLES] == ["a", "e", "b", "c"] * SAMPLES
-    assert picks[4 * SAMPLES :] == ["b"] * (len(picks) - 4 * SAMPLES)
+    tuner = Tuner()
+    picks = _run(tuner, cost, times, 11)
+    # contenders: the 4 cheapest within 2.5x of the cheapest (d is 3x: out), cheapest
+    # first, each two calls in a row (the first of a run is no sample)
+    assert picks == ["a", "a", "e", "e", "b", "b", "c", "c", "b", "b", "b"]
+    assert tuner.kept() == {"a": [5.0], "e": [3.0], "b": [2.0, 2.0, 2.0], "c": [4.0]}
     # one try, or a spread of 1: the model's pick alone
     assert set(_run(Tuner(), cost, times, 6, tries=1)) == {"a"}
     assert set(_run(Tuner(), cost, times, 6, tries=0)) == {"a"}
-    assert _run(Tuner(), cost, times, 6, spread=1.15) == ["a", "e"] * 2 + ["e"] * 2
+    assert _run(Tuner(), cost, times, 6, spread=1.15) == ["a", "a", "e", "e", "e", "e"]
 
 
 def test_tuner_follows_a_slowing_pick_and_restarts_in_a_new_regime():
@@ -197,13 +199,15 @@ def test_tuner_follows_a_slowing_pick_and_restarts_in_a_new_regime():
 
     cost = {"a": 1.0, "b": 1.5}
     tuner = Tuner()
-    assert _run(tuner, cost, {"a": 1.0, "b": 2.0}, 6) == ["a", "b", "a", "b", "a", "a"]
-    # a slows down: once its kept samples all exceed b's, b runs
+    assert _run(tuner, cost, {"a": 1.0, "b": 2.0}, 6) == ["a", "a", "b", "b", "a", "a"]
+    assert tuner.kept() == {"a": [1.0, 1.0], "b": [2.0]}
+    # a slows down: once the median of its kept samples passes b's, b runs
     picks = _run(tuner, cost, {"a": 3.0, "b": 2.0}, KEPT + 2)
-    assert picks == ["a"] * KEPT + ["b"] * 2
-    assert tuner.estimates() == {"a": 3.0, "b": 2.0}
-    # the global nnz past twice where the samples began: measured again
-    assert _run(tuner, cost, {"a": 1.0, "b": 2.0}, 2, nnz=2001) == ["a", "b"]
+    assert picks[0] == "a" and picks[-2:] == ["b", "b"], picks
+    assert tuner.estimates()["b"] == 2.0 and tuner.estimates()["a"] == 3.0
+    # the global nnz past twice where the samples began: measured again (the run under
+    # way first)
+    assert _run(tuner, cost, {"a": 1.0, "b": 2.0}, 4, nnz=2001) == ["b", "a", "a", "a"]
     assert tuner.anchor == 2001
     assert _run(tuner, cost, {"a": 1.0, "b": 2.0}, 1, nnz=1001) == ["a"]  # (within 2x)
     tuner.pick(cost, ORDER, (7, *KEY[1:]), 2001, 4, 2.5)  # another n

@@ -287,8 +287,9 @@ class Auto(Algorithm):
             oversubscribed node the local work it cannot tell from bytes makes it overrate
             them (default False).
         tries: how many of the cheapest predictions (those within ``spread`` times the
-            cheapest) the first calls measure, twice each in turn, before later calls run
-            the one measured fastest; 0 or 1: the model's pick alone.
+            cheapest) the first calls measure, each in two calls in a row (the first is
+            no sample), before later calls run the one measured fastest; 0 or 1: the
+            model's pick alone.
         spread: how far above the cheapest prediction a contender may be (>= 1).
     """
 
