@@ -270,8 +270,10 @@ def test_hashed_and_ring_only_when_registered(monkeypatch):
     monkeypatch.setattr(auto, "_registered", lambda name: True)
     assert {"hashed", "ring"} <= set(predict(8, 2**24, 8 * 2**24 // 100, I32, F32))
     assert set(predict(1, 2**24, 2**24 // 100, I32, F32)).isdisjoint({"hashed", "ring"})
+    assert {"hashed:compact", "ring:compact"} <= set(predict(8, 2**24, 8 * 2**24 // 100, I32, F32))
     monkeypatch.setattr(auto, "_registered", lambda name: False)
-    assert set(predict(8, 2**24, 8 * 2**24 // 100, I32, F32)).isdisjoint({"hashed", "ring"})
+    got = set(predict(8, 2**24, 8 * 2**24 // 100, I32, F32))
+    assert got.isdisjoint({"hashed", "ring", "hashed:compact", "ring:compact"})
 
 
 def test_hashed_is_balanced_and_ring_suffers_the_skew(monkeypatch):

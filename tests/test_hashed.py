@@ -92,8 +92,9 @@ def test_a_bitmap_with_the_wrong_count_is_refused():
 
 def test_seed_option():
     algo = sparsecoll.get_algorithm("hashed", seed=5)
-    assert algo.seed == 5 and algo.signature() == [5]
-    assert sparsecoll.get_algorithm("hashed").signature() == [0]
+    assert algo.seed == 5 and algo.signature() == [5, 0]
+    assert sparsecoll.get_algorithm("hashed").signature() == [0, 0]
+    assert sparsecoll.get_algorithm("hashed", wire="compact").signature() == [0, 1]
     with pytest.raises(ValueError, match="seed must be an integer >= 0"):
         sparsecoll.get_algorithm("hashed", seed=-1)
     for bad in (1.0, True, "3"):

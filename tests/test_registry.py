@@ -202,10 +202,11 @@ def test_exact_algorithms_take_only_what_they_accept():
         cls = algorithm_class(name)
         kinds = {p.kind for p in inspect.signature(cls).parameters.values()}
         assert inspect.Parameter.VAR_KEYWORD not in kinds, f"{name} advertises **options"
-    for name in ("allgather", "dsa", "recursive_doubling"):
+    for name in ("allgather", "dsa", "recursive_doubling", "ring"):
         assert list(algorithm_options(name)) == ["wire"]
         assert algorithm_options(name)["wire"][0] == "raw"
-    for name in ("dense", "rabenseifner", "ring"):
+    assert list(algorithm_options("hashed")) == ["seed", "wire"]
+    for name in ("dense", "rabenseifner"):
         assert algorithm_options(name) == {}
         with pytest.raises(TypeError, match=f"algorithm '{name}' takes no options, got x"):
             sparsecoll.get_algorithm(name, x=1)

@@ -57,7 +57,8 @@ __all__ = ["CANDIDATES", "Auto", "CostModel", "choose", "predict", "range_loads"
 
 CANDIDATES = (
     "allgather", "dsa", "recursive_doubling", "dense", "hashed", "ring",
-    "allgather:compact", "dsa:compact", "recursive_doubling:compact",
+    "allgather:compact", "dsa:compact", "recursive_doubling:compact", "ring:compact",
+    "hashed:compact",
 )  # fmt: skip
 
 
@@ -183,6 +184,14 @@ def predict(
             + m.gamma_merge * (kbar * max(1.0, log2p) + kbar + K)
             + (m.delta * n / 8 * d if part < K / P * pair else 0.0)
         )
+        if width is None and np.dtype(vtype).kind == "f":
+            # every run one wire message: this rank's pushed runs and reduced run coded,
+            # the runs it receives decoded
+            push = kbar / P * compact_pair(kbar / P / L, isz, vsz)
+            pull = K / P * compact_pair(K / P / L, isz, vsz)
+            saved = (P - 1) * (sp(kbar / P, L) - push + max(0.0, part - pull))
+            coding = kbar + K / P + (P - 1) * kbar / P + K
+            out["hashed:compact"] = out["hashed"] - m.beta * saved + m.gamma_wire * coding
     if P > 1 and _registered("ring"):
         # lock-step neighbour steps: each step waits for the busiest range's segment, which
         # holds the union of s chunks in reduce-scatter step s and the whole range after
@@ -193,6 +202,13 @@ def predict(
             + m.gamma_merge * (sum(steps) + (P - 1) * hot / P)
             + (m.delta * n * d if goes_dense else 0.0)
         )
+        if width is None and np.dtype(vtype).kind == "f":
+            # sparse blocks as wire messages: each running sum coded and decoded once, the
+            # owners' reduced blocks coded once and decoded by every rank
+            sent = [u for u in steps if u * pair < L * vsz]
+            sent += [K_hot] * (P - 1) if K_hot * pair < L * vsz else []
+            saved = sum(u * (pair - compact_pair(u / L, isz, vsz)) for u in sent)
+            out["ring:compact"] = out["ring"] - m.beta * saved + m.gamma_wire * sum(sent)
     if P > 1 and width is None and np.dtype(vtype).kind == "f":
         _add_compact(out, m, P, n, N, K, hot, L, isz, vsz, pair)
         # each round encodes the sum it sends and decodes the one it receives

@@ -14,7 +14,8 @@ interleaves the P disjoint runs. Volume sent by rank r: push Σ_{j≠r} bytes(c_
 o the offsets' size (int32 while L < 2**31). ``result.info["phases"]`` holds each phase's
 CommStats. Exact: every rank gets the same bits, and repeated runs too (fixed summation
 order); an owner whose incoming entries reach L/8 sums them densely and drops entries that
-sum to exactly zero.
+sum to exactly zero. With ``wire="compact"`` every run travels as one :mod:`sparsecoll.wire`
+message over [0, L) instead (its bytes exchanged with its count): the same bits.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..sparse import SparseVector
 from ._hashwire import decode_run, encode_run, run_bytes
 from ._merge import RunStack, accumulate_dtype
 from ._stripes import Stripes
+from ._wire import WIRES, WireOption, decode_pairs, encode_pairs
 from .allgather import merge_runs
 from .base import Algorithm, region_cuts
 from .dsa import bruck_counts
@@ -45,23 +47,27 @@ BLOCK_SHIFT = 6  # indices move in blocks of 2**BLOCK_SHIFT consecutive ones
 
 
 @register_algorithm
-class Hashed(Algorithm):
+class Hashed(WireOption, Algorithm):
     """Exact sparse allreduce over owners chosen by a hash of the index blocks.
 
     Args:
         seed: picks the hash (int >= 0, default 0); the same on every rank.
+        wire: ``"raw"`` (runs as COO offsets or a bitmap, whichever is smaller) or
+            ``"compact"`` (each run one :mod:`sparsecoll.wire` message, bit-identical
+            results; CuPy arrays travel raw).
     """
 
     name = "hashed"
     takes_rows = True
     state_kinds: ClassVar[dict[str, _state.Kind] | None] = {}  # (seed is the constructor's)
-    fixed_options: ClassVar[tuple[str, ...]] = ("seed",)
+    fixed_options: ClassVar[tuple[str, ...]] = ("seed", "wire")
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, wire: str = "raw") -> None:
+        WireOption.__init__(self, wire)
         self.seed = integer("seed", seed, 0, int64=True)
 
     def signature(self) -> list[int]:
-        return [self.seed]
+        return [self.seed, WIRES.index(self.wire)]
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
         if comm.size == 1:
@@ -69,6 +75,7 @@ class Hashed(Algorithm):
             out.info["phases"] = {}
             return out
         plan = _Plan(Stripes(x.n, comm.size, BLOCK_SHIFT, self.seed), x.dtype, x.row_shape)
+        plan.compact = self.compact(x)
         with comm.measure() as push_stats:
             owned = _push(comm, x, plan)
         with comm.measure() as pull_stats:
@@ -80,7 +87,7 @@ class Hashed(Algorithm):
 class _Plan:
     """The owners' map, their range length and the offset and value types of their runs."""
 
-    __slots__ = ("length", "otype", "row", "stripes", "vtype")
+    __slots__ = ("compact", "length", "otype", "row", "stripes", "vtype")
 
     def __init__(self, stripes: Stripes, vtype: Any, row: tuple[int, ...] = ()) -> None:
         self.stripes = stripes
@@ -88,12 +95,20 @@ class _Plan:
         self.otype = index_dtype(self.length)
         self.vtype = np.dtype(vtype)
         self.row = row  # an entry's values: () or (D,) for rows
+        self.compact = False  # runs as wire messages
 
     def run_bytes(self, m: int) -> int:
         return run_bytes(m, self.length, self.otype, self.vtype, self.row[0] if self.row else 1)
 
     def decode(self, piece: Any, m: int) -> tuple[Any, Any]:
+        if self.compact:
+            width = self.row[0] if self.row else None
+            return decode_pairs(piece, self.otype, self.vtype, 0, self.length, width)
         return decode_run(piece, m, self.length, self.otype, self.vtype, self.row)
+
+    def encode(self, offsets: Any, values: Any) -> Any:
+        """A run's wire message (compact; the raw ones are written in place)."""
+        return encode_pairs(offsets, values, 0, self.length)
 
     def empty(self, xp: Any) -> tuple[Any, Any]:
         return xp.zeros(0, self.otype), xp.zeros((0, *self.row), self.vtype)
@@ -107,12 +122,23 @@ def _push(comm: Communicator, x: SparseVector, plan: _Plan):
     coords, vals = coords[order].astype(plan.otype), x.values[order]
     cut = region_cuts(owner[order], np.arange(P + 1, dtype=np.int64))
     sendcounts = np.diff(cut)
-    recvcounts = comm.alltoall_ints(sendcounts)
+    dests = [(r + s) % P for s in range(1, P) if sendcounts[(r + s) % P]]
     length = plan.length
+    if plan.compact:  # (each run's message made first: its bytes go with its count)
+        part = {d: slice(int(cut[d]), int(cut[d + 1])) for d in dests}
+        msgs = {d: plan.encode(coords[part[d]], vals[part[d]]) for d in dests}
+        said = [int(msgs[d].nbytes) if d in msgs else 0 for d in range(P)]
+        got = comm.alltoall_ints(np.stack([sendcounts, said], axis=1))
+        recvcounts, bytes_in = [c for c, _ in got], [b for _, b in got]
+    else:
+        recvcounts = comm.alltoall_ints(sendcounts)
 
     # every receive posted first, in rotated order (from r-1, r-2, ...), into one buffer
     order_in = [(r - s) % P for s in range(1, P) if recvcounts[(r - s) % P]]
-    sizes_in = [plan.run_bytes(int(recvcounts[src])) for src in order_in]
+    if plan.compact:
+        sizes_in = [bytes_in[src] for src in order_in]
+    else:
+        sizes_in = [plan.run_bytes(int(recvcounts[src])) for src in order_in]
     starts_in = np.concatenate(([0], np.cumsum(sizes_in, dtype=np.int64))).tolist()
     inbuf = xp.empty(int(starts_in[-1]), np.uint8)
     reqs = [
@@ -120,11 +146,13 @@ def _push(comm: Communicator, x: SparseVector, plan: _Plan):
         for q, src in enumerate(order_in)
     ]
     # then every send, rotated (to r+1, r+2, ...), each run encoded just before it goes
-    dests = [(r + s) % P for s in range(1, P) if sendcounts[(r + s) % P]]
+    sends: list[Request] = []
+    if plan.compact:
+        sends = [comm.isend(msgs[dst], dst, TAG_PUSH) for dst in dests]
+        dests = []
     sizes_out = [plan.run_bytes(int(sendcounts[dst])) for dst in dests]
     starts_out = np.concatenate(([0], np.cumsum(sizes_out, dtype=np.int64))).tolist()
     outbuf = xp.empty(int(starts_out[-1]), np.uint8)
-    sends: list[Request] = []
     for q, dst in enumerate(dests):
         a, b = int(cut[dst]), int(cut[dst + 1])
         piece = outbuf[starts_out[q] : starts_out[q + 1]]
@@ -167,11 +195,20 @@ def _pull(comm: Communicator, owned, x: SparseVector, plan: _Plan):
     Every rank, the owner included, decodes the same bytes and merges them the same way.
     """
     P, r, n, xp = comm.size, comm.rank, x.n, x.xp
-    counts = [int(c) for c in comm.allgather_ints(int(owned[0].shape[0]))]
-    sizes = [plan.run_bytes(c) for c in counts]
+    m = int(owned[0].shape[0])
+    if plan.compact:  # (the message made first: its bytes are gathered with the counts)
+        msg = plan.encode(*owned) if m else np.zeros(0, np.uint8)
+        got = comm.allgather_ints([m, int(msg.nbytes)])
+        counts, sizes = got[:, 0].tolist(), got[:, 1].tolist()
+    else:
+        counts = [int(c) for c in comm.allgather_ints(m)]
+        sizes = [plan.run_bytes(c) for c in counts]
     starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))).tolist()
     buf = xp.empty(int(starts[-1]), np.uint8)
-    encode_run(owned[0], owned[1], plan.length, buf[starts[r] : starts[r + 1]])
+    if plan.compact:
+        buf[starts[r] : starts[r + 1]] = msg
+    else:
+        encode_run(owned[0], owned[1], plan.length, buf[starts[r] : starts[r + 1]])
 
     def pieces(first: int, count: int):
         """(lo, hi) byte intervals of runs first .. first+count-1 (mod P)."""

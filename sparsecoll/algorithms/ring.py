@@ -13,6 +13,9 @@ length·value bytes, as its dense values otherwise; sizes go first (metadata), s
 probes. Volume sent per rank: the running sums, from k/P pairs (step 0) to a segment's
 union over P−1 ranks (last step) — k(P−1)/P pairs in all for identical indices, ≈ k(P−1)/2
 for spread-out ones — then P−1 reduced segments, (P−1)/P of the result.
+With ``wire="compact"`` a block's pairs travel as one :mod:`sparsecoll.wire` message (its
+size says whether it is one), and a reduced block's message is made once, by its owner, and
+forwarded as it came (its size gathered with the nnz); dense blocks travel raw.
 ``result.info["phases"]`` holds each phase's CommStats. Exact: each segment is summed by one
 chain of ranks in a fixed order and forwarded unchanged, so every rank gets the same bits,
 every run; blocks that went dense drop entries that sum to exactly zero.
@@ -29,6 +32,7 @@ from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import accumulate_dtype, add_sparse, merge_two
+from ._wire import WireOption, decode_pairs, encode_pairs
 from .base import (
     Algorithm,
     RangeLayout,
@@ -58,7 +62,7 @@ def ring_blocks(n: int, size: int) -> int:
 
 
 @register_algorithm
-class Ring(Algorithm):
+class Ring(WireOption, Algorithm):
     name = "ring"
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
@@ -66,7 +70,7 @@ class Ring(Algorithm):
             out = SparseVector(x.indices.copy(), x.values.copy(), x.n)
             out.info["phases"] = {}
             return out
-        blocks = _Blocks(x, comm.size, ring_blocks(x.n, comm.size))
+        blocks = _Blocks(x, comm.size, ring_blocks(x.n, comm.size), self.compact(x))
         with comm.measure() as rs_stats:
             owned = _reduce_scatter(comm, blocks)
         with comm.measure() as ag_stats:
@@ -78,8 +82,9 @@ class Ring(Algorithm):
 class _Blocks:
     """Block ``j·C + c`` of [0, n): block c of segment j; this rank's entries of each."""
 
-    def __init__(self, x: SparseVector, size: int, chunks: int) -> None:
+    def __init__(self, x: SparseVector, size: int, chunks: int, compact: bool = False) -> None:
         self.x, self.size, self.chunks, self.xp = x, size, chunks, x.xp
+        self.compact = compact  # (pairs as wire messages)
         self.itype, self.vtype = index_dtype(x.n), np.dtype(x.dtype)
         # running sums travel in the accumulation type (float64 for float16): the sum is
         # rounded to the values' dtype once, at its owner, as the other exact algorithms do
@@ -133,15 +138,33 @@ class _Blocks:
         return None, vals
 
     # -- the wire form of a block: the one place runs become bytes and back --------------
-    def encode(self, run: Run) -> Any:
+    def encode(self, run: Run, j: int, c: int) -> tuple[Any, int]:
+        """A block's message and the size that announces it: its bytes, or with the compact
+        wire twice them plus 1 for dense values."""
         idx, vals = run
-        return vals.view(np.uint8) if idx is None else pack_pairs(idx, vals)
+        if idx is None:
+            buf = vals.view(np.uint8)
+            return buf, 2 * int(buf.nbytes) + 1 if self.compact else int(buf.nbytes)
+        if self.compact:
+            lo, length = self.span(j, c)
+            buf = encode_pairs(idx, vals, lo, lo + length)
+            return buf, 2 * int(buf.nbytes)
+        buf = pack_pairs(idx, vals)
+        return buf, int(buf.nbytes)
 
-    def decode(self, buf: Any, j: int, c: int) -> Run:
-        """A block's message: its dense size means dense values (pairs are always shorter)."""
-        if buf.shape[0] == self.span(j, c)[1] * self.wtype.itemsize:
-            return None, aligned_view(buf, self.wtype)
-        return unpack_pairs(buf, self.itype, self.wtype)
+    def decode(self, buf: Any, size: int, j: int, c: int, dtype: Any = None) -> Run:
+        """A block's message (``size``: as :meth:`encode` announced it); raw, its dense size
+        means dense values (pairs are always shorter). ``dtype``: the running sums' type
+        by default."""
+        dtype = self.wtype if dtype is None else np.dtype(dtype)
+        if self.compact:
+            if size & 1:
+                return None, aligned_view(buf, dtype)
+            lo, length = self.span(j, c)
+            return decode_pairs(buf, self.itype, dtype, lo, lo + length)
+        if buf.shape[0] == self.span(j, c)[1] * dtype.itemsize:
+            return None, aligned_view(buf, dtype)
+        return unpack_pairs(buf, self.itype, dtype)
 
 
 def _reduce_scatter(comm: Communicator, blocks: _Blocks) -> list[Run]:
@@ -150,27 +173,27 @@ def _reduce_scatter(comm: Communicator, blocks: _Blocks) -> list[Run]:
     right, left = (r + 1) % P, (r - 1) % P
     sends: list[Request] = []
 
-    def exchange(run: Run) -> tuple[Any, Request | None]:
+    def exchange(run: Run, j: int, c: int) -> tuple[Any, int, Request | None]:
         # the receive is posted before the send: both links of a rank busy at once
-        buf = blocks.encode(run)
-        size = comm.sendrecv_ints(int(buf.nbytes), right, left, TAG_SIZE)
-        got = xp.empty(size, np.uint8)
-        req = comm.irecv(got, left, TAG_RS) if size else None
+        buf, said = blocks.encode(run, j, c)
+        size = comm.sendrecv_ints(said, right, left, TAG_SIZE)
+        got = xp.empty(size // 2 if blocks.compact else size, np.uint8)
+        req = comm.irecv(got, left, TAG_RS) if got.shape[0] else None
         if buf.nbytes:
             sends.append(comm.isend(buf, right, TAG_RS))
-        return got, req
+        return got, size, req
 
     def arrived(c: int, j: int) -> Run:
-        got, req = incoming[c]
+        got, size, req = incoming[c]
         if req is not None:
             req.wait()
-        return blocks.add_own(blocks.decode(got, j, c), j, c)
+        return blocks.add_own(blocks.decode(got, size, j, c), j, c)
 
-    incoming = [exchange(blocks.start(r, c)) for c in range(C)]
+    incoming = [exchange(blocks.start(r, c), r, c) for c in range(C)]
     for s in range(1, P - 1):
         j = (r - s) % P  # received at step s − 1, sent on now
         for c in range(C):
-            incoming[c] = exchange(arrived(c, j))
+            incoming[c] = exchange(arrived(c, j), j, c)
     j = (r + 1) % P
     owned = [blocks.reduced(arrived(c, j), j, c) for c in range(C)]
     Request.waitall(sends)
@@ -178,7 +201,8 @@ def _reduce_scatter(comm: Communicator, blocks: _Blocks) -> list[Run]:
 
 
 def _allgather(comm: Communicator, blocks: _Blocks, owned: list[Run]) -> SparseVector:
-    """Run the allgather ring straight into the result's arrays (after their sizes)."""
+    """Run the allgather ring straight into the result's arrays (after their sizes); with
+    the compact wire, sparse blocks as their owner's messages, decoded into place."""
     P, r, C = comm.size, comm.rank, blocks.chunks
     right, left = (r + 1) % P, (r - 1) % P
     mine = (r + 1) % P
@@ -186,25 +210,46 @@ def _allgather(comm: Communicator, blocks: _Blocks, owned: list[Run]) -> SparseV
         blocks.span(mine, c)[1] if idx is None else int(idx.shape[0])
         for c, (idx, _) in enumerate(owned)
     ]
+    coded = [
+        blocks.encode(run, mine, c)[0] if blocks.compact and run[0] is not None else None
+        for c, run in enumerate(owned)
+    ]
+    said = [0 if m is None else int(m.nbytes) for m in coded] if blocks.compact else []
     # row q of the gathered sizes is segment q + 1's
-    counts = np.roll(comm.allgather_ints(sizes), 1, axis=0).ravel()
+    gathered = np.roll(comm.allgather_ints(sizes + said), 1, axis=0)
+    counts = gathered[:, :C].ravel()
+    nbytes = gathered[:, C:].ravel().tolist() if blocks.compact else [0] * (P * C)
     layout = RangeLayout(counts, np.asarray(blocks.bounds), blocks.x.n, blocks.vtype, blocks.xp)
     for c, run in enumerate(owned):
         layout.put(mine * C + c, run)
-    recvs = []  # step s brings segment r − s
-    for s in range(P - 1):
-        for c in range(C):
-            b = ((r - s) % P) * C + c
-            recvs.append([comm.irecv(arr[a:e], left, TAG_AG) for arr, a, e in layout.pieces(b, 1)])
-    sends = [
-        comm.isend(arr[a:e], right, TAG_AG)
-        for c in range(C)
-        for arr, a, e in layout.pieces(mine * C + c, 1)
-    ]
+
+    def post(b: int) -> tuple[list[Request], Any]:
+        if nbytes[b]:  # (a wire message, decoded when it came)
+            buf = np.empty(nbytes[b], np.uint8)
+            return [comm.irecv(buf, left, TAG_AG)], buf
+        return [comm.irecv(arr[a:e], left, TAG_AG) for arr, a, e in layout.pieces(b, 1)], None
+
+    def forward(b: int, buf: Any) -> list[Request]:
+        if buf is not None:
+            return [comm.isend(buf, right, TAG_AG)]
+        return [comm.isend(arr[a:e], right, TAG_AG) for arr, a, e in layout.pieces(b, 1)]
+
+    def place(b: int, reqs: list[Request], buf: Any) -> None:
+        Request.waitall(reqs)
+        if buf is not None:
+            j, c = divmod(b, C)
+            layout.put(b, blocks.decode(buf, 0, j, c, blocks.vtype))
+
+    # step s brings segment r − s
+    blocks_at = [((r - s) % P) * C + c for s in range(P - 1) for c in range(C)]
+    recvs = [post(b) for b in blocks_at]
+    sends = [q for c in range(C) for q in forward(mine * C + c, coded[c])]
     for s in range(1, P - 1):  # step s forwards what step s − 1 brought
         for c in range(C):
-            b = ((r + 1 - s) % P) * C + c
-            Request.waitall(recvs[(s - 1) * C + c])
-            sends += [comm.isend(arr[a:e], right, TAG_AG) for arr, a, e in layout.pieces(b, 1)]
-    Request.waitall([q for reqs in recvs for q in reqs] + sends)
+            at = (s - 1) * C + c
+            place(blocks_at[at], *recvs[at])
+            sends += forward(blocks_at[at], recvs[at][1])
+    for at in range((P - 2) * C, (P - 1) * C):
+        place(blocks_at[at], *recvs[at])
+    Request.waitall(sends)
     return layout.result()

@@ -1,5 +1,5 @@
-"""wire="compact": allgather, dsa and recursive_doubling give the bits of wire="raw", the
-exact sum, and send fewer bytes where the pairs are sparse."""
+"""wire="compact": allgather, dsa, recursive_doubling, ring and hashed give the bits of
+wire="raw", the exact sum, and send fewer bytes where the pairs are sparse."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from sparsecoll.benchmarks.problems import make_problem
 
 from .cases import KINDS, assert_all, assert_identical, cases, digest, local_input, mismatch
 
-WIRED = ("allgather", "dsa", "recursive_doubling")
+WIRED = ("allgather", "dsa", "recursive_doubling", "ring", "hashed")
 
 
 @pytest.mark.parametrize("name", WIRED)
