@@ -183,15 +183,16 @@ def test_tuner_measures_each_contender_in_a_run_then_keeps_the_fastest():
     cost = {"a": 1.0, "b": 1.2, "c": 2.0, "d": 3.0, "e": 1.1}
     times = {"a": 5.0, "b": 2.0, "c": 4.0, "d": 0.1, "e": 3.0}
     tuner = Tuner()
-    picks = _run(tuner, cost, times, 11)
+    picks = _run(tuner, cost, times, 12)
     # contenders: the 4 cheapest within 2.5x of the cheapest (d is 3x: out), cheapest
-    # first, each two calls in a row (the first of a run is no sample)
-    assert picks == ["a", "a", "e", "e", "b", "b", "c", "c", "b", "b", "b"]
+    # first, each two calls in a row (the first of a run is no sample; the instance's
+    # first run three)
+    assert picks == ["a", "a", "a", "e", "e", "b", "b", "c", "c", "b", "b", "b"]
     assert tuner.kept() == {"a": [5.0], "e": [3.0], "b": [2.0, 2.0, 2.0], "c": [4.0]}
     # one try, or a spread of 1: the model's pick alone
     assert set(_run(Tuner(), cost, times, 6, tries=1)) == {"a"}
     assert set(_run(Tuner(), cost, times, 6, tries=0)) == {"a"}
-    assert _run(Tuner(), cost, times, 6, spread=1.15) == ["a", "a", "e", "e", "e", "e"]
+    assert _run(Tuner(), cost, times, 7, spread=1.15) == ["a", "a", "a", "e", "e", "e", "e"]
 
 
 def test_tuner_follows_a_slowing_pick_and_restarts_in_a_new_regime():
@@ -199,7 +200,7 @@ def test_tuner_follows_a_slowing_pick_and_restarts_in_a_new_regime():
 
     cost = {"a": 1.0, "b": 1.5}
     tuner = Tuner()
-    assert _run(tuner, cost, {"a": 1.0, "b": 2.0}, 6) == ["a", "a", "b", "b", "a", "a"]
+    assert _run(tuner, cost, {"a": 1.0, "b": 2.0}, 7) == ["a", "a", "a", "b", "b", "a", "a"]
     assert tuner.kept() == {"a": [1.0, 1.0], "b": [2.0]}
     # a slows down: once the median of its kept samples passes b's, b runs
     picks = _run(tuner, cost, {"a": 3.0, "b": 2.0}, KEPT + 2)

@@ -11,7 +11,9 @@ A sample counts only when the call before it ran the same candidate: each conten
 :data:`SAMPLES` + 1 calls in a row and its first is dropped. A first call pays for what the
 candidate did not do before (loading its kernels, its buffers) and for what the one before
 it left behind (a link still busy with its bytes, or idle long enough to send a burst at
-full speed).
+full speed). Before an instance's first sample, the first contender's first two calls are
+dropped (a process's first calls also pay for its start: the link's measure, kernels
+loaded from their cache).
 
 A new regime (another n, width, dtype or device, or the global nnz moving past half or
 twice where it was when the samples began) starts over. The times are every rank's mean,
@@ -33,7 +35,9 @@ KEPT = 4  # samples kept per candidate
 class Tuner:
     """The samples of one auto instance's regime and the picks whose times come next."""
 
-    __slots__ = ("anchor", "before", "contenders", "key", "last", "memo", "samples", "taken")
+    __slots__ = (
+        "anchor", "before", "contenders", "key", "last", "memo", "samples", "streak", "taken"
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.key: Any = None  # (n, width, dtypes, device) of the samples
@@ -41,6 +45,7 @@ class Tuner:
         self.samples: dict[str, list[float]] = {}
         self.last: str | None = None  # the pick whose time the next call brings
         self.before: str | None = None  # the pick of the call before that one
+        self.streak = 0  # calls of ``before`` in a row, up to it
         self.contenders: list[str] = []  # the last pick's
         self.taken = 0  # samples recorded, in every regime
         self.memo: tuple = ((), {})  # the last predictions and what they were made from
@@ -48,7 +53,8 @@ class Tuner:
     def record(self, seconds: float) -> None:
         """Add the last pick's measured time (every rank's mean): a sample if the call before
         it ran the same candidate."""
-        if self.last is not None and self.last == self.before and seconds > 0:
+        self.streak = self.streak + 1 if self.last is not None and self.last == self.before else 1
+        if self.last is not None and self.streak >= (2 if self.taken else 3) and seconds > 0:
             kept = self.samples.setdefault(self.last, [])
             kept.append(seconds)
             del kept[:-KEPT]
@@ -83,7 +89,7 @@ class Tuner:
     def digest(self) -> tuple:
         """What must be equal on every rank (the samples come from agreed values, so their
         count and the regime stand for them)."""
-        return (self.key, self.anchor, self.taken, self.last, self.before)
+        return (self.key, self.anchor, self.taken, self.last, self.before, self.streak)
 
 
 def _median(values: list[float]) -> float:
