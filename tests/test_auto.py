@@ -188,6 +188,9 @@ def test_tuner_measures_each_contender_in_a_run_then_keeps_the_fastest():
     # first, each two calls in a row (the first of a run is no sample; the instance's
     # first run three)
     assert picks == ["a", "a", "a", "e", "e", "b", "b", "c", "c", "b", "b", "b"]
+    # benchmarks of the steady state warm up past the measuring
+    assert Auto().settle_calls == picks.index("c") + 2 == 9
+    assert Auto(tries=1).settle_calls == 0 and Auto(tries=2).settle_calls == 5
     assert tuner.kept() == {"a": [5.0], "e": [3.0], "b": [2.0, 2.0, 2.0], "c": [4.0]}
     # one try, or a spread of 1: the model's pick alone
     assert set(_run(Tuner(), cost, times, 6, tries=1)) == {"a"}

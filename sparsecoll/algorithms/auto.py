@@ -49,7 +49,7 @@ from ..comm import Communicator
 from ..registry import algorithm_class, available_algorithms, register_algorithm
 from ..sparse import SparseVector
 from ._link import link_constants
-from ._tune import Tuner
+from ._tune import SAMPLES, Tuner
 from .base import Algorithm, range_bounds, region_cuts, sparse_is_cheaper
 from .dsa import bruck_counts
 
@@ -453,6 +453,11 @@ class Auto(Algorithm):
             kbar = total / P
             self.theta = min(1.0, max(0.0, math.log(out.nnz / kbar) / math.log(P)))
         return out
+
+    @property
+    def settle_calls(self) -> int:  # type: ignore[override]
+        """The most calls its first measuring of the contenders takes."""
+        return 0 if self.tries <= 1 else SAMPLES + 2 + (self.tries - 1) * (SAMPLES + 1)
 
     @property
     def cost_model(self) -> CostModel:

@@ -61,6 +61,9 @@ class Algorithm(ABC):
             refused instead of misread.
         fixed_options: constructor options kept as attributes of the same name; setting
             or deleting one later raises AttributeError (build a new instance instead).
+        settle_calls: how many calls an instance makes before it runs as it will from then
+            on (auto: the calls that measure its contenders); benchmarks of the steady
+            state warm up at least that many.
 
     Options are the constructor's parameters, documented in the class docstring's ``Args:``
     section, which :func:`sparsecoll.get_algorithm` and the registry's listing read. An
@@ -75,6 +78,7 @@ class Algorithm(ABC):
     state_kinds: ClassVar[dict[str, Kind] | None] = None
     state_version: ClassVar[int] = 1
     fixed_options: ClassVar[tuple[str, ...]] = ()
+    settle_calls: int = 0
 
     def __setattr__(self, name: str, value: Any) -> None:
         # fixed options are set once, by the constructor, which checks them; the

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", dest="n", type=sizes_arg, help=argparse.SUPPRESS)
     p.add_argument("--density", type=densities_arg, default=[0.001, 0.01])
     p.add_argument("--dtype", choices=DTYPES, default="float32")
-    add_timing_arguments(p, 20, 3)
+    add_timing_arguments(p, 20, 3, untimed="untimed calls first")
     p.add_argument("--format", choices=("table", "csv", "json"), default="table")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.topk comparison")
     p.add_argument("--comm", choices=("mpi", "nccl"), default="mpi")

@@ -106,11 +106,14 @@ def time_algorithm(
     Each call starts after a barrier and is timed with ``MPI.Wtime`` on every rank (device
     work is synchronized before the clock stops). The algorithm is built from its
     ``default_options(n, k)``: a fresh instance per call, or one instance for every call
-    when ``reuse`` (stateful algorithms then run in steady state, as in training).
+    when ``reuse`` (stateful algorithms then run in steady state, as in training: the
+    warm-up is at least the instance's ``settle_calls``, auto's measuring of its contenders).
     """
     from ..api import allreduce
 
     algo = build(name, n, k)
+    if reuse:
+        warmup = max(warmup, algo.settle_calls)
     times: list[float] = []
     picks: list[str] = []
     out = None
