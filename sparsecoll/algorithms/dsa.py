@@ -67,7 +67,8 @@ class DSA(WireOption, Algorithm):
 def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray, compact: bool):
     """Return this rank's reduced range as ("sparse", idx, vals) or ("dense", vals).
 
-    ``compact``: sparse chunks travel as one wire message each (received in order).
+    ``compact``: sparse chunks travel as one wire message each, made before the counts are
+    exchanged so that their bytes go with them (every receive is posted up front).
     """
     P, r, n = comm.size, comm.rank, x.n
     xp = x.xp
@@ -75,16 +76,29 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray, com
     acc_t = accumulate_dtype(vtype)
     cut = region_cuts(x.indices, bounds)
     sendcounts = np.diff(cut)
-    recvcounts = comm.alltoall_ints(sendcounts)
     lengths = np.diff(bounds)
     lo, length = int(bounds[r]), int(lengths[r])
 
     def is_dense(count: int, ln: int) -> bool:
         return not sparse_is_cheaper(count, ln, itype, vtype, x.width)
 
+    msgs: dict[int, Any] = {}  # (compact: each sparse chunk's message, by destination)
+    if compact:
+        for dst in range(P):
+            a, b = int(cut[dst]), int(cut[dst + 1])
+            if dst != r and a < b and not is_dense(b - a, int(lengths[dst])):
+                span = bounds[dst], bounds[dst + 1]
+                msgs[dst] = encode_pairs(x.indices[a:b], x.values[a:b], *span)
+        said = [int(msgs[d].nbytes) if d in msgs else 0 for d in range(P)]
+        got = comm.alltoall_ints(np.stack([sendcounts, said], axis=1))
+        recvcounts, recvbytes = [c for c, _ in got], [b for _, b in got]
+    else:
+        recvcounts = comm.alltoall_ints(sendcounts)
+
     # every receive posted first, in rotated order (from r-1, r-2, ...)
     order: list[int] = []
     chunks: dict[int, tuple[list[Any], list[Request]]] = {}
+    coded: set[int] = set()  # (sources whose chunk is a wire message)
     any_dense = is_dense(int(sendcounts[r]), length)
     for s in range(1, P):
         src = (r - s) % P
@@ -96,7 +110,9 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray, com
             buf = xp.empty((length, *row), vtype)
             chunks[src] = ([buf], [comm.irecv(buf, src, TAG_VAL)])
         elif compact:
-            chunks[src] = ([], [])  # (received when its turn comes: its length is unknown)
+            msg = xp.empty(recvbytes[src], np.uint8)
+            chunks[src] = ([msg], [comm.irecv(msg, src, TAG_IDX)])
+            coded.add(src)
         else:
             ib, vb = xp.empty(c, itype), xp.empty((c, *row), vtype)
             chunks[src] = ([ib, vb], [comm.irecv(ib, src, TAG_IDX), comm.irecv(vb, src, TAG_VAL)])
@@ -113,8 +129,7 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray, com
             dense[x.indices[a:b] - int(bounds[dst])] = x.values[a:b]
             sends.append(comm.isend(dense, dst, TAG_VAL))
         elif compact:
-            msg = encode_pairs(x.indices[a:b], x.values[a:b], bounds[dst], bounds[dst + 1])
-            sends.append(comm.isend(msg, dst, TAG_IDX))
+            sends.append(comm.isend(msgs[dst], dst, TAG_IDX))
         else:
             sends.append(comm.isend(x.indices[a:b], dst, TAG_IDX))
             sends.append(comm.isend(x.values[a:b], dst, TAG_VAL))
@@ -132,10 +147,8 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray, com
     for src in order:
         parts, reqs = chunks.pop(src)
         Request.waitall(reqs)
-        if not parts:
-            hi = lo + length
-            msg = comm.recv_bytes(src, TAG_IDX)
-            parts = list(decode_pairs(msg, itype, vtype, lo, hi, width(x.values)))
+        if src in coded:
+            parts = list(decode_pairs(parts[0], itype, vtype, lo, lo + length, width(x.values)))
         if any_dense:
             if len(parts) == 1:
                 acc += parts[0]
