@@ -57,13 +57,13 @@ def test_identical_indices_favour_recursive_doubling_over_dsa_at_small_p():
 
 
 def test_formulas_for_allgather_and_dense():
-    m = CostModel(alpha=1.0, beta=0.0, gamma_sort=0.0, gamma_merge=0.0, delta=0.0)
+    m = CostModel(alpha=1.0, beta=0.0, gamma_merge=0.0, delta=0.0)
     c = predict(8, 1000, 4000, I32, F32, model=m)
     assert c["allgather"] == 2 * 3  # 2 collectives of lg = 3 messages each (counts, pairs)
     assert c["dense"] == 2 * 3
     assert c["recursive_doubling"] == 2 * 3
     assert c["dsa"] == 3 * 7 + 3 + (2 + 4 + 4)  # Bruck rounds of 1, 2, 4 ranges
-    m = CostModel(alpha=0.0, beta=1.0, gamma_sort=0.0, gamma_merge=0.0, delta=0.0)
+    m = CostModel(alpha=0.0, beta=1.0, gamma_merge=0.0, delta=0.0)
     c = predict(8, 1000, 4000, I32, F32, model=m)
     assert c["allgather"] == pytest.approx(7 / 8 * 4000 * 8)
     assert c["dense"] == pytest.approx(2 * 7 / 8 * 1000 * 4)
@@ -78,7 +78,7 @@ def test_message_terms_match_the_volume_model(P):
     sends 2·⌊log2 P⌋ + 3), and dsa 3(P−1) + 2·lg (it sends 6 at P = 2, 34 at P = 8)."""
     from sparsecoll.benchmarks.model import AUTO_CANDIDATES, FORMULAS, Problem
 
-    m = CostModel(alpha=1.0, beta=0.0, gamma_sort=0.0, gamma_merge=0.0, delta=0.0)
+    m = CostModel(alpha=1.0, beta=0.0, gamma_merge=0.0, delta=0.0)
     n, k = 10**6, 100  # (sparse everywhere: no range of dsa's goes dense)
     c = predict(P, n, k * P, I32, F32, model=m)
     # (dense is a candidate only when n <= 4 N; its messages do not depend on the data)
@@ -89,7 +89,7 @@ def test_message_terms_match_the_volume_model(P):
 
 def test_dsa_allgather_phase_capped_by_break_even():
     # disjoint indices (theta = 1) at high density: the allgather phase costs at most n values
-    m = CostModel(alpha=0.0, beta=1.0, gamma_sort=0.0, gamma_merge=0.0, delta=0.0)
+    m = CostModel(alpha=0.0, beta=1.0, gamma_merge=0.0, delta=0.0)
     P, n = 8, 8000
     c = predict(P, n, P * 1000, I32, F32, theta=1.0, model=m)
     rs = (P - 1) * min(1000 / P * 8, n / P * 4)
@@ -256,7 +256,7 @@ def test_skewed_loads_move_auto_off_dsa():
 def test_dsa_charges_the_busiest_owner():
     """β only: the reduce-scatter's busiest owner receives max-load/P from each other rank,
     and the allgather sends the busiest range once per Bruck round."""
-    m = CostModel(alpha=0.0, beta=1.0, gamma_sort=0.0, gamma_merge=0.0, delta=0.0)
+    m = CostModel(alpha=0.0, beta=1.0, gamma_merge=0.0, delta=0.0)
     P, n, N = 4, 10**7, 4000  # (sparse everywhere)
     loads = [2500, 500, 500, 500]
     K = union_size(P, n, N / P, None)
@@ -294,7 +294,7 @@ def test_hashed_is_balanced_and_ring_suffers_the_skew(monkeypatch):
     c = predict(P, n, N, I32, F32, loads=_hot_loads(P, N, 0.95))
     assert c["hashed"] < c["dsa"] and c["hashed"] < c["ring"]
     # the pull returns each owner's part as a bitmap over its n/P indices where that is smaller
-    m = CostModel(alpha=0.0, beta=1.0, gamma_sort=0.0, gamma_merge=0.0, delta=0.0)
+    m = CostModel(alpha=0.0, beta=1.0, gamma_merge=0.0, delta=0.0)
     dense_ish = predict(P, 8000, P * 4000, I32, F32, theta=1.0, model=m)["hashed"]
     part = min(8000 / P / 8 + 8000 / P * 4, 8000 / P * 4)
     assert dense_ish == pytest.approx((P - 1) * (min(500 * 8, 1000 * 4) + part))

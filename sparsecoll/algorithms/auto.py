@@ -68,7 +68,6 @@ class CostModel:
 
     alpha: float = 5e-6  # per message
     beta: float = 1e-10  # per byte sent
-    gamma_sort: float = 2e-8  # per pair and pass of a sort-based coalesce
     gamma_merge: float = 6e-9  # per pair of a linear two-run merge
     delta: float = 2e-9  # per element of a dense pass (zero, add, scan)
     gamma_wire: float = 5e-9  # per pair of a compact wire message (encode plus decode)
@@ -143,7 +142,7 @@ def predict(
     goes_dense = K * pair >= n * vsz
     out = {}
     out["allgather"] = (
-        2 * lg * m.alpha + m.beta * (P - 1) / P * N * pair + m.gamma_sort * N * max(1.0, log2p)
+        2 * lg * m.alpha + m.beta * (P - 1) / P * N * pair + m.gamma_merge * N * max(1.0, log2p)
     )
     # the busiest owner receives its range from P − 1 ranks, then sends it in every Bruck round
     out["dsa"] = (
@@ -294,7 +293,6 @@ class Auto(Algorithm):
             links at the first call on it, with ``beta``'s measure.
         beta: seconds per byte sent; None (the default): measured on the communicator's
             links at the first call on it (collective, once per communicator).
-        gamma_sort: seconds per pair and pass of a sort-based coalesce.
         gamma_merge: seconds per pair of a linear two-run merge.
         delta: seconds per element of a dense pass (zero, add, scan).
         gamma_wire: seconds per pair of a compact wire message (encoding plus decoding).
@@ -318,7 +316,7 @@ class Auto(Algorithm):
         "fit_rest": _state.number,
     }
     fixed_options: ClassVar[tuple[str, ...]] = (
-        "model", "alpha", "beta", "gamma_sort", "gamma_merge", "delta", "gamma_wire",
+        "model", "alpha", "beta", "gamma_merge", "delta", "gamma_wire",
         "calibrate", "tries", "spread",
     )  # fmt: skip
 
@@ -326,7 +324,6 @@ class Auto(Algorithm):
         self,
         alpha: float | None = None,
         beta: float | None = None,
-        gamma_sort: float = CostModel.gamma_sort,
         gamma_merge: float = CostModel.gamma_merge,
         delta: float = CostModel.delta,
         gamma_wire: float = CostModel.gamma_wire,
@@ -339,7 +336,6 @@ class Auto(Algorithm):
         constants = dict(
             alpha=CostModel.alpha if alpha is None else alpha,
             beta=CostModel.beta if beta is None else beta,
-            gamma_sort=gamma_sort,
             gamma_merge=gamma_merge,
             delta=delta,
             gamma_wire=gamma_wire,
@@ -366,7 +362,6 @@ class Auto(Algorithm):
         lambda self: None if self.measured else self.model.beta,
         lambda self, value: self._refuse("beta", value),
     )
-    gamma_sort = read_only("model.gamma_sort", "gamma_sort")
     gamma_merge = read_only("model.gamma_merge", "gamma_merge")
     delta = read_only("model.delta", "delta")
     gamma_wire = read_only("model.gamma_wire", "gamma_wire")

@@ -729,8 +729,8 @@ def test_memory_running_out_on_one_rank_when_auto_picks_dense(comm, monkeypatch)
     waited in the dense allreduce). The failed calls change nothing: the ranks go on."""
     bad, n = comm.size - 1, 64
     # merging made costly: auto picks dense wherever it may (P > 1); P = 1 runs allgather
-    auto = sparsecoll.get_algorithm("auto", gamma_sort=1.0, gamma_merge=1.0)
-    red = sparsecoll.GradientReducer(comm, n, "auto", 1.0, gamma_sort=1.0, gamma_merge=1.0)
+    auto = sparsecoll.get_algorithm("auto", gamma_merge=1.0)
+    red = sparsecoll.GradientReducer(comm, n, "auto", 1.0, gamma_merge=1.0)
     values, indices = np.ones(n, np.float32), np.arange(n)
     grad = np.arange(1, n + 1, dtype=np.float32)
 
