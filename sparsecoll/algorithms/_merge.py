@@ -23,7 +23,7 @@ from ..sparse import coalesce
 
 __all__ = [
     "RunStack", "accumulate_dtype", "add_sparse", "gather", "isin_sorted", "keep_bucket",
-    "merge_two", "take_at_least",
+    "merge_at", "merge_two", "take_at_least",
 ]  # fmt: skip
 
 
@@ -43,14 +43,12 @@ def add_sparse(acc: Any, idx: Any, vals: Any, lo: int) -> None:
 @functools.cache
 def _kernel() -> Any:
     @cached_njit(nogil=True)
-    def merge(i1, v1, i2, v2):  # pragma: no cover - compiled
+    def merge(i1, v1, i2, v2, idx, val, o):  # pragma: no cover - compiled
+        # writes the merged run at idx[o:], val[o:]; returns where it ends
         m1 = i1.shape[0]
         m2 = i2.shape[0]
-        idx = np.empty(m1 + m2, i1.dtype)
-        val = np.empty(m1 + m2, v1.dtype)
         a = 0
         b = 0
-        o = 0
         while a < m1 and b < m2:
             # without branches on the data (selects), so random interleavings do not stall
             x = i1[a]
@@ -73,7 +71,7 @@ def _kernel() -> Any:
         idx[o : o + r] = i2[b:]
         val[o : o + r] = v2[b:]
         o += r
-        return idx[:o], val[:o]
+        return o
 
     return merge
 
@@ -81,16 +79,13 @@ def _kernel() -> Any:
 @functools.cache
 def _row_kernel() -> Any:
     @cached_njit(nogil=True)
-    def merge_rows(i1, v1, i2, v2):  # pragma: no cover - compiled
+    def merge_rows(i1, v1, i2, v2, idx, val, o):  # pragma: no cover - compiled
         # as merge, a row of D values per index; equal indices add v1's row to v2's
         m1 = i1.shape[0]
         m2 = i2.shape[0]
         d = v1.shape[1]
-        idx = np.empty(m1 + m2, i1.dtype)
-        val = np.empty((m1 + m2, d), v1.dtype)
         a = 0
         b = 0
-        o = 0
         while a < m1 and b < m2:
             x = i1[a]
             y = i2[b]
@@ -118,7 +113,7 @@ def _row_kernel() -> Any:
         idx[o : o + m2 - b] = i2[b:]
         val[o : o + m2 - b] = v2[b:]
         o += m2 - b
-        return idx[:o], val[:o]
+        return o
 
     return merge_rows
 
@@ -320,12 +315,24 @@ def merge_two(i1: Any, v1: Any, i2: Any, v2: Any, n: int) -> tuple[Any, Any]:
     if xp is not np:
         out = coalesce(xp.concatenate([i1, i2]), xp.concatenate([v1, v2]), n)
         return out.indices, out.values
-    acc = accumulate_dtype(v1.dtype)
+    m = i1.shape[0] + i2.shape[0]
+    idx = np.empty(m, i1.dtype)
+    val = np.empty((m, *v1.shape[1:]), accumulate_dtype(v1.dtype))
+    o = merge_at(i1, v1, i2, v2, idx, val, 0)
+    return idx[:o], val[:o].astype(v1.dtype, copy=False)
+
+
+def merge_at(i1: Any, v1: Any, i2: Any, v2: Any, idx: Any, val: Any, at: int) -> int:
+    """Merge two coalesced host runs into ``idx[at:]``, ``val[at:]`` (room for both runs,
+    ``val`` of :func:`accumulate_dtype`); return where the merged run ends."""
+    acc = val.dtype
     kernel = _row_kernel() if v1.ndim == 2 else _kernel()
-    idx, val = kernel(
-        np.ascontiguousarray(i1), _aligned(v1, acc), np.ascontiguousarray(i2), _aligned(v2, acc)
-    )
-    return idx, val.astype(v1.dtype, copy=False)
+    return int(
+        kernel(
+            np.ascontiguousarray(i1), _aligned(v1, acc), np.ascontiguousarray(i2),
+            _aligned(v2, acc), idx, val, at,
+        )
+    )  # fmt: skip
 
 
 def _aligned(v: np.ndarray, dtype: np.dtype) -> np.ndarray:

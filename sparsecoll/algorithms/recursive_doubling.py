@@ -7,8 +7,10 @@ their whole running sums and both merge them, lower rank's run first. A sum trav
 pairs while nnz·(index + value bytes) < n·value bytes, else as n dense values (and stays
 dense). Size and form go first (8 bytes); pairs follow as one packed message up to
 :data:`PACK_LIMIT` bytes, beyond it as two (indices, values), each received into the array it
-becomes. With ``wire="compact"`` a sparse sum travels as one
-:mod:`sparsecoll.wire` message (the dense switch stays the raw one). Non-power-of-two P
+becomes. With ``wire="compact"`` a sparse sum travels as :mod:`sparsecoll.wire` messages
+in pieces (:mod:`._pieces`): each piece is sent as soon as it is encoded, and decoded and
+merged as it lands, so the coding overlaps the transfer (the dense switch stays the raw
+one; the size sent first counts pairs). Non-power-of-two P
 folds the first 2(P − p) ranks in pairs (:class:`~.base.Fold`).
 Volume sent per rank: Σ_i bytes(K_i), K_i the nnz held entering round i (identical indices:
 k·log2 p pairs; disjoint: ≈ k(p−1), capped at n values a round). Latency: log2 p exchanges
@@ -28,14 +30,15 @@ from .._array import get_array_module, index_dtype, nonzero_positions
 from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
-from ._merge import merge_two
-from ._wire import WireOption, decode_pairs, encode_pairs
+from . import _pieces
+from ._merge import add_sparse, merge_two
+from ._wire import WireOption
 from .base import Algorithm, Fold, pack_pairs, sparse_is_cheaper, unpack_pairs
 
 __all__ = ["RecursiveDoubling"]
 
 TAG = 31
-PAIRS, COMPACT, DENSE = 0, 1, 2  # a message's form, sent with its size
+PAIRS, DENSE, PIECES = 0, 2, 3  # a message's form, sent with its size
 PACK_LIMIT = 1 << 16  # pairs up to this many bytes travel packed: one message, not two
 
 
@@ -61,38 +64,53 @@ class RecursiveDoubling(WireOption, Algorithm):
             state = _Vector.sparse(x.indices, x.values, x.n)
         compact = self.compact(x)
         if fold.folded:
-            _exchange(comm, fold.partner, state.encode(compact), x)
-            return _exchange(comm, fold.partner, None, x).result()
+            Request.waitall(_exchange(comm, fold.partner, state, compact, x)[1])
+            got = _exchange(comm, fold.partner, None, compact, x)[0]
+            return _Vector.received(got, x).result()
         if fold.partner >= 0:  # the folded partner is the lower rank: its run goes first
-            state = _exchange(comm, fold.partner, None, x).merge(state)
+            state = state.merge(_exchange(comm, fold.partner, None, compact, x)[0], False)
         mask = 1
         while mask < fold.pof2:
             peer_new = fold.newrank ^ mask
-            other = _exchange(comm, fold.real_rank(peer_new), state.encode(compact), x)
-            state = state.merge(other) if fold.newrank < peer_new else other.merge(state)
+            other, sent = _exchange(comm, fold.real_rank(peer_new), state, compact, x)
+            state = state.merge(other, fold.newrank < peer_new)
+            Request.waitall(sent)
             mask <<= 1
         if fold.partner >= 0:
-            _exchange(comm, fold.partner, state.encode(compact), x)
+            Request.waitall(_exchange(comm, fold.partner, state, compact, x)[1])
         return state.result()
 
 
 def _exchange(
-    comm: Communicator, peer: int, send: tuple[list[Any], int] | None, like: SparseVector
-) -> _Vector | None:
-    """Swap vectors with ``peer``: ``send`` is (message parts, form) or None (only receive).
+    comm: Communicator, peer: int, state: _Vector | None, compact: bool, like: SparseVector
+) -> tuple[_Vector | _pieces.Incoming | None, list[Request]]:
+    """Swap running sums with ``peer`` (``state`` None: only receive): what came, received
+    or (pieces) arriving, and the sends to complete after it is merged.
 
-    Size and form go first, as 4 * bytes + form, so no receive probes (a probe costs far
-    more than an 8-byte exchange on an oversubscribed node), and the parts are received
-    straight into the arrays they become.
+    Size and form go first, as 4 * size + form (size: bytes, or pairs for PIECES), so no
+    receive probes (a probe costs far more than an 8-byte exchange on an oversubscribed
+    node), and the parts are received straight into the arrays they become.
     """
-    mine = -1 if send is None else 4 * sum(int(p.nbytes) for p in send[0]) + send[1]
-    theirs = comm.sendrecv_ints(mine, peer, peer, TAG)
-    size, form = divmod(theirs, 4)
-    parts = _Vector.buffers(size, form, like) if theirs >= 0 else []
-    reqs = [comm.irecv(p, peer, TAG) for p in parts if p.nbytes]
-    reqs += [comm.isend(p, peer, TAG) for p in (send[0] if send else ()) if p.nbytes]
-    Request.waitall(reqs)
-    return _Vector.decode(parts, form, like) if theirs >= 0 else None
+    parts, form = ([], -1) if state is None else state.encode(compact)
+    size = parts[0].shape[0] if form == PIECES else sum(int(p.nbytes) for p in parts)
+    theirs = comm.sendrecv_ints(-1 if state is None else 4 * size + form, peer, peer, TAG)
+    size, their_form = divmod(theirs, 4)
+    got: _Vector | _pieces.Incoming | None = None
+    if theirs >= 0 and their_form == PIECES:
+        width = like.width
+        got = _pieces.Incoming(
+            comm, peer, TAG, size, index_dtype(like.n), like.dtype, like.n, width
+        )
+    recv = _Vector.buffers(size, their_form, like) if got is None and theirs >= 0 else []
+    reqs = [comm.irecv(p, peer, TAG) for p in recv if p.nbytes]
+    if form == PIECES:
+        sent = _pieces.send(comm, peer, TAG, parts[0], parts[1], like.n)
+    else:
+        sent = [comm.isend(p, peer, TAG) for p in parts if p.nbytes]
+    if got is None and theirs >= 0:
+        Request.waitall(reqs)
+        got = _Vector.decode(recv, their_form, like)
+    return got, sent
 
 
 class _Vector:
@@ -119,8 +137,8 @@ class _Vector:
         xp = get_array_module(self.values)
         if self.dense:
             return [xp.ascontiguousarray(self.values)], DENSE
-        if compact:
-            return [encode_pairs(self.indices, self.values, 0, self.n)], COMPACT
+        if compact:  # encoded piece by piece as it is sent
+            return [self.indices, self.values], PIECES
         if self.indices.nbytes + self.values.nbytes <= PACK_LIMIT:
             return [pack_pairs(self.indices, self.values)], PAIRS
         return [xp.ascontiguousarray(self.indices), xp.ascontiguousarray(self.values)], PAIRS
@@ -131,7 +149,7 @@ class _Vector:
         xp, n, vtype, row, itype = like.xp, like.n, like.dtype, like.row_shape, index_dtype(like.n)
         if form == DENSE:
             return [xp.empty((n, *row), vtype)]
-        if form == COMPACT or size <= PACK_LIMIT:
+        if size <= PACK_LIMIT:
             return [xp.empty(size, np.uint8)]
         nnz = size // (itype.itemsize + vtype.itemsize * (like.width or 1))
         return [xp.empty(nnz, itype), xp.empty((nnz, *row), vtype)]
@@ -140,26 +158,43 @@ class _Vector:
     def decode(cls, parts: list[Any], form: int, like: SparseVector) -> _Vector:
         if form == DENSE:
             return cls(None, parts[0], like.n, True)
-        if form == COMPACT:
-            itype = index_dtype(like.n)
-            idx, vals = decode_pairs(parts[0], itype, like.dtype, 0, like.n, like.width)
-            return cls(idx, vals, like.n, False)
         if len(parts) == 1:
             idx, vals = unpack_pairs(parts[0], index_dtype(like.n), like.dtype, like.width)
             return cls(idx, vals, like.n, False)
         return cls(parts[0], parts[1], like.n, False)
 
-    def merge(self, other: _Vector) -> _Vector:
-        """``self + other`` (self's run first); dense if either is."""
+    @classmethod
+    def received(cls, got: _Vector | _pieces.Incoming, like: SparseVector) -> _Vector:
+        """What :func:`_exchange` got, as a vector (pieces read and joined)."""
+        if isinstance(got, _Vector):
+            return got
+        empty = cls(
+            like.xp.empty(0, index_dtype(like.n)),
+            like.xp.empty((0, *like.row_shape), like.dtype),
+            like.n,
+            False,
+        )
+        return empty.merge(got, True)
+
+    def merge(self, other: _Vector | _pieces.Incoming, first: bool) -> _Vector:
+        """``self + other`` (``first``: self is the first operand); dense if either is."""
+        if isinstance(other, _pieces.Incoming):
+            if not self.dense:
+                idx, vals = _pieces.merge_into(self.indices, self.values, other, first)
+                return _Vector.sparse(idx, vals, self.n)
+            out = self.values.copy()
+            for idx, vals in other:
+                add_sparse(out, idx, vals, 0)
+            return _Vector(None, out, self.n, True)
         if not self.dense and not other.dense:
-            idx, vals = merge_two(self.indices, self.values, other.indices, other.values, self.n)
+            a, b = (self, other) if first else (other, self)
+            idx, vals = merge_two(a.indices, a.values, b.indices, b.values, self.n)
             return _Vector.sparse(idx, vals, self.n)
         if self.dense and other.dense:
             return _Vector(None, self.values + other.values, self.n, True)
         d, s = (self, other) if self.dense else (other, self)
         out = d.values.copy()
-        if s.indices.shape[0]:
-            out[s.indices] += s.values  # unique indices: each added once
+        add_sparse(out, s.indices, s.values, 0)
         return _Vector(None, out, self.n, True)
 
     def result(self) -> SparseVector:

@@ -54,6 +54,32 @@ def test_compact_sends_fewer_bytes_at_one_percent(comm, name, dtype):
     assert_all(comm, ratio <= bound, f"{name}: compact/raw bytes {ratio:.3f} > {bound:.3f}")
 
 
+@pytest.mark.parametrize(
+    ("overlap", "dtype", "width"),
+    [("random", "float32", None), ("skewed", "float64", None), ("same", "float32", 2)],
+)
+def test_compact_pieces_are_raw_bit_for_bit(comm, overlap, dtype, width):
+    """Runs long enough to travel in several pieces (recursive_doubling's compact sums),
+    and a sum that goes dense on the way (n = 400K: each rank's 120K pairs, unions past
+    the dense switch)."""
+    for n, density in ((4_000_000, 0.025), (400_000, 0.3)):
+        vals, idx = make_problem(n, density, comm.rank, comm.size, overlap, dtype, seed=3)
+        if width:
+            vals = np.stack([vals, -2 * vals], axis=1)
+        want = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm="dense")
+        raw = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm="recursive_doubling")
+        algo = sparsecoll.get_algorithm("recursive_doubling", wire="compact")
+        got = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=algo)
+        assert_all(comm, digest(got) == digest(raw), f"{overlap} n={n}: compact differs from raw")
+        dense = np.zeros((n, *vals.shape[1:]), vals.dtype)
+        dense[np.asarray(got.indices)] = got.values
+        ref = np.zeros_like(dense)
+        ref[np.asarray(want.indices)] = want.values
+        err = float(np.max(np.abs(dense - ref), initial=0.0))
+        assert_all(comm, err <= 1e-5 * comm.size, f"{overlap} n={n}: off the dense sum by {err}")
+        assert_identical(comm, got)
+
+
 def _hashed_pairs_sent(comm, idx, out, n):
     """The pairs hashed's rank sends: its entries of other owners, then in each Bruck round
     the owners' reduced runs it forwards."""
