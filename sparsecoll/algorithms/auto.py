@@ -48,6 +48,7 @@ from .._options import integer, read_only, real
 from ..comm import Communicator
 from ..registry import algorithm_class, available_algorithms, register_algorithm
 from ..sparse import SparseVector
+from . import _pieces
 from ._link import link_constants
 from ._tune import SAMPLES, Tuner
 from .base import Algorithm, range_bounds, region_cuts, sparse_is_cheaper
@@ -210,9 +211,14 @@ def predict(
             out["ring:compact"] = out["ring"] - m.beta * saved + m.gamma_wire * sum(sent)
     if P > 1 and width is None and np.dtype(vtype).kind == "f":
         _add_compact(out, m, P, n, N, K, hot, L, isz, vsz, pair)
-        # each round encodes the sum it sends and decodes the one it receives
-        saved = sum(u * (pair - compact_pair(u / n, isz, vsz)) for u in rd_sparse)
-        out["recursive_doubling:compact"] = rd - m.beta * saved + m.gamma_wire * sum(rd_sparse)
+        # each round encodes the sum it sends and decodes the one it receives, in pieces
+        # that overlap the transfer: the first piece's coding shows, the rest past the link
+        rdc = rd
+        for u in rd_sparse:
+            wire = m.beta * u * compact_pair(u / n, isz, vsz)
+            coding, c = m.gamma_wire * u, _pieces.count(round(u))
+            rdc += wire - m.beta * u * pair + coding / c + max(0.0, coding * (c - 1) / c - wire)
+        out["recursive_doubling:compact"] = rdc
     if width is not None:  # rows go only to the algorithms that take them
         out = {k: v for k, v in out.items() if algorithm_class(k).takes_rows}
     return out
