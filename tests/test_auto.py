@@ -189,13 +189,33 @@ def test_tuner_measures_each_contender_in_a_run_then_keeps_the_fastest():
     # first run three)
     assert picks == ["a", "a", "a", "e", "e", "b", "b", "c", "c", "b", "b", "b"]
     # benchmarks of the steady state warm up past the measuring
-    assert Auto().settle_calls == picks.index("c") + 2 == 9
+    assert Auto(tries=4).settle_calls == picks.index("c") + 2 == 9
+    assert Auto().settle_calls == 11  # (tries=5)
     assert Auto(tries=1).settle_calls == 0 and Auto(tries=2).settle_calls == 5
     assert tuner.kept() == {"a": [5.0], "e": [3.0], "b": [2.0, 2.0, 2.0], "c": [4.0]}
     # one try, or a spread of 1: the model's pick alone
     assert set(_run(Tuner(), cost, times, 6, tries=1)) == {"a"}
     assert set(_run(Tuner(), cost, times, 6, tries=0)) == {"a"}
     assert _run(Tuner(), cost, times, 7, spread=1.15) == ["a", "a", "a", "e", "e", "e", "e"]
+
+
+def test_tuner_measures_one_of_each_family_before_a_second():
+    """A family is a name before ':' (an algorithm, whatever its wire): within the spread,
+    the cheapest of each family first, then the rest by prediction; measured cheapest
+    first."""
+    from sparsecoll.algorithms._tune import Tuner
+
+    order = ("x", "x:c", "y", "y:c", "z", "w:c", "v")
+    cost = {"x": 1.0, "x:c": 1.1, "y": 1.2, "y:c": 1.3, "z": 1.5, "w:c": 2.0, "v": 9.0}
+    for tries, want in (
+        (3, ["x", "y", "z"]),
+        (4, ["x", "y", "z", "w:c"]),
+        (5, ["x", "x:c", "y", "z", "w:c"]),
+        (9, ["x", "x:c", "y", "y:c", "z", "w:c"]),  # (v: past the spread)
+    ):
+        tuner = Tuner()
+        assert tuner.pick(cost, order, KEY, 1000, tries, 2.5) == "x"
+        assert tuner.contenders == want, tries
 
 
 def test_tuner_follows_a_slowing_pick_and_restarts_in_a_new_regime():

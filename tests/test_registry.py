@@ -222,7 +222,7 @@ def test_auto_options_are_the_cost_model_constants():
 
     opts = algorithm_options("auto")
     assert opts.pop("calibrate")[0] is False
-    assert (opts.pop("tries")[0], opts.pop("spread")[0]) == (4, 2.5)  # (the measured contenders)
+    assert (opts.pop("tries")[0], opts.pop("spread")[0]) == (5, 2.5)  # (the measured contenders)
     assert opts.pop("alpha")[0] is None and opts.pop("beta")[0] is None  # (measured)
     model = dataclasses.asdict(CostModel())
     del model["alpha"], model["beta"]

@@ -1,11 +1,14 @@
 """auto's measured refinement: which of the model's close contenders runs next.
 
 The model ranks the candidates; its errors on a given machine (local work on shared cores,
-fixed costs per message) can put the fastest second or third. So the first calls measure
-the contenders (the cheapest ``tries`` predictions within ``spread`` times the cheapest),
-cheapest first, and later calls run the one with the smallest measured time: the median of
-its last :data:`KEPT` samples. The pick's samples keep coming, so a pick that slows down
-gives way.
+fixed costs per message) can put the fastest second or fifth. So the first calls measure
+the contenders, cheapest first, and later calls run the one with the smallest measured
+time: the median of its last :data:`KEPT` samples. The pick's samples keep coming, so a
+pick that slows down gives way. The contenders are ``tries`` of the predictions within
+``spread`` times the cheapest: the cheapest of each family first (a candidate's family: its
+name before any ``:``, as ``ring`` of ``ring:compact``), then the rest by prediction. The
+model's larger errors are an algorithm's (its messages' fixed costs, its local work), not
+a wire's, so one of each family is measured before a second of any.
 
 A sample counts only when the call before it ran the same candidate: each contender runs
 :data:`SAMPLES` + 1 calls in a row and its first is dropped. A first call pays for what the
@@ -68,8 +71,10 @@ class Tuner:
         if key != self.key or not (self.anchor / 2 <= nnz <= self.anchor * 2):
             self.key, self.anchor, self.samples = key, nnz, {}
         ranked = sorted((c for c in order if c in cost), key=lambda c: cost[c])
-        best = cost[ranked[0]]
-        contenders = [c for c in ranked[: max(tries, 1)] if cost[c] <= spread * best]
+        close = [c for c in ranked if cost[c] <= spread * cost[ranked[0]]]
+        firsts = [c for i, c in enumerate(close) if _family(c) not in map(_family, close[:i])]
+        chosen = set((firsts + [c for c in close if c not in firsts])[: max(tries, 1)])
+        contenders = [c for c in close if c in chosen]
         self.contenders = contenders
         if len(contenders) == 1:
             return contenders[0]
@@ -90,6 +95,10 @@ class Tuner:
         """What must be equal on every rank (the samples come from agreed values, so their
         count and the regime stand for them)."""
         return (self.key, self.anchor, self.taken, self.last, self.before, self.streak)
+
+
+def _family(name: str) -> str:
+    return name.partition(":")[0]
 
 
 def _median(values: list[float]) -> float:

@@ -306,10 +306,10 @@ class Auto(Algorithm):
             ranks, shared by the next call), in place of ``beta``. For a slow network; on an
             oversubscribed node the local work it cannot tell from bytes makes it overrate
             them (default False).
-        tries: how many of the cheapest predictions (those within ``spread`` times the
-            cheapest) the first calls measure, each in two calls in a row (the first is
-            no sample), before later calls run the one measured fastest; 0 or 1: the
-            model's pick alone.
+        tries: how many of the predictions within ``spread`` times the cheapest the
+            first calls measure (the cheapest of each algorithm first, then the rest by
+            prediction), each in two calls in a row (the first is no sample), before
+            later calls run the one measured fastest; 0 or 1: the model's pick alone.
         spread: how far above the cheapest prediction a contender may be (>= 1).
     """
 
@@ -334,7 +334,7 @@ class Auto(Algorithm):
         delta: float = CostModel.delta,
         gamma_wire: float = CostModel.gamma_wire,
         calibrate: bool = False,
-        tries: int = 4,
+        tries: int = 5,
         spread: float = 2.5,
     ) -> None:
         # (the model's alpha, beta are then placeholders)
