@@ -72,10 +72,6 @@ class Incoming:
             req.wait()
             yield decode_pairs(part, self.itype, self.vtype, 0, self.n, self.width, prefix=True)
 
-    def wait(self) -> None:
-        """Complete every receive (the pieces unread): for an error path."""
-        Request.waitall(self.reqs)
-
 
 def merge_into(idx: Any, vals: Any, pieces: Incoming, mine_first: bool) -> tuple[Any, Any]:
     """Merge the coalesced host run (idx, vals) with the pieces' run, one segment per

@@ -27,6 +27,7 @@ restored instance measures again.
 
 from __future__ import annotations
 
+from statistics import median
 from typing import Any
 
 __all__ = ["KEPT", "SAMPLES", "Tuner"]
@@ -81,11 +82,7 @@ class Tuner:
         pending = [c for c in contenders if len(self.samples.get(c, ())) < SAMPLES]
         if pending:  # (the run under way first)
             return self.before if self.before in pending else pending[0]
-        return min(contenders, key=lambda c: _median(self.samples[c]))
-
-    def estimates(self) -> dict[str, float]:
-        """Each sampled candidate's measured seconds (the median of its kept samples)."""
-        return {c: _median(s) for c, s in self.samples.items() if s}
+        return min(contenders, key=lambda c: median(self.samples[c]))
 
     def kept(self) -> dict[str, list[float]]:
         """Each sampled candidate's kept samples (seconds, oldest first)."""
@@ -99,9 +96,3 @@ class Tuner:
 
 def _family(name: str) -> str:
     return name.partition(":")[0]
-
-
-def _median(values: list[float]) -> float:
-    s = sorted(values)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2

@@ -281,11 +281,22 @@ def region_cuts(indices: Any, bounds: np.ndarray) -> list[int]:
     The first cut is 0 and the last ``len(indices)``. Bounds are searched in the indices'
     dtype where it holds them: int64 keys would convert a whole int32 index array first.
     """
-    xp = get_array_module(indices)
-    dtype = indices.dtype if int(bounds.max()) <= np.iinfo(indices.dtype).max else bounds.dtype
-    cuts = [int(c) for c in to_host(xp.searchsorted(indices, xp.asarray(bounds, dtype=dtype)))]
+    cuts = search_sorted(indices, bounds)
     cuts[0], cuts[-1] = 0, int(indices.shape[0])
     return cuts
+
+
+def search_sorted(indices: Any, keys: Any) -> list[int]:
+    """Where each key would go in the ascending ``indices`` (left side), on the host.
+
+    Keys are searched in the indices' dtype where it holds them: int64 keys would convert
+    a whole int32 index array first.
+    """
+    xp = get_array_module(indices)
+    keys = np.asarray(keys, np.int64)
+    fits = keys.size == 0 or int(keys.max()) <= np.iinfo(indices.dtype).max
+    dtype = indices.dtype if fits else keys.dtype
+    return [int(c) for c in to_host(xp.searchsorted(indices, xp.asarray(keys, dtype=dtype)))]
 
 
 def sparse_is_cheaper(

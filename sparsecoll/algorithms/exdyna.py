@@ -58,7 +58,7 @@ from ._window import (
     edge_totals,
     pick_edge,
 )
-from .base import Algorithm, allclose_sparse, range_bounds, region_cuts, state_crc
+from .base import Algorithm, allclose_sparse, range_bounds, region_cuts, search_sorted, state_crc
 from .gtopk import check_k
 
 __all__ = ["ExDyna"]
@@ -231,7 +231,7 @@ class ExDyna(Algorithm):
         n, xp = x.n, x.xp
         self.prepare(comm, n)
         lo, hi = self.owned_range(comm.rank)
-        a, b = (int(v) for v in xp.searchsorted(x.indices, xp.asarray([lo, hi])))
+        a, b = search_sorted(x.indices, [lo, hi])
         part_idx = x.indices[a:b]
 
         def values_at(idx: Any) -> Any:

@@ -97,10 +97,8 @@ def _exchange(
     size, their_form = divmod(theirs, 4)
     got: _Vector | _pieces.Incoming | None = None
     if theirs >= 0 and their_form == PIECES:
-        width = like.width
-        got = _pieces.Incoming(
-            comm, peer, TAG, size, index_dtype(like.n), like.dtype, like.n, width
-        )
+        itype = index_dtype(like.n)
+        got = _pieces.Incoming(comm, peer, TAG, size, itype, like.dtype, like.n, like.width)
     recv = _Vector.buffers(size, their_form, like) if got is None and theirs >= 0 else []
     reqs = [comm.irecv(p, peer, TAG) for p in recv if p.nbytes]
     if form == PIECES:
