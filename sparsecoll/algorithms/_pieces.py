@@ -1,26 +1,26 @@
-"""A sorted run sent as compact wire messages in pieces, so coding overlaps the transfer.
+"""A sorted run sent as compact wire messages in pieces, so decoding and merging overlap the
+transfer.
 
 A run of m pairs travels as :func:`count` (m) :mod:`sparsecoll.wire` messages of
-consecutive pairs, piece j holding pairs [j·m // c, (j + 1)·m // c), each sent as soon as
-it is encoded. The receiver, told only m, posts every piece's receive up front at
-:func:`~sparsecoll.wire.size_bound` bytes and decodes each piece as it lands, while the
-later ones are still on the link; :func:`merge_into` merges a sorted run with the pieces
-one index segment at a time, so merging overlaps the transfer too. Results are those of
-one message: the same pairs, decoded to the same bits.
+consecutive pairs, piece j holding pairs [j·m // c, (j + 1)·m // c). The pieces' byte sizes
+go ahead with the exchange's metadata, so the receiver posts every piece's receive up front
+at its exact size, decodes each piece as it lands while the later ones are still on the
+link, and :func:`merge_into` merges a sorted run with them one index segment at a time.
+Results are those of one message: the same pairs, decoded to the same bits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..comm import Communicator, Request
-from ..wire import decode_pairs, encode_pairs, size_bound
+from ..wire import decode_pairs, encode_pairs
 from ._merge import accumulate_dtype, merge_at
 
-__all__ = ["Incoming", "count", "merge_into", "send"]
+__all__ = ["MAX_PIECES", "Incoming", "count", "encode", "merge_into"]
 
 MIN_PIECE = 1 << 15  # pairs: a smaller piece overlaps less than its message costs
 MAX_PIECES = 8
@@ -36,32 +36,30 @@ def _bounds(m: int) -> list[int]:
     return [j * m // c for j in range(c + 1)]
 
 
-def send(comm: Communicator, peer: int, tag: int, idx: Any, vals: Any, n: int) -> list[Request]:
-    """Encode and send the run (indices in [0, n)) piece by piece; the requests keep the
-    messages alive until they complete."""
+def encode(idx: Any, vals: Any, n: int) -> list[np.ndarray]:
+    """The run's pieces (indices in [0, n)), each one wire message."""
     b = _bounds(idx.shape[0])
     return [
-        comm.isend(encode_pairs(idx[b[j] : b[j + 1]], vals[b[j] : b[j + 1]], 0, n), peer, tag)
-        for j in range(len(b) - 1)
+        encode_pairs(idx[b[j] : b[j + 1]], vals[b[j] : b[j + 1]], 0, n) for j in range(len(b) - 1)
     ]
 
 
 class Incoming:
-    """The pieces of a run of m pairs from ``peer``, their receives posted on creation."""
+    """The pieces of a run of m pairs from ``peer`` (their byte sizes given), their
+    receives posted on creation."""
 
     def __init__(
-        self, comm: Communicator, peer: int, tag: int, m: int, itype: Any, vtype: Any, n: int,
-        width: int | None,
+        self, comm: Communicator, peer: int, tag: int, m: int, sizes: Sequence[int],
+        itype: Any, vtype: Any, n: int, width: int | None,
     ) -> None:  # fmt: skip
         self.m, self.n, self.itype, self.vtype, self.width = m, n, itype, vtype, width
-        b = _bounds(m)
-        sizes = [size_bound(b[j + 1] - b[j], itype, vtype, width) for j in range(len(b) - 1)]
+        sizes = [int(s) for s in sizes[: count(m)]]
         buf = np.empty(sum(sizes), np.uint8)
         self.parts, start = [], 0
         for size in sizes:
             self.parts.append(buf[start : start + size])
             start += size
-        self.reqs = [comm.irecv(p, peer, tag) for p in self.parts]
+        self.reqs: list[Request] = [comm.irecv(p, peer, tag) for p in self.parts]
 
     def __len__(self) -> int:
         return len(self.parts)
@@ -70,7 +68,7 @@ class Incoming:
         """Each piece's (indices, values), in order, as it lands."""
         for req, part in zip(self.reqs, self.parts):
             req.wait()
-            yield decode_pairs(part, self.itype, self.vtype, 0, self.n, self.width, prefix=True)
+            yield decode_pairs(part, self.itype, self.vtype, 0, self.n, self.width)
 
 
 def merge_into(idx: Any, vals: Any, pieces: Incoming, mine_first: bool) -> tuple[Any, Any]:

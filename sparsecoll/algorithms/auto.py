@@ -211,13 +211,14 @@ def predict(
             out["ring:compact"] = out["ring"] - m.beta * saved + m.gamma_wire * sum(sent)
     if P > 1 and width is None and np.dtype(vtype).kind == "f":
         _add_compact(out, m, P, n, N, K, hot, L, isz, vsz, pair)
-        # each round encodes the sum it sends and decodes the one it receives, in pieces
-        # that overlap the transfer: the first piece's coding shows, the rest past the link
+        # each round encodes the sum it sends, then decodes the one it receives in pieces
+        # while the later ones are on the link: the first piece's decoding shows, the rest
+        # past the transfer
         rdc = rd
         for u in rd_sparse:
             wire = m.beta * u * compact_pair(u / n, isz, vsz)
-            coding, c = m.gamma_wire * u, _pieces.count(round(u))
-            rdc += wire - m.beta * u * pair + coding / c + max(0.0, coding * (c - 1) / c - wire)
+            half, c = m.gamma_wire * u / 2, _pieces.count(round(u))
+            rdc += wire - m.beta * u * pair + half + half / c + max(0.0, half * (c - 1) / c - wire)
         out["recursive_doubling:compact"] = rdc
     if width is not None:  # rows go only to the algorithms that take them
         out = {k: v for k, v in out.items() if algorithm_class(k).takes_rows}

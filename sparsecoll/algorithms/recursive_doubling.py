@@ -8,9 +8,9 @@ pairs while nnz·(index + value bytes) < n·value bytes, else as n dense values 
 dense). Size and form go first (8 bytes); pairs follow as one packed message up to
 :data:`PACK_LIMIT` bytes, beyond it as two (indices, values), each received into the array it
 becomes. With ``wire="compact"`` a sparse sum travels as :mod:`sparsecoll.wire` messages
-in pieces (:mod:`._pieces`): each piece is sent as soon as it is encoded, and decoded and
-merged as it lands, so the coding overlaps the transfer (the dense switch stays the raw
-one; the size sent first counts pairs). Non-power-of-two P
+in pieces (:mod:`._pieces`), their byte sizes sent with the size: each piece is decoded and
+merged as it lands, so that work overlaps the transfer (the dense switch stays the raw
+one). Non-power-of-two P
 folds the first 2(P − p) ranks in pairs (:class:`~.base.Fold`).
 Volume sent per rank: Σ_i bytes(K_i), K_i the nnz held entering round i (identical indices:
 k·log2 p pairs; disjoint: ≈ k(p−1), capped at n values a round). Latency: log2 p exchanges
@@ -87,25 +87,29 @@ def _exchange(
     """Swap running sums with ``peer`` (``state`` None: only receive): what came, received
     or (pieces) arriving, and the sends to complete after it is merged.
 
-    Size and form go first, as 4 * size + form (size: bytes, or pairs for PIECES), so no
-    receive probes (a probe costs far more than an 8-byte exchange on an oversubscribed
-    node), and the parts are received straight into the arrays they become.
+    Size and form go first, as 4 * size + form (size: bytes, or pairs for PIECES), with
+    ``compact`` the pieces' byte sizes after it, so no receive probes (a probe costs far
+    more than a small exchange on an oversubscribed node), and the parts are received
+    straight into the arrays they become.
     """
     parts, form = ([], -1) if state is None else state.encode(compact)
-    size = parts[0].shape[0] if form == PIECES else sum(int(p.nbytes) for p in parts)
-    theirs = comm.sendrecv_ints(-1 if state is None else 4 * size + form, peer, peer, TAG)
-    size, their_form = divmod(theirs, 4)
+    size = state.indices.shape[0] if form == PIECES else sum(int(p.nbytes) for p in parts)
+    head = [-1 if state is None else 4 * size + form]
+    if compact:
+        sizes = [int(p.nbytes) for p in parts] if form == PIECES else []
+        head += sizes + [0] * (_pieces.MAX_PIECES - len(sizes))
+    theirs = comm.sendrecv_ints(head, peer, peer, TAG)
+    size, their_form = divmod(theirs[0], 4)
     got: _Vector | _pieces.Incoming | None = None
-    if theirs >= 0 and their_form == PIECES:
+    if theirs[0] >= 0 and their_form == PIECES:
         itype = index_dtype(like.n)
-        got = _pieces.Incoming(comm, peer, TAG, size, itype, like.dtype, like.n, like.width)
-    recv = _Vector.buffers(size, their_form, like) if got is None and theirs >= 0 else []
+        got = _pieces.Incoming(
+            comm, peer, TAG, size, theirs[1:], itype, like.dtype, like.n, like.width
+        )
+    recv = _Vector.buffers(size, their_form, like) if got is None and theirs[0] >= 0 else []
     reqs = [comm.irecv(p, peer, TAG) for p in recv if p.nbytes]
-    if form == PIECES:
-        sent = _pieces.send(comm, peer, TAG, parts[0], parts[1], like.n)
-    else:
-        sent = [comm.isend(p, peer, TAG) for p in parts if p.nbytes]
-    if got is None and theirs >= 0:
+    sent = [comm.isend(p, peer, TAG) for p in parts if p.nbytes]
+    if got is None and theirs[0] >= 0:
         Request.waitall(reqs)
         got = _Vector.decode(recv, their_form, like)
     return got, sent
@@ -131,12 +135,13 @@ class _Vector:
         return cls(None, out, n, True)
 
     def encode(self, compact: bool) -> tuple[list[Any], int]:
-        """The message's parts (sent in order, without a copy where raw) and its form."""
+        """The message's parts (sent in order, without a copy where raw; compact: the
+        pieces) and its form."""
         xp = get_array_module(self.values)
         if self.dense:
             return [xp.ascontiguousarray(self.values)], DENSE
-        if compact:  # encoded piece by piece as it is sent
-            return [self.indices, self.values], PIECES
+        if compact:
+            return _pieces.encode(self.indices, self.values, self.n), PIECES
         if self.indices.nbytes + self.values.nbytes <= PACK_LIMIT:
             return [pack_pairs(self.indices, self.values)], PAIRS
         return [xp.ascontiguousarray(self.indices), xp.ascontiguousarray(self.values)], PAIRS

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _bits, _rice, _values
 
-__all__ = ["decode_pairs", "encode_pairs", "encoded_size", "size_bound"]
+__all__ = ["decode_pairs", "encode_pairs", "encoded_size"]
 
 I_RAW, I_PACKED, I_BITMAP, I_RICE = 0, 1, 2, 3
 V_RAW, V_SPLIT = 0, 1
@@ -185,29 +185,14 @@ def encoded_size(indices: Any, values: Any, lo: int, hi: int) -> int:
     return int(encode_pairs(indices, values, lo, hi).shape[0])
 
 
-def size_bound(m: int, itype: Any, vtype: Any, width: int | None = None) -> int:
-    """The most bytes :func:`encode_pairs` makes of m pairs (raw indices and values, a
-    whole header): what a receive that is told only m must hold."""
-    d = 1 if width is None else int(width)
-    raw = _bits.nwords(m * np.dtype(itype).itemsize * 8) * 8
-    return HEAD + raw + m * d * np.dtype(vtype).itemsize
-
-
 def decode_pairs(
-    buf: Any,
-    itype: Any,
-    vtype: Any,
-    lo: int,
-    hi: int,
-    width: int | None = None,
-    prefix: bool = False,
+    buf: Any, itype: Any, vtype: Any, lo: int, hi: int, width: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Decode an :func:`encode_pairs` message into new (indices, values) arrays.
 
     ``itype``, ``vtype``, ``lo``, ``hi`` and ``width`` (D for rows of D values, None for
     a 1-D values array) must be those the sender had. Raises ValueError for a message
-    that does not decode to exactly its length, or with ``prefix`` to at most it (the
-    message starts ``buf``; bytes after it are ignored).
+    that does not decode to exactly its length.
     """
     buf = np.asarray(buf, np.uint8).reshape(-1)
     itype, vtype = np.dtype(itype), np.dtype(vtype)
@@ -231,7 +216,7 @@ def decode_pairs(
         raise ValueError(f"wire message: unknown value format {vfmt}")
     utype, ebits, mbits = _values.FLOATS[vtype]
     if m == 0:
-        if rd.pos != buf.shape[0] and not prefix:
+        if rd.pos != buf.shape[0]:
             raise ValueError(f"wire message: {buf.shape[0] - rd.pos} bytes left over")
         return np.empty(0, itype), np.empty(shape, vtype)
     if (ifmt == I_RICE and k > 62) or (vfmt == V_SPLIT and w >= ebits):
@@ -254,7 +239,7 @@ def decode_pairs(
         vbytes = before * 8 + last
     hb = nw(rd.pos * 8) * 8
     body = rd.section(hb - rd.pos + iw * 8 + vbytes)[hb - rd.pos :]
-    if rd.pos != buf.shape[0] and not prefix:
+    if rd.pos != buf.shape[0]:
         raise ValueError(f"wire message: {buf.shape[0] - rd.pos} bytes left over")
     idx = np.empty(m, itype)
     u = np.empty(m * d, utype)
