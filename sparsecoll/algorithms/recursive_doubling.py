@@ -38,7 +38,7 @@ from .base import Algorithm, Fold, pack_pairs, sparse_is_cheaper, unpack_pairs
 __all__ = ["RecursiveDoubling"]
 
 TAG = 31
-PAIRS, DENSE, PIECES = 0, 2, 3  # a message's form, sent with its size
+PAIRS, DENSE, PIECES = 0, 1, 2  # a message's form, sent with its size
 PACK_LIMIT = 1 << 16  # pairs up to this many bytes travel packed: one message, not two
 
 
