@@ -5,8 +5,8 @@ pair count m as a LEB128 varint, then the index format's parameters, then the va
 format's, then zero bytes to a multiple of 8. Index formats, each a whole number of 64-bit
 words: RAW (m indices of the index dtype), PACKED (``i − lo`` in W = bits(hi − 1 − lo)
 bits each), BITMAP (varints ``first − lo`` and ``span``, then span bits over
-[first, first + span)), RICE (a byte k, varints for the escapes' count and the unary
-stream's words, then the three streams of :mod:`._bits`). Value formats, the last
+[first, first + span)), GAPS (a byte b and a varint for the exceptions' count, then the
+streams of :mod:`._gaps`). Value formats, the last
 section, a whole number of bytes: RAW (the values' bytes) and SPLIT (varint emin, byte w,
 then the fields of :mod:`._values`). The sizes follow from the header, so the format is
 chosen from exact sizes without a trial encode, and the kernels write the message in place.
@@ -18,14 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from . import _bits, _rice, _values
+from . import _bits, _gaps, _values
 
 __all__ = ["decode_pairs", "encode_pairs", "encoded_size"]
 
-I_RAW, I_PACKED, I_BITMAP, I_RICE = 0, 1, 2, 3
+I_RAW, I_PACKED, I_BITMAP, I_GAPS = 0, 1, 2, 3
 V_RAW, V_SPLIT = 0, 1
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
-SAMPLE = 1024  # gaps sampled to choose the Rice parameter
+SAMPLE = 1024  # gaps sampled to choose the gaps' width
 HEAD = 48  # bytes a header takes at most (a tag byte, six varints, two bytes)
 
 
@@ -80,14 +80,17 @@ def _width(span: int) -> int:
 
 class _Index:
     """The smallest index format of a message: its tag, header parameters and section
-    length in words, and how to write the section."""
+    length in words, and how to write the section. ``tmp`` (a scratch of whole words for
+    m bytes) carries the gaps' low bits from the plan to the write."""
 
-    def __init__(self, idx: np.ndarray, lo: int, hi: int) -> None:
+    def __init__(self, idx: np.ndarray, lo: int, hi: int, tmp: np.ndarray) -> None:
         m = idx.shape[0]
-        self.idx, self.lo, self.wbits = idx, lo, _width(hi - 1 - lo)
+        self.idx, self.lo, self.wbits, self.tmp = idx, lo, _width(hi - 1 - lo), tmp
+        self.pbits = _width(m - 1)
         step = max(1, m // SAMPLE)
-        k0, s, e = _rice.rice_plan(idx, lo, hi, self.wbits, step)
-        if s < 0:
+        self.marks = np.empty(_gaps.marks_words(m), np.uint64)
+        b, e = _gaps.gap_plan(idx, lo, hi, self.wbits, self.pbits, step, tmp, self.marks)
+        if e < 0:
             raise ValueError(f"indices must be ascending, unique and in [{lo}, {hi})")
         self.first, self.span = int(idx[0]), int(idx[-1]) - int(idx[0]) + 1
         nw = _bits.nwords
@@ -98,20 +101,18 @@ class _Index:
         }
         self.fmt = min(sizes, key=lambda f: (sizes[f], f))  # (ties: the simpler decode)
         self.words = sizes[self.fmt]
-        ew = max(self.wbits - k0, 0)
-        lay = _rice.layout(m, k0, e, ew, nw(m + s))
+        lay = _gaps.layout(m, b, e, self.pbits, self.wbits - b)
         if lay[-1] < self.words:
-            self.fmt, self.words, self.k, self.ew, self.nesc, self.lay = (
-                I_RICE, lay[-1], k0, ew, e, lay)  # fmt: skip
+            self.fmt, self.words, self.b, self.nesc, self.lay = I_GAPS, lay[-1], b, e, lay
 
     def head(self) -> bytes:
         if self.fmt == I_BITMAP:
             return _varint(self.first - self.lo) + _varint(self.span)
-        if self.fmt == I_RICE:
-            return bytes([self.k]) + _varint(self.nesc) + _varint(self.lay[3] - self.lay[2])
+        if self.fmt == I_GAPS:
+            return bytes([self.b]) + _varint(self.nesc)
         return b""
 
-    def write(self, words: np.ndarray, tmp: np.ndarray) -> None:
+    def write(self, words: np.ndarray) -> None:
         idx, lo = self.idx, self.lo
         if self.fmt == I_RAW:
             b = words.view(np.uint8)
@@ -122,9 +123,10 @@ class _Index:
         elif self.fmt == I_BITMAP:
             _bits.bitmap_encode(idx, self.first, words)
         else:
-            p0, e0, u0, _ = self.lay
-            tmp = tmp[: ((idx.shape[0] + 7) >> 3) * 8]
-            _rice.rice_encode(idx, lo, self.k, self.ew, tmp, tmp.view(np.uint64), words, p0, e0, u0)
+            p0, e0, _ = self.lay
+            tmp64 = self.tmp[: ((idx.shape[0] + 7) >> 3) * 8].view(np.uint64)
+            hbits = self.wbits - self.b
+            _gaps.gaps_encode(idx, lo, self.b, self.pbits, hbits, tmp64, self.marks, words, p0, e0)
 
 
 def encode_pairs(indices: Any, values: Any, lo: int, hi: int) -> np.ndarray:
@@ -152,7 +154,8 @@ def encode_pairs(indices: Any, values: Any, lo: int, hi: int) -> np.ndarray:
         raise ValueError(f"expecting 0 <= lo <= hi, got lo={lo}, hi={hi}")
     if m == 0:
         return np.frombuffer(bytes([0]) + _varint(0), np.uint8).copy()
-    index = _Index(idx, int(lo), int(hi))
+    tmp = _scratch(max(m, vals.size))
+    index = _Index(idx, int(lo), int(hi), tmp)
     utype, ebits, mbits = _values.FLOATS[vals.dtype]
     u = vals.reshape(-1).view(utype)
     emin, emax = _values.exponent_range(u, mbits, ebits)
@@ -171,8 +174,7 @@ def encode_pairs(indices: Any, values: Any, lo: int, hi: int) -> np.ndarray:
     out = words.view(np.uint8)
     out[: len(head)] = np.frombuffer(head, np.uint8)
     out[len(head) : hw * 8] = 0
-    tmp = _scratch(u.shape[0])  # (u has at least m entries)
-    index.write(words[hw:iw], tmp)
+    index.write(words[hw:iw])
     if vfmt == V_RAW:
         out[iw * 8 : iw * 8 + vbytes] = u.view(np.uint8)
     else:
@@ -206,8 +208,8 @@ def decode_pairs(
     wbits = _width(hi - 1 - lo)
     if ifmt == I_BITMAP:
         first, span = lo + rd.varint(), rd.varint()
-    elif ifmt == I_RICE:
-        k, nesc, uw = rd.byte(), rd.varint(), rd.varint()
+    elif ifmt == I_GAPS:
+        b, nesc = rd.byte(), rd.varint()
     elif ifmt not in (I_RAW, I_PACKED):
         raise ValueError(f"wire message: unknown index format {ifmt}")
     if vfmt == V_SPLIT:
@@ -219,7 +221,7 @@ def decode_pairs(
         if rd.pos != buf.shape[0]:
             raise ValueError(f"wire message: {buf.shape[0] - rd.pos} bytes left over")
         return np.empty(0, itype), np.empty(shape, vtype)
-    if (ifmt == I_RICE and k > 62) or (vfmt == V_SPLIT and w >= ebits):
+    if (ifmt == I_GAPS and b > wbits) or (vfmt == V_SPLIT and w >= ebits):
         raise ValueError("wire message: bad parameters in the header")
     nw = _bits.nwords
     if ifmt == I_RAW:
@@ -229,8 +231,8 @@ def decode_pairs(
     elif ifmt == I_BITMAP:
         iw = nw(span)
     else:
-        ew = max(wbits - k, 0)
-        lay = _rice.layout(m, k, nesc, ew, uw)
+        pbits = _width(m - 1)
+        lay = _gaps.layout(m, b, nesc, pbits, wbits - b)
         iw = lay[-1]
     if vfmt == V_RAW:
         vbytes = m * d * utype().nbytes
@@ -256,8 +258,11 @@ def decode_pairs(
             raise ValueError("wire message: bitmap does not hold m indices")
     else:
         t = tmp[: ((m + 7) >> 3) * 8]
-        if not _rice.rice_decode(words, lo, hi, k, ew, nesc, *lay, t, t.view(np.uint64), idx):
-            raise ValueError("wire message: Rice streams do not hold m gaps")
+        p0, e0, _ = lay
+        if not _gaps.gaps_decode(
+            words, lo, hi, b, pbits, wbits - b, nesc, p0, e0, t, t.view(np.uint64), idx
+        ):
+            raise ValueError("wire message: the gaps do not hold m indices in range")
     if vfmt == V_RAW:
         u.view(np.uint8)[:] = body[iw * 8 :]
     else:
