@@ -143,17 +143,21 @@ def gaps_decode(words, lo, hi, b, pbits, hbits, nesc, p0, e0, tmp, tmp64, out):
     r = b & 7
     if r:
         swar_unpack(words[:p0], r, tmp64)
+    else:
+        tmp[:m] = 0
+    plane = ((m + 7) >> 3) * 8
+    if b < 8:
         for j in range(m):
             out[j] = tmp[j]
-    else:
-        for j in range(m):
-            out[j] = 0
-    plane = ((m + 7) >> 3) * 8
-    for k in range(b >> 3):
+    for k in range(b >> 3):  # (the first plane joins the low bits in one pass)
         src = words[p0:e0].view(np.uint8)[k * plane : (k + 1) * plane]
         sh = r + 8 * k
-        for j in range(m):
-            out[j] |= np.int64(src[j]) << sh
+        if k == 0:
+            for j in range(m):
+                out[j] = np.int64(tmp[j]) | (np.int64(src[j]) << sh)
+        else:
+            for j in range(m):
+                out[j] |= np.int64(src[j]) << sh
     pos = np.int64(e0) << 6
     last = -1
     for _ in range(nesc):
@@ -166,13 +170,40 @@ def gaps_decode(words, lo, hi, b, pbits, hbits, nesc, p0, e0, tmp, tmp64, out):
         last = j
     v = lo - 1
     if hbits + b + 64 - np.int64(_clz(np.uint64(m))) < 62 and lo < (1 << 62):  # (no overflow)
-        for j in range(m):
-            v += np.int64(out[j]) + 1
-            out[j] = v
-        return v < hi
+        return _running_sum(out, v) < hi
     for j in range(m):
         v += np.int64(out[j]) + 1
         if v >= hi:
             return False
         out[j] = v
     return True
+
+
+@cached_njit(inline="always")
+def _running_sum(out, v):
+    """``out[j] = v + sum(out[:j + 1]) + j + 1`` (the indices from the gaps); the last.
+    Four quarters run side by side, each started from the sums before it."""
+    m = out.shape[0]
+    q = m >> 2
+    s1 = s2 = s3 = np.int64(0)
+    for j in range(q):
+        s1 += np.int64(out[j])
+        s2 += np.int64(out[q + j])
+        s3 += np.int64(out[2 * q + j])
+    v0 = v
+    v1 = v0 + s1 + q
+    v2 = v1 + s2 + q
+    v3 = v2 + s3 + q
+    for j in range(q):
+        v0 += np.int64(out[j]) + 1
+        v1 += np.int64(out[q + j]) + 1
+        v2 += np.int64(out[2 * q + j]) + 1
+        v3 += np.int64(out[3 * q + j]) + 1
+        out[j] = v0
+        out[q + j] = v1
+        out[2 * q + j] = v2
+        out[3 * q + j] = v3
+    for j in range(4 * q, m):
+        v3 += np.int64(out[j]) + 1
+        out[j] = v3
+    return v3

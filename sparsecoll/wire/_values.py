@@ -32,6 +32,13 @@ def exponent_range(u, mbits, ebits):
     """Smallest and largest biased exponent in ``u`` (0, 0 when empty)."""
     if u.shape[0] == 0:
         return 0, 0
+    if mbits == 23:  # float32: 32-bit lanes, twice as many to a vector
+        lo32, hi32 = np.uint32(255), np.uint32(0)
+        for j in range(u.shape[0]):
+            e = (np.uint32(u[j]) >> np.uint32(23)) & np.uint32(255)
+            lo32 = min(lo32, e)
+            hi32 = max(hi32, e)
+        return np.int64(lo32), np.int64(hi32)
     emask = (np.uint64(1) << np.uint64(ebits)) - np.uint64(1)
     sh = np.uint64(mbits)
     lo = np.int64(emask)
@@ -80,13 +87,13 @@ def split_encode(u, mbits, ebits, emin, w, tmp, tmp64, words):
         d0 = words[:p].view(np.uint8)
         d1 = words[p : 2 * p].view(np.uint8)
         d2 = words[2 * p : 3 * p].view(np.uint8)
-        for j in range(cnt):
-            x = np.uint64(u[j])
-            a = _field_a(x, mb, sbit)
-            d0[j] = a & np.uint64(255)
-            d1[j] = (a >> np.uint64(8)) & np.uint64(255)
-            d2[j] = a >> np.uint64(16)
-            tmp[j] = _field_b(x, mb, emask, base)
+        b32, c7, c8, m8 = np.uint32(emin), np.uint32(127), np.uint32(8), np.uint32(255)
+        for j in range(cnt):  # (in 32-bit lanes: A's top byte is the sign over 7 bits)
+            x = np.uint32(u[j])
+            d0[j] = np.uint8(x & m8)
+            d1[j] = np.uint8((x >> c8) & m8)
+            d2[j] = np.uint8(((x >> np.uint32(16)) & c7) | ((x >> np.uint32(24)) & np.uint32(128)))
+            tmp[j] = np.uint8(((x >> np.uint32(23)) & m8) - b32)
         for j in range(cnt, plane):
             d0[j] = d1[j] = d2[j] = tmp[j] = 0
         swar_pack(tmp64, w, words[3 * p :])
@@ -159,11 +166,12 @@ def split_decode(words, mbits, ebits, emin, w, tmp, tmp64, out, scratch):
         s1 = words[p : 2 * p].view(np.uint8)
         s2 = words[2 * p : 3 * p].view(np.uint8)
         swar_unpack(words[3 * p :], w, tmp64)
+        b32, c7 = np.uint32(emin), np.uint32(127)
         for j in range(cnt):
-            a = np.uint32(s0[j]) | (np.uint32(s1[j]) << np.uint32(8))
-            a |= np.uint32(s2[j] & np.uint8(127)) << np.uint32(16)
-            e = np.uint32(tmp[j]) + np.uint32(emin)
-            out[j] = a | (e << np.uint32(23)) | (np.uint32(s2[j] >> np.uint8(7)) << np.uint32(31))
+            a2 = np.uint32(s2[j])
+            a = np.uint32(s0[j]) | (np.uint32(s1[j]) << np.uint32(8)) | ((a2 & c7) << np.uint32(16))
+            e = (np.uint32(tmp[j]) + b32) << np.uint32(23)
+            out[j] = a | e | ((a2 >> np.uint32(7)) << np.uint32(31))
         return
     off = _read_field(words, 0, 1 + mbits, cnt, tmp, tmp64, out)
     if w:
