@@ -10,8 +10,10 @@ after one untimed run (Numba's compile or cache load stays out), in this process
 or wall time (``--clock wall``). One thread: the kernels are serial.
 
 With ``--collective`` (under mpiexec) it measures instead the payload bytes each rank sends
-in allgather and dsa with ``wire="raw"`` and ``"compact"`` (CommStats, "random" overlap),
-and the bytes per pair that makes: raw pair bytes times the compact/raw ratio.
+in each algorithm that takes ``wire`` (allgather, dsa, hashed, recursive_doubling, ring)
+with ``wire="raw"`` and ``"compact"`` (CommStats, "random" overlap), and the bytes per pair
+that makes: raw pair bytes times the compact/raw ratio (not for hashed, whose raw mode already
+sends its way back as values under a bitmap).
 
     PYTHONPATH=$PWD python bench/wire_speed.py                 # n = 16M, 4 densities
     PYTHONPATH=$PWD python bench/wire_speed.py -n 2M --densities 0.01 --format csv
@@ -86,7 +88,10 @@ def row(n: int, density: float, dtype: str, values: str, repeat: int, clock) -> 
     }
 
 
-def collective(n: int, densities: list[float], dtypes: list[str]) -> int:
+WIRED = ("allgather", "dsa", "hashed", "recursive_doubling", "ring")
+
+
+def collective(n: int, densities: list[float], dtypes: list[str], names=WIRED) -> int:
     """Bytes each rank sends with wire="raw" and "compact" (run under mpiexec)."""
     from mpi4py import MPI
 
@@ -96,13 +101,14 @@ def collective(n: int, densities: list[float], dtypes: list[str]) -> int:
     if comm.rank == 0:
         print(f"# bytes sent per rank, sparsecoll {sparsecoll.__version__}, P = {comm.size}")
         print(f"# n = {n}, 'random' overlap; pair: raw pair bytes x compact/raw")
-        print("".join(f"{c:>12}" for c in ("algorithm", "dtype", "density", "raw B", "compact B",
-                                            "ratio", "B/pair")))  # fmt: skip
+        print("# (hashed's raw mode returns values under a bitmap already: no B/pair)")
+        heads = ("dtype", "density", "raw B", "compact B", "ratio", "B/pair")
+        print(f"{'algorithm':>18}" + "".join(f"{c:>12}" for c in heads))
     for dtype in dtypes:
         for density in densities:
             vals, idx = make_problem(n, density, comm.rank, comm.size, "random", dtype, seed=3)
             pair = idx.dtype.itemsize + vals.dtype.itemsize
-            for name in ("allgather", "dsa"):
+            for name in names:
                 sent = {}
                 for wire in ("raw", "compact"):
                     algo = sparsecoll.get_algorithm(name, wire=wire)
@@ -110,10 +116,11 @@ def collective(n: int, densities: list[float], dtypes: list[str]) -> int:
                         sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=algo)
                     sent[wire] = sum(comm.allgather_object(stats.bytes_sent)) / comm.size
                 ratio = sent["compact"] / sent["raw"] if sent["raw"] else float("nan")
+                per_pair = "-" if name == "hashed" else round(pair * ratio, 2)
                 if comm.rank == 0:
-                    cells = (name, dtype, density, round(sent["raw"]), round(sent["compact"]),
-                             round(ratio, 3), round(pair * ratio, 2))  # fmt: skip
-                    print("".join(f"{c!s:>12}" for c in cells))
+                    cells = (dtype, density, round(sent["raw"]), round(sent["compact"]),
+                             round(ratio, 3), per_pair)  # fmt: skip
+                    print(f"{name:>18}" + "".join(f"{c!s:>12}" for c in cells))
     return 0
 
 

@@ -71,7 +71,7 @@ class CostModel:
     beta: float = 1e-10  # per byte sent
     gamma_merge: float = 6e-9  # per pair of a linear two-run merge
     delta: float = 2e-9  # per element of a dense pass (zero, add, scan)
-    gamma_wire: float = 5e-9  # per pair of a compact wire message (encode plus decode)
+    gamma_wire: float = 3e-9  # per pair of a compact wire message (encode plus decode)
 
 
 def union_size(m: float, n: int, kbar: float, theta: float | None) -> float:
@@ -227,10 +227,10 @@ def predict(
 
 def compact_pair(density: float, isz: int, vsz: int) -> float:
     """Bytes a pair costs in a compact wire message at this density (docs/reports/wire.md):
-    a Rice-coded gap of about log2(1/d) + 1.5 bits (a bitmap's 1/d bits when denser), and a
-    value a tenth smaller (its exponent coded)."""
+    a gap of about log2(1/d) + 2.5 bits (its fixed width and the share of wider gaps; a
+    bitmap's 1/d bits when denser), and a value a tenth smaller (its exponent coded)."""
     d = min(max(density, 1e-12), 1.0)
-    bits = min(math.log2(1 / d) + 1.5, 1 / d, 8 * isz)
+    bits = min(math.log2(1 / d) + 2.5, 1 / d, 8 * isz)
     return bits / 8 + 0.9 * vsz
 
 
