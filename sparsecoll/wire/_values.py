@@ -64,6 +64,12 @@ def layout(cnt: int, mbits: int, w: int) -> tuple[int, int]:
 
 
 @cached_njit(inline="always")
+def _group_words(cnt, r):
+    """Words of :func:`~._bits.swar_pack`'s stream of cnt fields of r bits."""
+    return (((cnt + 7) >> 3) * 8 * r + 63) >> 6
+
+
+@cached_njit(inline="always")
 def _field_a(x, mbits, sbit):
     return (x & ((ONE << mbits) - ONE)) | ((x >> sbit) << mbits)
 
@@ -98,6 +104,25 @@ def split_encode(u, mbits, ebits, emin, w, tmp, tmp64, words):
             d0[j] = d1[j] = d2[j] = tmp[j] = 0
         swar_pack(tmp64, w, words[3 * p :])
         return
+    if mbits == 52 and 0 < w < 8:  # float64: A's 5 low bits, its six planes, one pass
+        p, ga = plane >> 3, _group_words(cnt, 5)
+        dp = words[ga : ga + 6 * p].view(np.uint8)
+        m52 = (ONE << mb) - ONE
+        for j in range(cnt):
+            x = np.uint64(u[j])
+            a = (x & m52) | ((x >> np.uint64(63)) << mb)
+            tmp[j] = a & np.uint64(31)
+            for k in range(6):
+                dp[k * plane + j] = (a >> np.uint64(5 + 8 * k)) & np.uint64(255)
+        for j in range(cnt, plane):
+            tmp[j] = 0
+            for k in range(6):
+                dp[k * plane + j] = 0
+        swar_pack(tmp64, 5, words[:ga])
+        for j in range(cnt):
+            tmp[j] = _field_b(np.uint64(u[j]), mb, emask, base)
+        swar_pack(tmp64, w, words[ga + 6 * p :])
+        return
     off = 0
     for f in range(2):
         nb = 1 + mbits if f == 0 else w
@@ -112,7 +137,7 @@ def split_encode(u, mbits, ebits, emin, w, tmp, tmp64, words):
                     tmp[j] = _field_b(np.uint64(u[j]), mb, emask, base) & rmask
             for j in range(cnt, plane):
                 tmp[j] = 0
-            gw = (((cnt + 7) >> 3) * 8 * r + 63) >> 6
+            gw = _group_words(cnt, r)
             swar_pack(tmp64, r, words[off : off + gw])
             off += gw
         for b in range(nb >> 3):
@@ -139,7 +164,7 @@ def _read_field(words, off, nb, cnt, tmp, tmp64, out):
         swar_unpack(words[off:], r, tmp64)
         for j in range(cnt):
             out[j] = tmp[j]
-        off += (((cnt + 7) >> 3) * 8 * r + 63) >> 6
+        off += _group_words(cnt, r)
     else:
         for j in range(cnt):
             out[j] = 0
@@ -172,6 +197,20 @@ def split_decode(words, mbits, ebits, emin, w, tmp, tmp64, out, scratch):
             a = np.uint32(s0[j]) | (np.uint32(s1[j]) << np.uint32(8)) | ((a2 & c7) << np.uint32(16))
             e = (np.uint32(tmp[j]) + b32) << np.uint32(23)
             out[j] = a | e | ((a2 >> np.uint32(7)) << np.uint32(31))
+        return
+    if mbits == 52 and 0 < w < 8:  # float64: the layout of split_encode's fast path
+        plane = ((cnt + 7) >> 3) * 8
+        p, ga = plane >> 3, _group_words(cnt, 5)
+        sp = words[ga : ga + 6 * p].view(np.uint8)
+        tb = np.empty(plane, np.uint8)  # (field B's bytes, beside A's low bits in tmp)
+        swar_unpack(words[ga + 6 * p :], w, tb.view(np.uint64))
+        swar_unpack(words[:ga], 5, tmp64)
+        for j in range(cnt):
+            a = np.uint64(tmp[j])
+            for k in range(6):
+                a |= np.uint64(sp[k * plane + j]) << np.uint64(5 + 8 * k)
+            e = np.uint64(tb[j]) + base
+            out[j] = ((a >> mb) << sbit) | (e << mb) | (a & mmask)
         return
     off = _read_field(words, 0, 1 + mbits, cnt, tmp, tmp64, out)
     if w:
