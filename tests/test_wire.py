@@ -161,6 +161,42 @@ def test_bad_input_raises():
             decode_pairs(cut, np.int32, np.float32, 0, 10)
 
 
+@pytest.mark.parametrize("itype", ["int32", "int64"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gap_exceptions_at_mark_block_edges(itype, dtype):
+    """Wide gaps at the first gap and around each 64-gap block of the exception marks."""
+    m = 400
+    gaps = np.random.default_rng(6).integers(0, 100, size=m)
+    wide = [0, 1, 2, 63, 64, 65, 127, 128, 129, 191, 192, 255, 256, 320, 383, 384, m - 1]
+    gaps[wide] = 10**6 + np.arange(len(wide)) * 7919
+    idx = (np.cumsum(gaps + 1) + 12).astype(itype)
+    vals = np.random.default_rng(7).standard_normal(m).astype(dtype)
+    for lo in (0, 13):
+        buf = roundtrip(idx, vals, lo, int(idx[-1]) + 1)
+        assert buf[0] & 15 == I_GAPS
+    # every gap an exception at b = 0 but one: runs of consecutive indices
+    idx = np.concatenate([np.arange(100), np.arange(200, 300)]).astype(itype)
+    buf = roundtrip(idx, np.ones(200, dtype), 0, 300)
+    assert buf[0] & 15 == I_GAPS
+
+
+@given(messages(), st.integers(0, 2**31), st.integers(1, 255))
+def test_corrupt_message_never_reads_astray(msg, where, flip):
+    """A message with one byte changed decodes to arrays of its length or raises ValueError:
+    the decoder checks every position and count it reads before using it."""
+    idx, vals, lo, hi = msg
+    buf = encode_pairs(idx, vals, lo, hi).copy()
+    buf[where % buf.shape[0]] ^= flip
+    width = vals.shape[1] if vals.ndim == 2 else None
+    try:
+        got_i, got_v = decode_pairs(buf, idx.dtype, vals.dtype, lo, hi, width)
+    except ValueError:
+        return
+    assert got_v.shape[0] == got_i.shape[0]
+    if got_i.shape[0]:
+        assert lo <= int(got_i[0]) and int(got_i[-1]) < hi
+
+
 def bytes_per_pair(n, density, dtype, values="normal", seed=0):
     rng = np.random.default_rng(seed)
     idx = np.sort(rng.choice(n, int(n * density), replace=False)).astype(np.int32)
