@@ -73,7 +73,8 @@ class Tuner:
             self.key, self.anchor, self.samples = key, nnz, {}
         ranked = sorted((c for c in order if c in cost), key=lambda c: cost[c])
         close = [c for c in ranked if cost[c] <= spread * cost[ranked[0]]]
-        firsts = [c for i, c in enumerate(close) if _family(c) not in map(_family, close[:i])]
+        families = [_family(c) for c in close]
+        firsts = [c for i, c in enumerate(close) if families[i] not in families[:i]]
         chosen = set((firsts + [c for c in close if c not in firsts])[: max(tries, 1)])
         contenders = [c for c in close if c in chosen]
         self.contenders = contenders

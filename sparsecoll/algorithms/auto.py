@@ -390,10 +390,11 @@ class Auto(Algorithm):
 
     def signature(self) -> list[int]:
         # the constants and the learned state must agree, or ranks could choose differently
-        state = (
-            self.model, self.measured_alpha, self.measured, self.theta, self.calibrate,
-            self.beta_fit, self.fit_bytes, self.tries, self.spread, _tuner(self).digest(),
+        fixed = (
+            self.model, self.measured_alpha, self.measured, self.calibrate, self.tries,
+            self.spread,
         )  # fmt: skip
+        state = (_crc(fixed), self.theta, self.beta_fit, self.fit_bytes, _tuner(self).digest())
         return [zlib.crc32(repr(state).encode())]
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
@@ -481,9 +482,16 @@ class Auto(Algorithm):
 
 
 @functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)
 def _measured_model(model: CostModel, alpha: float, beta: float) -> CostModel:
-    """``model`` with the measured link constants."""
+    """``model`` with the measured link constants (the same few every call: kept)."""
     return dataclasses.replace(model, alpha=alpha, beta=beta)
+
+
+@functools.lru_cache(maxsize=64)
+def _crc(fixed: tuple) -> int:
+    """CRC-32 of ``repr(fixed)``: the constants' part of the signature, kept."""
+    return zlib.crc32(repr(fixed).encode())
 
 
 @functools.cache
