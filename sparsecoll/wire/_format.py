@@ -6,10 +6,10 @@ format's, then zero bytes to a multiple of 8. Index formats, each a whole number
 words: RAW (m indices of the index dtype), PACKED (``i − lo`` in W = bits(hi − 1 − lo)
 bits each), BITMAP (varints ``first − lo`` and ``span``, then span bits over
 [first, first + span)), GAPS (a byte b and a varint for the exceptions' count, then the
-streams of :mod:`._gaps`). Value formats, the last
-section, a whole number of bytes: RAW (the values' bytes) and SPLIT (varint emin, byte w,
-then the fields of :mod:`._values`). The sizes follow from the header, so the format is
-chosen from exact sizes without a trial encode, and the kernels write the message in place.
+streams of :mod:`._gaps`). Value formats, the last section, a whole number of bytes: RAW
+(the values' bytes) and SPLIT (varint emin, byte w, then the fields of :mod:`._values`).
+The sizes follow from the header, so the format is chosen from exact sizes without a trial
+encode, and the kernels write the message in place.
 """
 
 from __future__ import annotations
