@@ -482,9 +482,8 @@ class Auto(Algorithm):
 
 
 @functools.lru_cache(maxsize=64)
-@functools.lru_cache(maxsize=64)
 def _measured_model(model: CostModel, alpha: float, beta: float) -> CostModel:
-    """``model`` with the measured link constants (the same few every call: kept)."""
+    """``model`` with the measured link constants."""
     return dataclasses.replace(model, alpha=alpha, beta=beta)
 
 

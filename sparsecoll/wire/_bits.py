@@ -145,9 +145,10 @@ def _put(words, wi, acc, fill, val, nb):
     return wi + np.uint64(full), carry if full else out, nf & np.uint64(63)
 
 
-def group_words(m: int, r: int) -> int:
-    """Words of :func:`swar_pack`'s stream for m values of r bits."""
-    return nwords(((m + 7) >> 3) * 8 * r)
+@cached_njit(inline="always")
+def group_words(m, r):
+    """Words of :func:`swar_pack`'s stream for m values of r bits (kernels call it too)."""
+    return (((m + 7) >> 3) * 8 * r + 63) >> 6
 
 
 @cached_njit(inline="always")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._jit import cached_njit
-from ._bits import nwords, swar_pack, swar_unpack
+from ._bits import group_words, nwords, swar_pack, swar_unpack
 
 __all__ = ["FLOATS", "exponent_range", "layout", "split_decode", "split_encode"]
 
@@ -64,12 +64,6 @@ def layout(cnt: int, mbits: int, w: int) -> tuple[int, int]:
 
 
 @cached_njit(inline="always")
-def _group_words(cnt, r):
-    """Words of :func:`~._bits.swar_pack`'s stream of cnt fields of r bits."""
-    return (((cnt + 7) >> 3) * 8 * r + 63) >> 6
-
-
-@cached_njit(inline="always")
 def _field_a(x, mbits, sbit):
     return (x & ((ONE << mbits) - ONE)) | ((x >> sbit) << mbits)
 
@@ -105,12 +99,10 @@ def split_encode(u, mbits, ebits, emin, w, tmp, tmp64, words):
         swar_pack(tmp64, w, words[3 * p :])
         return
     if mbits == 52 and 0 < w < 8:  # float64: A's 5 low bits, its six planes, one pass
-        p, ga = plane >> 3, _group_words(cnt, 5)
+        p, ga = plane >> 3, group_words(cnt, 5)
         dp = words[ga : ga + 6 * p].view(np.uint8)
-        m52 = (ONE << mb) - ONE
         for j in range(cnt):
-            x = np.uint64(u[j])
-            a = (x & m52) | ((x >> np.uint64(63)) << mb)
+            a = _field_a(np.uint64(u[j]), mb, sbit)
             tmp[j] = a & np.uint64(31)
             for k in range(6):
                 dp[k * plane + j] = (a >> np.uint64(5 + 8 * k)) & np.uint64(255)
@@ -137,7 +129,7 @@ def split_encode(u, mbits, ebits, emin, w, tmp, tmp64, words):
                     tmp[j] = _field_b(np.uint64(u[j]), mb, emask, base) & rmask
             for j in range(cnt, plane):
                 tmp[j] = 0
-            gw = _group_words(cnt, r)
+            gw = group_words(cnt, r)
             swar_pack(tmp64, r, words[off : off + gw])
             off += gw
         for b in range(nb >> 3):
@@ -164,7 +156,7 @@ def _read_field(words, off, nb, cnt, tmp, tmp64, out):
         swar_unpack(words[off:], r, tmp64)
         for j in range(cnt):
             out[j] = tmp[j]
-        off += _group_words(cnt, r)
+        off += group_words(cnt, r)
     else:
         for j in range(cnt):
             out[j] = 0
@@ -200,7 +192,7 @@ def split_decode(words, mbits, ebits, emin, w, tmp, tmp64, out, scratch):
         return
     if mbits == 52 and 0 < w < 8:  # float64: the layout of split_encode's fast path
         plane = ((cnt + 7) >> 3) * 8
-        p, ga = plane >> 3, _group_words(cnt, 5)
+        p, ga = plane >> 3, group_words(cnt, 5)
         sp = words[ga : ga + 6 * p].view(np.uint8)
         tb = np.empty(plane, np.uint8)  # (field B's bytes, beside A's low bits in tmp)
         swar_unpack(words[ga + 6 * p :], w, tb.view(np.uint64))
