@@ -135,21 +135,26 @@ def query_cuda_aware(comm: Any = None) -> bool:
     env = env_flag("SPARSECOLL_CUDA_AWARE", None)
     if env is not None:
         return env
+    if _extension_cuda_support():
+        return True
     MPI = mpi()
-    try:
-        fn = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
-    except (AttributeError, OSError):
-        fn = None
-    if fn is not None:
-        fn.restype = ctypes.c_int
-        fn.argtypes = []
-        try:
-            if fn():
-                return True
-        except Exception:  # pragma: no cover - a broken extension counts as "no"
-            pass
     kinds = alloc_kinds(comm if comm is not None else MPI.COMM_WORLD)
     return any(k.split(":")[0].strip() == "cuda" for k in kinds.split(","))
+
+
+@functools.cache
+def _extension_cuda_support() -> bool:
+    """``MPIX_Query_cuda_support()`` of the library mpi4py loaded (False without it)."""
+    try:
+        fn = ctypes.CDLL(mpi().__file__).MPIX_Query_cuda_support
+    except (AttributeError, OSError):
+        return False
+    fn.restype = ctypes.c_int
+    fn.argtypes = []
+    try:
+        return bool(fn())
+    except Exception:  # pragma: no cover - a broken extension counts as "no"
+        return False
 
 
 @functools.cache

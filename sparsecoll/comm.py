@@ -28,7 +28,7 @@ import numpy as np
 from . import _keyvals, _mpilib
 from ._accounting import Accounting, CommStats
 from ._agree import agreement, share_error, start_vote, watch
-from ._array import as_array, device_scope, get_array_module, wait_for_foreign
+from ._array import as_array, device_scope, get_array_module, is_device_array, wait_for_foreign
 from ._buffers import (
     check_out,
     free_type,
@@ -313,11 +313,13 @@ class Communicator(Accounting):
         self._cuda_aware = bool(value)
 
     # -- buffers ------------------------------------------------------------------------
+    # (host buffers never ask whether the library is CUDA-aware: a wrapped mpi4py
+    # communicator is new at every call, and asking costs a library lookup)
     def _send_view(self, buf: Any) -> Any:
-        return send_view(buf, self.cuda_aware)
+        return send_view(buf, is_device_array(buf) and self.cuda_aware)
 
     def _recv_view(self, buf: Any) -> tuple[Any, Callable[[], None] | None]:
-        return recv_view(buf, self.cuda_aware)
+        return recv_view(buf, is_device_array(buf) and self.cuda_aware)
 
     # -- point-to-point -----------------------------------------------------------------
     @routed
