@@ -170,8 +170,8 @@ KEY = (100, None, "<i4", "<f4", True)
 def _run(tuner, cost, times, calls, nnz=1000, tries=4, spread=2.5):
     """The picks of ``calls`` calls, each taking ``times[pick]`` seconds."""
     picks = []
-    for _ in range(calls):
-        pick = tuner.pick(cost, ORDER, KEY, nnz, tries, spread)
+    for _ in range(calls):  # (as Auto.reduce: settled contenders need no prediction)
+        pick = tuner.settled(KEY, nnz) or tuner.pick(cost, ORDER, KEY, nnz, tries, spread)
         picks.append(pick)
         tuner.last = pick
         tuner.record(times[pick])
@@ -240,6 +240,26 @@ def test_tuner_follows_a_slowing_pick_and_restarts_in_a_new_regime():
     # a failed call brings no time: record() without a pick adds nothing
     tuner.record(1.0)
     assert tuner.kept() == {}
+
+
+def test_tuner_predicts_again_every_recheck_calls_once_settled():
+    """Settled contenders stand RECHECK calls (no prediction); the next call predicts, and
+    a contender new in that prediction is measured."""
+    from sparsecoll.algorithms._tune import RECHECK, Tuner
+
+    tuner = Tuner()
+    times = {"a": 1.0, "b": 2.0, "c": 0.5}
+    assert _run(tuner, {"a": 1.0, "b": 1.5}, times, 6) == ["a", "a", "a", "b", "b", "a"]
+    assert tuner.contenders == ["a", "b"] and tuner.stand == RECHECK - 1  # (settled on a)
+    # c enters the predictions: the standing contenders ignore it until the recheck
+    cost = {"a": 1.0, "b": 1.5, "c": 1.2}
+    picks = _run(tuner, cost, times, RECHECK + 2)
+    assert picks == ["a"] * (RECHECK - 1) + ["c", "c", "c"], picks
+    assert tuner.contenders == ["a", "c", "b"] and tuner.stand == RECHECK - 1
+    # another regime predicts at once
+    tuner.stand = RECHECK
+    assert tuner.settled((7, *KEY[1:]), 1000) is None
+    assert tuner.settled(KEY, 2001) is None and tuner.settled(KEY, 1000) == "c"
 
 
 # -- the loads of the P ranges (skew) ----------------------------------------------------------

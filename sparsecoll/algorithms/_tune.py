@@ -19,7 +19,10 @@ dropped (a process's first calls also pay for its start: the link's measure, ker
 loaded from their cache).
 
 A new regime (another n, width, dtype or device, or the global nnz moving past half or
-twice where it was when the samples began) starts over. The times are every rank's mean,
+twice where it was when the samples began) starts over. Once every contender has its
+samples, the contenders stand for :data:`RECHECK` calls of the regime (:meth:`Tuner.settled`):
+those calls pick the fastest measured without predicting, and the next call predicts again
+and may bring a new contender. The times are every rank's mean,
 shared by the next call's agreement, so every rank keeps the same samples and makes the
 same choice. Nothing here is saved in a checkpoint: times differ from run to run, and a
 restored instance measures again.
@@ -30,17 +33,19 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
-__all__ = ["KEPT", "SAMPLES", "Tuner"]
+__all__ = ["KEPT", "RECHECK", "SAMPLES", "Tuner"]
 
 SAMPLES = 1  # samples of each contender before the choice
 KEPT = 4  # samples kept per candidate
+RECHECK = 16  # calls a settled regime's contenders stand before the next prediction
 
 
 class Tuner:
     """The samples of one auto instance's regime and the picks whose times come next."""
 
     __slots__ = (
-        "anchor", "before", "contenders", "key", "last", "memo", "samples", "streak", "taken"
+        "anchor", "before", "contenders", "key", "last", "memo", "samples", "stand", "streak",
+        "taken",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -53,6 +58,7 @@ class Tuner:
         self.contenders: list[str] = []  # the last pick's
         self.taken = 0  # samples recorded, in every regime
         self.memo: tuple = ((), {})  # the last predictions and what they were made from
+        self.stand = 0  # calls the settled contenders still stand without a prediction
 
     def record(self, seconds: float) -> None:
         """Add the last pick's measured time (every rank's mean): a sample if the call before
@@ -64,6 +70,14 @@ class Tuner:
             del kept[:-KEPT]
             self.taken += 1
         self.before, self.last = self.last, None
+
+    def settled(self, key: Any, nnz: int) -> str | None:
+        """The contender measured fastest, while the regime is ``key``'s and ``nnz``'s and its
+        settled contenders still stand; None when a prediction and :meth:`pick` must choose."""
+        if self.stand <= 0 or key != self.key or not (self.anchor / 2 <= nnz <= self.anchor * 2):
+            return None
+        self.stand -= 1
+        return self._fastest()
 
     def pick(self, cost: dict[str, float], order: tuple[str, ...], key: Any, nnz: int,
              tries: int, spread: float) -> str:  # fmt: skip
@@ -77,13 +91,17 @@ class Tuner:
         firsts = [c for i, c in enumerate(close) if families[i] not in families[:i]]
         chosen = set((firsts + [c for c in close if c not in firsts])[: max(tries, 1)])
         contenders = [c for c in close if c in chosen]
-        self.contenders = contenders
+        self.contenders, self.stand = contenders, 0
         if len(contenders) == 1:
             return contenders[0]
         pending = [c for c in contenders if len(self.samples.get(c, ())) < SAMPLES]
         if pending:  # (the run under way first)
             return self.before if self.before in pending else pending[0]
-        return min(contenders, key=lambda c: median(self.samples[c]))
+        self.stand = RECHECK - 1
+        return self._fastest()
+
+    def _fastest(self) -> str:
+        return min(self.contenders, key=lambda c: median(self.samples[c]))
 
     def kept(self) -> dict[str, list[float]]:
         """Each sampled candidate's kept samples (seconds, oldest first)."""
@@ -92,7 +110,9 @@ class Tuner:
     def digest(self) -> tuple:
         """What must be equal on every rank (the samples come from agreed values, so their
         count and the regime stand for them)."""
-        return (self.key, self.anchor, self.taken, self.last, self.before, self.streak)
+        return (
+            self.key, self.anchor, self.taken, self.last, self.before, self.streak, self.stand
+        )  # fmt: skip
 
 
 def _family(name: str) -> str:

@@ -15,8 +15,10 @@ every rank makes the same choice; θ is part of the signature, so use one instan
 tensor on every rank.
 
 The model only ranks: the first calls measure its closest contenders (``tries``, ``spread``;
-:mod:`._tune`) and later ones run the fastest measured. The times ride on the next call's
-statistics, so every rank has the same.
+:mod:`._tune`) and later ones run the fastest measured, predicting again only every
+:data:`~._tune.RECHECK` calls once the contenders are measured (``info["auto"]["predicted"]``
+is then the last prediction). The times ride on the next call's statistics, so every rank
+has the same.
 
 When the pick may allocate O(n) (dense; recursive_doubling past its switch point), its
 preflight runs and the ranks agree on it first: memory running out on one rank is a
@@ -421,9 +423,10 @@ class Auto(Algorithm):
         args = (P, x.n, total, x.indices.dtype, x.dtype, self.theta, model, loads, x.width)
         name, cost = "allgather", {}
         if P > 1:
-            cost = _predicted(tuner, args, x.xp is np)
             key = (x.n, x.width, x.indices.dtype.str, x.dtype.str, x.xp is np)
-            name = tuner.pick(cost, CANDIDATES, key, total, self.tries, self.spread)
+            settled = tuner.settled(key, total)  # (settled contenders: no prediction)
+            cost = tuner.memo[1] if settled else _predicted(tuner, args, x.xp is np)
+            name = settled or tuner.pick(cost, CANDIDATES, key, total, self.tries, self.spread)
         base, _, wire = name.partition(":")
         inner = _instance(algorithm_class(base), wire)
         start = time.perf_counter()
