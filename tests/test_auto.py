@@ -353,6 +353,20 @@ def test_range_loads_counts_each_range():
         loads = range_loads(x, P)
         want = np.histogram(idx, bins=range_bounds(1001, P))[0]
         assert loads == want.tolist() and sum(loads) == idx.size
+    # on the bounds and around them, the widest int32 n and past it, no nonzeros
+    for n in (1001, 2**31, 2**33 + 5):
+        for P in (2, 3, 8):
+            bounds = range_bounds(n, P)
+            near = np.concatenate(
+                [bounds[:-1], bounds[1:] - 1, np.minimum(bounds[1:-1] + 1, n - 1)]
+            )
+            idx = np.unique(near)
+            x = SparseVector.from_coo(idx, np.ones(idx.size, F32), n)
+            assert x.indices.dtype == (np.int32 if n <= 2**31 else np.int64)
+            want = np.histogram(idx, bins=bounds)[0].tolist()
+            assert range_loads(x, P) == want and sum(want) == idx.size, (n, P)
+            empty = SparseVector.from_coo(idx[:0], np.ones(0, F32), n)
+            assert range_loads(empty, P) == [0] * P
 
 
 @given(

@@ -44,14 +44,15 @@ class Tuner:
     """The samples of one auto instance's regime and the picks whose times come next."""
 
     __slots__ = (
-        "anchor", "before", "contenders", "key", "last", "memo", "samples", "stand", "streak",
-        "taken",
+        "anchor", "before", "contenders", "key", "last", "medians", "memo", "samples", "stand",
+        "streak", "taken",
     )  # fmt: skip
 
     def __init__(self) -> None:
         self.key: Any = None  # (n, width, dtypes, device) of the samples
         self.anchor = 0  # the global nnz when they began
         self.samples: dict[str, list[float]] = {}
+        self.medians: dict[str, float] = {}  # of each candidate's samples
         self.last: str | None = None  # the pick whose time the next call brings
         self.before: str | None = None  # the pick of the call before that one
         self.streak = 0  # calls of ``before`` in a row, up to it
@@ -68,6 +69,7 @@ class Tuner:
             kept = self.samples.setdefault(self.last, [])
             kept.append(seconds)
             del kept[:-KEPT]
+            self.medians[self.last] = median(kept)
             self.taken += 1
         self.before, self.last = self.last, None
 
@@ -84,7 +86,7 @@ class Tuner:
         """Return the candidate to run (``cost``: the model's predictions; ties and the
         contenders' order: ``order``'s)."""
         if key != self.key or not (self.anchor / 2 <= nnz <= self.anchor * 2):
-            self.key, self.anchor, self.samples = key, nnz, {}
+            self.key, self.anchor, self.samples, self.medians = key, nnz, {}, {}
         ranked = sorted((c for c in order if c in cost), key=lambda c: cost[c])
         close = [c for c in ranked if cost[c] <= spread * cost[ranked[0]]]
         families = [_family(c) for c in close]
@@ -101,7 +103,7 @@ class Tuner:
         return self._fastest()
 
     def _fastest(self) -> str:
-        return min(self.contenders, key=lambda c: median(self.samples[c]))
+        return min(self.contenders, key=lambda c: self.medians[c])
 
     def kept(self) -> dict[str, list[float]]:
         """Each sampled candidate's kept samples (seconds, oldest first)."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import time
 import weakref
@@ -45,7 +46,7 @@ import numpy as np
 
 from .. import _state
 from .._agree import agreement
-from .._array import index_dtype
+from .._array import index_dtype, to_host
 from .._options import integer, read_only, real
 from ..comm import Communicator
 from ..registry import algorithm_class, available_algorithms, register_algorithm
@@ -53,7 +54,7 @@ from ..sparse import SparseVector
 from . import _pieces
 from ._link import link_constants
 from ._tune import SAMPLES, Tuner
-from .base import Algorithm, range_bounds, region_cuts, sparse_is_cheaper
+from .base import Algorithm, range_bounds, sparse_is_cheaper
 from .dsa import bruck_counts
 
 __all__ = ["CANDIDATES", "Auto", "CostModel", "choose", "predict", "range_loads", "union_size"]
@@ -98,8 +99,22 @@ def dsa_messages(P: int) -> int:
 
 def range_loads(x: SparseVector, P: int) -> list[int]:
     """Return this rank's nonzeros in each of the P ranges of ``range_bounds(n, P)``."""
-    cuts = region_cuts(x.indices, range_bounds(x.n, P))  # (indices sorted, in [0, n))
-    return np.diff(cuts).tolist()
+    if P <= 1:
+        return [x.nnz]
+    inner = _inner_bounds(x.n, P, x.indices.dtype.str)  # (indices sorted, in [0, n))
+    xp = x.xp
+    found = xp.searchsorted(x.indices, inner if xp is np else xp.asarray(inner))
+    cuts = [0, *to_host(found).tolist(), x.nnz]
+    return [b - a for a, b in itertools.pairwise(cuts)]
+
+
+@functools.lru_cache(maxsize=64)
+def _inner_bounds(n: int, P: int, itype: str) -> np.ndarray:
+    """The P − 1 bounds between the ranges of [0, n), in the indices' dtype where it holds
+    them (int64 keys would convert a whole int32 index array first)."""
+    bounds = range_bounds(n, P)[1:-1]
+    fits = int(bounds.max()) <= np.iinfo(np.dtype(itype)).max
+    return bounds.astype(itype) if fits else bounds
 
 
 def imbalance(loads: Any, nnz_total: int) -> float:
