@@ -12,12 +12,12 @@ Columns: median/min/max latency over iterations (each the slowest rank's time), 
 per rank per call (the most any rank sent; payload only, counts and other metadata apart),
 that figure relative to dense, the result's nnz, whether it matched dense, and auto's picks
 in the timed calls (``NAMExCOUNT`` each where they differ). Each algorithm is one instance,
-reused for the warm-up and the timed calls (auto measures its contenders in the warm-up
-calls, if there are enough: ``-x 8``). After each case a ``# case`` line names the fastest
-exact algorithm (by median; auto apart), auto's most frequent pick and auto's median over
-the fastest's; ``--summary`` writes those lines as CSV
-(appended to by each P of ``--np``), and the run ends with how many cases auto was within
-10% of the fastest.
+reused for the warm-up and the timed calls (auto first measures its contenders, in calls
+added to the warm-up, so that its pick then has ``-x`` untimed calls as any other). After
+each case a ``# case`` line names the fastest exact algorithm (by median; auto apart),
+auto's most frequent pick and auto's median over the fastest's; ``--summary`` writes those
+lines as CSV (appended to by each P of ``--np``), and the run ends with how many cases auto
+was within 10% of the fastest.
 """
 
 from __future__ import annotations

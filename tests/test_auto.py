@@ -242,6 +242,35 @@ def test_tuner_follows_a_slowing_pick_and_restarts_in_a_new_regime():
     assert tuner.kept() == {}
 
 
+def test_tuner_keeps_its_pick_until_another_is_faster_by_the_switch_margin():
+    from sparsecoll.algorithms._tune import KEPT, SWITCH, Tuner
+
+    cost = {"a": 1.0, "b": 1.5}
+    tuner = Tuner()
+    assert _run(tuner, cost, {"a": 1.0, "b": 1.2}, 6) == ["a", "a", "a", "b", "b", "a"]
+    # a slows to within the margin of b: it stays
+    assert set(_run(tuner, cost, {"a": 1.2 * SWITCH * 0.999, "b": 1.2}, 2 * KEPT)) == {"a"}
+    # past it: b runs, and stays while a's samples are within the margin of b's
+    picks = _run(tuner, cost, {"a": 1.2 * SWITCH * 1.01, "b": 1.2}, KEPT + 4)
+    assert picks[-3:] == ["b"] * 3, picks
+    assert set(_run(tuner, cost, {"a": 1.0, "b": 1.2 * SWITCH * 1.01 * 0.999}, 6)) == {"b"}
+    # the measuring's last contender stays too when within the margin of the fastest
+    assert _run(Tuner(), cost, {"a": 1.0, "b": 1.04}, 7) == ["a", "a", "a"] + ["b"] * 4
+
+
+def test_tuner_time_is_the_lower_median():
+    """Two slow outliers in its last 4 samples do not make a pick give way."""
+    from sparsecoll.algorithms._tune import Tuner, low_median
+
+    assert low_median([3.0]) == 3.0 and low_median([2.0, 1.0]) == 1.0
+    assert low_median([5.0, 1.0, 2.0]) == 2.0 and low_median([9.0, 1.0, 8.0, 2.0]) == 2.0
+    tuner = Tuner()
+    cost = {"a": 1.0, "b": 1.5}
+    _run(tuner, cost, {"a": 1.0, "b": 2.0}, 8)
+    assert _run(tuner, cost, {"a": 9.0, "b": 2.0}, 2) == ["a", "a"]  # (4 kept: 1, 1, 9, 9)
+    assert _run(tuner, cost, {"a": 9.0, "b": 2.0}, 2) == ["a", "b"]  # (1, 9, 9, 9)
+
+
 def test_tuner_predicts_again_every_recheck_calls_once_settled():
     """Settled contenders stand RECHECK calls (no prediction); the next call predicts, and
     a contender new in that prediction is measured."""

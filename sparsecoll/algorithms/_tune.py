@@ -3,8 +3,10 @@
 The model ranks the candidates; its errors on a given machine (local work on shared cores,
 fixed costs per message) can put the fastest second or fifth. So the first calls measure
 the contenders, cheapest first, and later calls run the one with the smallest measured
-time: the median of its last :data:`KEPT` samples. The pick's samples keep coming, so a
-pick that slows down gives way. The contenders are ``tries`` of the predictions within
+time: the lower median of its last :data:`KEPT` samples (:func:`low_median`). The pick's
+samples keep coming, so a pick that slows down gives way, once another's time is below its
+own by more than :data:`SWITCH` (a change costs a call that is no sample, so near-equal
+contenders do not take turns). The contenders are ``tries`` of the predictions within
 ``spread`` times the cheapest: the cheapest of each family first (a candidate's family: its
 name before any ``:``, as ``ring`` of ``ring:compact``), then the rest by prediction. The
 model's larger errors are an algorithm's (its messages' fixed costs, its local work), not
@@ -20,9 +22,9 @@ loaded from their cache).
 
 A new regime (another n, width, dtype or device, or the global nnz moving past half or
 twice where it was when the samples began) starts over. Once every contender has its
-samples, the contenders stand for :data:`RECHECK` calls of the regime (:meth:`Tuner.settled`):
-those calls pick the fastest measured without predicting, and the next call predicts again
-and may bring a new contender. The times are every rank's mean,
+samples, the contenders stand for :data:`RECHECK` calls of the regime
+(:meth:`Tuner.settled`): those calls run the fastest measured without predicting, and the
+next call predicts again and may bring a new contender. The times are every rank's mean,
 shared by the next call's agreement, so every rank keeps the same samples and makes the
 same choice. Nothing here is saved in a checkpoint: times differ from run to run, and a
 restored instance measures again.
@@ -30,14 +32,14 @@ restored instance measures again.
 
 from __future__ import annotations
 
-from statistics import median
 from typing import Any
 
-__all__ = ["KEPT", "RECHECK", "SAMPLES", "Tuner"]
+__all__ = ["KEPT", "RECHECK", "SAMPLES", "SWITCH", "Tuner", "low_median"]
 
 SAMPLES = 1  # samples of each contender before the choice
 KEPT = 4  # samples kept per candidate
 RECHECK = 16  # calls a settled regime's contenders stand before the next prediction
+SWITCH = 1.05  # the pick gives way to a contender whose time is below its own by this
 
 
 class Tuner:
@@ -52,7 +54,7 @@ class Tuner:
         self.key: Any = None  # (n, width, dtypes, device) of the samples
         self.anchor = 0  # the global nnz when they began
         self.samples: dict[str, list[float]] = {}
-        self.medians: dict[str, float] = {}  # of each candidate's samples
+        self.medians: dict[str, float] = {}  # each candidate's low_median
         self.last: str | None = None  # the pick whose time the next call brings
         self.before: str | None = None  # the pick of the call before that one
         self.streak = 0  # calls of ``before`` in a row, up to it
@@ -69,7 +71,7 @@ class Tuner:
             kept = self.samples.setdefault(self.last, [])
             kept.append(seconds)
             del kept[:-KEPT]
-            self.medians[self.last] = median(kept)
+            self.medians[self.last] = low_median(kept)
             self.taken += 1
         self.before, self.last = self.last, None
 
@@ -103,7 +105,13 @@ class Tuner:
         return self._fastest()
 
     def _fastest(self) -> str:
-        return min(self.contenders, key=lambda c: self.medians[c])
+        """The contender with the smallest time; the one that ran last while no other's is
+        below its own by :data:`SWITCH` (each change costs a call that is no sample)."""
+        best = min(self.contenders, key=lambda c: self.medians[c])
+        run = self.before
+        if run in self.contenders and self.medians[run] <= self.medians[best] * SWITCH:
+            return run
+        return best
 
     def kept(self) -> dict[str, list[float]]:
         """Each sampled candidate's kept samples (seconds, oldest first)."""
@@ -115,6 +123,12 @@ class Tuner:
         return (
             self.key, self.anchor, self.taken, self.last, self.before, self.streak, self.stand
         )  # fmt: skip
+
+
+def low_median(samples: list[float]) -> float:
+    """The lower median: of 4 samples the second smallest, so that two slow outliers
+    (a link's hiccup, a rank descheduled) move it no further than the next sample."""
+    return sorted(samples)[(len(samples) - 1) // 2]
 
 
 def _family(name: str) -> str:

@@ -446,7 +446,7 @@ def add_timing_arguments(
     iterations: int,
     warmup: int,
     timed: str = "timed calls",
-    untimed: str = "untimed calls first (a reused instance: at least its settle_calls, the "
+    untimed: str = "untimed calls first (a reused instance: after its settle_calls, the "
     "calls auto measures its contenders in)",
 ) -> None:
     """``-i/--iterations`` and ``-x/--warmup`` with these defaults (help: ``timed`` and

@@ -107,13 +107,15 @@ def time_algorithm(
     work is synchronized before the clock stops). The algorithm is built from its
     ``default_options(n, k)``: a fresh instance per call, or one instance for every call
     when ``reuse`` (stateful algorithms then run in steady state, as in training: the
-    warm-up is at least the instance's ``settle_calls``, auto's measuring of its contenders).
+    instance's ``settle_calls``, auto's measuring of its contenders, come before the
+    ``warmup`` calls, so that its pick has as many untimed calls of its own as any
+    algorithm timed alone).
     """
     from ..api import allreduce
 
     algo = build(name, n, k)
     if reuse:
-        warmup = max(warmup, algo.settle_calls)
+        warmup += algo.settle_calls
     times: list[float] = []
     picks: list[str] = []
     out = None
