@@ -34,10 +34,13 @@ class Allgather(WireOption, Algorithm):
         else:
             buf, sizes = comm.allgatherv(pack_pairs(x.indices, x.values))
         runs, start = [], 0
-        for size in sizes:
+        for r, size in enumerate(sizes):
             part = buf[start : start + size]
             if compact:
-                run = decode_pairs(part, x.indices.dtype, x.dtype, 0, x.n, width(x.values))
+                if r == comm.rank:  # (its own message decodes to its own pairs, bit for bit)
+                    run = (x.indices, x.values)
+                else:
+                    run = decode_pairs(part, x.indices.dtype, x.dtype, 0, x.n, width(x.values))
                 if run[0].shape[0]:
                     runs.append(run)
             elif size:
@@ -45,7 +48,10 @@ class Allgather(WireOption, Algorithm):
             start += size
         if not runs:
             return SparseVector.empty(x.n, x.dtype, x.xp, x.width)
-        return SparseVector(*merge_runs(runs, x.n), x.n)
+        idx, val = merge_runs(runs, x.n)
+        if idx is x.indices:  # (this rank's pairs alone: the result owns its memory)
+            idx, val = idx.copy(), val.copy()
+        return SparseVector(idx, val, x.n)
 
 
 def merge_runs(runs: list[tuple[Any, Any]], n: int) -> tuple[Any, Any]:

@@ -26,6 +26,25 @@ def test_compact_is_raw_bit_for_bit(comm, name, case):
     assert_all(comm, why is None, str(why))
     assert_all(comm, digest(got) == digest(raw), f"{name}: compact differs from raw ({case})")
     assert_identical(comm, got)
+    shared = np.shares_memory(got.values, vals) or np.shares_memory(got.indices, idx)
+    assert_all(comm, not shared, f"{name}: the compact result shares memory with the input")
+
+
+@pytest.mark.parametrize("name", WIRED)
+def test_compact_result_owns_its_memory_when_one_rank_has_pairs(comm, name):
+    """Sorted unique input (coalescing keeps its arrays) on one rank, none elsewhere: the
+    result, that rank's pairs, is a copy."""
+    n = 1000
+    idx = np.arange(3, 900, 7, dtype=np.int32) if comm.rank == 0 else np.zeros(0, np.int32)
+    vals = np.linspace(1, 2, idx.size, dtype=np.float32)
+    algo = sparsecoll.get_algorithm(name, wire="compact")
+    out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=algo)
+    ok = np.array_equal(out.indices, np.arange(3, 900, 7)) and np.array_equal(
+        out.values, np.linspace(1, 2, 129, dtype=np.float32)
+    )
+    assert_all(comm, ok, f"{name}: wrong result")
+    shared = np.shares_memory(out.values, vals) or np.shares_memory(out.indices, idx)
+    assert_all(comm, not shared, f"{name}: the result shares memory with the input")
 
 
 @pytest.mark.parametrize("name", WIRED)
