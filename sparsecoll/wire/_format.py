@@ -69,9 +69,19 @@ class _Reader:
         return self.buf[self.pos - nbytes : self.pos]
 
 
-def _scratch(m: int) -> np.ndarray:
-    """Bytes for m small fields, whole words."""
-    return np.empty(((m + 7) >> 3) * 8, np.uint8)
+def _scratch(m: int, after: np.ndarray | None = None) -> np.ndarray:
+    """Bytes for m small fields, whole words; past 64 KiB, with ``after``, starting half a
+    page (mod 4096) past where that array ends. The gaps' first pass, reading the indices
+    while it writes these bytes, ran up to 6x slower (10% density: 0.8 ns a gap against
+    0.13) when they began just past the indices' end mod 4096, where an allocation made
+    after the indices' own tends to land."""
+    size = ((m + 7) >> 3) * 8
+    if after is None or size < 65536:
+        return np.empty(size, np.uint8)
+    raw = np.empty(size + 4096, np.uint8)
+    end = after.ctypes.data + after.nbytes
+    off = (end + 2048 - raw.ctypes.data) % 4096 & ~63  # (whole cache lines)
+    return raw[off : off + size]
 
 
 def _width(span: int) -> int:
@@ -154,7 +164,7 @@ def encode_pairs(indices: Any, values: Any, lo: int, hi: int) -> np.ndarray:
         raise ValueError(f"expecting 0 <= lo <= hi, got lo={lo}, hi={hi}")
     if m == 0:
         return np.frombuffer(bytes([0]) + _varint(0), np.uint8).copy()
-    tmp = _scratch(max(m, vals.size))
+    tmp = _scratch(max(m, vals.size), idx)
     index = _Index(idx, int(lo), int(hi), tmp)
     utype, ebits, mbits = _values.FLOATS[vals.dtype]
     u = vals.reshape(-1).view(utype)
