@@ -313,8 +313,7 @@ class Communicator(Accounting):
         self._cuda_aware = bool(value)
 
     # -- buffers ------------------------------------------------------------------------
-    # (host buffers never ask whether the library is CUDA-aware: a wrapped mpi4py
-    # communicator is new at every call, and asking costs a library lookup)
+    # (host buffers never ask if MPI is CUDA-aware: asking costs a library lookup per call)
     def _send_view(self, buf: Any) -> Any:
         return send_view(buf, is_device_array(buf) and self.cuda_aware)
 
