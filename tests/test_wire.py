@@ -159,6 +159,17 @@ def test_bad_input_raises():
     for cut in (buf[:-1], buf[:1], np.concatenate([buf, buf[:1]])):
         with pytest.raises(ValueError, match="wire message"):
             decode_pairs(cut, np.int32, np.float32, 0, 10)
+    # headers: a varint past 63 bits, unknown formats, a count past the message's bits
+    for head, why in (
+        ([0, *[0xFF] * 9, 1], "bad varint"),
+        ([0x0F, 1], "unknown index format 15"),
+        ([0xF0, 1], "unknown value format 15"),
+        ([0, 0xFF, 0xFF, 0xFF, 0x7F, 0, 0, 0, 0], "section cut short"),
+        ([0, 0, 0, 0], "2 bytes left over"),
+        ([], "header cut short"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            decode_pairs(np.array(head, np.uint8), np.int32, np.float32, 0, 10)
 
 
 @pytest.mark.parametrize("itype", ["int32", "int64"])

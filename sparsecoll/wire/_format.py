@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .._jit import cached_njit
 from . import _bits, _gaps, _values
 
 __all__ = ["decode_pairs", "encode_pairs", "encoded_size"]
@@ -36,37 +37,6 @@ def _varint(v: int) -> bytes:
         out.append(b | (0x80 if v else 0))
         if not v:
             return bytes(out)
-
-
-class _Reader:
-    """Reads the header's varints and bytes; ValueError past the end."""
-
-    def __init__(self, buf: np.ndarray) -> None:
-        self.buf, self.pos = buf, 0
-        self.head = buf[:HEAD].tobytes()  # (a header is shorter: bytes index faster)
-
-    def byte(self) -> int:
-        if self.pos >= len(self.head):
-            raise ValueError("wire message: header cut short")
-        self.pos += 1
-        return self.head[self.pos - 1]
-
-    def varint(self) -> int:
-        v = shift = 0
-        while True:
-            b = self.byte()
-            v |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                return v
-            if shift > 70:
-                raise ValueError("wire message: bad varint in the header")
-
-    def section(self, nbytes: int) -> np.ndarray:
-        if self.pos + nbytes > self.buf.shape[0]:
-            raise ValueError("wire message: section cut short")
-        self.pos += nbytes
-        return self.buf[self.pos - nbytes : self.pos]
 
 
 def _scratch(m: int, after: np.ndarray | None = None) -> np.ndarray:
@@ -197,6 +167,125 @@ def encoded_size(indices: Any, values: Any, lo: int, hi: int) -> int:
     return int(encode_pairs(indices, values, lo, hi).shape[0])
 
 
+# what _read_head's error codes mean (its second value fills the {})
+_HEAD_ERRORS = {
+    1: "wire message: header cut short",
+    2: "wire message: bad varint in the header",
+    3: "wire message: unknown index format {}",
+    4: "wire message: unknown value format {}",
+    5: "wire message: {} bytes left over",
+    6: "wire message: bad parameters in the header",
+    7: "wire message: section cut short",
+}
+
+
+@cached_njit(inline="always")
+def _nw(nbits):
+    return (nbits + 63) >> 6
+
+
+@cached_njit(nogil=True)
+def _read_head(buf, wbits, ebits, mbits, isz, d):
+    """Read a message's header and lay out its sections, checked against its length, in
+    one compiled call (a Python header reader cost several µs a message). Returns
+    (error, detail, ifmt, vfmt, m, first or b, span or nesc, emin, w, section start,
+    index words, value bytes, gap plane offset, gap exceptions offset): error 0, or a key
+    of :data:`_HEAD_ERRORS`. Varints past 63 bits are refused (no count or offset needs
+    them), and a count past 8 bits a byte of the message is cut short before any size is
+    computed from it, so no size overflows."""
+    n = buf.shape[0]
+    end = min(n, HEAD)
+    vals = np.zeros(6, np.int64)  # m, p1, p2, emin (varints and bytes, in header order)
+    pos = 0
+    if pos >= end:
+        return 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+    tag = np.int64(buf[pos])
+    pos += 1
+    ifmt, vfmt = tag & 15, tag >> 4
+    # the fields: m, then the index format's, then the value format's (kind 0: varint,
+    # kind 1: byte)
+    kinds = np.zeros(5, np.int64)
+    nf = 1
+    if ifmt == I_BITMAP:
+        nf = 3
+    elif ifmt == I_GAPS:
+        kinds[1] = 1
+        nf = 3
+    elif ifmt != I_RAW and ifmt != I_PACKED:
+        return 3, ifmt, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+    if vfmt == V_SPLIT:
+        kinds[nf + 1] = 1
+        nf += 2
+    elif vfmt != V_RAW:
+        return 4, vfmt, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+    for f in range(nf):
+        if kinds[f] == 1:
+            if pos >= end:
+                return 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+            vals[f] = np.int64(buf[pos])
+            pos += 1
+            continue
+        v = np.int64(0)
+        shift = 0
+        while True:
+            if pos >= end:
+                return 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+            byte = np.int64(buf[pos])
+            pos += 1
+            if shift == 56 and byte > 127:
+                return 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+            v |= (byte & 127) << shift
+            shift += 7
+            if byte < 128:
+                break
+        vals[f] = v
+    m = vals[0]
+    two = ifmt in (I_BITMAP, I_GAPS)  # (an index format with two parameters)
+    p1, p2 = (vals[1], vals[2]) if two else (0, 0)
+    k = 3 if two else 1
+    emin, w = (vals[k], vals[k + 1]) if vfmt == V_SPLIT else (0, 0)
+    if m == 0:
+        if pos != n:
+            return 5, n - pos, ifmt, vfmt, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        return 0, 0, ifmt, vfmt, 0, p1, p2, emin, w, pos, 0, 0, 0, 0
+    if (ifmt == I_GAPS and p1 > wbits) or (vfmt == V_SPLIT and w >= ebits):
+        return 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+    bits = 8 * n
+    if m > bits or (two and p2 > bits):
+        return 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+    l0 = l1 = 0
+    if ifmt == I_RAW:
+        iw = _nw(m * isz * 8)
+    elif ifmt == I_PACKED:
+        iw = _nw(m * wbits)
+    elif ifmt == I_BITMAP:
+        iw = _nw(p2)
+    else:  # (gaps: _gaps.layout)
+        b, pb = p1, 64 - np.int64(_bits._clz(np.uint64(m - 1))) if m > 1 else 1
+        l0 = _bits.group_words(m, b & 7) if b & 7 else 0
+        l1 = l0 + (b >> 3) * _nw(8 * m)
+        iw = l1 + _nw(p2 * (pb + wbits - b))
+    cnt = m * d
+    if vfmt == V_RAW:
+        vbytes = cnt * ((1 + ebits + mbits) >> 3)
+    else:  # (_values.layout)
+        groups, plane = (cnt + 7) >> 3, _nw(8 * cnt)
+        before = last = 0
+        for nb in (1 + mbits, w):
+            if nb & 7:
+                before, last = before + _nw(8 * last), groups * (nb & 7)
+            if nb >> 3:
+                before, last = before + _nw(8 * last) + plane * ((nb >> 3) - 1), cnt
+        vbytes = before * 8 + last
+    hb = _nw(pos * 8) * 8
+    size = hb + iw * 8 + vbytes
+    if size > n:
+        return 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+    if size < n:
+        return 5, n - size, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+    return 0, 0, ifmt, vfmt, m, p1, p2, emin, w, hb, iw, vbytes, l0, l1
+
+
 def decode_pairs(
     buf: Any, itype: Any, vtype: Any, lo: int, hi: int, width: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -209,50 +298,19 @@ def decode_pairs(
     buf = np.asarray(buf, np.uint8).reshape(-1)
     itype, vtype = np.dtype(itype), np.dtype(vtype)
     lo, hi = int(lo), int(hi)
-    rd = _Reader(buf)
-    tag = rd.byte()
-    ifmt, vfmt = tag & 15, tag >> 4
-    m = rd.varint()
     d = 1 if width is None else int(width)
-    shape = (m,) if width is None else (m, d)
     wbits = _width(hi - 1 - lo)
-    if ifmt == I_BITMAP:
-        first, span = lo + rd.varint(), rd.varint()
-    elif ifmt == I_GAPS:
-        b, nesc = rd.byte(), rd.varint()
-    elif ifmt not in (I_RAW, I_PACKED):
-        raise ValueError(f"wire message: unknown index format {ifmt}")
-    if vfmt == V_SPLIT:
-        emin, w = rd.varint(), rd.byte()
-    elif vfmt != V_RAW:
-        raise ValueError(f"wire message: unknown value format {vfmt}")
     utype, ebits, mbits = _values.FLOATS[vtype]
+    head = _read_head(buf, wbits, ebits, mbits, itype.itemsize, d)
+    err, detail, ifmt, vfmt, m, p1, p2, emin, w, hb, iw, vbytes, p0, e0 = head
+    if err:
+        raise ValueError(_HEAD_ERRORS[err].format(detail))
+    shape = (m,) if width is None else (m, d)
     if m == 0:
-        if rd.pos != buf.shape[0]:
-            raise ValueError(f"wire message: {buf.shape[0] - rd.pos} bytes left over")
         return np.empty(0, itype), np.empty(shape, vtype)
-    if (ifmt == I_GAPS and b > wbits) or (vfmt == V_SPLIT and w >= ebits):
-        raise ValueError("wire message: bad parameters in the header")
+    first, b, nesc = lo + p1, p1, p2
+    body = buf[hb:]
     nw = _bits.nwords
-    if ifmt == I_RAW:
-        iw = nw(m * itype.itemsize * 8)
-    elif ifmt == I_PACKED:
-        iw = nw(m * wbits)
-    elif ifmt == I_BITMAP:
-        iw = nw(span)
-    else:
-        pbits = _width(m - 1)
-        lay = _gaps.layout(m, b, nesc, pbits, wbits - b)
-        iw = lay[-1]
-    if vfmt == V_RAW:
-        vbytes = m * d * utype().nbytes
-    else:
-        before, last = _values.layout(m * d, mbits, w)
-        vbytes = before * 8 + last
-    hb = nw(rd.pos * 8) * 8
-    body = rd.section(hb - rd.pos + iw * 8 + vbytes)[hb - rd.pos :]
-    if rd.pos != buf.shape[0]:
-        raise ValueError(f"wire message: {buf.shape[0] - rd.pos} bytes left over")
     idx = np.empty(m, itype)
     u = np.empty(m * d, utype)
     tmp = _scratch(m * d)
@@ -268,7 +326,7 @@ def decode_pairs(
             raise ValueError("wire message: bitmap does not hold m indices")
     else:
         t = tmp[: ((m + 7) >> 3) * 8]
-        p0, e0, _ = lay
+        pbits = _width(m - 1)
         if not _gaps.gaps_decode(
             words, lo, hi, b, pbits, wbits - b, nesc, p0, e0, t, t.view(np.uint64), idx
         ):
