@@ -30,15 +30,6 @@ SAMPLE = 1024  # gaps sampled to choose the gaps' width
 HEAD = 48  # bytes a header takes at most (a tag byte, six varints, two bytes)
 
 
-def _varint(v: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, v = v & 0x7F, v >> 7
-        out.append(b | (0x80 if v else 0))
-        if not v:
-            return bytes(out)
-
-
 def _scratch(m: int, after: np.ndarray | None = None) -> np.ndarray:
     """Bytes for m small fields, whole words; past 64 KiB, with ``after``, starting half a
     page (mod 4096) past where that array ends. The gaps' first pass, reading the indices
@@ -58,55 +49,116 @@ def _width(span: int) -> int:
     return max(1, int(span).bit_length())
 
 
-class _Index:
-    """The smallest index format of a message: its tag, header parameters and section
-    length in words, and how to write the section. ``tmp`` (a scratch of whole words for
-    m bytes) carries the gaps' low bits from the plan to the write."""
+@cached_njit(inline="always")
+def _varint_len(v):
+    n = 1
+    while v >= 128:
+        v >>= 7
+        n += 1
+    return n
 
-    def __init__(self, idx: np.ndarray, lo: int, hi: int, tmp: np.ndarray) -> None:
-        m = idx.shape[0]
-        self.idx, self.lo, self.wbits, self.tmp = idx, lo, _width(hi - 1 - lo), tmp
-        self.pbits = _width(m - 1)
-        step = max(1, m // SAMPLE)
-        self.marks = np.empty(_gaps.marks_words(m), np.uint64)
-        b, e = _gaps.gap_plan(idx, lo, hi, self.wbits, self.pbits, step, tmp, self.marks)
-        if e < 0:
-            raise ValueError(f"indices must be ascending, unique and in [{lo}, {hi})")
-        self.first, self.span = int(idx[0]), int(idx[-1]) - int(idx[0]) + 1
-        nw = _bits.nwords
-        sizes = {
-            I_RAW: nw(m * idx.itemsize * 8),
-            I_PACKED: nw(m * self.wbits),
-            I_BITMAP: nw(self.span),
-        }
-        self.fmt = min(sizes, key=lambda f: (sizes[f], f))  # (ties: the simpler decode)
-        self.words = sizes[self.fmt]
-        lay = _gaps.layout(m, b, e, self.pbits, self.wbits - b)
-        if lay[-1] < self.words:
-            self.fmt, self.words, self.b, self.nesc, self.lay = I_GAPS, lay[-1], b, e, lay
 
-    def head(self) -> bytes:
-        if self.fmt == I_BITMAP:
-            return _varint(self.first - self.lo) + _varint(self.span)
-        if self.fmt == I_GAPS:
-            return bytes([self.b]) + _varint(self.nesc)
-        return b""
+@cached_njit(inline="always")
+def _put_varint(out, pos, v):
+    while v >= 128:
+        out[pos] = (v & 127) | 128
+        v >>= 7
+        pos += 1
+    out[pos] = v
+    return pos + 1
 
-    def write(self, words: np.ndarray) -> None:
-        idx, lo = self.idx, self.lo
-        if self.fmt == I_RAW:
-            b = words.view(np.uint8)
-            b[: idx.nbytes] = idx.view(np.uint8)
-            b[idx.nbytes :] = 0
-        elif self.fmt == I_PACKED:
-            _bits.pack_encode(idx, lo, self.wbits, words)
-        elif self.fmt == I_BITMAP:
-            _bits.bitmap_encode(idx, self.first, words)
-        else:
-            p0, e0, _ = self.lay
-            tmp64 = self.tmp[: ((idx.shape[0] + 7) >> 3) * 8].view(np.uint64)
-            hbits = self.wbits - self.b
-            _gaps.gaps_encode(idx, lo, self.b, self.pbits, hbits, tmp64, self.marks, words, p0, e0)
+
+@cached_njit(nogil=True)
+def _plan(idx, u, lo, hi, wbits, pbits, ebits, mbits, step, tmp, marks):
+    """The smallest formats of a message and its sizes, in one compiled call: the gaps'
+    first pass (:func:`~._gaps.gap_plan`, which checks the indices), the exponents' range,
+    each index format's words and the value formats' bytes. Returns (index format, value
+    format, b, exceptions, emin, w, header bytes, index words, value bytes, gap plane
+    offset, exceptions offset); the index format -1 where the indices fail the check."""
+    m = idx.shape[0]
+    b, nesc = _gaps.gap_plan(idx, lo, hi, wbits, pbits, step, tmp, marks)
+    if nesc < 0:
+        return -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+    first = np.int64(idx[0])
+    span = np.int64(idx[m - 1]) - first + 1
+    fmt, iw = I_RAW, _nw(m * idx.itemsize * 8)  # (ties: the simpler decode)
+    if _nw(m * wbits) < iw:
+        fmt, iw = I_PACKED, _nw(m * wbits)
+    if _nw(span) < iw:
+        fmt, iw = I_BITMAP, _nw(span)
+    l0 = _bits.group_words(m, b & 7) if b & 7 else 0
+    l1 = l0 + (b >> 3) * _nw(8 * m)
+    l2 = l1 + _nw(nesc * (pbits + wbits - b))
+    if l2 < iw:
+        fmt, iw = I_GAPS, l2
+    lo_e, hi_e = _values.exponent_range(u, mbits, ebits)
+    w = 64 - np.int64(_bits._clz(np.uint64(hi_e - lo_e))) if hi_e > lo_e else 0
+    cnt = u.shape[0]
+    vfmt, vbytes = V_RAW, u.nbytes
+    if w < ebits:
+        groups, plane = (cnt + 7) >> 3, _nw(8 * cnt)
+        before = last = 0
+        for nb in (1 + mbits, w):  # (_values.layout)
+            if nb & 7:
+                before, last = before + _nw(8 * last), groups * (nb & 7)
+            if nb >> 3:
+                before, last = before + _nw(8 * last) + plane * ((nb >> 3) - 1), cnt
+        if before * 8 + last < u.nbytes:  # (a few values: the planes' padding outweighs)
+            vfmt, vbytes = V_SPLIT, before * 8 + last
+    head = 1 + _varint_len(m)
+    if fmt == I_BITMAP:
+        head += _varint_len(first - lo) + _varint_len(span)
+    elif fmt == I_GAPS:
+        head += 1 + _varint_len(nesc)
+    if vfmt == V_SPLIT:
+        head += _varint_len(lo_e) + 1
+    return fmt, vfmt, b, nesc, lo_e, w, head, iw, vbytes, l0, l1
+
+
+@cached_njit(nogil=True)
+def _write(words, idx, u, lo, wbits, pbits, ebits, mbits, plan, tmp, tmp64, marks):
+    """Write the message :func:`_plan` laid out into ``words``: the header, zeros to a
+    whole word, the index section, the value section."""
+    fmt, vfmt, b, nesc, emin, w, head, iw, vbytes, p0, e0 = plan
+    m = idx.shape[0]
+    out = words.view(np.uint8)
+    first = np.int64(idx[0])
+    out[0] = fmt | (vfmt << 4)  # (the tag byte)
+    pos = _put_varint(out, 1, np.int64(m))
+    if fmt == I_BITMAP:
+        pos = _put_varint(out, pos, first - lo)
+        pos = _put_varint(out, pos, np.int64(idx[m - 1]) - first + 1)
+    elif fmt == I_GAPS:
+        out[pos] = b
+        pos = _put_varint(out, pos + 1, nesc)
+    if vfmt == V_SPLIT:
+        pos = _put_varint(out, pos, emin)
+        out[pos] = w
+        pos += 1
+    hw = _nw(head * 8)
+    for j in range(pos, hw * 8):
+        out[j] = 0
+    sec = words[hw : hw + iw]
+    if fmt == I_RAW:
+        raw = sec.view(np.uint8)
+        src = idx.view(np.uint8)
+        for j in range(src.shape[0]):
+            raw[j] = src[j]
+        for j in range(src.shape[0], raw.shape[0]):
+            raw[j] = 0
+    elif fmt == I_PACKED:
+        _bits.pack_encode(idx, lo, wbits, sec)
+    elif fmt == I_BITMAP:
+        _bits.bitmap_encode(idx, first, sec)
+    else:
+        _gaps.gaps_encode(idx, lo, b, pbits, wbits - b, tmp64, marks, sec, p0, e0)
+    if vfmt == V_RAW:
+        src = u.view(np.uint8)
+        at = (hw + iw) * 8
+        for j in range(vbytes):
+            out[at + j] = src[j]
+    else:
+        _values.split_encode(u, mbits, ebits, emin, w, tmp, tmp64, words[hw + iw :])
 
 
 def encode_pairs(indices: Any, values: Any, lo: int, hi: int) -> np.ndarray:
@@ -133,33 +185,21 @@ def encode_pairs(indices: Any, values: Any, lo: int, hi: int) -> np.ndarray:
     if not 0 <= lo <= hi:
         raise ValueError(f"expecting 0 <= lo <= hi, got lo={lo}, hi={hi}")
     if m == 0:
-        return np.frombuffer(bytes([0]) + _varint(0), np.uint8).copy()
-    tmp = _scratch(max(m, vals.size), idx)
-    index = _Index(idx, int(lo), int(hi), tmp)
+        return np.zeros(2, np.uint8)  # (a tag byte, m = 0)
+    lo, hi = int(lo), int(hi)
+    wbits, pbits = _width(hi - 1 - lo), _width(m - 1)
     utype, ebits, mbits = _values.FLOATS[vals.dtype]
     u = vals.reshape(-1).view(utype)
-    emin, emax = _values.exponent_range(u, mbits, ebits)
-    w = int(emax - emin).bit_length()
-    if w >= ebits:
-        vfmt, vhead, vbytes = V_RAW, b"", u.nbytes
-    else:
-        before, last = _values.layout(u.shape[0], mbits, w)
-        vfmt, vhead, vbytes = V_SPLIT, _varint(int(emin)) + bytes([w]), before * 8 + last
-        if vbytes >= u.nbytes:  # (a few values: the planes' padding outweighs)
-            vfmt, vhead, vbytes = V_RAW, b"", u.nbytes
-    head = bytes([index.fmt | vfmt << 4]) + _varint(m) + index.head() + vhead
-    hw = _bits.nwords(len(head) * 8)
-    iw = hw + index.words
-    words = np.empty(iw + _bits.nwords(vbytes * 8), np.uint64)
-    out = words.view(np.uint8)
-    out[: len(head)] = np.frombuffer(head, np.uint8)
-    out[len(head) : hw * 8] = 0
-    index.write(words[hw:iw])
-    if vfmt == V_RAW:
-        out[iw * 8 : iw * 8 + vbytes] = u.view(np.uint8)
-    else:
-        _values.split_encode(u, mbits, ebits, emin, w, tmp, tmp.view(np.uint64), words[iw:])
-    return out[: iw * 8 + vbytes]
+    tmp = _scratch(max(m, u.shape[0]), idx)
+    marks = np.empty(_gaps.marks_words(m), np.uint64)
+    step = max(1, m // SAMPLE)
+    plan = _plan(idx, u, lo, hi, wbits, pbits, ebits, mbits, step, tmp, marks)
+    if plan[0] < 0:
+        raise ValueError(f"indices must be ascending, unique and in [{lo}, {hi})")
+    size = _bits.nwords(plan[6] * 8) * 8 + plan[7] * 8 + plan[8]
+    words = np.empty((size + 7) >> 3, np.uint64)
+    _write(words, idx, u, lo, wbits, pbits, ebits, mbits, plan, tmp, tmp.view(np.uint64), marks)
+    return words.view(np.uint8)[:size]
 
 
 def encoded_size(indices: Any, values: Any, lo: int, hi: int) -> int:
