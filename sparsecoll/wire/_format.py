@@ -326,6 +326,42 @@ def _read_head(buf, wbits, ebits, mbits, isz, d):
     return 0, 0, ifmt, vfmt, m, p1, p2, emin, w, hb, iw, vbytes, l0, l1
 
 
+_BODY_ERRORS = {
+    1: "wire message: bitmap does not hold m indices",
+    2: "wire message: the gaps do not hold m indices in range",
+    3: "wire message: indices outside [{}, {})",
+}
+
+
+@cached_njit(nogil=True)
+def _read_body(head, words, idx, u, tmp, scratch, lo, hi, wbits, ebits, mbits):
+    """Decode the sections :func:`_read_head` laid out from ``words`` (the body, whole
+    words, zeros past it for the kernels' word reads) into ``idx`` and ``u``, in one
+    compiled call, then check the indices' range. Raw sections are the caller's to copy
+    (a Numba byte loop is much slower than numpy's copy). Returns 0, or a key of
+    :data:`_BODY_ERRORS`."""
+    ifmt, vfmt, m, p1, p2, emin, w = head[2:9]
+    iw, p0, e0 = head[10], head[12], head[13]
+    if ifmt == I_PACKED:
+        _bits.pack_decode(words, lo, wbits, idx)
+    elif ifmt == I_BITMAP:
+        if _bits.bitmap_decode(words[:iw], lo + p1, idx) != m:
+            return 1
+    elif ifmt == I_GAPS:
+        t = tmp[: ((m + 7) >> 3) * 8]
+        pbits = 64 - np.int64(_bits._clz(np.uint64(m - 1))) if m > 1 else 1
+        if not _gaps.gaps_decode(
+            words, lo, hi, p1, pbits, wbits - p1, p2, p0, e0, t, t.view(np.uint64), idx
+        ):
+            return 2
+    if vfmt == V_SPLIT:
+        t64 = tmp.view(np.uint64)
+        _values.split_decode(words[iw:], mbits, ebits, emin, w, tmp, t64, u, scratch)
+    if np.int64(idx[0]) < lo or np.int64(idx[m - 1]) >= hi:
+        return 3
+    return 0
+
+
 def decode_pairs(
     buf: Any, itype: Any, vtype: Any, lo: int, hi: int, width: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -342,42 +378,25 @@ def decode_pairs(
     wbits = _width(hi - 1 - lo)
     utype, ebits, mbits = _values.FLOATS[vtype]
     head = _read_head(buf, wbits, ebits, mbits, itype.itemsize, d)
-    err, detail, ifmt, vfmt, m, p1, p2, emin, w, hb, iw, vbytes, p0, e0 = head
+    err, detail, m, w, iw, vbytes = head[0], head[1], head[4], head[8], head[10], head[11]
     if err:
         raise ValueError(_HEAD_ERRORS[err].format(detail))
     shape = (m,) if width is None else (m, d)
     if m == 0:
         return np.empty(0, itype), np.empty(shape, vtype)
-    first, b, nesc = lo + p1, p1, p2
-    body = buf[hb:]
-    nw = _bits.nwords
     idx = np.empty(m, itype)
     u = np.empty(m * d, utype)
     tmp = _scratch(m * d)
-    words = np.empty(iw + nw(vbytes * 8) + _bits.SLACK, np.uint64)
+    words = np.empty(iw + _bits.nwords(vbytes * 8) + _bits.SLACK, np.uint64)
+    scratch = np.empty(m * d if w and mbits != 23 else 0, np.uint16)  # (B: w <= 10 bits)
+    body = buf[head[9] :]
     words[-_bits.SLACK - 1 :] = 0
     words.view(np.uint8)[: body.shape[0]] = body
-    if ifmt == I_RAW:
+    if head[2] == I_RAW:
         idx.view(np.uint8)[:] = body[: idx.nbytes]
-    elif ifmt == I_PACKED:
-        _bits.pack_decode(words, lo, wbits, idx)
-    elif ifmt == I_BITMAP:
-        if _bits.bitmap_decode(words[:iw], first, idx) != m:
-            raise ValueError("wire message: bitmap does not hold m indices")
-    else:
-        t = tmp[: ((m + 7) >> 3) * 8]
-        pbits = _width(m - 1)
-        if not _gaps.gaps_decode(
-            words, lo, hi, b, pbits, wbits - b, nesc, p0, e0, t, t.view(np.uint64), idx
-        ):
-            raise ValueError("wire message: the gaps do not hold m indices in range")
-    if vfmt == V_RAW:
+    if head[3] == V_RAW:
         u.view(np.uint8)[:] = body[iw * 8 :]
-    else:
-        scratch = np.empty(m * d if w and mbits != 23 else 0, np.uint16)  # (B: w <= 10 bits)
-        _values.split_decode(
-            words[iw:], mbits, ebits, emin, w, tmp, tmp.view(np.uint64), u, scratch
-        )
-    if int(idx[0]) < lo or int(idx[-1]) >= hi:
-        raise ValueError(f"wire message: indices outside [{lo}, {hi})")
+    err = _read_body(head, words, idx, u, tmp, scratch, lo, hi, wbits, ebits, mbits)
+    if err:
+        raise ValueError(_BODY_ERRORS[err].format(lo, hi))
     return idx, u.view(vtype).reshape(shape)
