@@ -8,7 +8,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparsecoll.wire import decode_pairs, encode_pairs, encoded_size
-from sparsecoll.wire._format import I_BITMAP, I_GAPS, I_PACKED, I_RAW, V_RAW, V_SPLIT
+from sparsecoll.wire._format import (
+    I_BITMAP,
+    I_GAPS,
+    I_PACKED,
+    I_RAW,
+    V_RAW,
+    V_SPLIT,
+    _read_head,
+    _width,
+)
 
 FLOATS = ("float16", "float32", "float64")
 # bit patterns every dtype must carry: ±0, ±inf, NaNs with payloads, subnormals, extremes
@@ -100,6 +109,10 @@ def test_empty_and_one(dtype, itype):
     if itype == "int64":
         roundtrip(np.array([2**40 + 3], itype), np.array([np.nan], dtype), 2**40, 2**41)
         roundtrip(np.array([0, 2**62], itype), np.array([1, 2], dtype), 0, 2**62 + 1)
+        # a span of 2**63 - 1 (its bitmap's size must not overflow)
+        top = 2**63 - 1
+        roundtrip(np.array([0, top - 1], itype), np.array([1, 2], dtype), 0, top)
+        roundtrip(np.array([5, 6, top - 1], itype), np.array([1, 2, 3], dtype), 5, top)
 
 
 def test_every_gap_size_in_one_message():
@@ -124,6 +137,32 @@ def test_index_format_choice(density, fmt):
     idx = np.sort(rng.choice(n, int(n * density), replace=False)).astype(np.int32)
     buf = roundtrip(idx, rng.standard_normal(idx.shape[0]).astype(np.float32), 0, n)
     assert buf[0] & 15 == fmt
+
+
+@pytest.mark.parametrize("itype", ["int32", "int64"])
+def test_bitmaps_around_the_direct_decoding_room(itype):
+    """Bitmaps of m near 72 and its multiples (the decoder writes a word's ones straight
+    into the result while 72 entries are left), full words, a first index above lo; a
+    bitmap missing one index fails to decode."""
+    rng = np.random.default_rng(4)
+    for m in (1, 8, 63, 64, 65, 71, 72, 73, 79, 80, 136, 137, 144, 145, 1000):
+        for span in (m, m + m // 8 + 1, 2 * m):
+            idx = np.sort(rng.choice(span, m, replace=False)).astype(itype) + 77
+            vals = rng.standard_normal(m).astype(np.float32)
+            hi = 77 + span + 3
+            buf = roundtrip(idx, vals, 5, hi)
+            if buf[0] & 15 != I_BITMAP:
+                continue
+            # one bit more or one fewer in the bitmap: m indices no longer
+            head = _read_head(buf, _width(hi - 1 - 5), 8, 23, idx.itemsize, 1)
+            bits = np.unpackbits(buf[head[9] :], bitorder="little")[: 8 * 8 * head[10]]
+            for flip in (int(np.flatnonzero(bits == 0)[0]) if m < span else None, 0):
+                if flip is None or flip >= int(idx[-1]) - int(idx[0]) + 1:
+                    continue
+                bad = buf.copy()
+                bad[head[9] + flip // 8] ^= 1 << (flip % 8)
+                with pytest.raises(ValueError, match="bitmap does not hold m indices"):
+                    decode_pairs(bad, idx.dtype, np.float32, 5, hi)
 
 
 def test_packed_and_raw_fallbacks():

@@ -221,7 +221,9 @@ _HEAD_ERRORS = {
 
 @cached_njit(inline="always")
 def _nw(nbits):
-    return (nbits + 63) >> 6
+    """Words of nbits bits (as :func:`~._bits.nwords`, without overflow near 2**63: a
+    bitmap's span may be that long)."""
+    return (nbits >> 6) + ((nbits & 63) != 0)
 
 
 @cached_njit(nogil=True)
