@@ -266,10 +266,26 @@ def ones(words, w0, w, w1, pos):
 @cached_njit(nogil=True)
 def bitmap_decode(words, first, out):
     """Write the positions of the set bits (plus first) into ``out``; return how many
-    (``out.shape[0] + 1`` where there are more)."""
+    (``out.shape[0] + 1`` where there are more).
+
+    While ``out`` has room for a word's ones written eight at a time (72 entries), they
+    go there directly (the last group's extra entries are overwritten by the next word's);
+    the last ones through :func:`ones`' buffer."""
     m = out.shape[0]
-    pos = np.empty(BLOCK + 72, np.int64)
     j, w = 0, 0
+    while w < words.shape[0] and j + 72 <= m:
+        word = words[w]
+        c = np.int64(_popcount(word))
+        base = first + (np.int64(w) << 6)
+        jj = j
+        while word:
+            for t in range(8):
+                out[jj + t] = base + np.int64(_ctz(word))
+                word &= word - ONE
+            jj += 8
+        j += c
+        w += 1
+    pos = np.empty(BLOCK + 72, np.int64)
     while w < words.shape[0]:
         c, w = ones(words, 0, w, words.shape[0], pos)
         if j + c > m:
