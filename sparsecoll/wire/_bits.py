@@ -241,6 +241,21 @@ def bitmap_encode(idx, first, words):
     words[wi] = acc
 
 
+@cached_njit(inline="always")
+def _put_ones(word, base, dst, j):
+    """Write ``base`` plus the position of each one bit of ``word`` into ``dst`` from j,
+    eight at a time (up to 7 entries past them are overwritten too); return j plus the
+    count of ones."""
+    c = np.int64(_popcount(word))
+    jj = j
+    while word:
+        for t in range(8):
+            dst[jj + t] = base + np.int64(_ctz(word))
+            word &= word - ONE
+        jj += 8
+    return j + c
+
+
 @cached_njit(nogil=True)
 def ones(words, w0, w, w1, pos):
     """Put the positions (bit 0 of word w0 is 0) of the one bits of words[w:w1] in
@@ -249,16 +264,7 @@ def ones(words, w0, w, w1, pos):
     full = pos.shape[0] - 72
     j = 0
     while w < w1 and j < full:
-        word = words[w]
-        c = np.int64(_popcount(word))
-        base = np.int64(w - w0) << 6
-        jj = j
-        while word:
-            for t in range(8):
-                pos[jj + t] = base + np.int64(_ctz(word))
-                word &= word - ONE
-            jj += 8
-        j += c
+        j = _put_ones(words[w], np.int64(w - w0) << 6, pos, j)
         w += 1
     return j, w
 
@@ -274,16 +280,7 @@ def bitmap_decode(words, first, out):
     m = out.shape[0]
     j, w = 0, 0
     while w < words.shape[0] and j + 72 <= m:
-        word = words[w]
-        c = np.int64(_popcount(word))
-        base = first + (np.int64(w) << 6)
-        jj = j
-        while word:
-            for t in range(8):
-                out[jj + t] = base + np.int64(_ctz(word))
-                word &= word - ONE
-            jj += 8
-        j += c
+        j = _put_ones(words[w], first + (np.int64(w) << 6), out, j)
         w += 1
     pos = np.empty(BLOCK + 72, np.int64)
     while w < words.shape[0]:
