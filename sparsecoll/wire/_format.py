@@ -151,7 +151,8 @@ def _write(words, idx, u, lo, wbits, pbits, ebits, mbits, plan, tmp, tmp64, mark
     elif fmt == I_BITMAP:
         _bits.bitmap_encode(idx, first, sec)
     else:
-        _gaps.gaps_encode(idx, lo, b, pbits, wbits - b, tmp64, marks, sec, p0, e0)
+        low = tmp64[: (m + 7) >> 3]  # (the gaps' low bits: m bytes, whole words)
+        _gaps.gaps_encode(idx, lo, b, pbits, wbits - b, low, marks, sec, p0, e0)
     if vfmt == V_RAW:
         src = u.view(np.uint8)
         at = (hw + iw) * 8
