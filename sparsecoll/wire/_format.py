@@ -32,10 +32,10 @@ HEAD = 48  # bytes a header takes at most (a tag byte, six varints, two bytes)
 
 def _scratch(m: int, after: np.ndarray | None = None) -> np.ndarray:
     """Bytes for m small fields, whole words; past 64 KiB, with ``after``, starting half a
-    page (mod 4096) past where that array ends. The gaps' first pass, reading the indices
-    while it writes these bytes, ran up to 6x slower (10% density: 0.8 ns a gap against
-    0.13) when they began just past the indices' end mod 4096, where an allocation made
-    after the indices' own tends to land."""
+    page (mod 4096) past where that array ends. The gaps' first pass reads the indices
+    while it writes these bytes, and runs several times slower when they begin just past
+    the indices' end mod 4096, where an allocation made after the indices tends to land
+    (docs/reports/wire.md)."""
     size = ((m + 7) >> 3) * 8
     if after is None or size < 65536:
         return np.empty(size, np.uint8)
@@ -230,7 +230,7 @@ def _nw(nbits):
 @cached_njit(nogil=True)
 def _read_head(buf, wbits, ebits, mbits, isz, d):
     """Read a message's header and lay out its sections, checked against its length, in
-    one compiled call (a Python header reader cost several µs a message). Returns
+    one compiled call (no per-field Python work a message). Returns
     (error, detail, ifmt, vfmt, m, first or b, span or nesc, emin, w, section start,
     index words, value bytes, gap plane offset, gap exceptions offset): error 0, or a key
     of :data:`_HEAD_ERRORS`. Varints past 63 bits are refused (no count or offset needs
