@@ -418,30 +418,25 @@ class Auto(Algorithm):
         P = comm.size
         totals = x.info.pop("vote_totals", None)  # (summed by the call's agreement)
         tuner = _tuner(self)
+        args: tuple | None = None
         if P > 1:
             if totals is None:  # one collective: the last call's time, the P ranges' loads
-                totals = comm.allreduce_ints(self.call_stats(x, P))
-            loads = [int(c) for c in totals[1:]]
-            total, seconds = sum(loads), int(totals[0]) / P / 1e9
+                totals = comm.allreduce_ints(self.call_stats(x, P)).tolist()
+            loads = totals[1:]
+            total, seconds = sum(loads), totals[0] / P / 1e9
             self._calibrate(seconds)
             tuner.record(seconds)
-        else:
-            total, loads = x.nnz, [x.nnz]
-        model = self.cost_model
-        if P > 1 and (self.measured_alpha or self.measured):
-            alpha, beta = link_constants(comm)
-            model = _measured_model(
-                model,
-                alpha if self.measured_alpha else model.alpha,
-                beta if self.measured and self.beta_fit is None else model.beta,
-            )
-        args = (P, x.n, total, x.indices.dtype, x.dtype, self.theta, model, loads, x.width)
-        name, cost = "allgather", {}
-        if P > 1:
             key = (x.n, x.width, x.indices.dtype.str, x.dtype.str, x.xp is np)
-            settled = tuner.settled(key, total)  # (settled contenders: no prediction)
-            cost = tuner.memo[1] if settled else _predicted(tuner, args, x.xp is np)
-            name = settled or tuner.pick(cost, CANDIDATES, key, total, self.tries, self.spread)
+            # settled contenders stand without a prediction: the last one's stands too
+            name = tuner.settled(key, total)
+            if name is None or self.calibrate:
+                args = self._args(comm, x, total, loads)
+            if name is None:
+                _predicted(tuner, args, x.xp is np)
+                name = tuner.pick(tuner.memo[1], CANDIDATES, key, total, self.tries, self.spread)
+            cost, model = tuner.memo[1], tuner.memo[0][6]  # (the memo's key: predict's args)
+        else:
+            total, loads, name, cost, model = x.nnz, [x.nnz], "allgather", {}, self.cost_model
         base, _, wire = name.partition(":")
         inner = _instance(algorithm_class(base), wire)
         start = time.perf_counter()
@@ -450,9 +445,9 @@ class Auto(Algorithm):
         out = inner.reduce(comm, x)
         _ELAPSED[self] = time.perf_counter() - start
         tuner.last = name
-        if P > 1 and self.calibrate:  # the pick's prediction: its bytes term and the rest
+        if args is not None and self.calibrate:  # the pick's prediction: its bytes term, the rest
             rest, unit = (
-                predict(*args[:6], dataclasses.replace(model, beta=b), *args[7:])[name]
+                predict(*args[:6], dataclasses.replace(args[6], beta=b), *args[7:])[name]
                 for b in (0.0, 1.0)
             )
             self.fit_bytes, self.fit_rest = unit - rest, rest
@@ -474,6 +469,19 @@ class Auto(Algorithm):
             kbar = total / P
             self.theta = min(1.0, max(0.0, math.log(out.nnz / kbar) / math.log(P)))
         return out
+
+    def _args(self, comm: Communicator, x: SparseVector, total: int, loads: list[int]) -> tuple:
+        """What :func:`predict` takes for this call: the model with the link's measured
+        constants where they are not given."""
+        model = self.cost_model
+        if self.measured_alpha or self.measured:
+            alpha, beta = link_constants(comm)
+            model = _measured_model(
+                model,
+                alpha if self.measured_alpha else model.alpha,
+                beta if self.measured and self.beta_fit is None else model.beta,
+            )
+        return (comm.size, x.n, total, x.indices.dtype, x.dtype, self.theta, model, loads, x.width)
 
     @property
     def settle_calls(self) -> int:  # type: ignore[override]
