@@ -46,8 +46,8 @@ class Tuner:
     """The samples of one auto instance's regime and the picks whose times come next."""
 
     __slots__ = (
-        "anchor", "before", "contenders", "key", "last", "medians", "memo", "samples", "stand",
-        "streak", "taken",
+        "anchor", "before", "contenders", "elapsed", "fixed", "key", "last", "medians", "memo",
+        "samples", "stand", "streak", "taken",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -62,6 +62,8 @@ class Tuner:
         self.taken = 0  # samples recorded, in every regime
         self.memo: tuple = ((), {})  # the last predictions and what they were made from
         self.stand = 0  # calls the settled contenders still stand without a prediction
+        self.elapsed = 0.0  # seconds of the last pick's reduce on this rank
+        self.fixed: int | None = None  # its instance's constants' CRC, once computed
 
     def record(self, seconds: float) -> None:
         """Add the last pick's measured time (every rank's mean): a sample if the call before
@@ -107,7 +109,7 @@ class Tuner:
     def _fastest(self) -> str:
         """The contender with the smallest time; the one that ran last while no other's is
         below its own by :data:`SWITCH` (each change costs a call that is no sample)."""
-        best = min(self.contenders, key=lambda c: self.medians[c])
+        best = min(self.contenders, key=self.medians.__getitem__)
         run = self.before
         if run in self.contenders and self.medians[run] <= self.medians[best] * SWITCH:
             return run

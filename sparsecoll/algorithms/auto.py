@@ -294,10 +294,9 @@ def cheapest(cost: dict[str, float]) -> str:
     return min((c for c in CANDIDATES if c in cost), key=lambda c: cost[c])
 
 
-# each instance's seconds in its last pick's reduce, on this rank, and its measured
-# contenders' samples (every rank's means): kept apart from its attributes, since a
+# each instance's tuner (its seconds in its last pick's reduce on this rank, its measured
+# contenders' samples, every rank's means): kept apart from its attributes, since a
 # checkpoint holds those and a measured time differs from run to run
-_ELAPSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _TUNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -396,22 +395,24 @@ class Auto(Algorithm):
         self.beta_fit: float | None = None  # learned seconds per byte, None: the model's beta
         self.fit_bytes = 0.0  # calibrating: the last pick's predicted bytes term (s per beta)
         self.fit_rest = 0.0  # and the rest of its prediction (latency and compute)
-        _ELAPSED.pop(self, None)
         _TUNERS.pop(self, None)
 
     def call_stats(self, x: SparseVector, P: int) -> list[int]:
         """This rank's statistics, summed by the call's agreement where it carries them
         (:data:`sparsecoll._agree.STATS_MAX_P`): its last call's nanoseconds and its loads of
         the P ranges (their sum is its nnz)."""
-        return [round(_ELAPSED.get(self, 0.0) * 1e9), *range_loads(x, P)]
+        return [round(_tuner(self).elapsed * 1e9), *range_loads(x, P)]
 
     def signature(self) -> list[int]:
         # the constants and the learned state must agree, or ranks could choose differently
-        fixed = (
-            self.model, self.measured_alpha, self.measured, self.calibrate, self.tries,
-            self.spread,
-        )  # fmt: skip
-        state = (_crc(fixed), self.theta, self.beta_fit, self.fit_bytes, _tuner(self).digest())
+        tuner = _tuner(self)
+        if tuner.fixed is None:  # (the constants' CRC, once: they are fixed)
+            fixed = (
+                self.model, self.measured_alpha, self.measured, self.calibrate, self.tries,
+                self.spread,
+            )  # fmt: skip
+            tuner.fixed = zlib.crc32(repr(fixed).encode())
+        state = (tuner.fixed, self.theta, self.beta_fit, self.fit_bytes, tuner.digest())
         return [zlib.crc32(repr(state).encode())]
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
@@ -426,24 +427,24 @@ class Auto(Algorithm):
             total, seconds = sum(loads), totals[0] / P / 1e9
             self._calibrate(seconds)
             tuner.record(seconds)
-            key = (x.n, x.width, x.indices.dtype.str, x.dtype.str, x.xp is np)
+            host = isinstance(x.values, np.ndarray)
+            key = (x.n, x.values.shape[1:], x.indices.dtype, x.values.dtype, host)
             # settled contenders stand without a prediction: the last one's stands too
             name = tuner.settled(key, total)
             if name is None or self.calibrate:
                 args = self._args(comm, x, total, loads)
             if name is None:
-                _predicted(tuner, args, x.xp is np)
+                _predicted(tuner, args, host)
                 name = tuner.pick(tuner.memo[1], CANDIDATES, key, total, self.tries, self.spread)
             cost, model = tuner.memo[1], tuner.memo[0][6]  # (the memo's key: predict's args)
         else:
             total, loads, name, cost, model = x.nnz, [x.nnz], "allgather", {}, self.cost_model
-        base, _, wire = name.partition(":")
-        inner = _instance(algorithm_class(base), wire)
+        inner = _instance(name)
         start = time.perf_counter()
         if P > 1 and _preflight_may_allocate(inner, x, total):
             _preflight_agreed(comm, inner, x)
         out = inner.reduce(comm, x)
-        _ELAPSED[self] = time.perf_counter() - start
+        tuner.elapsed = time.perf_counter() - start
         tuner.last = name
         if args is not None and self.calibrate:  # the pick's prediction: its bytes term, the rest
             rest, unit = (
@@ -466,8 +467,9 @@ class Auto(Algorithm):
             "measured": tuner.kept(),
         }
         if P > 1 and total > 0 and out.nnz > 0:
-            kbar = total / P
-            self.theta = min(1.0, max(0.0, math.log(out.nnz / kbar) / math.log(P)))
+            theta = min(1.0, max(0.0, math.log(out.nnz / (total / P)) / math.log(P)))
+            if theta != self.theta:  # (an attribute set costs a check of the fixed ones)
+                self.theta = theta
         return out
 
     def _args(self, comm: Communicator, x: SparseVector, total: int, loads: list[int]) -> tuple:
@@ -513,17 +515,12 @@ def _measured_model(model: CostModel, alpha: float, beta: float) -> CostModel:
     return dataclasses.replace(model, alpha=alpha, beta=beta)
 
 
-@functools.lru_cache(maxsize=64)
-def _crc(fixed: tuple) -> int:
-    """CRC-32 of ``repr(fixed)``: the constants' part of the signature, kept."""
-    return zlib.crc32(repr(fixed).encode())
-
-
 @functools.cache
-def _instance(cls: type[Algorithm], wire: str) -> Algorithm:
-    """An instance of a candidate (with ``wire`` if given): they keep no state between
-    calls, so one serves every call."""
-    return cls(**({"wire": wire} if wire else {}))
+def _instance(name: str) -> Algorithm:
+    """An instance of the candidate ``name`` (``algorithm:wire`` with a wire): they keep no
+    state between calls, so one serves every call (a registered name keeps its class)."""
+    base, _, wire = name.partition(":")
+    return algorithm_class(base)(**({"wire": wire} if wire else {}))
 
 
 def _predicted(tuner: Tuner, args: tuple, host: bool) -> dict[str, float]:
