@@ -117,9 +117,11 @@ ONE = np.uint64(1)
 Z = np.uint64(0)
 
 
-def nwords(nbits: int) -> int:
-    """Words a stream of nbits bits takes."""
-    return (nbits + 63) >> 6
+@cached_njit(inline="always")
+def nwords(nbits):
+    """Words a stream of nbits bits takes (counted without overflow near 2**63: a bitmap's
+    span may be that long)."""
+    return (nbits >> 6) + ((nbits & 63) != 0)
 
 
 @cached_njit(inline="always")

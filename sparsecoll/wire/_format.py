@@ -74,21 +74,20 @@ def _plan(idx, u, lo, hi, wbits, pbits, ebits, mbits, step, tmp, marks):
     first pass (:func:`~._gaps.gap_plan`, which checks the indices), the exponents' range,
     each index format's words and the value formats' bytes. Returns (index format, value
     format, b, exceptions, emin, w, header bytes, index words, value bytes, gap plane
-    offset, exceptions offset); the index format -1 where the indices fail the check."""
+    offset, exceptions offset, message bytes); the index format -1 where the indices fail
+    the check."""
     m = idx.shape[0]
     b, nesc = _gaps.gap_plan(idx, lo, hi, wbits, pbits, step, tmp, marks)
     if nesc < 0:
-        return -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        return -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
     first = np.int64(idx[0])
     span = np.int64(idx[m - 1]) - first + 1
-    fmt, iw = I_RAW, _nw(m * idx.itemsize * 8)  # (ties: the simpler decode)
-    if _nw(m * wbits) < iw:
-        fmt, iw = I_PACKED, _nw(m * wbits)
-    if _nw(span) < iw:
-        fmt, iw = I_BITMAP, _nw(span)
-    l0 = _bits.group_words(m, b & 7) if b & 7 else 0
-    l1 = l0 + (b >> 3) * _nw(8 * m)
-    l2 = l1 + _nw(nesc * (pbits + wbits - b))
+    fmt, iw = I_RAW, _bits.nwords(m * idx.itemsize * 8)  # (ties: the simpler decode)
+    if _bits.nwords(m * wbits) < iw:
+        fmt, iw = I_PACKED, _bits.nwords(m * wbits)
+    if _bits.nwords(span) < iw:
+        fmt, iw = I_BITMAP, _bits.nwords(span)
+    l0, l1, l2 = _gaps.layout(m, b, nesc, pbits, wbits - b)
     if l2 < iw:
         fmt, iw = I_GAPS, l2
     lo_e, hi_e = _values.exponent_range(u, mbits, ebits)
@@ -96,13 +95,7 @@ def _plan(idx, u, lo, hi, wbits, pbits, ebits, mbits, step, tmp, marks):
     cnt = u.shape[0]
     vfmt, vbytes = V_RAW, u.nbytes
     if w < ebits:
-        groups, plane = (cnt + 7) >> 3, _nw(8 * cnt)
-        before = last = 0
-        for nb in (1 + mbits, w):  # (_values.layout)
-            if nb & 7:
-                before, last = before + _nw(8 * last), groups * (nb & 7)
-            if nb >> 3:
-                before, last = before + _nw(8 * last) + plane * ((nb >> 3) - 1), cnt
+        before, last = _values.layout(cnt, mbits, w)
         if before * 8 + last < u.nbytes:  # (a few values: the planes' padding outweighs)
             vfmt, vbytes = V_SPLIT, before * 8 + last
     head = 1 + _varint_len(m)
@@ -112,14 +105,15 @@ def _plan(idx, u, lo, hi, wbits, pbits, ebits, mbits, step, tmp, marks):
         head += 1 + _varint_len(nesc)
     if vfmt == V_SPLIT:
         head += _varint_len(lo_e) + 1
-    return fmt, vfmt, b, nesc, lo_e, w, head, iw, vbytes, l0, l1
+    size = _bits.nwords(head * 8) * 8 + iw * 8 + vbytes
+    return fmt, vfmt, b, nesc, lo_e, w, head, iw, vbytes, l0, l1, size
 
 
 @cached_njit(nogil=True)
 def _write(words, idx, u, lo, wbits, pbits, ebits, mbits, plan, tmp, tmp64, marks):
     """Write the message :func:`_plan` laid out into ``words``: the header, zeros to a
     whole word, the index section, the value section."""
-    fmt, vfmt, b, nesc, emin, w, head, iw, vbytes, p0, e0 = plan
+    fmt, vfmt, b, nesc, emin, w, head, iw, vbytes, p0, e0 = plan[:11]
     m = idx.shape[0]
     out = words.view(np.uint8)
     first = np.int64(idx[0])
@@ -135,7 +129,7 @@ def _write(words, idx, u, lo, wbits, pbits, ebits, mbits, plan, tmp, tmp64, mark
         pos = _put_varint(out, pos, emin)
         out[pos] = w
         pos += 1
-    hw = _nw(head * 8)
+    hw = _bits.nwords(head * 8)
     for j in range(pos, hw * 8):
         out[j] = 0
     sec = words[hw : hw + iw]
@@ -197,7 +191,7 @@ def encode_pairs(indices: Any, values: Any, lo: int, hi: int) -> np.ndarray:
     plan = _plan(idx, u, lo, hi, wbits, pbits, ebits, mbits, step, tmp, marks)
     if plan[0] < 0:
         raise ValueError(f"indices must be ascending, unique and in [{lo}, {hi})")
-    size = _bits.nwords(plan[6] * 8) * 8 + plan[7] * 8 + plan[8]
+    size = plan[11]
     words = np.empty((size + 7) >> 3, np.uint64)
     _write(words, idx, u, lo, wbits, pbits, ebits, mbits, plan, tmp, tmp.view(np.uint64), marks)
     return words.view(np.uint8)[:size]
@@ -221,10 +215,9 @@ _HEAD_ERRORS = {
 
 
 @cached_njit(inline="always")
-def _nw(nbits):
-    """Words of nbits bits (as :func:`~._bits.nwords`, without overflow near 2**63: a
-    bitmap's span may be that long)."""
-    return (nbits >> 6) + ((nbits & 63) != 0)
+def _pbits(m):
+    """The bits of a pair's position in a message of m pairs (``_width(m − 1)``)."""
+    return 64 - np.int64(_bits._clz(np.uint64(m - 1))) if m > 1 else 1
 
 
 @cached_njit(nogil=True)
@@ -232,16 +225,16 @@ def _read_head(buf, wbits, ebits, mbits, isz, d):
     """Read a message's header and lay out its sections, checked against its length, in
     one compiled call (no per-field Python work a message). Returns
     (error, detail, ifmt, vfmt, m, first or b, span or nesc, emin, w, section start,
-    index words, value bytes, gap plane offset, gap exceptions offset): error 0, or a key
-    of :data:`_HEAD_ERRORS`. Varints past 63 bits are refused (no count or offset needs
-    them), and a count past 8 bits a byte of the message is cut short before any size is
-    computed from it, so no size overflows."""
+    index words, value bytes, gap plane offset, gap exceptions offset, the words to decode
+    from): error 0, or a key of :data:`_HEAD_ERRORS`. Varints past 63 bits are refused (no
+    count or offset needs them), and a count past 8 bits a byte of the message is cut short
+    before any size is computed from it, so no size overflows."""
     n = buf.shape[0]
     end = min(n, HEAD)
     vals = np.zeros(6, np.int64)  # m, p1, p2, emin (varints and bytes, in header order)
     pos = 0
     if pos >= end:
-        return 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        return 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
     tag = np.int64(buf[pos])
     pos += 1
     ifmt, vfmt = tag & 15, tag >> 4
@@ -255,16 +248,16 @@ def _read_head(buf, wbits, ebits, mbits, isz, d):
         kinds[1] = 1
         nf = 3
     elif ifmt != I_RAW and ifmt != I_PACKED:
-        return 3, ifmt, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        return 3, ifmt, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
     if vfmt == V_SPLIT:
         kinds[nf + 1] = 1
         nf += 2
     elif vfmt != V_RAW:
-        return 4, vfmt, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        return 4, vfmt, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
     for f in range(nf):
         if kinds[f] == 1:
             if pos >= end:
-                return 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+                return 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
             vals[f] = np.int64(buf[pos])
             pos += 1
             continue
@@ -272,11 +265,11 @@ def _read_head(buf, wbits, ebits, mbits, isz, d):
         shift = 0
         while True:
             if pos >= end:
-                return 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+                return 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
             byte = np.int64(buf[pos])
             pos += 1
             if shift == 56 and byte > 127:
-                return 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+                return 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
             v |= (byte & 127) << shift
             shift += 7
             if byte < 128:
@@ -289,44 +282,36 @@ def _read_head(buf, wbits, ebits, mbits, isz, d):
     emin, w = (vals[k], vals[k + 1]) if vfmt == V_SPLIT else (0, 0)
     if m == 0:
         if pos != n:
-            return 5, n - pos, ifmt, vfmt, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
-        return 0, 0, ifmt, vfmt, 0, p1, p2, emin, w, pos, 0, 0, 0, 0
+            return 5, n - pos, ifmt, vfmt, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        return 0, 0, ifmt, vfmt, 0, p1, p2, emin, w, pos, 0, 0, 0, 0, 0
     if (ifmt == I_GAPS and p1 > wbits) or (vfmt == V_SPLIT and w >= ebits):
-        return 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        return 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
     bits = 8 * n
     if m > bits or (two and p2 > bits):
-        return 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        return 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
     l0 = l1 = 0
     if ifmt == I_RAW:
-        iw = _nw(m * isz * 8)
+        iw = _bits.nwords(m * isz * 8)
     elif ifmt == I_PACKED:
-        iw = _nw(m * wbits)
+        iw = _bits.nwords(m * wbits)
     elif ifmt == I_BITMAP:
-        iw = _nw(p2)
-    else:  # (gaps: _gaps.layout)
-        b, pb = p1, 64 - np.int64(_bits._clz(np.uint64(m - 1))) if m > 1 else 1
-        l0 = _bits.group_words(m, b & 7) if b & 7 else 0
-        l1 = l0 + (b >> 3) * _nw(8 * m)
-        iw = l1 + _nw(p2 * (pb + wbits - b))
+        iw = _bits.nwords(p2)
+    else:
+        l0, l1, iw = _gaps.layout(m, p1, p2, _pbits(m), wbits - p1)
     cnt = m * d
     if vfmt == V_RAW:
         vbytes = cnt * ((1 + ebits + mbits) >> 3)
-    else:  # (_values.layout)
-        groups, plane = (cnt + 7) >> 3, _nw(8 * cnt)
-        before = last = 0
-        for nb in (1 + mbits, w):
-            if nb & 7:
-                before, last = before + _nw(8 * last), groups * (nb & 7)
-            if nb >> 3:
-                before, last = before + _nw(8 * last) + plane * ((nb >> 3) - 1), cnt
+    else:
+        before, last = _values.layout(cnt, mbits, w)
         vbytes = before * 8 + last
-    hb = _nw(pos * 8) * 8
+    hb = _bits.nwords(pos * 8) * 8
     size = hb + iw * 8 + vbytes
     if size > n:
-        return 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        return 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
     if size < n:
-        return 5, n - size, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
-    return 0, 0, ifmt, vfmt, m, p1, p2, emin, w, hb, iw, vbytes, l0, l1
+        return 5, n - size, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+    words = iw + _bits.nwords(vbytes * 8) + _bits.SLACK  # (zeros past the body)
+    return 0, 0, ifmt, vfmt, m, p1, p2, emin, w, hb, iw, vbytes, l0, l1, words
 
 
 _BODY_ERRORS = {
@@ -352,9 +337,8 @@ def _read_body(head, words, idx, u, tmp, scratch, lo, hi, wbits, ebits, mbits):
             return 1
     elif ifmt == I_GAPS:
         t = tmp[: ((m + 7) >> 3) * 8]
-        pbits = 64 - np.int64(_bits._clz(np.uint64(m - 1))) if m > 1 else 1
         if not _gaps.gaps_decode(
-            words, lo, hi, p1, pbits, wbits - p1, p2, p0, e0, t, t.view(np.uint64), idx
+            words, lo, hi, p1, _pbits(m), wbits - p1, p2, p0, e0, t, t.view(np.uint64), idx
         ):
             return 2
     if vfmt == V_SPLIT:
@@ -381,7 +365,7 @@ def decode_pairs(
     wbits = _width(hi - 1 - lo)
     utype, ebits, mbits = _values.FLOATS[vtype]
     head = _read_head(buf, wbits, ebits, mbits, itype.itemsize, d)
-    err, detail, m, w, iw, vbytes = head[0], head[1], head[4], head[8], head[10], head[11]
+    err, detail, m, w, iw = head[0], head[1], head[4], head[8], head[10]
     if err:
         raise ValueError(_HEAD_ERRORS[err].format(detail))
     shape = (m,) if width is None else (m, d)
@@ -390,7 +374,7 @@ def decode_pairs(
     idx = np.empty(m, itype)
     u = np.empty(m * d, utype)
     tmp = _scratch(m * d)
-    words = np.empty(iw + _bits.nwords(vbytes * 8) + _bits.SLACK, np.uint64)
+    words = np.empty(head[14], np.uint64)
     scratch = np.empty(m * d if w and mbits != 23 else 0, np.uint16)  # (B: w <= 10 bits)
     body = buf[head[9] :]
     words[-_bits.SLACK - 1 :] = 0

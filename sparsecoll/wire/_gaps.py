@@ -29,7 +29,8 @@ Z = np.uint64(0)
 ONE = np.uint64(1)
 
 
-def layout(m: int, b: int, nesc: int, pbits: int, hbits: int) -> tuple[int, int, int]:
+@cached_njit(inline="always")
+def layout(m, b, nesc, pbits, hbits):
     """Word offsets of the byte planes and the exceptions; the section's words."""
     planes = group_words(m, b & 7) if b & 7 else 0
     exc = planes + (b >> 3) * nwords(8 * m)

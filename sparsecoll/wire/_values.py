@@ -50,12 +50,14 @@ def exponent_range(u, mbits, ebits):
     return lo, hi
 
 
-def layout(cnt: int, mbits: int, w: int) -> tuple[int, int]:
+@cached_njit(inline="always")
+def layout(cnt, mbits, w):
     """Words before the last stream, and the bytes of that last stream (a message ends
     with it, cut to whole bytes)."""
     groups, plane = (cnt + 7) >> 3, nwords(8 * cnt)
     words, last = 0, 0
-    for nb in (1 + mbits, w):
+    for f in range(2):
+        nb = 1 + mbits if f == 0 else w
         if nb & 7:
             words, last = words + nwords(8 * last), groups * (nb & 7)
         if nb >> 3:
