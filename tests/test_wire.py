@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparsecoll.wire import decode_pairs, encode_pairs, encoded_size
+from sparsecoll.wire import _format, decode_pairs, encode_pairs, encoded_size, padded
 from sparsecoll.wire._format import (
     I_BITMAP,
     I_GAPS,
@@ -238,13 +238,71 @@ def test_corrupt_message_never_reads_astray(msg, where, flip):
     buf = encode_pairs(idx, vals, lo, hi).copy()
     buf[where % buf.shape[0]] ^= flip
     width = vals.shape[1] if vals.ndim == 2 else None
+    for msg in (buf, placed(buf, 8, bytes(range(24)))[0]):  # (from a copy; where it lies)
+        try:
+            got_i, got_v = decode_pairs(msg, idx.dtype, vals.dtype, lo, hi, width)
+        except ValueError:
+            continue
+        assert got_v.shape[0] == got_i.shape[0]
+        if got_i.shape[0]:
+            assert lo <= int(got_i[0]) and int(got_i[-1]) < hi
+
+
+def placed(msg, offset, fill):
+    """``msg`` at byte ``offset`` of a larger buffer filled with ``fill`` (24 bytes, repeated)
+    before and after it: the view of it there, and the buffer."""
+    space = np.resize(np.frombuffer(fill, np.uint8), offset + msg.shape[0] + 24)
+    space[offset : offset + msg.shape[0]] = msg
+    return space[offset : offset + msg.shape[0]], space
+
+
+@given(messages(), st.integers(1, 7), st.binary(min_size=24, max_size=24))
+def test_decoded_where_it_lies(msg, shift, fill):
+    """A message at an 8-aligned offset of a buffer, any bytes after it, is read where it
+    lies (the kernels read past its end, those bits unused) to the same bits, and left as it
+    was; at an unaligned offset, or at the buffer's very end, from a copy."""
+    idx, vals, lo, hi = msg
+    width = vals.shape[1] if vals.ndim == 2 else None
+    sent = encode_pairs(idx, vals, lo, hi)
+    seen = []
+    beyond = _format._beyond
+
+    def spy(*args):
+        out = beyond(*args)
+        seen.append(out is not None)
+        return out
+
+    _format._beyond, read = spy, []
     try:
-        got_i, got_v = decode_pairs(buf, idx.dtype, vals.dtype, lo, hi, width)
-    except ValueError:
-        return
-    assert got_v.shape[0] == got_i.shape[0]
-    if got_i.shape[0]:
-        assert lo <= int(got_i[0]) and int(got_i[-1]) < hi
+        for offset in (16, 16 + shift):
+            part, space = placed(sent, offset, fill)
+            before = space.copy()
+            got_i, got_v = decode_pairs(part, idx.dtype, vals.dtype, lo, hi, width)
+            np.testing.assert_array_equal(got_i, idx)
+            assert got_v.tobytes() == vals.tobytes()
+            np.testing.assert_array_equal(space, before)
+            read.append(seen[-1] if seen else None)
+        got_i, _ = decode_pairs(sent.copy(), idx.dtype, vals.dtype, lo, hi, width)
+        np.testing.assert_array_equal(got_i, idx)
+    finally:
+        _format._beyond = beyond
+    if idx.shape[0]:  # (the aligned one in place, the unaligned one never asked)
+        assert read[0] is True and len(seen) == 2 and seen[1] is False
+
+
+def test_padded():
+    """Zero bytes to a multiple of 8: a view of what encode_pairs makes, else a copy."""
+    idx, vals = np.array([3, 9, 40], np.int32), np.array([1.0, -2.0, 0.5], np.float32)
+    msg = encode_pairs(idx, vals, 0, 64)
+    out = padded(msg)
+    assert out.shape[0] % 8 == 0 and out.shape[0] - 8 < msg.shape[0] <= out.shape[0]
+    assert np.shares_memory(out, msg) and not out[msg.shape[0] :].any()
+    np.testing.assert_array_equal(out[: msg.shape[0]], msg)
+    dirty, _ = placed(msg, 8, bytes(range(1, 25)))
+    out = padded(dirty)
+    assert not np.shares_memory(out, dirty) and not out[msg.shape[0] :].any()
+    np.testing.assert_array_equal(out[: msg.shape[0]], msg)
+    assert padded(np.zeros(8, np.uint8)).shape[0] == 8
 
 
 def bytes_per_pair(n, density, dtype, values="normal", seed=0):

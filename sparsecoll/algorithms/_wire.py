@@ -15,9 +15,9 @@ import numpy as np
 
 from .. import _state
 from .._options import choice
-from ..wire import decode_pairs, encode_pairs
+from ..wire import decode_pairs, encode_pairs, padded
 
-__all__ = ["WIRES", "WireOption", "decode_pairs", "encode_pairs", "width"]
+__all__ = ["WIRES", "WireOption", "decode_pairs", "encode_pairs", "padded", "width"]
 
 WIRES = ("raw", "compact")
 

@@ -1,7 +1,8 @@
 """allgather (TopkA): gather every rank's pairs, then merge the P runs locally.
 
 Rounds: one exchange of counts, then one allgatherv of every rank's packed pairs (index
-bytes, then value bytes; with ``wire="compact"`` one :mod:`sparsecoll.wire` message).
+bytes, then value bytes; with ``wire="compact"`` one :mod:`sparsecoll.wire` message, sent
+with zero bytes to a multiple of 8 so that each lands 8-aligned and decodes where it lies).
 Volume per rank: receives Σ_{s≠r} k_s pairs, O(kP): the baseline.
 Exact: every rank merges the same runs in the same order, so the result is bit-identical
 on every rank. Rows (``x.width``) travel as an index and D values a pair.
@@ -15,7 +16,7 @@ from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import accumulate_dtype, merge_two
-from ._wire import WireOption, decode_pairs, encode_pairs, width
+from ._wire import WireOption, decode_pairs, encode_pairs, padded, width
 from .base import Algorithm, pack_pairs, unpack_pairs
 
 __all__ = ["Allgather"]
@@ -30,11 +31,15 @@ class Allgather(WireOption, Algorithm):
         # indices and values packed together: one allgatherv, one exchange of counts
         compact = self.compact(x)
         if compact:
-            buf, sizes = comm.allgatherv(encode_pairs(x.indices, x.values, 0, x.n))
+            msg = encode_pairs(x.indices, x.values, 0, x.n)
+            sizes = [int(s) for s in comm.allgather_ints(msg.shape[0])]
+            spans = [(s + 7) & ~7 for s in sizes]
+            buf, _ = comm.allgatherv(padded(msg), spans)
         else:
             buf, sizes = comm.allgatherv(pack_pairs(x.indices, x.values))
+            spans = sizes
         runs, start = [], 0
-        for r, size in enumerate(sizes):
+        for r, (size, span) in enumerate(zip(sizes, spans, strict=True)):
             part = buf[start : start + size]
             if compact:
                 if r == comm.rank:  # (its own message decodes to its own pairs, bit for bit)
@@ -45,7 +50,7 @@ class Allgather(WireOption, Algorithm):
                     runs.append(run)
             elif size:
                 runs.append(unpack_pairs(part, x.indices.dtype, x.dtype, x.width))
-            start += size
+            start += span
         if not runs:
             return SparseVector.empty(x.n, x.dtype, x.xp, x.width)
         idx, val = merge_runs(runs, x.n)

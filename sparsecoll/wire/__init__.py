@@ -12,6 +12,6 @@ normal float32 values about 3.6 bytes. The layout is in :mod:`._format`.
 
 from __future__ import annotations
 
-from ._format import decode_pairs, encode_pairs, encoded_size
+from ._format import decode_pairs, encode_pairs, encoded_size, padded
 
-__all__ = ["decode_pairs", "encode_pairs", "encoded_size"]
+__all__ = ["decode_pairs", "encode_pairs", "encoded_size", "padded"]

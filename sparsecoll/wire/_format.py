@@ -21,7 +21,7 @@ import numpy as np
 from .._jit import cached_njit
 from . import _bits, _gaps, _values
 
-__all__ = ["decode_pairs", "encode_pairs", "encoded_size"]
+__all__ = ["decode_pairs", "encode_pairs", "encoded_size", "padded"]
 
 I_RAW, I_PACKED, I_BITMAP, I_GAPS = 0, 1, 2, 3
 V_RAW, V_SPLIT = 0, 1
@@ -166,7 +166,9 @@ def encode_pairs(indices: Any, values: Any, lo: int, hi: int) -> np.ndarray:
         lo, hi: the range both sides know the indices lie in.
 
     Returns:
-        A uint8 array: the message :func:`decode_pairs` reads.
+        A uint8 array: the message :func:`decode_pairs` reads, a view into zero bytes to a
+        multiple of 8 and two words more (:func:`padded`; a decoder reads such a message
+        where it lies).
     """
     idx = np.ascontiguousarray(indices)
     vals = np.ascontiguousarray(values)
@@ -192,9 +194,40 @@ def encode_pairs(indices: Any, values: Any, lo: int, hi: int) -> np.ndarray:
     if plan[0] < 0:
         raise ValueError(f"indices must be ascending, unique and in [{lo}, {hi})")
     size = plan[11]
-    words = np.empty((size + 7) >> 3, np.uint64)
+    words = np.empty(_bits.nwords(size * 8) + _bits.SLACK, np.uint64)
+    words[(size >> 3) :] = 0  # (the last word's bytes past the message, and the slack)
     _write(words, idx, u, lo, wbits, pbits, ebits, mbits, plan, tmp, tmp.view(np.uint64), marks)
     return words.view(np.uint8)[:size]
+
+
+def padded(msg: np.ndarray) -> np.ndarray:
+    """``msg`` (1-D uint8) and the zero bytes after it up to a multiple of 8: a view where
+    the array holding it has them zeroed (as :func:`encode_pairs` makes it), else a copy.
+    Messages sent so land at 8-aligned offsets of a receive buffer, where :func:`decode_pairs`
+    reads them without a copy (given their exact lengths)."""
+    size = msg.shape[0]
+    whole = (size + 7) & ~7
+    view = _beyond(msg, 0, whole)
+    if view is not None and not view[size:].any():
+        return view
+    out = np.zeros(whole, np.uint8)
+    out[:size] = msg
+    return out
+
+
+def _beyond(buf: np.ndarray, start: int, nbytes: int) -> np.ndarray | None:
+    """``nbytes`` bytes from byte ``start`` of the contiguous uint8 ``buf`` on, past its end
+    if need be, as a view of the writable array holding it; None where that array ends
+    first."""
+    root = buf
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if not (root.flags.c_contiguous and root.flags.writeable):
+        return None
+    first, at = root.ctypes.data, buf.ctypes.data + start
+    if at + nbytes > first + root.nbytes:
+        return None
+    return np.ndarray((nbytes,), np.uint8, buffer=root, offset=at - first)
 
 
 def encoded_size(indices: Any, values: Any, lo: int, hi: int) -> int:
@@ -357,6 +390,10 @@ def decode_pairs(
     ``itype``, ``vtype``, ``lo``, ``hi`` and ``width`` (D for rows of D values, None for
     a 1-D values array) must be those the sender had. Raises ValueError for a message
     that does not decode to exactly its length.
+
+    The message is read where it lies when its sections start at an 8-aligned address and
+    the array holding it goes on for the two words the kernels may read past its end (their
+    bits unused), as in a receive buffer of :func:`padded` messages; otherwise from a copy.
     """
     buf = np.asarray(buf, np.uint8).reshape(-1)
     itype, vtype = np.dtype(itype), np.dtype(vtype)
@@ -374,11 +411,15 @@ def decode_pairs(
     idx = np.empty(m, itype)
     u = np.empty(m * d, utype)
     tmp = _scratch(m * d)
-    words = np.empty(head[14], np.uint64)
     scratch = np.empty(m * d if w and mbits != 23 else 0, np.uint16)  # (B: w <= 10 bits)
     body = buf[head[9] :]
-    words[-_bits.SLACK - 1 :] = 0
-    words.view(np.uint8)[: body.shape[0]] = body
+    words = _beyond(buf, head[9], head[14] * 8) if body.ctypes.data % 8 == 0 else None
+    if words is not None:
+        words = words.view(np.uint64)
+    else:
+        words = np.empty(head[14], np.uint64)
+        words[-_bits.SLACK - 1 :] = 0
+        words.view(np.uint8)[: body.shape[0]] = body
     if head[2] == I_RAW:
         idx.view(np.uint8)[:] = body[: idx.nbytes]
     if head[3] == V_RAW:
