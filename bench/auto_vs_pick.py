@@ -29,6 +29,7 @@ def timed(comm, mpi, vals, idx, n, algos, calls: int) -> tuple[list[float], set]
     picks = set()
     for _ in range(calls):
         for algo, kept in zip(algos, times):
+            out = None  # (the last result freed before the clock starts)
             mpi.Barrier()
             start = time.perf_counter()
             out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=algo)

@@ -54,6 +54,7 @@ def worker(args: argparse.Namespace) -> None:
         for it in range(args.warmup + args.iterations):
             if fresh:
                 algo = cls(**cls.default_options(n, k))
+            out = None  # (the last result freed before the clock starts)
             comm.barrier()
             t0 = comm.wtime()
             out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=algo)

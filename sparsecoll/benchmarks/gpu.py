@@ -136,6 +136,7 @@ def bench_allreduce(args: argparse.Namespace, cp: Any) -> tuple[Communicator, li
                 ts, sent = [], 0
                 for it in range(args.warmup + args.iterations):
                     algo = cls(**cls.default_options(n, k))
+                    out = None  # (the last result freed before the clock starts)
                     sync()
                     comm.barrier()
                     t0 = comm.wtime()
