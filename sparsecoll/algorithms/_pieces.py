@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from ..comm import Communicator, Request
-from ..wire import decode_pairs, encode_pairs
 from ._merge import accumulate_dtype, merge_at
+from ._wire import decode_pairs, encode_pairs, message_space
 
 __all__ = ["MAX_PIECES", "Incoming", "count", "encode", "merge_into"]
 
@@ -53,12 +53,7 @@ class Incoming:
         itype: Any, vtype: Any, n: int, width: int | None,
     ) -> None:  # fmt: skip
         self.m, self.n, self.itype, self.vtype, self.width = m, n, itype, vtype, width
-        sizes = [int(s) for s in sizes[: count(m)]]
-        buf = np.empty(sum(sizes), np.uint8)
-        self.parts, start = [], 0
-        for size in sizes:
-            self.parts.append(buf[start : start + size])
-            start += size
+        self.parts = message_space(sizes[: count(m)])  # (each decoded where it lands)
         self.reqs: list[Request] = [comm.irecv(p, peer, tag) for p in self.parts]
 
     def __len__(self) -> int:

@@ -17,7 +17,9 @@ from .. import _state
 from .._options import choice
 from ..wire import decode_pairs, encode_pairs, padded
 
-__all__ = ["WIRES", "WireOption", "decode_pairs", "encode_pairs", "padded", "width"]
+__all__ = [
+    "WIRES", "WireOption", "decode_pairs", "encode_pairs", "message_space", "padded", "width",
+]  # fmt: skip
 
 WIRES = ("raw", "compact")
 
@@ -47,3 +49,15 @@ class WireOption:
 def width(values: Any) -> int | None:
     """D for rows of D values, None for one value per index (what the decoder is told)."""
     return int(values.shape[1]) if values.ndim == 2 else None
+
+
+def message_space(sizes: Any) -> list[np.ndarray]:
+    """Receive buffers for wire messages of these byte sizes, in one array: each starts
+    8-aligned and two words are spare after the last, so that :func:`decode_pairs` reads
+    each where it lies."""
+    starts, end = [], 0
+    for size in sizes:
+        starts.append(end)
+        end += (int(size) + 7) & ~7
+    space = np.empty(end + 16, np.uint8)
+    return [space[a : a + int(size)] for a, size in zip(starts, sizes, strict=True)]

@@ -26,7 +26,7 @@ from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import RunStack, accumulate_dtype, add_sparse
-from ._wire import WireOption, decode_pairs, encode_pairs, width
+from ._wire import WireOption, decode_pairs, encode_pairs, message_space, padded, width
 from .base import Algorithm, range_bounds, region_cuts, sparse_is_cheaper
 
 __all__ = ["DSA", "bruck_counts", "chunk_bytes"]
@@ -110,7 +110,7 @@ def _reduce_scatter(comm: Communicator, x: SparseVector, bounds: np.ndarray, com
             buf = xp.empty((length, *row), vtype)
             chunks[src] = ([buf], [comm.irecv(buf, src, TAG_VAL)])
         elif compact:
-            msg = xp.empty(recvbytes[src], np.uint8)
+            (msg,) = message_space([recvbytes[src]])  # (decoded where it lands)
             chunks[src] = ([msg], [comm.irecv(msg, src, TAG_IDX)])
             coded.add(src)
         else:
@@ -209,14 +209,16 @@ def _allgather(
     vcount = [ln if d else 0 if compact else c for d, ln, c in zip(dense, lengths, nnz)]
     ioff = np.concatenate(([0], np.cumsum(icount))).astype(np.int64)
     voff = np.concatenate(([0], np.cumsum(vcount))).astype(np.int64)
-    boff = np.concatenate(([0], np.cumsum(msg_bytes))).astype(np.int64)
+    # (each message 8-aligned, its zeros after it forwarded with it, two words spare at
+    # the end: decoded where it lies)
+    boff = np.concatenate(([0], np.cumsum([(b + 7) & ~7 for b in msg_bytes]))).astype(np.int64)
     out_i = xp.empty(int(ioff[-1]), itype)
     out_v = xp.empty((int(voff[-1]), *x.row_shape), vtype)
-    out_b = np.empty(int(boff[-1]), np.uint8)
+    out_b = np.empty(int(boff[-1]) + 16, np.uint8)
     if owned[0] == "dense":
         out_v[voff[r] : voff[r + 1]] = owned[1]
     elif mine is not None:
-        out_b[boff[r] : boff[r + 1]] = mine
+        out_b[boff[r] : boff[r + 1]] = padded(mine)
     elif not compact:
         out_i[ioff[r] : ioff[r + 1]] = owned[1]
         out_v[voff[r] : voff[r + 1]] = owned[2]
@@ -248,7 +250,7 @@ def _allgather(
             pieces_i.append((nz + int(bounds[j])).astype(itype))
             pieces_v.append(seg_v[nz])
         elif compact:
-            msg = out_b[boff[j] : boff[j + 1]]
+            msg = out_b[boff[j] : boff[j] + msg_bytes[j]]
             i, v = decode_pairs(msg, itype, vtype, bounds[j], bounds[j + 1], width(x.values))
             pieces_i.append(i)
             pieces_v.append(v)

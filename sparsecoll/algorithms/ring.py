@@ -32,7 +32,7 @@ from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import accumulate_dtype, add_sparse, merge_two
-from ._wire import WireOption, decode_pairs, encode_pairs
+from ._wire import WireOption, decode_pairs, encode_pairs, message_space
 from .base import (
     Algorithm,
     RangeLayout,
@@ -177,7 +177,7 @@ def _reduce_scatter(comm: Communicator, blocks: _Blocks) -> list[Run]:
         # the receive is posted before the send: both links of a rank busy at once
         buf, said = blocks.encode(run, j, c)
         size = comm.sendrecv_ints(said, right, left, TAG_SIZE)
-        got = xp.empty(size // 2 if blocks.compact else size, np.uint8)
+        got = message_space([size // 2])[0] if blocks.compact else xp.empty(size, np.uint8)
         req = comm.irecv(got, left, TAG_RS) if got.shape[0] else None
         if buf.nbytes:
             sends.append(comm.isend(buf, right, TAG_RS))
@@ -225,7 +225,7 @@ def _allgather(comm: Communicator, blocks: _Blocks, owned: list[Run]) -> SparseV
 
     def post(b: int) -> tuple[list[Request], Any]:
         if nbytes[b]:  # (a wire message, decoded when it came)
-            buf = np.empty(nbytes[b], np.uint8)
+            (buf,) = message_space([nbytes[b]])
             return [comm.irecv(buf, left, TAG_AG)], buf
         return [comm.irecv(arr[a:e], left, TAG_AG) for arr, a, e in layout.pieces(b, 1)], None
 
