@@ -240,7 +240,8 @@ def test_corrupt_message_never_reads_astray(msg, where, flip):
     width = vals.shape[1] if vals.ndim == 2 else None
     for msg in (buf, placed(buf, 8, bytes(range(24)))[0]):  # (from a copy; where it lies)
         try:
-            got_i, got_v = decode_pairs(msg, idx.dtype, vals.dtype, lo, hi, width)
+            with Spied():
+                got_i, got_v = decode_pairs(msg, idx.dtype, vals.dtype, lo, hi, width)
         except ValueError:
             continue
         assert got_v.shape[0] == got_i.shape[0]
@@ -256,6 +257,29 @@ def placed(msg, offset, fill):
     return space[offset : offset + msg.shape[0]], space
 
 
+class Spied:
+    """Within it, every message is read where it lies where it can be (``IN_PLACE`` 0, or
+    as given), and ``seen`` holds whether each look for its place found it."""
+
+    def __init__(self, in_place=0):
+        self.in_place, self.seen = in_place, []
+
+    def __enter__(self):
+        self.saved = _format._beyond, _format.IN_PLACE
+        beyond = self.saved[0]
+
+        def spy(*args):
+            out = beyond(*args)
+            self.seen.append(out is not None)
+            return out
+
+        _format._beyond, _format.IN_PLACE = spy, self.in_place
+        return self
+
+    def __exit__(self, *exc):
+        _format._beyond, _format.IN_PLACE = self.saved
+
+
 @given(messages(), st.integers(1, 7), st.binary(min_size=24, max_size=24))
 def test_decoded_where_it_lies(msg, shift, fill):
     """A message at an 8-aligned offset of a buffer, any bytes after it, is read where it
@@ -264,16 +288,7 @@ def test_decoded_where_it_lies(msg, shift, fill):
     idx, vals, lo, hi = msg
     width = vals.shape[1] if vals.ndim == 2 else None
     sent = encode_pairs(idx, vals, lo, hi)
-    seen = []
-    beyond = _format._beyond
-
-    def spy(*args):
-        out = beyond(*args)
-        seen.append(out is not None)
-        return out
-
-    _format._beyond, read = spy, []
-    try:
+    with Spied() as spied:
         for offset in (16, 16 + shift):
             part, space = placed(sent, offset, fill)
             before = space.copy()
@@ -281,27 +296,43 @@ def test_decoded_where_it_lies(msg, shift, fill):
             np.testing.assert_array_equal(got_i, idx)
             assert got_v.tobytes() == vals.tobytes()
             np.testing.assert_array_equal(space, before)
-            read.append(seen[-1] if seen else None)
         got_i, _ = decode_pairs(sent.copy(), idx.dtype, vals.dtype, lo, hi, width)
         np.testing.assert_array_equal(got_i, idx)
-    finally:
-        _format._beyond = beyond
-    if idx.shape[0]:  # (the aligned one in place, the unaligned one never asked)
-        assert read[0] is True and len(seen) == 2 and seen[1] is False
+    assert spied.seen == ([True, False, False] if idx.shape[0] else [])
+
+
+def test_small_messages_copied():
+    """Below IN_PLACE bytes a message is copied (quicker than finding its place); above,
+    read where it lies."""
+    rng = np.random.default_rng(5)
+    for m, where in ((50, []), (20000, [True])):
+        idx = np.sort(rng.choice(100 * m, m, replace=False)).astype(np.int32)
+        vals = rng.standard_normal(m).astype(np.float32)
+        msg = encode_pairs(idx, vals, 0, 100 * m)
+        assert (msg.shape[0] >= _format.IN_PLACE) == bool(where)
+        with Spied(_format.IN_PLACE) as spied:
+            got_i, got_v = decode_pairs(msg, np.int32, np.float32, 0, 100 * m)
+        assert spied.seen == where
+        np.testing.assert_array_equal(got_i, idx)
+        assert got_v.tobytes() == vals.tobytes()
 
 
 def test_padded():
-    """Zero bytes to a multiple of 8: a view of what encode_pairs makes, else a copy."""
-    idx, vals = np.array([3, 9, 40], np.int32), np.array([1.0, -2.0, 0.5], np.float32)
-    msg = encode_pairs(idx, vals, 0, 64)
-    out = padded(msg)
-    assert out.shape[0] % 8 == 0 and out.shape[0] - 8 < msg.shape[0] <= out.shape[0]
-    assert np.shares_memory(out, msg) and not out[msg.shape[0] :].any()
-    np.testing.assert_array_equal(out[: msg.shape[0]], msg)
-    dirty, _ = placed(msg, 8, bytes(range(1, 25)))
-    out = padded(dirty)
-    assert not np.shares_memory(out, dirty) and not out[msg.shape[0] :].any()
-    np.testing.assert_array_equal(out[: msg.shape[0]], msg)
+    """Zero bytes to a multiple of 8: a view of what encode_pairs makes (IN_PLACE bytes or
+    more), else a copy."""
+    rng = np.random.default_rng(6)
+    for m in (3, 5000):
+        idx = np.sort(rng.choice(64 * m, m, replace=False)).astype(np.int32)
+        msg = encode_pairs(idx, rng.standard_normal(m).astype(np.float32), 0, 64 * m)
+        out = padded(msg)
+        assert out.shape[0] % 8 == 0 and out.shape[0] - 8 < msg.shape[0] <= out.shape[0]
+        assert np.shares_memory(out, msg) == (out.shape[0] >= _format.IN_PLACE)
+        assert not out[msg.shape[0] :].any()
+        np.testing.assert_array_equal(out[: msg.shape[0]], msg)
+        dirty, _ = placed(msg, 8, bytes(range(1, 25)))
+        out = padded(dirty)
+        assert not np.shares_memory(out, dirty) and not out[msg.shape[0] :].any()
+        np.testing.assert_array_equal(out[: msg.shape[0]], msg)
     assert padded(np.zeros(8, np.uint8)).shape[0] == 8
 
 

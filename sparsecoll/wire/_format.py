@@ -28,6 +28,7 @@ V_RAW, V_SPLIT = 0, 1
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 SAMPLE = 1024  # gaps sampled to choose the gaps' width
 HEAD = 48  # bytes a header takes at most (a tag byte, six varints, two bytes)
+IN_PLACE = 4096  # bytes from which a message is read where it lies (a copy of fewer is quicker)
 
 
 def _scratch(m: int, after: np.ndarray | None = None) -> np.ndarray:
@@ -207,7 +208,7 @@ def padded(msg: np.ndarray) -> np.ndarray:
     reads them without a copy (given their exact lengths)."""
     size = msg.shape[0]
     whole = (size + 7) & ~7
-    view = _beyond(msg, 0, whole)
+    view = _beyond(msg, 0, whole, False) if whole >= IN_PLACE else None
     if view is not None and not view[size:].any():
         return view
     out = np.zeros(whole, np.uint8)
@@ -215,19 +216,35 @@ def padded(msg: np.ndarray) -> np.ndarray:
     return out
 
 
-def _beyond(buf: np.ndarray, start: int, nbytes: int) -> np.ndarray | None:
+def _beyond(buf: np.ndarray, start: int, nbytes: int, align: bool) -> np.ndarray | None:
     """``nbytes`` bytes from byte ``start`` of the contiguous uint8 ``buf`` on, past its end
-    if need be, as a view of the writable array holding it; None where that array ends
-    first."""
+    if need be, as a view of the writable array holding it (``align``: starting 8-aligned);
+    None where that array ends first."""
     root = buf
-    while isinstance(root.base, np.ndarray):
+    while root.base is not None:
         root = root.base
-    if not (root.flags.c_contiguous and root.flags.writeable):
+        if not isinstance(root, np.ndarray):
+            return None
+    if not root.flags.writeable:
         return None
-    first, at = root.ctypes.data, buf.ctypes.data + start
-    if at + nbytes > first + root.nbytes:
+    at = _offset(buf, start, nbytes, root, align)
+    if at < 0:
         return None
-    return np.ndarray((nbytes,), np.uint8, buffer=root, offset=at - first)
+    try:
+        return np.frombuffer(root, np.uint8, nbytes, at)
+    except (ValueError, BufferError):  # (a root that is not one C-ordered block)
+        return None
+
+
+@cached_njit(nogil=True)
+def _offset(buf, start, nbytes, root, align):
+    """Where byte ``start`` of ``buf`` lies in ``root``, if ``nbytes`` bytes from it lie in
+    ``root`` too (and, with ``align``, it is 8-aligned); -1 otherwise."""
+    at = np.int64(buf.ctypes.data) + start
+    first = np.int64(root.ctypes.data)
+    if (align and at % 8 != 0) or at < first or at + nbytes > first + root.nbytes:
+        return np.int64(-1)
+    return at - first
 
 
 def encoded_size(indices: Any, values: Any, lo: int, hi: int) -> int:
@@ -413,7 +430,7 @@ def decode_pairs(
     tmp = _scratch(m * d)
     scratch = np.empty(m * d if w and mbits != 23 else 0, np.uint16)  # (B: w <= 10 bits)
     body = buf[head[9] :]
-    words = _beyond(buf, head[9], head[14] * 8) if body.ctypes.data % 8 == 0 else None
+    words = _beyond(buf, head[9], head[14] * 8, True) if head[14] * 8 >= IN_PLACE else None
     if words is not None:
         words = words.view(np.uint64)
     else:
