@@ -33,7 +33,7 @@ from ..sparse import SparseVector
 from ._hashwire import decode_run, encode_run, run_bytes
 from ._merge import RunStack, accumulate_dtype
 from ._stripes import Stripes
-from ._wire import WIRES, WireOption, decode_pairs, encode_pairs
+from ._wire import WIRES, WireOption, decode_pairs, encode_pairs, message_space, padded
 from .allgather import merge_runs
 from .base import Algorithm, region_cuts
 from .dsa import bruck_counts
@@ -139,12 +139,13 @@ def _push(comm: Communicator, x: SparseVector, plan: _Plan):
         sizes_in = [bytes_in[src] for src in order_in]
     else:
         sizes_in = [plan.run_bytes(int(recvcounts[src])) for src in order_in]
-    starts_in = np.concatenate(([0], np.cumsum(sizes_in, dtype=np.int64))).tolist()
-    inbuf = xp.empty(int(starts_in[-1]), np.uint8)
-    reqs = [
-        comm.irecv(inbuf[starts_in[q] : starts_in[q + 1]], src, TAG_PUSH)
-        for q, src in enumerate(order_in)
-    ]
+    if plan.compact:  # (each message 8-aligned: decoded where it lands)
+        parts_in = message_space(sizes_in)
+    else:
+        starts_in = np.concatenate(([0], np.cumsum(sizes_in, dtype=np.int64))).tolist()
+        inbuf = xp.empty(int(starts_in[-1]), np.uint8)
+        parts_in = [inbuf[starts_in[q] : starts_in[q + 1]] for q in range(len(order_in))]
+    reqs = [comm.irecv(parts_in[q], src, TAG_PUSH) for q, src in enumerate(order_in)]
     # then every send, rotated (to r+1, r+2, ...), each run encoded just before it goes
     sends: list[Request] = []
     if plan.compact:
@@ -172,8 +173,7 @@ def _push(comm: Communicator, x: SparseVector, plan: _Plan):
     # fixed order makes the sum reproducible
     for q, src in enumerate(order_in):
         reqs[q].wait()
-        piece = inbuf[starts_in[q] : starts_in[q + 1]]
-        offsets, values = plan.decode(piece, int(recvcounts[src]))
+        offsets, values = plan.decode(parts_in[q], int(recvcounts[src]))
         if dense:
             acc[offsets] += values
         else:
@@ -203,10 +203,13 @@ def _pull(comm: Communicator, owned, x: SparseVector, plan: _Plan):
     else:
         counts = [int(c) for c in comm.allgather_ints(m)]
         sizes = [plan.run_bytes(c) for c in counts]
-    starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))).tolist()
-    buf = xp.empty(int(starts[-1]), np.uint8)
+    # (compact: each message 8-aligned, its zeros after it forwarded with it, two words
+    # spare at the end: decoded where it lies)
+    spans = [(s + 7) & ~7 for s in sizes] if plan.compact else sizes
+    starts = np.concatenate(([0], np.cumsum(spans, dtype=np.int64))).tolist()
+    buf = xp.empty(int(starts[-1]) + (16 if plan.compact else 0), np.uint8)
     if plan.compact:
-        buf[starts[r] : starts[r + 1]] = msg
+        buf[starts[r] : starts[r + 1]] = padded(msg)
     else:
         encode_run(owned[0], owned[1], plan.length, buf[starts[r] : starts[r + 1]])
 
@@ -229,7 +232,7 @@ def _pull(comm: Communicator, owned, x: SparseVector, plan: _Plan):
     runs = []
     for j in range(P):
         if counts[j]:
-            piece = buf[starts[j] : starts[j + 1]]
+            piece = buf[starts[j] : starts[j] + sizes[j]]
             runs.append(plan.decode(piece, counts[j]))
         else:
             runs.append(plan.empty(xp))
