@@ -317,6 +317,27 @@ def test_small_messages_copied():
         assert got_v.tobytes() == vals.tobytes()
 
 
+def test_strided_messages_copied():
+    """A message seen through a strided view (reversed, every other byte of a larger array)
+    decodes from a copy, and padded() copies it: no run of memory holds it."""
+    rng = np.random.default_rng(7)
+    idx = np.sort(rng.choice(10**6, 5000, replace=False)).astype(np.int32)
+    vals = rng.standard_normal(5000).astype(np.float32)
+    msg = encode_pairs(idx, vals, 0, 10**6)
+    backwards = msg[::-1].copy()[::-1]
+    spread = np.zeros(2 * msg.shape[0], np.uint8)
+    spread[::2] = msg
+    for view in (backwards, spread[::2]):
+        with Spied() as spied:
+            got_i, got_v = decode_pairs(view, np.int32, np.float32, 0, 10**6)
+        assert spied.seen == [False]
+        np.testing.assert_array_equal(got_i, idx)
+        assert got_v.tobytes() == vals.tobytes()
+        out = padded(view)
+        assert not np.shares_memory(out, view)
+        np.testing.assert_array_equal(out[: msg.shape[0]], msg)
+
+
 def test_padded():
     """Zero bytes to a multiple of 8: a view of what encode_pairs makes (IN_PLACE bytes or
     more), else a copy."""

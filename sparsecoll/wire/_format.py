@@ -217,9 +217,11 @@ def padded(msg: np.ndarray) -> np.ndarray:
 
 
 def _beyond(buf: np.ndarray, start: int, nbytes: int, align: bool) -> np.ndarray | None:
-    """``nbytes`` bytes from byte ``start`` of the contiguous uint8 ``buf`` on, past its end
-    if need be, as a view of the writable array holding it (``align``: starting 8-aligned);
-    None where that array ends first."""
+    """``nbytes`` bytes from byte ``start`` of the 1-D uint8 ``buf`` on, past its end if need
+    be, as a view of the writable array holding it (``align``: starting 8-aligned); None
+    where that array ends first, or ``buf`` is not one run of bytes."""
+    if buf.strides[0] != 1:
+        return None
     root = buf
     while root.base is not None:
         root = root.base
