@@ -436,7 +436,8 @@ class Auto(Algorithm):
             if name is None:
                 _predicted(tuner, args, host)
                 name = tuner.pick(tuner.memo[1], CANDIDATES, key, total, self.tries, self.spread)
-            cost, model = tuner.memo[1], tuner.memo[0][6]  # (the memo's key: predict's args)
+            # (the model: this call's where it was built, else the memo's, predict's args)
+            cost, model = tuner.memo[1], (args or tuner.memo[0])[6]
         else:
             total, loads, name, cost, model = x.nnz, [x.nnz], "allgather", {}, self.cost_model
         inner = _instance(name)
