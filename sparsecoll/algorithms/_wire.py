@@ -9,6 +9,7 @@ run on the host).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, ClassVar
 
 import numpy as np
@@ -16,9 +17,11 @@ import numpy as np
 from .. import _state
 from .._options import choice
 from ..wire import decode_pairs, encode_pairs, padded
+from ..wire._format import SPARE, slot
 
 __all__ = [
-    "WIRES", "WireOption", "decode_pairs", "encode_pairs", "message_space", "padded", "width",
+    "WIRES", "WireOption", "decode_pairs", "encode_pairs", "gathered_space", "message_space",
+    "message_starts", "padded", "slot", "width",
 ]  # fmt: skip
 
 WIRES = ("raw", "compact")
@@ -51,13 +54,27 @@ def width(values: Any) -> int | None:
     return int(values.shape[1]) if values.ndim == 2 else None
 
 
+def message_starts(sizes: Any) -> list[int]:
+    """Where wire messages of these byte sizes start in one buffer that holds each in its
+    8-aligned :func:`slot`, and (last) where the slots end; the buffer takes :data:`SPARE`
+    bytes more, so that :func:`decode_pairs` reads each message where it lies."""
+    return [0, *itertools.accumulate(slot(size) for size in sizes)]
+
+
 def message_space(sizes: Any) -> list[np.ndarray]:
-    """Receive buffers for wire messages of these byte sizes, in one array: each starts
-    8-aligned and two words are spare after the last, so that :func:`decode_pairs` reads
-    each where it lies."""
-    starts, end = [], 0
-    for size in sizes:
-        starts.append(end)
-        end += (int(size) + 7) & ~7
-    space = np.empty(end + 16, np.uint8)
-    return [space[a : a + int(size)] for a, size in zip(starts, sizes, strict=True)]
+    """Receive buffers for wire messages of these byte sizes, in one array laid out by
+    :func:`message_starts`."""
+    starts = message_starts(sizes)
+    space = np.empty(starts[-1] + SPARE, np.uint8)
+    return [space[a : a + int(size)] for a, size in zip(starts[:-1], sizes, strict=True)]
+
+
+def gathered_space(sizes: Any, rank: int, mine: Any) -> tuple[np.ndarray, list[int]]:
+    """The buffer an allgather of every rank's wire message (these byte sizes) forwards
+    slots of, laid out by :func:`message_starts`, ``mine`` (``rank``'s message, or None)
+    in its slot with its zero bytes; and the starts."""
+    starts = message_starts(sizes)
+    space = np.empty(starts[-1] + SPARE, np.uint8)
+    if mine is not None:
+        space[starts[rank] : starts[rank + 1]] = padded(mine)
+    return space, starts

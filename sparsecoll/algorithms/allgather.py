@@ -16,7 +16,7 @@ from ..comm import Communicator
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import accumulate_dtype, merge_two
-from ._wire import WireOption, decode_pairs, encode_pairs, padded, width
+from ._wire import WireOption, decode_pairs, encode_pairs, padded, slot, width
 from .base import Algorithm, pack_pairs, unpack_pairs
 
 __all__ = ["Allgather"]
@@ -33,7 +33,7 @@ class Allgather(WireOption, Algorithm):
         if compact:
             msg = encode_pairs(x.indices, x.values, 0, x.n)
             sizes = [int(s) for s in comm.allgather_ints(msg.shape[0])]
-            spans = [(s + 7) & ~7 for s in sizes]
+            spans = [slot(s) for s in sizes]
             buf, _ = comm.allgatherv(padded(msg), spans)
         else:
             buf, sizes = comm.allgatherv(pack_pairs(x.indices, x.values))

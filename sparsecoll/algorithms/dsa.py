@@ -26,7 +26,7 @@ from ..comm import Communicator, Request
 from ..registry import register_algorithm
 from ..sparse import SparseVector
 from ._merge import RunStack, accumulate_dtype, add_sparse
-from ._wire import WireOption, decode_pairs, encode_pairs, message_space, padded, width
+from ._wire import WireOption, decode_pairs, encode_pairs, gathered_space, message_space, width
 from .base import Algorithm, range_bounds, region_cuts, sparse_is_cheaper
 
 __all__ = ["DSA", "bruck_counts", "chunk_bytes"]
@@ -209,16 +209,12 @@ def _allgather(
     vcount = [ln if d else 0 if compact else c for d, ln, c in zip(dense, lengths, nnz)]
     ioff = np.concatenate(([0], np.cumsum(icount))).astype(np.int64)
     voff = np.concatenate(([0], np.cumsum(vcount))).astype(np.int64)
-    # (each message 8-aligned, its zeros after it forwarded with it, two words spare at
-    # the end: decoded where it lies)
-    boff = np.concatenate(([0], np.cumsum([(b + 7) & ~7 for b in msg_bytes]))).astype(np.int64)
+    # (each message in its 8-aligned slot, its zeros forwarded with it: decoded where it lies)
+    out_b, boff = gathered_space(msg_bytes, r, mine)
     out_i = xp.empty(int(ioff[-1]), itype)
     out_v = xp.empty((int(voff[-1]), *x.row_shape), vtype)
-    out_b = np.empty(int(boff[-1]) + 16, np.uint8)
     if owned[0] == "dense":
         out_v[voff[r] : voff[r + 1]] = owned[1]
-    elif mine is not None:
-        out_b[boff[r] : boff[r + 1]] = padded(mine)
     elif not compact:
         out_i[ioff[r] : ioff[r + 1]] = owned[1]
         out_v[voff[r] : voff[r + 1]] = owned[2]

@@ -33,7 +33,7 @@ from ..sparse import SparseVector
 from ._hashwire import decode_run, encode_run, run_bytes
 from ._merge import RunStack, accumulate_dtype
 from ._stripes import Stripes
-from ._wire import WIRES, WireOption, decode_pairs, encode_pairs, message_space, padded
+from ._wire import WIRES, WireOption, decode_pairs, encode_pairs, gathered_space, message_space
 from .allgather import merge_runs
 from .base import Algorithm, region_cuts
 from .dsa import bruck_counts
@@ -203,14 +203,11 @@ def _pull(comm: Communicator, owned, x: SparseVector, plan: _Plan):
     else:
         counts = [int(c) for c in comm.allgather_ints(m)]
         sizes = [plan.run_bytes(c) for c in counts]
-    # (compact: each message 8-aligned, its zeros after it forwarded with it, two words
-    # spare at the end: decoded where it lies)
-    spans = [(s + 7) & ~7 for s in sizes] if plan.compact else sizes
-    starts = np.concatenate(([0], np.cumsum(spans, dtype=np.int64))).tolist()
-    buf = xp.empty(int(starts[-1]) + (16 if plan.compact else 0), np.uint8)
-    if plan.compact:
-        buf[starts[r] : starts[r + 1]] = padded(msg)
+    if plan.compact:  # (each message in its 8-aligned slot, its zeros forwarded with it)
+        buf, starts = gathered_space(sizes, r, msg)
     else:
+        starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))).tolist()
+        buf = xp.empty(int(starts[-1]), np.uint8)
         encode_run(owned[0], owned[1], plan.length, buf[starts[r] : starts[r + 1]])
 
     def pieces(first: int, count: int):

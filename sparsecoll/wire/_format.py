@@ -29,6 +29,7 @@ INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 SAMPLE = 1024  # gaps sampled to choose the gaps' width
 HEAD = 48  # bytes a header takes at most (a tag byte, six varints, two bytes)
 IN_PLACE = 4096  # bytes from which a message is read where it lies (a copy of fewer is quicker)
+SPARE = 8 * _bits.SLACK  # bytes the kernels may read past a message's end (bits unused)
 
 
 def _scratch(m: int, after: np.ndarray | None = None) -> np.ndarray:
@@ -207,13 +208,18 @@ def padded(msg: np.ndarray) -> np.ndarray:
     Messages sent so land at 8-aligned offsets of a receive buffer, where :func:`decode_pairs`
     reads them without a copy (given their exact lengths)."""
     size = msg.shape[0]
-    whole = (size + 7) & ~7
+    whole = slot(size)
     view = _beyond(msg, 0, whole, False) if whole >= IN_PLACE else None
     if view is not None and not view[size:].any():
         return view
     out = np.zeros(whole, np.uint8)
     out[:size] = msg
     return out
+
+
+def slot(size: int) -> int:
+    """Bytes a message of ``size`` bytes takes with its zero bytes to a multiple of 8."""
+    return (int(size) + 7) & ~7
 
 
 def _beyond(buf: np.ndarray, start: int, nbytes: int, align: bool) -> np.ndarray | None:
