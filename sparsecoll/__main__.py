@@ -123,39 +123,41 @@ def relaunch(cmd: list[str]) -> int:
     """Run ``cmd`` (an mpiexec) to its end and return its exit status, as a shell reports it.
 
     A signal that would end this process (SIGTERM, SIGHUP, SIGINT) is passed on to mpiexec,
-    which stops its ranks, and mpiexec is waited for: no rank outlives the command. A Ctrl-C
+    which stops its ranks, and mpiexec is waited for: no rank outlives the command. One that
+    arrives while mpiexec is being started is held and passed on as soon as it has started;
+    if it cannot be started, this process ends as the signal would have ended it. A Ctrl-C
     typed in a terminal reaches mpiexec too; the copy passed on counts as the second Ctrl-C
     that makes MPICH's mpiexec abort at once.
     """
     started: list[subprocess.Popen[bytes]] = []
+    held: list[int] = []
 
     def forward(sig: int, _: Any) -> None:
         if started:
             started[0].send_signal(sig)
-        else:  # (before mpiexec started: end as the signal would have)
-            signal.signal(sig, signal.SIG_DFL)
-            os.kill(os.getpid(), sig)
+        else:  # (mpiexec may exist already, not yet known here: Popen has not returned)
+            held.append(sig)
 
     # (signal handlers can be set from the main thread only: from another one, mpiexec's
     # signals are its own to take)
-    # (and not a signal this process ignores, e.g. SIGHUP under nohup: a handler here would
-    # give mpiexec its default action instead of the ignoring it inherits)
+    # (and not a signal this process ignores, e.g. SIGHUP under nohup or SIGINT in a shell's
+    # background job: a handler here would give mpiexec the default action instead of the
+    # ignoring it inherits)
     main = threading.current_thread() is threading.main_thread()
-    sigs = (signal.SIGTERM, signal.SIGHUP) if main else ()
+    sigs = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT) if main else ()
     sigs = tuple(sig for sig in sigs if signal.getsignal(sig) is not signal.SIG_IGN)
     old = {sig: signal.signal(sig, forward) for sig in sigs}
     try:
         proc = subprocess.Popen(cmd)
         started.append(proc)
-        while True:
-            try:
-                code = proc.wait()
-                break
-            except KeyboardInterrupt:
-                proc.send_signal(signal.SIGINT)
+        for sig in held:
+            proc.send_signal(sig)
+        code = proc.wait()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+        if held and not started:  # (the handlers are this process's own again)
+            os.kill(os.getpid(), held[0])
     return code if code >= 0 else 128 - code  # killed by signal S: 128 + S, as a shell says
 
 

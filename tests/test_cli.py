@@ -376,6 +376,67 @@ def test_a_signal_to_bench_reaches_mpiexec(tmp_path, sig: signal.Signals) -> Non
     assert code == 99  # mpiexec's exit status, once it had stopped
 
 
+# relaunch() in a process of its own, whose Popen signals that process: "after" starting the
+# launcher (once its traps are set) but before returning, "before" starting it
+_SIGNAL_IN_POPEN = """
+import os, signal, subprocess, sys, time
+from pathlib import Path
+from sparsecoll.__main__ import relaunch
+
+when, sig, launcher, ready = sys.argv[1], int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+class Popen(subprocess.Popen):
+    def __init__(self, cmd):
+        if when == "before":
+            os.kill(os.getpid(), sig)
+        super().__init__(cmd)
+        while when == "after" and not ready.read_text().strip():
+            time.sleep(0.01)
+        os.kill(os.getpid(), sig)
+
+subprocess.Popen = Popen
+sys.exit(relaunch([launcher]))
+"""
+
+
+def _signal_in_popen(tmp_path, when: str, sig: signal.Signals, launcher) -> int:
+    pid = tmp_path / "pid"
+    pid.write_text("")
+    args = [when, str(int(sig)), str(launcher), str(pid)]
+    try:
+        return subprocess.run(
+            [sys.executable, "-c", _SIGNAL_IN_POPEN, *args],
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            timeout=60,
+            capture_output=True,
+        ).returncode
+    finally:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=str)
+def test_a_signal_while_mpiexec_starts_is_passed_on(tmp_path, sig: signal.Signals) -> None:
+    """A signal in the moment between mpiexec's start and Popen's return ended the relaunching
+    process alone (SIGTERM, SIGHUP), or raised KeyboardInterrupt out of it (SIGINT), and left
+    mpiexec running. Now it is held and passed on once Popen returns."""
+    fake = _fake_launcher(
+        tmp_path,
+        "".join(f"trap 'echo {s} > {tmp_path}/got; exit 99' {s}\n" for s in ("TERM", "HUP", "INT"))
+        + f"echo $$ > {tmp_path}/pid\nwhile true; do sleep 0.05; done",
+    )
+    assert _signal_in_popen(tmp_path, "after", sig, fake) == 99  # mpiexec's exit status
+    assert (tmp_path / "got").read_text().strip() == sig.name.removeprefix("SIG")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=str)
+def test_a_signal_held_when_mpiexec_cannot_start_ends_the_process(tmp_path, sig) -> None:
+    """The signal arrives while Popen runs, and Popen fails: the process ends by that signal
+    (SIGINT: by Python's KeyboardInterrupt, which ends it by SIGINT too)."""
+    assert _signal_in_popen(tmp_path, "before", sig, tmp_path / "nosuch") == -sig
+
+
 @pytest.mark.parametrize("kind", ["missing", "not executable", "a directory", "blank"])
 def test_a_bad_mpiexec_is_named_without_a_traceback(tmp_path, kind: str) -> None:
     """SPARSECOLL_MPIEXEC naming no executable used to end in a FileNotFoundError or
