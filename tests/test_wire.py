@@ -29,6 +29,13 @@ SPECIAL = {
 UTYPES = {"float16": np.uint16, "float32": np.uint32, "float64": np.uint64}
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 255, 256, 257, 2**31, 2**31 + 1, 2**62 + 1])
+def test_position_bits(m: int) -> None:
+    """A pair's position takes the bits of m − 1 (at least one): the encoder and the
+    decoder both read them from _pbits."""
+    assert _format._pbits(m) == max(1, (m - 1).bit_length())
+
+
 def roundtrip(idx, vals, lo, hi):
     buf = encode_pairs(idx, vals, lo, hi)
     width = vals.shape[1] if vals.ndim == 2 else None

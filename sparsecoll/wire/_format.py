@@ -186,7 +186,7 @@ def encode_pairs(indices: Any, values: Any, lo: int, hi: int) -> np.ndarray:
     if m == 0:
         return np.zeros(2, np.uint8)  # (a tag byte, m = 0)
     lo, hi = int(lo), int(hi)
-    wbits, pbits = _width(hi - 1 - lo), _width(m - 1)
+    wbits, pbits = _width(hi - 1 - lo), int(_pbits(m))
     utype, ebits, mbits = _values.FLOATS[vals.dtype]
     u = vals.reshape(-1).view(utype)
     tmp = _scratch(max(m, u.shape[0]), idx)
