@@ -1231,8 +1231,9 @@ def test_float32_steps_conserve_exactly(comm, algorithm):
     ranks sent (grad + residual before, minus the residual after) sums to the update, entry
     for entry. The pass zeroed the candidates from its cut rounded up to float32, the
     fix-ups compared with it rounded to nearest: an entry between the two was sent and also
-    kept in the residual, to be sent again (7 of 200 steps at n = 100,000 on one rank)."""
-    n, steps = 100_000, 200
+    kept in the residual, to be sent again (7 of 200 steps at n = 100,000 on one rank).
+    Every P checks the same 400 selections (steps times ranks), in at least 50 steps."""
+    n, steps = 100_000, max(50, -(-400 // comm.size))
     red = GradientReducer(comm, n, algorithm, 0.01, average=False)
     residual = np.zeros(n, np.float32)
     problems = []
