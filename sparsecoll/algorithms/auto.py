@@ -428,7 +428,9 @@ class Auto(Algorithm):
             self._calibrate(seconds)
             tuner.record(seconds)
             host = isinstance(x.values, np.ndarray)
-            key = (x.n, x.values.shape[1:], x.indices.dtype, x.values.dtype, host)
+            # (dtypes by their codes: the key is in signature()'s repr, where a dtype's own
+            # repr costs microseconds a call)
+            key = (x.n, x.values.shape[1:], x.indices.dtype.str, x.values.dtype.str, host)
             # settled contenders stand without a prediction: the last one's stands too
             name = tuner.settled(key, total)
             if name is None or self.calibrate:
