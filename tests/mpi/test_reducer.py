@@ -1232,8 +1232,8 @@ def test_float32_steps_conserve_exactly(comm, algorithm):
     for entry. The pass zeroed the candidates from its cut rounded up to float32, the
     fix-ups compared with it rounded to nearest: an entry between the two was sent and also
     kept in the residual, to be sent again (7 of 200 steps at n = 100,000 on one rank).
-    Every P checks the same 400 selections (steps times ranks), in at least 50 steps."""
-    n, steps = 100_000, max(50, -(-400 // comm.size))
+    200 steps on one rank; on more, 400 selections (steps times ranks), in 50 steps or more."""
+    n, steps = 100_000, min(200, max(50, -(-400 // comm.size)))
     red = GradientReducer(comm, n, algorithm, 0.01, average=False)
     residual = np.zeros(n, np.float32)
     problems = []
