@@ -20,3 +20,19 @@ for dtype in (np.float32, np.float64, np.float16):
         red = GradientReducer(None, n=1 << 12, algorithm=algorithm, density=0.01)
         for g in grads:
             red.step(g)
+
+# the compact wire's kernels: both index dtypes, every value dtype, 1-D and rows, sparse and
+# dense messages, read from a copy and in place
+from sparsecoll.wire import decode_pairs, encode_pairs, padded  # noqa: E402
+
+n = 1 << 14
+for itype in (np.int32, np.int64):
+    for step in (7, 1):
+        idx = np.arange(0, n, step, dtype=itype)
+        for dtype in (np.float32, np.float64, np.float16):
+            for width in (None, 2):
+                shape = (idx.size,) if width is None else (idx.size, width)
+                vals = rng.standard_normal(shape).astype(dtype)
+                msg = encode_pairs(idx, vals, 0, n)
+                for buf in (msg, padded(msg)[: msg.size]):  # (a copy; in place)
+                    decode_pairs(buf, idx.dtype, vals.dtype, 0, n, width)
