@@ -346,8 +346,28 @@ class _Terminated(Exception):
     pass
 
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def _on_signal(signum: int, frame: object) -> None:
     raise _Terminated(signal.Signals(signum).name)
+
+
+def _start(cmd: list[str]) -> tuple[subprocess.Popen, str | None]:
+    """Start ``cmd`` in a session of its own, and name the signal that came meanwhile, if
+    one did: raised inside Popen, after the command had started, it would have left the
+    command running unknown to the caller. Raises it if the command could not start."""
+    held: list[int] = []
+    old = {sig: signal.signal(sig, lambda s, _: held.append(s)) for sig in SIGNALS}
+    proc = None
+    try:
+        proc = subprocess.Popen(cmd, start_new_session=True)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        if held and proc is None:
+            raise _Terminated(signal.Signals(held[0]).name)
+    return proc, signal.Signals(held[0]).name if held else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             p.error(f"{tool} not found: apt-get install -y iproute2")
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in SIGNALS:
         signal.signal(sig, _on_signal)
     log = lambda msg: print(f"[emulate] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     rc = 1
@@ -417,8 +437,10 @@ def main(argv: list[str] | None = None) -> int:
             log("running: " + shlex.join(full))
             before = cl.counters()
             t0 = time.monotonic()
-            proc = subprocess.Popen(full, start_new_session=True)
+            proc, held = _start(full)
             try:
+                if held:
+                    raise _Terminated(held)
                 rc = proc.wait()
             finally:  # never leave ranks running in namespaces that are about to go
                 _kill(proc)

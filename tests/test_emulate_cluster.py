@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -208,3 +209,52 @@ def test_other_launchers_are_refused_before_any_setup(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "is not MPICH's Hydra mpiexec" in proc.stderr
     assert "[emulate]" not in proc.stderr
+
+
+# _start in a process of its own, whose Popen signals that process before or after starting
+_SIGNAL_IN_START = """
+import importlib.util, os, signal, subprocess, sys
+
+spec = importlib.util.spec_from_file_location("emulate_cluster", sys.argv[1])
+emu = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(emu)
+when, sig, cmd = sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+for s in emu.SIGNALS:
+    signal.signal(s, emu._on_signal)
+
+class Popen(subprocess.Popen):
+    def __init__(self, cmd, **kwargs):
+        if when == "before":
+            os.kill(os.getpid(), sig)
+        super().__init__(cmd, **kwargs)
+        if when == "after":
+            os.kill(os.getpid(), sig)
+
+subprocess.Popen = Popen
+try:
+    proc, held = emu._start(cmd)
+except emu._Terminated as exc:
+    print("raised", exc)
+else:
+    print(held, proc.poll() is None)
+    proc.kill()
+print(all(signal.getsignal(s) is emu._on_signal for s in emu.SIGNALS))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize(
+    ("when", "cmd", "printed"),
+    [("after", ["sleep", "30"], "{sig} True"), ("before", ["/nonexistent/x"], "raised {sig}")],
+)
+def test_a_signal_while_mpiexec_starts_is_named_not_raised_inside_popen(sig, when, cmd, printed):
+    """A signal that came while Popen started mpiexec was raised inside Popen, after the
+    command had started: the command ran on, unknown to the script, which tore down the
+    namespaces under it. Now _start returns the command with the signal's name (the caller
+    stops it, then cleans up); when the command could not start, the signal is raised."""
+    args = [str(SCRIPT), when, str(int(getattr(signal, sig))), *cmd]
+    out = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_IN_START, *args],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    assert out.stdout.split("\n")[:2] == [printed.format(sig=sig), "True"], out.stderr
