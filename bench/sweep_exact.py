@@ -13,11 +13,16 @@ per rank per call (the most any rank sent; payload only, counts and other metada
 that figure relative to dense, the result's nnz, whether it matched dense, and auto's picks
 in the timed calls (``NAMExCOUNT`` each where they differ). Each algorithm is one instance,
 reused for the warm-up and the timed calls (auto first measures its contenders, in calls
-added to the warm-up, so that its pick then has ``-x`` untimed calls as any other). After
-each case a ``# case`` line names the fastest exact algorithm (by median; auto apart),
-auto's most frequent pick and auto's median over the fastest's; ``--summary`` writes those
-lines as CSV (appended to by each P of ``--np``), and the run ends with how many cases auto
-was within 10% of the fastest.
+added to the warm-up, so that its pick then has ``-x`` untimed calls as any other).
+``--rounds R`` (R > 1) builds and warms up every instance first, then times R rounds in
+which each algorithm, dense too, runs a block of ``-i`` calls, in an order rotated by one
+each round (a drift of the link over the run is then spread across all of them, and no
+algorithm always follows the same one); each row reports all its R × ``-i`` calls.
+
+After each case a ``# case`` line names the fastest exact algorithm (by median; auto
+apart), auto's most frequent pick and auto's median over the fastest's; ``--summary``
+writes those lines as CSV (appended to by each P of ``--np``), and the run ends with how
+many cases auto was within 10% of the fastest.
 """
 
 from __future__ import annotations
@@ -88,6 +93,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"))
     p.add_argument("-i", "--iterations", type=int_arg(1), default=5)
     p.add_argument("-x", "--warmup", type=int_arg(0), default=1)
+    p.add_argument(
+        "--rounds", type=int_arg(1), default=1, help="blocks of -i calls of each, in turn"
+    )
     p.add_argument("--format", choices=("table", "csv"), default="table")
     p.add_argument("--summary", type=out_arg(), default=None, help="per-case CSV (appended)")
     p.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
@@ -154,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# sparsecoll {__version__} exact sweep: {mpi_library_version()}", file=out)
         load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
         print(f"# P={P} on {os.cpu_count()} cores, load average {load} at start", file=out)
+        rounds = f"rounds={args.rounds} " if args.rounds > 1 else ""
         print(
-            f"# dtype={dtype} iterations={args.iterations} warmup={args.warmup} "
+            f"# dtype={dtype} iterations={args.iterations} warmup={args.warmup} {rounds}"
             f"latency = slowest rank per call; bytes = most any rank sent per call",
             file=out,
         )
@@ -183,10 +192,10 @@ def main(argv: list[str] | None = None) -> int:
                 reference = None
                 dense_bytes = None
                 medians, choice = {}, ""
-                for name in ["dense", *[a for a in names if a != "dense"]]:
-                    res, times, sent, picks = run_algorithm(
-                        comm, name, vals, idx, n, k, args.iterations, args.warmup
-                    )
+                run = ["dense", *[a for a in names if a != "dense"]]
+                for name, (res, times, sent, picks) in zip(
+                    run, measure(comm, run, vals, idx, n, k, args)
+                ):
                     sent = int(comm.allreduce_ints([sent], "max")[0])
                     if name == "dense":
                         reference, dense_bytes = res, sent
@@ -233,6 +242,34 @@ def main(argv: list[str] | None = None) -> int:
     if out and cases:
         report(cases, args, out)
     return 0 if ok_all else 1
+
+
+def measure(comm, names: list[str], vals, idx, n: int, k: int, args: argparse.Namespace):
+    """Each algorithm's (last result, times, bytes sent, picks) as ``run_algorithm`` gives
+    them, in the order of ``names``: one after another, or in ``--rounds`` (built and warmed
+    up first, then each round's blocks in an order rotated by one)."""
+    from sparsecoll.benchmarks.cli import build
+    from sparsecoll.benchmarks.main import run_algorithm, time_calls
+
+    if args.rounds == 1:  # (lazily: each row printed as soon as it is measured)
+        for name in names:
+            yield run_algorithm(comm, name, vals, idx, n, k, args.iterations, args.warmup)
+        return
+    algos = {name: build(name, n, k) for name in names}
+    for algo in algos.values():  # settle_calls and -x untimed calls, as run_algorithm's
+        calls = algo.settle_calls + args.warmup
+        if calls:
+            time_calls(comm, [algo] * calls, vals, idx, n, skip=calls)
+    last, times, picks = {}, {a: [] for a in names}, {a: [] for a in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            last[name] = None  # (its previous result freed before the barrier)
+            last[name] = time_calls(comm, [algos[name]] * args.iterations, vals, idx, n)
+            times[name] += last[name].times
+            picks[name] += last[name].picks
+    for name in names:
+        slowest = comm.allreduce_floats(times[name], "max").tolist()
+        yield last[name].result, slowest, last[name].stats.bytes_sent, picks[name]
 
 
 def describe_picks(picks: list[str]) -> str:

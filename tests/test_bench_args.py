@@ -3,6 +3,7 @@ error (exit 2, one line naming the option), not a traceback once the work is don
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import subprocess
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import pytest
 
 from .mpirun import ROOT, run_mpi
@@ -120,6 +122,7 @@ SHM = str(DATA / "shm_p2.csv")
         ("sweep_exact.py", ["--algorithms", ","], "expecting algorithm names or 'all', got --al"),
         ("sweep_exact.py", ["--overlap", "rand"], "argument --overlap: unknown overlap 'rand'"),
         ("sweep_exact.py", ["--np", "2.5"], "argument --np: expecting an integer >= 1, got '2.5'"),
+        ("sweep_exact.py", ["--rounds", "0"], "argument --rounds: expecting an integer >= 1, go"),
         ("gpu_step.py", ["--algorithms", "dense,nosuch"], "unknown algorithm 'nosuch'; known:"),
         ("gpu_step.py", ["--density", "0"], "argument --density: density must be in (0, 1]"),
         # unchecked: a traceback (int(), an empty median, Numba's thread count) or a wrong run
@@ -307,3 +310,54 @@ def test_sweep_exact_summarizes_each_case(tmp_path, capsys) -> None:
     assert (
         "auto within 10% of the fastest in 2 of 2 cases, picked the fastest in 1" in out.getvalue()
     )
+
+
+SMALL = ["-n", "4K", "--density", "0.01", "--overlap", "random", "-i", "2", "-x", "1"]
+
+
+def test_sweep_exact_rounds_time_every_algorithm_in_turn() -> None:
+    """--rounds 2 under mpiexec: a row per algorithm, each checked against dense, a case line
+    and the summary; the header names the rounds."""
+    script = str(ROOT / "bench" / "sweep_exact.py")
+    args = [script, *SMALL, "--algorithms", "allgather,dsa,auto", "--rounds", "2"]
+    proc = run_mpi(2, args, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "iterations=2 warmup=1 rounds=2 latency" in proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(" 2 ")]
+    assert [r[4] for r in rows] == ["allgather", "dsa", "auto"], proc.stdout
+    assert all(r[11] == "yes" for r in rows), proc.stdout
+    counts = [int(p.rpartition("x")[2]) for p in rows[2][12:] if "x" in p]  # NAMExCOUNT
+    assert sum(counts) in (0, 4) and len(rows[2]) > 12, proc.stdout  # one pick, or 4 counted
+    assert proc.stdout.count("# case P=2 n=4096") == 1
+    assert "# auto within 10% of the fastest in" in proc.stdout
+
+
+def test_sweep_exact_rounds_rotate_the_order() -> None:
+    """Every instance is warmed up first (settle_calls + -x calls), then each round times a
+    block of -i calls of each, the order rotated by one; each algorithm reports R x -i."""
+    from mpi4py import MPI
+
+    from sparsecoll import Communicator
+    from sparsecoll.benchmarks import main
+    from sparsecoll.benchmarks.problems import make_problem
+
+    measure = _main("sweep_exact.py").__globals__["measure"]
+    real, blocks = main.time_calls, []
+
+    def time_calls(comm, algos, vals, idx, n, skip=0):
+        blocks.append((algos[0], len(algos), skip))  # (instance, calls, untimed)
+        return real(comm, algos, vals, idx, n, skip)
+
+    comm = Communicator(MPI.COMM_SELF)
+    vals, idx = make_problem(4096, 0.01, 0, 1, "random", np.dtype("float32"))
+    names = ["dense", "allgather", "auto"]
+    args = argparse.Namespace(iterations=2, warmup=1, rounds=3)
+    with mock.patch.object(main, "time_calls", time_calls):
+        got = list(measure(comm, names, vals, idx, 4096, 41, args))
+    warm, timed = blocks[:3], blocks[3:]
+    assert all(calls == skip == a.settle_calls + 1 for a, calls, skip in warm)
+    order = [names[[id(w[0]) for w in warm].index(id(a))] for a, _, _ in timed]
+    assert order == [*names, *names[1:], names[0], names[2], *names[:2]]
+    assert all((calls, skip) == (2, 0) for _, calls, skip in timed)
+    assert [len(times) for _, times, _, _ in got] == [6, 6, 6]
+    assert len(got[2][3]) == 6 and all(r.nnz == 41 for r, *_ in got)  # auto's picks

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import socket
 import sys
 import zlib
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -50,6 +52,7 @@ __all__ = [
     "run",
     "run_algorithm",
     "time_algorithm",
+    "time_calls",
     "verify_all",
 ]
 
@@ -111,17 +114,27 @@ def time_algorithm(
     ``warmup`` calls, so that its pick has as many untimed calls of its own as any
     algorithm timed alone).
     """
-    from ..api import allreduce
-
     algo = build(name, n, k)
     if reuse:
         warmup += algo.settle_calls
+        algos: Iterable = itertools.repeat(algo, warmup + iters)
+    else:
+        algos = itertools.chain([algo], (build(name, n, k) for _ in range(warmup + iters - 1)))
+    return time_calls(comm, algos, vals, idx, n, warmup)
+
+
+def time_calls(
+    comm: Communicator, algos: Iterable, vals: Any, idx: Any, n: int, skip: int = 0
+) -> Timing:
+    """One call of ``sparsecoll.allreduce`` with each instance of ``algos`` in turn (one
+    instance may come again), each timed as :func:`time_algorithm` says; the first ``skip``
+    calls are left out of the times and picks (at least one call)."""
+    from ..api import allreduce
+
     times: list[float] = []
     picks: list[str] = []
     out = None
-    for it in range(warmup + iters):
-        if not reuse and it:
-            algo = build(name, n, k)
+    for it, algo in enumerate(algos):
         out = None  # (the last result freed before the clock starts, not in the call timed)
         comm.barrier()
         t0 = comm.wtime()
@@ -129,7 +142,7 @@ def time_algorithm(
         if is_device_array(out.values):
             cupy_or_none().cuda.get_current_stream().synchronize()
         dt = comm.wtime() - t0
-        if it >= warmup:
+        if it >= skip:
             times.append(dt)
             if "auto_choice" in out.info:
                 picks.append(out.info["auto_choice"])
