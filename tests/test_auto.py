@@ -11,7 +11,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import sparsecoll
-from sparsecoll.algorithms.auto import CANDIDATES, Auto, CostModel, choose, predict, union_size
+from sparsecoll.algorithms.auto import (
+    CANDIDATES,
+    Auto,
+    CostModel,
+    _tuner,
+    choose,
+    predict,
+    union_size,
+)
 
 I32, F32 = np.int32, np.float32
 
@@ -193,7 +201,7 @@ def test_tuner_measures_each_contender_in_a_run_then_keeps_the_fastest():
     assert Auto(tries=4).settle_calls == picks.index("c") + 2 == 9
     assert Auto().settle_calls == 11  # (tries=5)
     assert Auto(tries=1).settle_calls == 0 and Auto(tries=2).settle_calls == 5
-    assert tuner.kept() == {"a": [5.0], "e": [3.0], "b": [2.0, 2.0, 2.0], "c": [4.0]}
+    assert tuner.kept() == {"a": (5.0,), "e": (3.0,), "b": (2.0, 2.0, 2.0), "c": (4.0,)}
     # one try, or a spread of 1: the model's pick alone
     assert set(_run(Tuner(), cost, times, 6, tries=1)) == {"a"}
     assert set(_run(Tuner(), cost, times, 6, tries=0)) == {"a"}
@@ -225,7 +233,7 @@ def test_tuner_follows_a_slowing_pick_and_restarts_in_a_new_regime():
     cost = {"a": 1.0, "b": 1.5}
     tuner = Tuner()
     assert _run(tuner, cost, {"a": 1.0, "b": 2.0}, 7) == ["a", "a", "a", "b", "b", "a", "a"]
-    assert tuner.kept() == {"a": [1.0, 1.0], "b": [2.0]}
+    assert tuner.kept() == {"a": (1.0, 1.0), "b": (2.0,)}
     # a slows down: once the median of its kept samples passes b's, b runs
     picks = _run(tuner, cost, {"a": 3.0, "b": 2.0}, KEPT + 2)
     assert picks[0] == "a" and picks[-2:] == ["b", "b"], picks
@@ -289,6 +297,55 @@ def test_tuner_predicts_again_every_recheck_calls_once_settled():
     tuner.stand = RECHECK
     assert tuner.settled((7, *KEY[1:]), 1000) is None
     assert tuner.settled(KEY, 2001) is None and tuner.settled(KEY, 1000) == "c"
+
+
+def test_tuner_digest_is_integers_that_follow_its_state():
+    """The signature packs the tuner's digest as int64s: every field an integer, and each
+    change of the state it stands for changes it."""
+    from sparsecoll.algorithms._tune import Tuner
+
+    tuner = Tuner()
+    seen = [tuner.digest()]
+    tuner.pick({"a": 1.0, "b": 1.2}, ORDER, KEY, 1000, 4, 2.5)
+    seen.append(tuner.digest())
+    tuner.last = "a"
+    seen.append(tuner.digest())
+    tuner.record(1.0)
+    seen.append(tuner.digest())
+    tuner.pick({"a": 1.0, "b": 1.2}, ORDER, (7, *KEY[1:]), 1000, 4, 2.5)  # another n
+    seen.append(tuner.digest())
+    assert all(type(v) is int and -(2**63) <= v < 2**63 for d in seen for v in d)
+    assert len(set(seen)) == len(seen), seen
+    a, b = Auto(), Auto()
+    _tuner(a).last = "a"
+    assert a.signature() != b.signature()
+    _tuner(b).last = "a"
+    assert a.signature() == b.signature()
+    a.theta = 0.5
+    assert a.signature() != b.signature()
+
+
+@pytest.mark.parametrize("n", [1, 5, 1000, 2**24, 2**31 + 7])
+@pytest.mark.parametrize("vtype", ["<f2", "<f4", "<f8"])
+@pytest.mark.parametrize("row", [(), (3,)])
+def test_preflight_agreement_starts_at_recursive_doublings_switch_point(n, vtype, row):
+    """auto agrees on its pick's preflight from the global nnz where it may allocate:
+    recursive_doubling's switch point (sparse_is_cheaper's first False), any N for dense,
+    none for allgather."""
+    from sparsecoll._array import index_dtype
+    from sparsecoll.algorithms.auto import _allocating_from
+    from sparsecoll.algorithms.base import sparse_is_cheaper
+
+    key = (n, row, index_dtype(n).str, vtype, True)
+    for name in ("recursive_doubling", "recursive_doubling:compact"):
+        start = _allocating_from(name, key)
+        assert start == int(start) and 0 < start <= n + 1
+        width = row[0] if row else None
+        for N in {int(start) - 1, int(start), int(start) + 1}:
+            cheaper = sparse_is_cheaper(N, n, index_dtype(n), np.dtype(vtype), width)
+            assert cheaper == (start > N), (name, N, start)
+    assert _allocating_from("dense", key) == 0.0
+    assert _allocating_from("allgather", key) == math.inf
 
 
 # -- the loads of the P ranges (skew) ----------------------------------------------------------

@@ -32,6 +32,9 @@ restored instance measures again.
 
 from __future__ import annotations
 
+import functools
+import zlib
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["KEPT", "RECHECK", "SAMPLES", "SWITCH", "Tuner", "low_median"]
@@ -46,14 +49,15 @@ class Tuner:
     """The samples of one auto instance's regime and the picks whose times come next."""
 
     __slots__ = (
-        "anchor", "before", "contenders", "elapsed", "fixed", "key", "last", "medians", "memo",
-        "samples", "stand", "streak", "taken",
+        "anchor", "before", "contenders", "elapsed", "fixed", "key", "key_code", "last",
+        "medians", "memo", "samples", "stand", "streak", "taken",
     )  # fmt: skip
 
     def __init__(self) -> None:
         self.key: Any = None  # (n, width, dtypes, device) of the samples
+        self.key_code = 0  # a CRC of its repr (the same on every rank)
         self.anchor = 0  # the global nnz when they began
-        self.samples: dict[str, list[float]] = {}
+        self.samples: dict[str, tuple[float, ...]] = {}
         self.medians: dict[str, float] = {}  # each candidate's low_median
         self.last: str | None = None  # the pick whose time the next call brings
         self.before: str | None = None  # the pick of the call before that one
@@ -70,9 +74,7 @@ class Tuner:
         it ran the same candidate."""
         self.streak = self.streak + 1 if self.last is not None and self.last == self.before else 1
         if self.last is not None and self.streak >= (2 if self.taken else 3) and seconds > 0:
-            kept = self.samples.setdefault(self.last, [])
-            kept.append(seconds)
-            del kept[:-KEPT]
+            kept = self.samples[self.last] = (*self.samples.get(self.last, ()), seconds)[-KEPT:]
             self.medians[self.last] = low_median(kept)
             self.taken += 1
         self.before, self.last = self.last, None
@@ -91,6 +93,7 @@ class Tuner:
         contenders' order: ``order``'s)."""
         if key != self.key or not (self.anchor / 2 <= nnz <= self.anchor * 2):
             self.key, self.anchor, self.samples, self.medians = key, nnz, {}, {}
+            self.key_code = zlib.crc32(repr(key).encode())
         ranked = sorted((c for c in order if c in cost), key=lambda c: cost[c])
         close = [c for c in ranked if cost[c] <= spread * cost[ranked[0]]]
         families = [_family(c) for c in close]
@@ -115,22 +118,29 @@ class Tuner:
             return run
         return best
 
-    def kept(self) -> dict[str, list[float]]:
+    def kept(self) -> dict[str, tuple[float, ...]]:
         """Each sampled candidate's kept samples (seconds, oldest first)."""
-        return {c: list(s) for c, s in self.samples.items()}
+        return dict(self.samples)
 
-    def digest(self) -> tuple:
-        """What must be equal on every rank (the samples come from agreed values, so their
-        count and the regime stand for them)."""
+    def digest(self) -> tuple[int, ...]:
+        """What must be equal on every rank, as integers (the samples come from agreed
+        values, so their count and the regime stand for them)."""
         return (
-            self.key, self.anchor, self.taken, self.last, self.before, self.streak, self.stand
+            self.key_code, self.anchor, self.taken, name_code(self.last),
+            name_code(self.before), self.streak, self.stand,
         )  # fmt: skip
 
 
-def low_median(samples: list[float]) -> float:
+def low_median(samples: Sequence[float]) -> float:
     """The lower median: of 4 samples the second smallest, so that two slow outliers
     (a link's hiccup, a rank descheduled) move it no further than the next sample."""
     return sorted(samples)[(len(samples) - 1) // 2]
+
+
+@functools.cache
+def name_code(name: str | None) -> int:
+    """A candidate's name as an integer, the same on every rank (0 for None)."""
+    return 0 if name is None else zlib.crc32(name.encode())
 
 
 def _family(name: str) -> str:

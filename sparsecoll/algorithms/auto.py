@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import struct
 import time
 import weakref
 import zlib
@@ -101,10 +102,14 @@ def range_loads(x: SparseVector, P: int) -> list[int]:
     """Return this rank's nonzeros in each of the P ranges of ``range_bounds(n, P)``."""
     if P <= 1:
         return [x.nnz]
-    inner = _inner_bounds(x.n, P, x.indices.dtype.str)  # (indices sorted, in [0, n))
-    xp = x.xp
-    found = xp.searchsorted(x.indices, inner if xp is np else xp.asarray(inner))
-    cuts = [0, *to_host(found).tolist(), x.nnz]
+    idx = x.indices  # (sorted, in [0, n))
+    inner = _inner_bounds(x.n, P, idx.dtype.str)
+    if isinstance(idx, np.ndarray):
+        found = idx.searchsorted(inner).tolist()
+    else:
+        xp = x.xp
+        found = to_host(xp.searchsorted(idx, xp.asarray(inner))).tolist()
+    cuts = [0, *found, len(idx)]
     return [b - a for a, b in itertools.pairwise(cuts)]
 
 
@@ -294,6 +299,10 @@ def cheapest(cost: dict[str, float]) -> str:
     return min((c for c in CANDIDATES if c in cost), key=lambda c: cost[c])
 
 
+# what signature() digests: the learned numbers (-1 for None: they are never negative), the
+# constants' CRC and the tuner's digest
+_STATE = struct.Struct("<4d8q")
+
 # each instance's tuner (its seconds in its last pick's reduce on this rank, its measured
 # contenders' samples, every rank's means): kept apart from its attributes, since a
 # checkpoint holds those and a measured time differs from run to run
@@ -412,8 +421,12 @@ class Auto(Algorithm):
                 self.spread,
             )  # fmt: skip
             tuner.fixed = zlib.crc32(repr(fixed).encode())
-        state = (tuner.fixed, self.theta, self.beta_fit, self.fit_bytes, tuner.digest())
-        return [zlib.crc32(repr(state).encode())]
+        learned = (
+            -1.0 if self.theta is None else self.theta,
+            -1.0 if self.beta_fit is None else self.beta_fit,
+            self.fit_bytes, self.fit_rest,
+        )  # fmt: skip
+        return [zlib.crc32(_STATE.pack(*learned, tuner.fixed, *tuner.digest()))]
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
         P = comm.size
@@ -444,7 +457,7 @@ class Auto(Algorithm):
             total, loads, name, cost, model = x.nnz, [x.nnz], "allgather", {}, self.cost_model
         inner = _instance(name)
         start = time.perf_counter()
-        if P > 1 and _preflight_may_allocate(inner, x, total):
+        if P > 1 and total >= _allocating_from(name, key):
             _preflight_agreed(comm, inner, x)
         out = inner.reduce(comm, x)
         tuner.elapsed = time.perf_counter() - start
@@ -470,7 +483,7 @@ class Auto(Algorithm):
             "measured": tuner.kept(),
         }
         if P > 1 and total > 0 and out.nnz > 0:
-            theta = min(1.0, max(0.0, math.log(out.nnz / (total / P)) / math.log(P)))
+            theta = _overlap(out.nnz, total, P)
             if theta != self.theta:  # (an attribute set costs a check of the fixed ones)
                 self.theta = theta
         return out
@@ -538,16 +551,33 @@ def _predicted(tuner: Tuner, args: tuple, host: bool) -> dict[str, float]:
     return tuner.memo[1]
 
 
-def _preflight_may_allocate(algo: Algorithm, x: SparseVector, total: int) -> bool:
-    """Whether the pick's preflight may allocate on some rank (decided alike on every rank).
+@functools.lru_cache(maxsize=256)
+def _allocating_from(name: str, key: tuple) -> float:
+    """The global nnz from which the pick ``name``'s preflight may allocate on some rank, for
+    inputs of ``key`` (n, row shape, index and value dtype codes, host): inf for none, 0 for
+    any. recursive_doubling's allocates only past its switch point, which no input passes if
+    N doesn't."""
+    if type(_instance(name)).preflight is Algorithm.preflight:
+        return math.inf
+    if name.partition(":")[0] != "recursive_doubling":
+        return 0.0
+    n, row, _, vtype, _ = key
+    width = row[0] if row else None
+    # the least N that sparse_is_cheaper(N, n, …) refuses
+    low, high = 0, n + 1
+    while low < high:
+        mid = (low + high) // 2
+        if sparse_is_cheaper(mid, n, index_dtype(n), np.dtype(vtype), width):
+            low = mid + 1
+        else:
+            high = mid
+    return float(low)
 
-    recursive_doubling's allocates only past its switch point, which no input passes if N doesn't.
-    """
-    if type(algo).preflight is Algorithm.preflight:
-        return False
-    if algo.name == "recursive_doubling":
-        return not sparse_is_cheaper(total, x.n, index_dtype(x.n), x.dtype, x.width)
-    return True
+
+@functools.lru_cache(maxsize=256)
+def _overlap(nnz: int, total: int, P: int) -> float:
+    """θ of a result of ``nnz`` from ``total`` nonzeros over P ranks: nnz = (total/P)·P^θ."""
+    return min(1.0, max(0.0, math.log(nnz / (total / P)) / math.log(P)))
 
 
 def _preflight_agreed(comm: Communicator, algo: Algorithm, x: SparseVector) -> None:
