@@ -469,3 +469,35 @@ def test_choice_with_loads_is_the_cheapest_candidate(P, log_n, density, share):
     cost = predict(P, n, N, itype, F32, None, None, loads)
     assert all(math.isfinite(v) and v >= 0 for v in cost.values())
     assert cost[choose(P, n, N, itype, F32, None, None, loads)] == min(cost.values())
+
+
+def test_why_is_a_read_only_mapping_of_the_call_made_when_read():
+    """info["auto"]: the documented keys, equal to the dict they name, its samples as they
+    were at the call (the tuner's later samples leave it), and nothing to write to."""
+    import pickle
+
+    from sparsecoll.algorithms._tune import Tuner
+    from sparsecoll.algorithms.auto import Why
+
+    tuner = Tuner()
+    tuner.pick({"a": 1.0, "b": 1.2}, ORDER, KEY, 1000, 4, 2.5)
+    tuner.samples = {"a": (2.0,)}
+    cost = {"a": 1.0, "b": 1.2}
+    model = CostModel(alpha=1e-6, beta=2e-9)
+    why = Why("a", cost, 1000, [700, 300], 0.25, model, tuner)
+    tuner.samples["a"] = (2.0, 3.0)  # (after the call)
+    want = {
+        "choice": "a", "predicted": cost, "nnz": 1000, "loads": [700, 300], "imbalance": 1.4,
+        "theta": 0.25, "alpha": 1e-6, "beta": 2e-9, "contenders": ["a", "b"],
+        "measured": {"a": (2.0,)},
+    }  # fmt: skip
+    assert list(why) == list(want) and len(why) == len(want)
+    assert why == want and dict(why) == want and why["measured"] == {"a": (2.0,)}
+    assert why.get("theta") == 0.25 and "loads" in why and "other" not in why
+    assert why["predicted"] is not cost  # (a copy: the tuner's predictions stay its own)
+    assert repr(why) == repr(want)
+    assert pickle.loads(pickle.dumps(why)) == want
+    with pytest.raises(TypeError):
+        why["choice"] = "b"  # type: ignore[index]
+    with pytest.raises(KeyError):
+        why["other"]

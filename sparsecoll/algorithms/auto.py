@@ -41,6 +41,7 @@ import struct
 import time
 import weakref
 import zlib
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -58,7 +59,9 @@ from ._tune import SAMPLES, Tuner
 from .base import Algorithm, range_bounds, sparse_is_cheaper
 from .dsa import bruck_counts
 
-__all__ = ["CANDIDATES", "Auto", "CostModel", "choose", "predict", "range_loads", "union_size"]
+__all__ = [
+    "CANDIDATES", "Auto", "CostModel", "Why", "choose", "predict", "range_loads", "union_size",
+]  # fmt: skip
 
 CANDIDATES = (
     "allgather", "dsa", "recursive_doubling", "dense", "hashed", "ring",
@@ -299,20 +302,75 @@ def cheapest(cost: dict[str, float]) -> str:
     return min((c for c in CANDIDATES if c in cost), key=lambda c: cost[c])
 
 
+class Why(Mapping):
+    """``result.info["auto"]``: a call's choice and what it came from, read-only.
+
+    Keys: "choice", "predicted" ({candidate: seconds}, the latest prediction), "nnz" (N),
+    "loads", "imbalance" (H/k̄), "theta", "alpha", "beta" (as used for the call),
+    "contenders" and "measured" ({candidate: (seconds, …)}, the samples taken before it).
+    Its values are made when first read, so a call that nobody asks pays for none of them.
+    """
+
+    __slots__ = ("_made", "_parts")
+    KEYS = (
+        "choice", "predicted", "nnz", "loads", "imbalance", "theta", "alpha", "beta",
+        "contenders", "measured",
+    )  # fmt: skip
+
+    def __init__(self, choice: str, cost: dict, nnz: int, loads: list, theta: Any,
+                 model: CostModel, tuner: Tuner) -> None:  # fmt: skip
+        # (the tuner's contenders and predictions are replaced, never changed in place; its
+        # samples are, so they are copied)
+        parts = (choice, cost, nnz, loads, theta, model, tuner.contenders, tuner.kept())
+        self._parts: tuple | None = parts
+        self._made: dict[str, Any] | None = None
+
+    def _values(self) -> dict[str, Any]:
+        if self._made is None:
+            choice, cost, nnz, loads, theta, model, contenders, samples = self._parts
+            self._made = {
+                "choice": choice,
+                "predicted": dict(cost),
+                "nnz": nnz,
+                "loads": loads,
+                "imbalance": imbalance(loads, nnz),
+                "theta": theta,
+                "alpha": model.alpha,
+                "beta": model.beta,
+                "contenders": list(contenders),
+                "measured": samples,
+            }
+            self._parts = None
+        return self._made
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.KEYS)
+
+    def __len__(self) -> int:
+        return len(self.KEYS)
+
+    def __repr__(self) -> str:
+        return repr(self._values())
+
+
 # what signature() digests: the learned numbers (-1 for None: they are never negative), the
 # constants' CRC and the tuner's digest
 _STATE = struct.Struct("<4d8q")
 
-# each instance's tuner (its seconds in its last pick's reduce on this rank, its measured
-# contenders' samples, every rank's means): kept apart from its attributes, since a
-# checkpoint holds those and a measured time differs from run to run
-_TUNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# each live instance's tuner by its id (its seconds in its last pick's reduce on this rank,
+# its measured contenders' samples, every rank's means): kept apart from its attributes,
+# since a checkpoint holds those and a measured time differs from run to run
+_TUNERS: dict[int, Tuner] = {}
 
 
 def _tuner(auto: Auto) -> Tuner:
-    tuner = _TUNERS.get(auto)
+    tuner = _TUNERS.get(id(auto))
     if tuner is None:
-        tuner = _TUNERS[auto] = Tuner()
+        tuner = _TUNERS[id(auto)] = Tuner()
+        weakref.finalize(auto, _TUNERS.pop, id(auto), None)  # (gone with the instance)
     return tuner
 
 
@@ -404,7 +462,7 @@ class Auto(Algorithm):
         self.beta_fit: float | None = None  # learned seconds per byte, None: the model's beta
         self.fit_bytes = 0.0  # calibrating: the last pick's predicted bytes term (s per beta)
         self.fit_rest = 0.0  # and the rest of its prediction (latency and compute)
-        _TUNERS.pop(self, None)
+        _TUNERS.pop(id(self), None)
 
     def call_stats(self, x: SparseVector, P: int) -> list[int]:
         """This rank's statistics, summed by the call's agreement where it carries them
@@ -438,12 +496,12 @@ class Auto(Algorithm):
                 totals = comm.allreduce_ints(self.call_stats(x, P)).tolist()
             loads = totals[1:]
             total, seconds = sum(loads), totals[0] / P / 1e9
-            self._calibrate(seconds)
+            if self.calibrate:
+                self._calibrate(seconds)
             tuner.record(seconds)
-            host = isinstance(x.values, np.ndarray)
-            # (dtypes by their codes: the key is in signature()'s repr, where a dtype's own
-            # repr costs microseconds a call)
-            key = (x.n, x.values.shape[1:], x.indices.dtype.str, x.values.dtype.str, host)
+            vals = x.values
+            host = isinstance(vals, np.ndarray)
+            key = (x.n, vals.shape[1:], x.indices.dtype, vals.dtype, host)
             # settled contenders stand without a prediction: the last one's stands too
             name = tuner.settled(key, total)
             if name is None or self.calibrate:
@@ -470,18 +528,7 @@ class Auto(Algorithm):
             self.fit_bytes, self.fit_rest = unit - rest, rest
         out.info["auto_choice"] = name
         out.info["auto_nnz_total"] = total
-        out.info["auto"] = {
-            "choice": name,
-            "predicted": dict(cost),
-            "nnz": total,
-            "loads": loads,
-            "imbalance": imbalance(loads, total),
-            "theta": self.theta,
-            "alpha": model.alpha,
-            "beta": model.beta,
-            "contenders": list(tuner.contenders),
-            "measured": tuner.kept(),
-        }
+        out.info["auto"] = Why(name, cost, total, loads, self.theta, model, tuner)
         if P > 1 and total > 0 and out.nnz > 0:
             theta = _overlap(out.nnz, total, P)
             if theta != self.theta:  # (an attribute set costs a check of the fixed ones)
@@ -554,7 +601,7 @@ def _predicted(tuner: Tuner, args: tuple, host: bool) -> dict[str, float]:
 @functools.lru_cache(maxsize=256)
 def _allocating_from(name: str, key: tuple) -> float:
     """The global nnz from which the pick ``name``'s preflight may allocate on some rank, for
-    inputs of ``key`` (n, row shape, index and value dtype codes, host): inf for none, 0 for
+    inputs of ``key`` (n, row shape, index and value dtypes, host): inf for none, 0 for
     any. recursive_doubling's allocates only past its switch point, which no input passes if
     N doesn't."""
     if type(_instance(name)).preflight is Algorithm.preflight:
