@@ -299,6 +299,42 @@ def test_tuner_predicts_again_every_recheck_calls_once_settled():
     assert tuner.settled(KEY, 2001) is None and tuner.settled(KEY, 1000) == "c"
 
 
+def _run_timed(tuner, cost, seconds, calls, tries=4):
+    """The picks of ``calls`` calls, the i-th call of a pick taking ``seconds(pick, i)``."""
+    picks = []
+    for _ in range(calls):
+        pick = tuner.settled(KEY, 1000) or tuner.pick(cost, ORDER, KEY, 1000, tries, 2.5)
+        picks.append(pick)
+        tuner.last = pick
+        tuner.record(seconds(pick, picks.count(pick)))
+    return picks
+
+
+@pytest.mark.parametrize("first", [1.2, 1.3])
+def test_a_close_contender_runs_again_when_the_contenders_stand_down(first):
+    """A contender whose one sample came out slow, within CLOSE of the fastest, runs again
+    at the next prediction (once its run brings a sample) and takes over if faster; one
+    past CLOSE does not."""
+    from sparsecoll.algorithms._tune import CLOSE, KEPT, RECHECK, Tuner
+
+    assert 1.2 <= CLOSE < 1.3
+    tuner = Tuner()
+    # b's first run (its 2nd call the sample) slow, every later call of it fast
+    picks = _run_timed(tuner, {"a": 1.0, "b": 1.1}, lambda c, i: first if (c, i) == ("b", 2) else
+                       (0.8 if c == "b" else 1.0), 5 + RECHECK + 5)  # fmt: skip
+    settled = ["a", "a", "a", "b", "b"] + ["a"] * RECHECK
+    if first > CLOSE:
+        assert picks == settled + ["a"] * 5, picks
+        return
+    assert picks == settled + ["b"] * 5, picks
+    assert tuner.kept()["b"][-3:] == (0.8, 0.8, 0.8) and tuner.medians["b"] == 0.8
+    # sampled KEPT times at most: a close contender with its samples is not run again
+    tuner.samples["a"] = (1.0,) * KEPT
+    tuner.medians["a"] = 1.0
+    tuner.stand = 0
+    assert tuner.pick({"a": 1.0, "b": 1.1}, ORDER, KEY, 1000, 4, 2.5) == "b"
+
+
 def test_tuner_digest_is_integers_that_follow_its_state():
     """The signature packs the tuner's digest as int64s: every field an integer, and each
     change of the state it stands for changes it."""

@@ -24,7 +24,10 @@ A new regime (another n, width, dtype or device, or the global nnz moving past h
 twice where it was when the samples began) starts over. Once every contender has its
 samples, the contenders stand for :data:`RECHECK` calls of the regime
 (:meth:`Tuner.settled`): those calls run the fastest measured without predicting, and the
-next call predicts again and may bring a new contender. The times are every rank's mean,
+next call predicts again and may bring a new contender. A contender within :data:`CLOSE`
+of the fastest with fewer than :data:`KEPT` samples runs again then, for one more sample
+(one such run each time the contenders stand down), so that one early sample that came out
+slow does not rule it out for good. The times are every rank's mean,
 shared by the next call's agreement, so every rank keeps the same samples and makes the
 same choice. Nothing here is saved in a checkpoint: times differ from run to run, and a
 restored instance measures again.
@@ -37,20 +40,21 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["KEPT", "RECHECK", "SAMPLES", "SWITCH", "Tuner", "low_median"]
+__all__ = ["CLOSE", "KEPT", "RECHECK", "SAMPLES", "SWITCH", "Tuner", "low_median"]
 
 SAMPLES = 1  # samples of each contender before the choice
 KEPT = 4  # samples kept per candidate
 RECHECK = 16  # calls a settled regime's contenders stand before the next prediction
 SWITCH = 1.05  # the pick gives way to a contender whose time is below its own by this
+CLOSE = 1.25  # contenders within this of the fastest's time are sampled up to KEPT times
 
 
 class Tuner:
     """The samples of one auto instance's regime and the picks whose times come next."""
 
     __slots__ = (
-        "anchor", "before", "contenders", "elapsed", "fixed", "key", "key_code", "last",
-        "medians", "memo", "samples", "stand", "streak", "taken",
+        "again", "anchor", "before", "contenders", "elapsed", "fixed", "key", "key_code",
+        "last", "medians", "memo", "samples", "stand", "stood", "streak", "taken",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -68,6 +72,8 @@ class Tuner:
         self.stand = 0  # calls the settled contenders still stand without a prediction
         self.elapsed = 0.0  # seconds of the last pick's reduce on this rank
         self.fixed: int | None = None  # its instance's constants' CRC, once computed
+        self.again: tuple[str, int] | None = None  # a close contender run again, its goal
+        self.stood = False  # whether the regime's contenders stood (measured, settled) yet
 
     def record(self, seconds: float) -> None:
         """Add the last pick's measured time (every rank's mean): a sample if the call before
@@ -94,6 +100,7 @@ class Tuner:
         if key != self.key or not (self.anchor / 2 <= nnz <= self.anchor * 2):
             self.key, self.anchor, self.samples, self.medians = key, nnz, {}, {}
             self.key_code = zlib.crc32(repr(key).encode())
+            self.again, self.stood = None, False
         ranked = sorted((c for c in order if c in cost), key=lambda c: cost[c])
         close = [c for c in ranked if cost[c] <= spread * cost[ranked[0]]]
         families = [_family(c) for c in close]
@@ -106,8 +113,32 @@ class Tuner:
         pending = [c for c in contenders if len(self.samples.get(c, ())) < SAMPLES]
         if pending:  # (the run under way first)
             return self.before if self.before in pending else pending[0]
-        self.stand = RECHECK - 1
+        again = self._again() if self.stood else None
+        if again is not None:
+            return again
+        self.stand, self.stood = RECHECK - 1, True
         return self._fastest()
+
+    def _again(self) -> str | None:
+        """The close contender to run again (:data:`CLOSE`), until its run brings one more
+        sample; None when there is none, or its run just ended."""
+        if self.again is not None:
+            name, goal = self.again
+            if name in self.contenders and len(self.samples[name]) < goal:
+                return name
+            self.again = None
+            return None
+        best = min(self.contenders, key=self.medians.__getitem__)
+        limit = CLOSE * self.medians[best]
+        close = [
+            c for c in self.contenders
+            if c != best and len(self.samples[c]) < KEPT and self.medians[c] <= limit
+        ]  # fmt: skip
+        if not close:
+            return None
+        name = min(close, key=self.medians.__getitem__)
+        self.again = (name, len(self.samples[name]) + 1)
+        return name
 
     def _fastest(self) -> str:
         """The contender with the smallest time; the one that ran last while no other's is
@@ -125,9 +156,11 @@ class Tuner:
     def digest(self) -> tuple[int, ...]:
         """What must be equal on every rank, as integers (the samples come from agreed
         values, so their count and the regime stand for them)."""
+        name, goal = self.again or (None, 0)
         return (
             self.key_code, self.anchor, self.taken, name_code(self.last),
-            name_code(self.before), self.streak, self.stand,
+            name_code(self.before), self.streak, self.stand, int(self.stood), name_code(name),
+            goal,
         )  # fmt: skip
 
 

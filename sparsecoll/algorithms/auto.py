@@ -358,7 +358,7 @@ class Why(Mapping):
 
 # what signature() digests: the learned numbers (-1 for None: they are never negative), the
 # constants' CRC and the tuner's digest
-_STATE = struct.Struct("<4d8q")
+_STATE = struct.Struct("<4d11q")
 
 # each live instance's tuner by its id (its seconds in its last pick's reduce on this rank,
 # its measured contenders' samples, every rank's means): kept apart from its attributes,
