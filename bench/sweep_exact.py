@@ -2,7 +2,7 @@
 
 Grid: P × n × density × overlap pattern (``sparsecoll.benchmarks.problems``), every
 exact algorithm in the registry (and auto) on the same inputs, each result checked against
-``dense``.
+``dense`` (timed only when ``--algorithms`` names it; else one untimed call).
 
     python bench/sweep_exact.py --np 2,4,8            # relaunches itself per P
     mpiexec -n 4 python bench/sweep_exact.py          # one P
@@ -15,7 +15,7 @@ in the timed calls (``NAMExCOUNT`` each where they differ). Each algorithm is on
 reused for the warm-up and the timed calls (auto first measures its contenders, in calls
 added to the warm-up, so that its pick then has ``-x`` untimed calls as any other).
 ``--rounds R`` (R > 1) builds and warms up every instance first, then times R rounds in
-which each algorithm, dense too, runs a block of ``-i`` calls, in an order rotated by one
+which each algorithm runs a block of ``-i`` calls, in an order rotated by one
 each round (a drift of the link over the run is then spread across all of them, and no
 algorithm always follows the same one); each row reports all its R × ``-i`` calls.
 
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.np:
         return launch(args, argv)
-    from sparsecoll import __version__
+    from sparsecoll import __version__, allreduce
     from sparsecoll.benchmarks.main import run_algorithm
     from sparsecoll.benchmarks.problems import make_problem
     from sparsecoll.comm import Communicator, mpi_library_version
@@ -193,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
                 dense_bytes = None
                 medians, choice = {}, ""
                 run = ["dense", *[a for a in names if a != "dense"]]
+                if "dense" not in names:  # (the reference alone: one call, not timed)
+                    reference = allreduce(comm, vals, idx, n=n, algorithm="dense")
+                    dense_bytes = int(
+                        comm.allreduce_ints([reference.info["stats"].bytes_sent], "max")[0]
+                    )
+                    run = run[1:]
                 for name, (res, times, sent, picks) in zip(
                     run, measure(comm, run, vals, idx, n, k, args)
                 ):
