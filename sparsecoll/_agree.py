@@ -51,10 +51,10 @@ __all__ = [
     "watch",
 ]
 
-# up to this many ranks, every vote carries each rank's call statistics (its nnz and its
-# nonzeros in each of the P equal ranges of [0, n): P + 1 ints) in a slot of its own, so that
-# a MAX gives every rank all of them: auto's statistics without a round of their own; P(P+1)
-# ints, at most 72
+# up to this many ranks, every vote carries each rank's call statistics (auto's: its last
+# call's time and its nonzeros in each of the P equal ranges of [0, n), P + 1 ints) in a slot
+# of its own, so that a MAX gives every rank all of them without a round of their own;
+# P(P+1) ints, at most 72
 STATS_MAX_P = 8
 # named values behind a signature's values: ((their positions in it, {name: value}), ...)
 Detail = tuple[tuple[tuple[int, ...], dict[str, Any]], ...] | None
@@ -163,7 +163,7 @@ class Vote:
     wait long for late ranks); None: as ``comm`` completes its calls.
     """
 
-    __slots__ = ("_agreed", "_req", "call", "comm", "detail", "error", "names", "sig", "totals")
+    __slots__ = ("_agreed", "_req", "call", "comm", "detail", "error", "names", "rows", "sig")
 
     def __init__(
         self,
@@ -190,7 +190,7 @@ class Vote:
             if stats is not None and error is None:
                 slots[comm.rank * (P + 1) : (comm.rank + 1) * (P + 1)] = stats
             vec += slots
-        self.totals: list[int] | None = None
+        self.rows: list[list[int]] | None = None
         self.comm, self.error, self.sig, self.names = comm, error, sig, names
         self.detail, self.call = detail, call
         self._req, self._agreed = comm.iallreduce_ints(vec, "max", poll=poll)
@@ -208,7 +208,7 @@ class Vote:
         end = 2 + 2 * SIGNATURE_LEN
         if len(agreed) > end:
             P = comm.size
-            self.totals = [sum(agreed[end + j :: P + 1]) for j in range(P + 1)]
+            self.rows = [agreed[end + r * (P + 1) : end + (r + 1) * (P + 1)] for r in range(P)]
             agreed = agreed[:end]
         if -agreed[3] == ENGINE_START:  # some rank starts an engine: every rank duplicated
             mine = error is None and sig[0] == ENGINE_START  # (this rank's own start)
@@ -236,13 +236,14 @@ def collective_check(
     *,
     call: str | None = None,
     stats: Sequence[int] | None = None,
-) -> list[int] | None:
+) -> list[list[int]] | None:
     """Agree on input errors across ranks; raise the same error on every rank (see
     :class:`Vote`). One small allreduce when all is well; on failure the offending rank's
-    message is shared. Returns the vote's ``totals`` of ``stats``."""
+    message is shared. Returns every rank's ``stats`` as the vote carried them (a row a
+    rank; None where it carries none)."""
     vote = Vote(comm, error, signature, names, detail, call, stats=stats)
     vote.settle()
-    return vote.totals
+    return vote.rows
 
 
 class agreement:
@@ -250,14 +251,14 @@ class agreement:
     agreed on leaving (:func:`collective_check`) with ``signature`` (set inside; ignored
     after an error) and ``detail``: every rank then raises the same error, or none does.
     With ``check=False`` nothing is agreed (the caller agreed already): errors propagate.
-    ``stats`` (set inside) ride on the vote; their ``totals`` are set on leaving.
+    ``stats`` (set inside) ride on the vote; every rank's (``rows``) are set on leaving.
 
         with agreement(comm, ("n", "values dtype"), call=label) as agree:
             ...local checks...
             agree.signature = [n, dtype_code]
     """
 
-    __slots__ = ("call", "check", "comm", "detail", "names", "signature", "stats", "totals")
+    __slots__ = ("call", "check", "comm", "detail", "names", "rows", "signature", "stats")
 
     def __init__(
         self,
@@ -272,7 +273,7 @@ class agreement:
         self.check = check
         self.signature: Sequence[Any] | None = None
         self.stats: Sequence[int] | None = None
-        self.totals: list[int] | None = None
+        self.rows: list[list[int]] | None = None
 
     def __enter__(self) -> agreement:
         return self
@@ -281,7 +282,7 @@ class agreement:
         if not self.check or (error is not None and not isinstance(error, Exception)):
             return False
         sig = None if error is not None else self.signature
-        self.totals = collective_check(
+        self.rows = collective_check(
             self.comm, error, sig, self.names, self.detail, call=self.call, stats=self.stats
         )
         return True  # (reached without an error only: an agreed error raises above)

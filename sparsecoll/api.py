@@ -175,8 +175,8 @@ def _allreduce(
             if stats is not None:
                 agree.stats = stats(x, c.size)
         agree.signature = sig
-    if agree.totals is not None and agree.stats is not None:
-        x.info["vote_totals"] = agree.totals
+    if agree.rows is not None and agree.stats is not None:
+        x.info["vote_stats"] = agree.rows
     # IEEE sums, as MPI_SUM's: inf + (-inf) is NaN and an overflow inf, without a warning
     # (device inputs: work and return on their own GPU)
     # (apart: the algorithm's messages on a duplicate of the communicator, where the

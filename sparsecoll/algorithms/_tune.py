@@ -27,7 +27,7 @@ samples, the contenders stand for :data:`RECHECK` calls of the regime
 next call predicts again and may bring a new contender. A contender within :data:`CLOSE`
 of the fastest with fewer than :data:`KEPT` samples runs again then, for one more sample
 (one such run each time the contenders stand down), so that one early sample that came out
-slow does not rule it out for good. The times are every rank's mean,
+slow does not rule it out for good. The times are the slowest rank's,
 shared by the next call's agreement, so every rank keeps the same samples and makes the
 same choice. Nothing here is saved in a checkpoint: times differ from run to run, and a
 restored instance measures again.
@@ -76,7 +76,7 @@ class Tuner:
         self.stood = False  # whether the regime's contenders stood (measured, settled) yet
 
     def record(self, seconds: float) -> None:
-        """Add the last pick's measured time (every rank's mean): a sample if the call before
+        """Add the last pick's measured time (the slowest rank's): a sample if the call before
         it ran the same candidate."""
         self.streak = self.streak + 1 if self.last is not None and self.last == self.before else 1
         if self.last is not None and self.streak >= (2 if self.taken else 3) and seconds > 0:

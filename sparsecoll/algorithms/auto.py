@@ -1,9 +1,9 @@
 """auto: pick the exact algorithm (allgather, dsa, recursive_doubling, dense, …) per call.
 
 The loads (the nonzeros of all ranks in each of the P equal ranges of [0, n) that dsa and
-ring split by; their sum is the global nnz N) and the last call's time ride on the call's
-input agreement up to P = 8 (:data:`sparsecoll._agree.STATS_MAX_P`); otherwise, or outside
-:func:`sparsecoll.allreduce`, they take one small allreduce of P + 1 ints. With P, n and
+ring split by; their sum is the global nnz N) and the last call's time (its slowest rank's)
+ride on the call's input agreement up to P = 8 (:data:`sparsecoll._agree.STATS_MAX_P`);
+otherwise, or outside :func:`sparsecoll.allreduce`, they take two small allreduces. With P, n and
 the index/value sizes they feed a latency–bandwidth–compute model (:func:`predict`,
 formulas in docs/guide/algorithms.md; a range split is charged its busiest range) that
 ranks the candidates (:func:`choose`: the cheapest; ties go to the earlier of
@@ -17,8 +17,8 @@ tensor on every rank.
 The model only ranks: the first calls measure its closest contenders (``tries``, ``spread``;
 :mod:`._tune`) and later ones run the fastest measured, predicting again only every
 :data:`~._tune.RECHECK` calls once the contenders are measured (``info["auto"]["predicted"]``
-is then the last prediction). The times ride on the next call's statistics, so every rank
-has the same.
+is then the last prediction). A call's time is its slowest rank's seconds in the pick, as
+a benchmark's; it rides on the next call's statistics, so every rank has the same.
 
 When the pick may allocate O(n) (dense; recursive_doubling past its switch point), its
 preflight runs and the ranks agree on it first: memory running out on one rank is a
@@ -361,7 +361,7 @@ class Why(Mapping):
 _STATE = struct.Struct("<4d11q")
 
 # each live instance's tuner by its id (its seconds in its last pick's reduce on this rank,
-# its measured contenders' samples, every rank's means): kept apart from its attributes,
+# its measured contenders' samples, the slowest rank's): kept apart from its attributes,
 # since a checkpoint holds those and a measured time differs from run to run
 _TUNERS: dict[int, Tuner] = {}
 
@@ -465,9 +465,10 @@ class Auto(Algorithm):
         _TUNERS.pop(id(self), None)
 
     def call_stats(self, x: SparseVector, P: int) -> list[int]:
-        """This rank's statistics, summed by the call's agreement where it carries them
-        (:data:`sparsecoll._agree.STATS_MAX_P`): its last call's nanoseconds and its loads of
-        the P ranges (their sum is its nnz)."""
+        """This rank's statistics, which the call's agreement carries where it can
+        (:data:`sparsecoll._agree.STATS_MAX_P`): its last call's nanoseconds in the pick
+        (the slowest rank's is taken) and its loads of the P ranges (summed: their sum is
+        the global nnz)."""
         return [round(_tuner(self).elapsed * 1e9), *range_loads(x, P)]
 
     def signature(self) -> list[int]:
@@ -488,14 +489,16 @@ class Auto(Algorithm):
 
     def reduce(self, comm: Communicator, x: SparseVector) -> SparseVector:
         P = comm.size
-        totals = x.info.pop("vote_totals", None)  # (summed by the call's agreement)
+        rows = x.info.pop("vote_stats", None)  # (every rank's, by the call's agreement)
         tuner = _tuner(self)
         args: tuple | None = None
         if P > 1:
-            if totals is None:  # one collective: the last call's time, the P ranges' loads
-                totals = comm.allreduce_ints(self.call_stats(x, P)).tolist()
-            loads = totals[1:]
-            total, seconds = sum(loads), totals[0] / P / 1e9
+            if rows is None:
+                nanos, loads = _gather_stats(comm, self.call_stats(x, P))
+            else:
+                nanos = max(row[0] for row in rows)
+                loads = [sum(column) for column in zip(*rows)][1:]
+            total, seconds = sum(loads), nanos / 1e9
             if self.calibrate:
                 self._calibrate(seconds)
             tuner.record(seconds)
@@ -561,7 +564,7 @@ class Auto(Algorithm):
         return dataclasses.replace(self.model, beta=self.beta_fit)
 
     def _calibrate(self, seconds: float) -> None:
-        """Fold the last call's measured time (mean over ranks) into the learned beta.
+        """Fold the last call's measured time (the slowest rank's) into the learned beta.
 
         Only a call whose bytes term is large enough to measure (100 kB) counts; the
         estimate is the geometric mean of the old one and the new, clipped to [1e-12, 1e-5].
@@ -625,6 +628,16 @@ def _allocating_from(name: str, key: tuple) -> float:
 def _overlap(nnz: int, total: int, P: int) -> float:
     """θ of a result of ``nnz`` from ``total`` nonzeros over P ranks: nnz = (total/P)·P^θ."""
     return min(1.0, max(0.0, math.log(nnz / (total / P)) / math.log(P)))
+
+
+def _gather_stats(comm: Communicator, stats: list[int]) -> tuple[int, list[int]]:
+    """Every rank's :meth:`Auto.call_stats` combined where the agreement carried none: the
+    slowest rank's nanoseconds and the loads' sums (two small allreduces, started together)."""
+    slowest, first = comm.iallreduce_ints(stats[:1], "max")
+    summed, rest = comm.iallreduce_ints(stats[1:], "sum")
+    slowest.wait()
+    summed.wait()
+    return int(first[0]), rest.tolist()
 
 
 def _preflight_agreed(comm: Communicator, algo: Algorithm, x: SparseVector) -> None:

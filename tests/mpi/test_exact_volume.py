@@ -448,6 +448,29 @@ def test_auto_statistics_ride_on_the_agreement(comm):
         assert_all(comm, out.info["auto"]["nnz"] == comm.allreduce_ints([idx.size])[0])
 
 
+@pytest.mark.parametrize("through", ["allreduce", "reduce"])
+def test_auto_takes_the_slowest_ranks_time(comm, through):
+    """A sample is the slowest rank's seconds in the pick, by the call's agreement or (a
+    reduce called directly) the two allreduces of its own: each rank's time set to
+    (rank + 1) ms, the samples are P ms."""
+    from sparsecoll.algorithms.auto import _tuner
+    from sparsecoll.sparse import coalesce
+
+    P, n = comm.size, 100_003
+    if P == 1:
+        return
+    idx, vals = problem("random", comm.rank, P, n, np.float32)
+    auto = Auto(beta=1e-9, tries=1)  # (the model's pick: from the second call on, one)
+    for _ in range(8):
+        if through == "allreduce":
+            out = sparsecoll.allreduce(comm, vals, idx, n=n, algorithm=auto)
+        else:
+            out = auto.reduce(comm, coalesce(idx, vals, n))
+        _tuner(auto).elapsed = (comm.rank + 1) * 1e-3
+    kept = out.info["auto"]["measured"][out.info["auto_choice"]]
+    assert_all(comm, len(kept) >= 1 and kept[-1] == P * 1e-3, f"{kept}")
+
+
 def test_auto_state_mismatch_raises_everywhere(comm):
     """Ranks whose auto instances learned different overlaps fail together, before any
     payload, saying to call reset() on every rank; after it the call goes on (auto had no
