@@ -256,7 +256,6 @@ def test_tuner_keeps_its_pick_until_another_is_faster_by_the_switch_margin():
     cost = {"a": 1.0, "b": 1.5}
     tuner = Tuner()
     assert _run(tuner, cost, {"a": 1.0, "b": 1.2}, 6) == ["a", "a", "a", "b", "b", "a"]
-    tuner.stand = 10**6  # (no recheck, whose runner-up runs again: the margin alone)
     # a slows to within the margin of b: it stays
     assert set(_run(tuner, cost, {"a": 1.2 * SWITCH * 0.999, "b": 1.2}, 2 * KEPT)) == {"a"}
     # past it: b runs, and stays while a's samples are within the margin of b's
@@ -313,10 +312,10 @@ def _run_timed(tuner, cost, seconds, calls, tries=4):
 
 @pytest.mark.parametrize("first", [1.2, 1.3])
 def test_a_close_contender_runs_again_when_the_contenders_stand_down(first):
-    """The runner-up, its one sample slow but within CLOSE of the fastest, runs again at the
-    next prediction (until its run brings a sample) and takes over if faster; one past
-    CLOSE does not."""
-    from sparsecoll.algorithms._tune import CLOSE, RECHECK, Tuner
+    """A contender whose one sample came out slow, within CLOSE of the fastest, runs again
+    at the next prediction (once its run brings a sample) and takes over if faster; one
+    past CLOSE does not."""
+    from sparsecoll.algorithms._tune import CLOSE, KEPT, RECHECK, Tuner
 
     assert 1.2 <= CLOSE < 1.3
     tuner = Tuner()
@@ -329,10 +328,11 @@ def test_a_close_contender_runs_again_when_the_contenders_stand_down(first):
         return
     assert picks == settled + ["b"] * 5, picks
     assert tuner.kept()["b"][-3:] == (0.8, 0.8, 0.8) and tuner.medians["b"] == 0.8
-    # at each recheck the runner-up within CLOSE (a: 1.0 against 0.8) runs again, for one
-    # sample, and the fastest goes on
-    more = _run_timed(tuner, {"a": 1.0, "b": 1.1}, lambda c, i: 0.8 if c == "b" else 1.0, 16)
-    assert more == ["b"] * 13 + ["a", "a", "b"], more
+    # sampled KEPT times at most: a close contender with its samples is not run again
+    tuner.samples["a"] = (1.0,) * KEPT
+    tuner.medians["a"] = 1.0
+    tuner.stand = 0
+    assert tuner.pick({"a": 1.0, "b": 1.1}, ORDER, KEY, 1000, 4, 2.5) == "b"
 
 
 def test_tuner_digest_is_integers_that_follow_its_state():

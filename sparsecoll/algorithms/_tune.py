@@ -24,13 +24,13 @@ A new regime (another n, width, dtype or device, or the global nnz moving past h
 twice where it was when the samples began) starts over. Once every contender has its
 samples, the contenders stand for :data:`RECHECK` calls of the regime
 (:meth:`Tuner.settled`): those calls run the fastest measured without predicting, and the
-next call predicts again and may bring a new contender. The runner-up runs again then,
-for one more sample, while its time is within :data:`CLOSE` of the fastest's: its samples
-stay current, so samples that came out slow (an early call, a spell when the whole machine
-was slow, which only the contender running then paid for) do not rule it out for good.
-The times are the slowest rank's, shared by the next call's agreement, so every rank keeps
-the same samples and makes the same choice. Nothing here is saved in a checkpoint: times
-differ from run to run, and a restored instance measures again.
+next call predicts again and may bring a new contender. A contender within :data:`CLOSE`
+of the fastest with fewer than :data:`KEPT` samples runs again then, for one more sample
+(one such run each time the contenders stand down), so that one early sample that came out
+slow does not rule it out for good. The times are the slowest rank's,
+shared by the next call's agreement, so every rank keeps the same samples and makes the
+same choice. Nothing here is saved in a checkpoint: times differ from run to run, and a
+restored instance measures again.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ SAMPLES = 1  # samples of each contender before the choice
 KEPT = 4  # samples kept per candidate
 RECHECK = 16  # calls a settled regime's contenders stand before the next prediction
 SWITCH = 1.05  # the pick gives way to a contender whose time is below its own by this
-CLOSE = 1.25  # a runner-up within this of the fastest's time is sampled again at each recheck
+CLOSE = 1.25  # contenders within this of the fastest's time are sampled up to KEPT times
 
 
 class Tuner:
@@ -120,21 +120,24 @@ class Tuner:
         return self._fastest()
 
     def _again(self) -> str | None:
-        """The runner-up to run again while its time is within :data:`CLOSE` of the
-        fastest's, until its run brings one more sample; None when there is none, or its
-        run just ended."""
+        """The close contender to run again (:data:`CLOSE`), until its run brings one more
+        sample; None when there is none, or its run just ended."""
         if self.again is not None:
             name, goal = self.again
-            if name in self.contenders and self.taken < goal:
+            if name in self.contenders and len(self.samples[name]) < goal:
                 return name
             self.again = None
             return None
         best = min(self.contenders, key=self.medians.__getitem__)
-        others = [c for c in self.contenders if c != best]
-        name = min(others, key=self.medians.__getitem__)  # (the runner-up)
-        if self.medians[name] > CLOSE * self.medians[best]:
+        limit = CLOSE * self.medians[best]
+        close = [
+            c for c in self.contenders
+            if c != best and len(self.samples[c]) < KEPT and self.medians[c] <= limit
+        ]  # fmt: skip
+        if not close:
             return None
-        self.again = (name, self.taken + 1)  # (one more sample, counted on the instance)
+        name = min(close, key=self.medians.__getitem__)
+        self.again = (name, len(self.samples[name]) + 1)
         return name
 
     def _fastest(self) -> str:
